@@ -1,0 +1,1 @@
+"""The built-in engine: paged KV cache, prefix caching, continuous batching, sampling."""

@@ -1,0 +1,216 @@
+"""Runs a Hugging Face causal LM over the paged KV cache.
+
+The model's own modules (embeddings, projections, norms, MLPs, rotary embedding) are used as loaded by
+transformers; only attention is ours, so it reads and writes the paged cache:
+- the KV cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`;
+- every new token's K/V is written to its slot (`block_id * block_size + offset`);
+- prefill attends per sequence over its gathered context (cached prefix + new tokens, causal);
+- decode attends for the whole batch at once over gathered, padded contexts with a mask.
+Llama, Mistral, Qwen2 and Qwen3-style decoders are supported.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def pick_device(pref: str) -> torch.device:
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(pref: str, device: torch.device) -> torch.dtype:
+    if pref == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[pref]
+
+
+@dataclass
+class KVLayout:
+    """Shape of the cache, carried in KV handles so a receiver can check it matches its own."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens [start, end) of one sequence, with the block table covering positions < end."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, block_size: int, kv_cache_bytes: int, device: str = "auto",
+                 dtype: str = "auto", max_num_blocks: int | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        config = AutoConfig.from_pretrained(model_dir)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {config.model_type!r} is not supported by the built-in engine "
+                f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        self.config = config
+        inner = self.model.model
+        self.layers = list(inner.layers)
+        attn0 = self.layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(attn0, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = getattr(attn0, "scaling", self.head_dim ** -0.5)
+        self.block_size = block_size
+        self.layout = KVLayout(len(self.layers), self.num_kv_heads, self.head_dim, block_size,
+                               str(self.dtype).removeprefix("torch."))
+        num_blocks = max(1, kv_cache_bytes // self.layout.block_bytes())
+        if max_num_blocks:
+            num_blocks = min(num_blocks, max_num_blocks)
+        self.num_blocks = int(num_blocks)
+        self.kv = torch.zeros(len(self.layers), 2, self.num_blocks, block_size, self.num_kv_heads,
+                              self.head_dim, dtype=self.dtype, device=self.device)
+        log.info("model %s on %s/%s: %d layers, KV cache %d blocks x %d tokens", model_dir,
+                 self.device, self.dtype, len(self.layers), self.num_blocks, block_size)
+
+    # -- KV cache access (used by transfer) ---------------------------------------------------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of the given blocks: [layers, 2, n, block_size, kv_heads, head_dim]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv.index_select(2, idx).contiguous()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv.index_copy_(2, idx, data.to(device=self.device, dtype=self.dtype))
+
+    # -- forward ------------------------------------------------------------------------------------
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Compute chunks (one per sequence); returns logits of each chunk's last token [n, vocab]."""
+        ids, pos, slots, spans = [], [], [], []
+        for c in chunks:
+            n = len(c.token_ids)
+            ids.extend(c.token_ids)
+            pos.extend(range(c.start, c.start + n))
+            slots.extend(self._slots(c.block_table, c.start, c.start + n))
+            spans.append((len(ids) - n, n, c))
+
+        def attend(li: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for off, n, c in spans:
+                qs = q[off:off + n].transpose(0, 1)  # [heads, n, d]
+                ctx = c.start + n
+                if c.start == 0:
+                    ks = k_new[off:off + n].transpose(0, 1)
+                    vs = v_new[off:off + n].transpose(0, 1)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scaling,
+                                                       enable_gqa=True)
+                else:
+                    cslots = torch.tensor(self._slots(c.block_table, 0, ctx), device=self.device)
+                    ks = k_cache[cslots].transpose(0, 1)
+                    vs = v_cache[cslots].transpose(0, 1)
+                    mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(ctx - n)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling,
+                                                       enable_gqa=True)
+                outs.append(o.transpose(0, 1).reshape(n, -1))
+            return torch.cat(outs, 0)
+
+        k_new = v_new = None
+
+        def capture(k: torch.Tensor, v: torch.Tensor) -> None:
+            nonlocal k_new, v_new
+            k_new, v_new = k, v
+
+        last = torch.tensor([off + n - 1 for off, n, _ in spans], device=self.device)
+        return self._forward(ids, pos, slots, attend, capture, last)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """One token for each sequence at `positions`; returns logits [batch, vocab]."""
+        b = len(token_ids)
+        ctx_lens = [p + 1 for p in positions]
+        max_ctx = max(ctx_lens)
+        slot_rows = []
+        for bt, n in zip(block_tables, ctx_lens, strict=True):
+            row = self._slots(bt, 0, n)
+            slot_rows.append(row + [0] * (max_ctx - n))
+        slot_idx = torch.tensor(slot_rows, device=self.device)  # [b, max_ctx]
+        lens = torch.tensor(ctx_lens, device=self.device)
+        mask = (torch.arange(max_ctx, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        slots = [row[n - 1] for row, n in zip(slot_rows, ctx_lens, strict=True)]
+
+        def attend(li: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            qs = q.view(b, 1, self.num_heads, self.head_dim).transpose(1, 2)  # [b, h, 1, d]
+            ks = k_cache[slot_idx].transpose(1, 2)  # [b, kvh, ctx, d]
+            vs = v_cache[slot_idx].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            return o.transpose(1, 2).reshape(b, -1)
+
+        last = torch.arange(b, device=self.device)
+        return self._forward(token_ids, positions, slots, attend, None, last)
+
+    def _forward(self, ids, pos, slots, attend, capture, last_idx) -> torch.Tensor:
+        inner = self.model.model
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        h = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(h[None], positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, d]
+        t = len(ids)
+        nbs = self.num_blocks * self.block_size
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            residual = h
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache = self.kv[li, 0].view(nbs, self.num_kv_heads, self.head_dim)
+            v_cache = self.kv[li, 1].view(nbs, self.num_kv_heads, self.head_dim)
+            k_cache.index_copy_(0, slot_t, k.to(self.dtype))
+            v_cache.index_copy_(0, slot_t, v.to(self.dtype))
+            if capture is not None:
+                capture(k, v)
+            o = attend(li, q, k_cache, v_cache)
+            h = residual + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = inner.norm(h.index_select(0, last_idx))
+        return self.model.lm_head(h).float()

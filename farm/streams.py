@@ -1,0 +1,106 @@
+"""Token streams from workers to the API over Redis Streams, batched.
+
+Workers call `emit(request_id, event)` from any thread; a pump thread flushes every `flush_ms` with one
+pipeline for all requests (XADD + EXPIRE), merging consecutive text deltas of a request. Redis Streams
+keep order and never drop entries, and the API reads them with XREAD from its last seen id, so tokens
+are neither lost nor reordered, and Redis round trips do not scale with tokens. The same thread polls
+the cancel keys of the worker's active requests and aborts those whose client went away.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from farm.protocol import EVENT_FIELD, STREAM_TTL_S, cancel_key, stream_key
+
+log = logging.getLogger(__name__)
+
+
+class StreamWriter:
+    def __init__(self, r: redis.Redis, flush_ms: float = 20.0,
+                 active_ids: Callable[[], list[str]] | None = None,
+                 on_cancel: Callable[[str], None] | None = None, cancel_poll_s: float = 0.2):
+        self.r = r
+        self.flush_s = max(flush_ms, 1.0) / 1000.0
+        self.active_ids = active_ids
+        self.on_cancel = on_cancel
+        self.cancel_poll_s = cancel_poll_s
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
+        self._last_cancel_poll = 0.0
+
+    def start(self) -> StreamWriter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def emit(self, request_id: str, event: dict[str, Any], urgent: bool = False) -> None:
+        with self._lock:
+            q = self._pending.setdefault(request_id, [])
+            if event.get("type") == "delta" and q and q[-1].get("type") == "delta":
+                q[-1]["text"] += event["text"]
+                q[-1]["n"] += event["n"]
+            else:
+                q.append(event)
+        if urgent or event.get("type") != "delta":
+            self._wake.set()
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for rid, events in pending.items():
+            key = stream_key(rid)
+            for ev in events:
+                pipe.xadd(key, {EVENT_FIELD: json.dumps(ev)})
+            pipe.expire(key, STREAM_TTL_S)
+        for attempt in range(30):
+            try:
+                pipe.execute()
+                return
+            except redis.ConnectionError:
+                time.sleep(min(0.1 * (attempt + 1), 1.0))  # Redis restarting: keep the tokens
+        log.error("dropping stream events for %d requests: Redis unreachable", len(pending))
+
+    def _poll_cancels(self) -> None:
+        if not (self.active_ids and self.on_cancel):
+            return
+        now = time.monotonic()
+        if now - self._last_cancel_poll < self.cancel_poll_s:
+            return
+        self._last_cancel_poll = now
+        ids = self.active_ids()
+        if not ids:
+            return
+        flags = self.r.mget([cancel_key(i) for i in ids])
+        for rid, flag in zip(ids, flags, strict=True):
+            if flag is not None:
+                self.on_cancel(rid)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            try:
+                self.flush()
+                self._poll_cancels()
+            except redis.RedisError:
+                log.warning("stream writer: Redis error", exc_info=True)
+                time.sleep(0.5)

@@ -1,0 +1,74 @@
+"""Tokenizers and chat templates, loaded once per process from the model's own directory."""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from farm.config import FarmConfig
+from farm.models import require_model_dir
+
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=16)
+def _load(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def get_tokenizer(cfg: FarmConfig, model_name: str):
+    """The model's tokenizer (fast, with its chat template); raises ModelNotFoundError if absent."""
+    d: Path = require_model_dir(cfg, cfg.model(model_name))
+    with _lock:
+        return _load(str(d))
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """Apply the model's chat template (with the generation prompt) and return token ids."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def text_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
+    """End-of-sequence ids: the tokenizer's plus the generation config's (which may be a list)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_dir is not None:
+        try:
+            from transformers import GenerationConfig
+
+            gc = GenerationConfig.from_pretrained(model_dir)
+            e = gc.eos_token_id
+            ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if x is not None)
+        except (OSError, ValueError):
+            pass
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 pieces."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta

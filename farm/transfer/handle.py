@@ -1,0 +1,48 @@
+"""KV handles: small signed JSON naming KV blocks held by a prefill worker.
+
+A handle travels through the broker; the tensors it names never do. It is signed with HMAC-SHA256 under
+the farm secret, so a forged or altered handle (another endpoint, other blocks, a later expiry) is refused
+before any connection is made or any memory is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from typing import Any
+
+SIGNED_FIELDS = (
+    "request_id", "worker_id", "endpoint", "transport", "block_ids", "block_hashes", "num_tokens",
+    "first_token", "cached_tokens", "layout", "checksum", "expires_at",
+)
+
+
+class HandleError(ValueError):
+    """A handle that must not be used: bad signature, expired, malformed."""
+
+
+def _canonical(h: dict[str, Any]) -> bytes:
+    return json.dumps({k: h.get(k) for k in SIGNED_FIELDS}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_handle(h: dict[str, Any], secret: bytes) -> dict[str, Any]:
+    out = {k: h.get(k) for k in SIGNED_FIELDS}
+    out["sig"] = hmac.new(secret, _canonical(out), hashlib.sha256).hexdigest()
+    return out
+
+
+def verify_handle(h: Any, secret: bytes, now: float | None = None) -> dict[str, Any]:
+    """Return the handle if its signature is valid and it has not expired; raise HandleError otherwise."""
+    if not isinstance(h, dict) or not isinstance(h.get("sig"), str):
+        raise HandleError("malformed KV handle")
+    missing = [k for k in SIGNED_FIELDS if k not in h]
+    if missing:
+        raise HandleError(f"KV handle lacks {missing}")
+    expected = hmac.new(secret, _canonical(h), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, h["sig"]):
+        raise HandleError("KV handle signature is invalid")
+    if float(h["expires_at"]) <= (now if now is not None else time.time()):
+        raise HandleError("KV handle has expired")
+    return h

@@ -1,0 +1,198 @@
+"""A worker process's runtime: one engine, its transfer server, stream writer and registry heartbeat.
+
+Celery task threads call `prefill`, `decode` and `generate`; each submits to the shared engine (so all
+requests of the process share one continuous batch) and blocks until its request is finished, which is
+when Celery acknowledges the message (acks_late).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import redis
+
+from farm import registry
+from farm.config import FarmConfig, farm_secret
+from farm.engine.engine import Engine, RequestOutput
+from farm.engine.scheduler import KVImport
+from farm.models import require_model_dir
+from farm.protocol import TASK_DECODE, GenerationRequest, Role, queues_for_role
+from farm.streams import StreamWriter
+from farm.transfer.handle import sign_handle
+from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: FarmConfig, role: Role, model: str, worker_id: str, celery_app=None):
+        self.cfg = cfg
+        self.role = role
+        self.model = model
+        self.worker_id = worker_id
+        self.celery = celery_app
+        self.secret = farm_secret(cfg)
+        mcfg = cfg.model(model)
+        mdir = require_model_dir(cfg, mcfg)
+        self.r = redis.Redis.from_url(cfg.redis.url, health_check_interval=10)
+        self.engine = Engine(mdir, cfg.engine, mcfg.max_model_len, handle_ttl_s=cfg.transfer.handle_ttl_s)
+        self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
+                                    self.engine.abort)
+        self.transfer = TransferServer(worker_id, self.secret, self._export, self.engine.release_held,
+                                       cfg.transfer.bind_host)
+        self.info = registry.WorkerInfo(
+            worker_id=worker_id, role=role, model=model, hostname=socket.gethostname(), pid=os.getpid(),
+            block_size=cfg.engine.block_size,
+            transfer_endpoint=f"{cfg.transfer.advertise_host}:{self.transfer.port}",
+            queues=queues_for_role(model, role), device=str(self.engine.runner.device),
+            num_blocks=self.engine.pool.num_blocks,
+        )
+        self.heartbeat = registry.Heartbeat(self.r, self.info, self.engine.stats)
+
+    def start(self) -> WorkerRuntime:
+        self.engine.start()
+        self.streams.start()
+        self.transfer.start()
+        registry.register(self.r, self.info)
+        self.heartbeat.start()
+        log.info("worker %s (%s, %s) ready; KV transfer on %s", self.worker_id, self.role, self.model,
+                 self.info.transfer_endpoint)
+        return self
+
+    def stop(self) -> None:
+        self.heartbeat.stop()
+        try:
+            registry.deregister(self.r, self.worker_id)
+        except redis.RedisError:
+            pass
+        self.transfer.stop()
+        self.engine.stop()
+        self.streams.stop()
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _export(self, handle: dict[str, Any]):
+        rid = handle["request_id"]
+        held = self.engine.held.get(rid)
+        if held is None or held.seq.block_table != handle["block_ids"]:
+            raise TransferError(f"no blocks held for request {rid} (expired or already pulled)")
+        return self.engine.runner.read_blocks(handle["block_ids"])
+
+    def _run(self, req: GenerationRequest, on_done, **submit_kw) -> RequestOutput:
+        """Submit to the engine, stream deltas, and block until the request finishes."""
+        done = threading.Event()
+        result: dict[str, RequestOutput] = {}
+
+        def on_output(out: RequestOutput) -> None:
+            if out.text or (out.token_ids and not out.finished):
+                self.streams.emit(req.request_id, {"type": "delta", "text": out.text, "n": len(out.token_ids)})
+            if out.finished:
+                result["out"] = out
+                on_done(out)
+                done.set()
+
+        self.engine.submit(req.request_id, req.prompt_token_ids, req.sampling, on_output,
+                           max_request_s=self.cfg.celery.max_request_s, **submit_kw)
+        if not done.wait(self.cfg.celery.max_request_s + 30):
+            self.engine.abort(req.request_id)
+            done.wait(10)
+        return result.get("out") or RequestOutput(req.request_id, finished=True, finish_reason="error:timeout")
+
+    def _finish_event(self, req: GenerationRequest, out: RequestOutput, prefill_worker: str, mode: str,
+                      cached_tokens: int | None = None) -> None:
+        reason = out.finish_reason or "stop"
+        if reason.startswith("error:"):
+            self.streams.emit(req.request_id, {"type": "error", "message": reason[6:], "code": "engine_error"})
+            return
+        self.streams.emit(req.request_id, {
+            "type": "done", "finish_reason": reason,
+            "usage": {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                      "cached_tokens": out.cached_tokens if cached_tokens is None else cached_tokens},
+            "prefill_worker": prefill_worker, "decode_worker": self.worker_id, "prefill": mode,
+        })
+
+    def _cancelled(self, request_id: str) -> bool:
+        from farm.protocol import cancel_key
+
+        try:
+            return bool(self.r.exists(cancel_key(request_id)))
+        except redis.RedisError:
+            return False
+
+    # -- tasks --------------------------------------------------------------------------------------
+    def generate(self, req: GenerationRequest) -> dict[str, Any]:
+        """Aggregated: prefill and decode here."""
+        if self._cancelled(req.request_id):
+            return {"finish_reason": "abort"}
+        self.streams.emit(req.request_id, {"type": "start", "role": self.role, "worker": self.worker_id,
+                                           "prefill_worker": self.worker_id, "prefill": "local"})
+        out = self._run(req, lambda o: self._finish_event(req, o, self.worker_id, "local"))
+        return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}
+
+    def prefill(self, req: GenerationRequest) -> dict[str, Any] | None:
+        """Compute the prompt's KV, hold it, and pass a signed handle on to the decode queue."""
+        if self._cancelled(req.request_id):
+            return None
+        self.streams.emit(req.request_id, {"type": "start", "role": "prefill", "worker": self.worker_id})
+        t0 = time.monotonic()
+        out = self._run(req, lambda o: None, prefill_only=True)
+        handle = None
+        if out.finish_reason == "prefilled" and out.held_blocks is not None:
+            data = self.engine.runner.read_blocks(out.held_blocks)
+            handle = sign_handle({
+                "request_id": req.request_id, "worker_id": self.worker_id,
+                "endpoint": self.info.transfer_endpoint, "transport": "tcp",
+                "block_ids": out.held_blocks, "block_hashes": [str(h) for h in (out.block_hashes or [])],
+                "num_tokens": len(req.prompt_token_ids), "first_token": out.first_token,
+                "cached_tokens": out.cached_tokens, "layout": self.engine.runner.layout.to_dict(),
+                "checksum": checksum(data), "expires_at": time.time() + self.cfg.transfer.handle_ttl_s,
+            }, self.secret)
+            log.debug("prefill %s: %d tokens in %.3fs", req.request_id, len(req.prompt_token_ids),
+                      time.monotonic() - t0)
+        elif out.finish_reason == "abort":
+            return None
+        # Hand over to decode; with no handle (prefill failed) the decode worker prefills locally.
+        queue = req.decode_queue
+        if self.celery is not None and queue:
+            self.celery.send_task(TASK_DECODE, args=[req.to_dict(), handle], queue=queue)
+        return handle
+
+    def decode(self, req: GenerationRequest, handle: dict[str, Any] | None) -> dict[str, Any]:
+        """Pull the handle's blocks (or prefill locally if that fails) and decode in the batch."""
+        if self._cancelled(req.request_id):
+            return {"finish_reason": "abort"}
+        kv_import = None
+        prefill_worker, mode, cached = self.worker_id, "local", None
+        if handle:
+            try:
+                data = fetch_blocks(handle, self.secret)
+                if data.shape[3] != self.cfg.engine.block_size:
+                    raise TransferError("block size mismatch between prefill and decode workers")
+                kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]))
+                prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
+            except TransferError as e:
+                log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)
+        self.streams.emit(req.request_id, {"type": "start", "role": "decode", "worker": self.worker_id,
+                                           "prefill_worker": prefill_worker, "prefill": mode})
+        out = self._run(req, lambda o: self._finish_event(req, o, prefill_worker, mode, cached),
+                        kv_import=kv_import)
+        return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}
+
+
+_runtime: WorkerRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def set_runtime(rt: WorkerRuntime | None) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def get_runtime() -> WorkerRuntime:
+    if _runtime is None:
+        raise RuntimeError("this process has no worker runtime (not started through tasks.worker)")
+    return _runtime

@@ -1,0 +1,50 @@
+"""The farm's Celery application, configured for long, GPU-style generation tasks.
+
+- JSON only (never pickle): messages carry token ids and signed handles, never tensors.
+- acks_late + reject_on_worker_lost: a request is acknowledged when it finished, so a worker that
+  dies mid-request leaves it in the queue for another worker instead of dropping it.
+- prefetch multiplier 1: a worker reserves only as many requests as it has task threads; the engine
+  inside batches whatever those threads hand it (continuous batching).
+- visibility_timeout: Redis redelivers unacked messages after this long, so it is set above the
+  longest request a worker will run (config.celery.max_request_s, checked at load).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from farm.config import get_config
+
+
+def make_celery(redis_url: str | None = None) -> Celery:
+    cfg = get_config()
+    url = redis_url or cfg.redis.url
+    app = Celery("farm", broker=url, backend=None, include=["tasks.generation"])
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_track_started=False,
+        broker_transport_options={
+            "visibility_timeout": cfg.celery.visibility_timeout_s,
+            "queue_order_strategy": "priority",
+        },
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        task_default_queue="farm.default",
+        worker_send_task_events=True,  # Flower shows tasks by queue
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        timezone="UTC",
+    )
+    return app
+
+
+app = make_celery()

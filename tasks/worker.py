@@ -1,0 +1,71 @@
+"""Start one farm worker process: `python -m tasks.worker --role prefill --model NAME --name ID`.
+
+It is a Celery worker with a thread pool: task threads hand requests to one in-process engine that
+batches them all (continuous batching); the model is loaded once, before the worker consumes anything,
+and the worker registers itself (role, model, KV transfer endpoint) only once it is ready. SIGTERM is
+Celery's warm shutdown: it stops taking tasks and waits for the running requests to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from celery import signals
+
+from farm.config import ConfigError, get_config
+from farm.protocol import ROLES, queues_for_role
+
+log = logging.getLogger("farm.worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="farm worker", description=__doc__)
+    p.add_argument("--role", choices=ROLES, required=True)
+    p.add_argument("--model", default=None, help="model name from config (default: default_model)")
+    p.add_argument("--name", default=None, help="worker id (default: <role>@<hostname>)")
+    p.add_argument("--concurrency", type=int, default=None, help="task threads (default: config)")
+    p.add_argument("--loglevel", default="INFO")
+    args = p.parse_args(argv)
+    try:
+        cfg = get_config()
+        model = args.model or cfg.default_model
+        cfg.model(model)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except KeyError:
+        print(f"unknown model {args.model!r}; configured: {[m.name for m in cfg.models]}", file=sys.stderr)
+        return 2
+    name = args.name or f"{args.role}@{socket.gethostname()}"
+    if "@" not in name:
+        name = f"{name}@{socket.gethostname()}"
+
+    from farm.worker import WorkerRuntime, set_runtime
+    from tasks.celery_app import app
+
+    @signals.worker_init.connect(weak=False)
+    def _start_runtime(**_kw) -> None:
+        set_runtime(WorkerRuntime(cfg, args.role, model, name, celery_app=app).start())
+
+    @signals.worker_shutdown.connect(weak=False)
+    def _stop_runtime(**_kw) -> None:
+        from farm.worker import _runtime
+
+        if _runtime is not None:
+            _runtime.stop()
+            set_runtime(None)
+
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app.worker_main([
+        "worker", "--pool", "threads", "--concurrency", str(args.concurrency or cfg.celery.worker_threads),
+        "--queues", ",".join(queues_for_role(model, args.role)), "--hostname", name,
+        "--without-gossip", "--without-mingle", "--task-events", "--loglevel", args.loglevel,
+    ])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Shared fixtures: a real redis-server on a free port, and the farm's environment pointing at it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("FARM_SECRET", "test-secret-not-for-production")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (make install puts it in place)")
+    port = port or free_port()
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp), "--save", "",
+         "--appendonly", "yes", "--daemonize", "no", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, url
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    proc.kill()
+    pytest.fail("redis-server did not start")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A real redis-server for the whole test session, on a free port."""
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_client(redis_url) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def farm_env(redis_url, tmp_path, monkeypatch) -> dict[str, str]:
+    """Environment for farm processes started by a test: its Redis, a fresh state dir, the real models.
+
+    Models are prepared once in the project's state dir (by `make test`), so tests point at that
+    directory instead of converting again.
+    """
+    from farm.config import get_config
+    from farm.models import model_dir
+
+    get_config.cache_clear()
+    cfg = get_config()
+    env = {
+        "FARM_REDIS__URL": redis_url,
+        "FARM_STATE_DIR": str(tmp_path / "state"),
+        "FARM_SECRET": os.environ["FARM_SECRET"],
+    }
+    # Reuse the prepared default model through an explicit path.
+    env["FARM_CONFIG"] = str(_model_path_override(tmp_path, cfg, model_dir(cfg, cfg.model(cfg.default_model))))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    get_config.cache_clear()
+    yield env
+    get_config.cache_clear()
+
+
+def _model_path_override(tmp_path: Path, cfg, path: Path) -> Path:
+    import yaml
+
+    out = tmp_path / "farm-test.yaml"
+    models = [{"name": cfg.default_model, "path": str(path), "max_model_len": cfg.model(cfg.default_model).max_model_len}]
+    out.write_text(yaml.safe_dump({"models": models}))
+    return out
