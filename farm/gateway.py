@@ -93,7 +93,9 @@ class Gateway:
         self.cfg = cfg
         self.r = r
         if celery_app is None:
-            from tasks.celery_app import app as celery_app
+            from tasks.celery_app import make_celery
+
+            celery_app = make_celery(cfg)
         self.celery = celery_app
 
     def layout(self, model: str) -> str:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from celery import Celery
 
-from farm.config import get_config
+from farm.config import FarmConfig, get_config
 
 
-def make_celery(redis_url: str | None = None) -> Celery:
-    cfg = get_config()
-    url = redis_url or cfg.redis.url
-    app = Celery("farm", broker=url, backend=None, include=["tasks.generation"])
+def make_celery(cfg: FarmConfig | None = None) -> Celery:
+    """A Celery app for `cfg` (the process configuration by default)."""
+    cfg = cfg or get_config()
+    app = Celery("farm", broker=cfg.redis.url, backend=None, include=["tasks.generation"])
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

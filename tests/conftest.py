@@ -64,18 +64,16 @@ def redis_client(redis_url) -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture
-def farm_env(redis_url, tmp_path, monkeypatch) -> dict[str, str]:
+def make_farm_env(redis_url: str, tmp_path: Path) -> dict[str, str]:
     """Environment for farm processes started by a test: its Redis, a fresh state dir, the real models.
 
     Models are prepared once in the project's state dir (by `make test`), so tests point at that
     directory instead of converting again.
     """
-    from farm.config import get_config
+    from farm.config import load_config
     from farm.models import model_dir
 
-    get_config.cache_clear()
-    cfg = get_config()
+    cfg = load_config(environ={})
     env = {
         "FARM_REDIS__URL": redis_url,
         "FARM_STATE_DIR": str(tmp_path / "state"),
@@ -83,6 +81,15 @@ def farm_env(redis_url, tmp_path, monkeypatch) -> dict[str, str]:
     }
     # Reuse the prepared default model through an explicit path.
     env["FARM_CONFIG"] = str(_model_path_override(tmp_path, cfg, model_dir(cfg, cfg.model(cfg.default_model))))
+    return env
+
+
+@pytest.fixture
+def farm_env(redis_url, tmp_path, monkeypatch) -> Iterator[dict[str, str]]:
+    """make_farm_env, applied to this process's environment for the test's duration."""
+    from farm.config import get_config
+
+    env = make_farm_env(redis_url, tmp_path)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     get_config.cache_clear()
@@ -96,4 +103,32 @@ def _model_path_override(tmp_path: Path, cfg, path: Path) -> Path:
     out = tmp_path / "farm-test.yaml"
     models = [{"name": cfg.default_model, "path": str(path), "max_model_len": cfg.model(cfg.default_model).max_model_len}]
     out.write_text(yaml.safe_dump({"models": models}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The prepared default model (SmolLM2-135M-Instruct); `make test` prepares it first."""
+    from farm.config import load_config
+    from farm.models import require_model_dir
+
+    cfg = load_config(environ={})
+    return require_model_dir(cfg, cfg.model(cfg.default_model))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
+    """A tiny random-weight Llama with the real tokenizer and chat template: fast engine mechanics tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, initializer_range=0.5)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in real_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
     return out

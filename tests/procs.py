@@ -1,0 +1,62 @@
+"""Start and stop real farm worker processes for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from farm import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class WorkerProc:
+    def __init__(self, env: dict[str, str], role: str, name: str, log_dir: Path, extra_env=None):
+        self.name = name if "@" in name else f"{name}@{os.uname().nodename}"
+        self.log = log_dir / f"{name}.log"
+        full_env = {**os.environ, **env, **(extra_env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tasks.worker", "--role", role, "--name", self.name, "--concurrency", "16",
+             "--loglevel", "WARNING"],
+            cwd=ROOT, env=full_env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def wait_registered(r: redis.Redis, procs: list[WorkerProc], timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    want = {p.name for p in procs}
+    while time.time() < deadline:
+        have = {w.worker_id for w in registry.live_workers(r)}
+        if want <= have:
+            return
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"worker {p.name} exited:\n{p.tail()}")
+        time.sleep(0.2)
+    raise TimeoutError(f"workers not registered: {want - have}")

@@ -1,0 +1,118 @@
+"""KV handles and the TCP transport: signed, verified before any transfer, checksummed, released."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from farm.config import EngineConfig
+from farm.engine.engine import Engine
+from farm.protocol import SamplingParams
+from farm.transfer.handle import HandleError, sign_handle, verify_handle
+from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
+
+SECRET = b"k" * 32
+
+
+def base_handle(**kw):
+    h = {"request_id": "r1", "worker_id": "w1", "endpoint": "127.0.0.1:1", "transport": "tcp",
+         "block_ids": [1, 2], "block_hashes": ["9"], "num_tokens": 20, "first_token": 5, "cached_tokens": 0,
+         "layout": {}, "checksum": "0", "expires_at": time.time() + 60}
+    h.update(kw)
+    return h
+
+
+def test_sign_verify_and_tamper_detection():
+    h = sign_handle(base_handle(), SECRET)
+    assert verify_handle(h, SECRET) == h
+    for field, value in [("endpoint", "10.0.0.1:22"), ("block_ids", [0, 1, 2]), ("expires_at", time.time() + 1e6)]:
+        forged = dict(h, **{field: value})
+        with pytest.raises(HandleError, match="signature"):
+            verify_handle(forged, SECRET)
+    with pytest.raises(HandleError, match="signature"):
+        verify_handle(h, b"other-secret")
+    with pytest.raises(HandleError, match="expired"):
+        verify_handle(sign_handle(base_handle(expires_at=time.time() - 1), SECRET), SECRET)
+    with pytest.raises(HandleError):
+        verify_handle({"request_id": "x"}, SECRET)
+
+
+@pytest.fixture
+def prefill_side(tiny_model_dir):
+    eng = Engine(tiny_model_dir, EngineConfig(block_size=4), max_model_len=256).start()
+
+    def export(h):
+        held = eng.held.get(h["request_id"])
+        if held is None:
+            raise TransferError("not held")
+        return eng.runner.read_blocks(h["block_ids"])
+
+    server = TransferServer("w1", SECRET, export, eng.release_held, "127.0.0.1").start()
+    yield eng, server
+    server.stop()
+    eng.stop()
+
+
+def hold(eng, prompt):
+    import threading
+
+    box, done = {}, threading.Event()
+
+    def cb(o):
+        if o.finished:
+            box["o"] = o
+            done.set()
+
+    eng.submit("r1", prompt, SamplingParams(max_tokens=4, temperature=0), cb, prefill_only=True)
+    assert done.wait(30)
+    return box["o"]
+
+
+def make_handle(eng, server, out, **kw):
+    data = eng.runner.read_blocks(out.held_blocks)
+    fields = {"endpoint": f"127.0.0.1:{server.port}", "block_ids": out.held_blocks,
+              "layout": eng.runner.layout.to_dict(), "checksum": checksum(data), **kw}
+    return sign_handle(base_handle(**fields), SECRET)
+
+
+def test_pull_over_tcp_returns_exact_blocks_and_releases_them(prefill_side):
+    eng, server = prefill_side
+    out = hold(eng, list(range(100, 118)))
+    expected = eng.runner.read_blocks(out.held_blocks)
+    h = make_handle(eng, server, out)
+    data = fetch_blocks(h, SECRET)
+    assert torch.equal(data, expected)
+    deadline = time.time() + 2
+    while eng.held and time.time() < deadline:
+        time.sleep(0.02)
+    assert not eng.held and eng.pool.num_free == eng.pool.num_blocks
+    with pytest.raises(TransferError, match="not held|refused"):
+        fetch_blocks(h, SECRET)  # already pulled
+
+
+def test_forged_or_wrong_handles_are_refused_before_transfer(prefill_side):
+    eng, server = prefill_side
+    out = hold(eng, list(range(200, 212)))
+    good = make_handle(eng, server, out)
+    with pytest.raises(TransferError, match="signature"):
+        fetch_blocks(dict(good, endpoint="127.0.0.1:9"), SECRET)
+    with pytest.raises(TransferError, match="another worker"):
+        fetch_blocks(make_handle(eng, server, out, worker_id="w2"), SECRET)
+    with pytest.raises(TransferError, match="checksum"):
+        fetch_blocks(make_handle(eng, server, out, checksum="deadbeef"), SECRET)
+    # the server checks the signature too: a client with the wrong secret gets nothing
+    with pytest.raises(TransferError, match="signature"):
+        forged = sign_handle(dict(good), b"attacker")
+        fetch_blocks(forged, b"attacker")
+
+
+def test_unreachable_worker_is_a_transfer_error():
+    from tests.conftest import free_port
+
+    h = sign_handle(base_handle(endpoint=f"127.0.0.1:{free_port()}",
+                                layout={"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "block_size": 4,
+                                        "dtype": "float32"}), SECRET)
+    with pytest.raises(TransferError, match="cannot pull"):
+        fetch_blocks(h, SECRET, timeout=2)
