@@ -73,6 +73,17 @@ class CeleryConfig(_Section):
     max_request_s: int = Field(1800, ge=1)
 
 
+class RouterConfig(_Section):
+    mode: Literal["kv", "round-robin", "random"] = "kv"
+    overlap_weight: float = Field(1.0, ge=0)
+    temperature: float = Field(0.0, ge=0)
+    use_kv_events: bool = True
+    approx_ttl_s: float = Field(120, gt=0)
+    busy_threshold: float = Field(0.95, ge=0)
+    retry_after_s: int = Field(2, ge=1)
+    placement_timeout_s: float = Field(5, gt=0)
+
+
 class WorkersConfig(_Section):
     prefill: int = Field(1, ge=0)
     decode: int = Field(1, ge=0)
@@ -102,6 +113,7 @@ class FarmConfig(_Section):
     engine: EngineConfig = EngineConfig()
     transfer: TransferConfig = TransferConfig()
     celery: CeleryConfig = CeleryConfig()
+    router: RouterConfig = RouterConfig()
     workers: WorkersConfig = WorkersConfig()
     default_model: str
     models: list[ModelConfig] = Field(min_length=1)

@@ -1,23 +1,30 @@
-"""The API's door into the farm: place a request on worker queues and read its token stream.
+"""The API's door into the farm: route a request to workers and read its token stream.
 
 Layout per model, from the live worker registry:
-- prefill and decode workers present -> disaggregated: the prefill task computes the prompt's KV,
-  emits a signed KV handle and hands the decode task (with the handle) to the decode queue;
-- otherwise aggregated workers (`both`) -> one generate task does prefill and decode locally;
+- prefill and decode workers present -> disaggregated: the router picks the prefill worker by KV
+  overlap and load and the decode worker by decode load; the prefill task computes the prompt's KV,
+  emits a signed KV handle and hands the decode task to the chosen decode worker's queue;
+- otherwise aggregated workers (`both`) -> one generate task on the worker the router picks;
 - decode workers alone -> the decode task prefills locally.
-Events come back on the request's Redis Stream (see farm.protocol) and are read here with XREAD.
+Tasks go to the chosen worker's own queue; if that worker vanishes before starting, the task is re-sent
+to the model's shared queue (workers claim each stage, so it never runs twice). Load is recorded in
+Redis as the request moves (placed -> prefilled -> done) so every API replica sees the same load.
+Events come back on the request's Redis Stream (farm.protocol) and are read here with XREAD.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from farm import registry
+from farm import metrics, registry
 from farm.config import FarmConfig
 from farm.protocol import (
     CANCEL_TTL_S,
@@ -30,6 +37,12 @@ from farm.protocol import (
     queue_name,
     stream_key,
 )
+from farm.router.keys import direct_queue
+from farm.router.router import BusyError, Placement, Router
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BusyError", "Gateway", "GatewayTimeout", "NoWorkersError", "Submission"]
 
 
 class NoWorkersError(RuntimeError):
@@ -40,15 +53,62 @@ class GatewayTimeout(TimeoutError):
     """No progress from the workers within the configured time: the API answers 504."""
 
 
+@dataclass
+class Dispatch:
+    """A task sent to one worker's queue, and where to re-send it if that worker vanishes."""
+
+    task: str
+    args: list[Any]
+    worker_id: str
+    fallback_queue: str
+
+
 class Submission:
     """One request in flight: iterate its events, or cancel it."""
 
-    def __init__(self, gw: Gateway, request_id: str, layout: str):
+    def __init__(self, gw: Gateway, req: GenerationRequest, layout: str, placements: dict[str, Placement],
+                 dispatch: Dispatch):
         self.gw = gw
-        self.request_id = request_id
+        self.req = req
+        self.request_id = req.request_id
         self.layout = layout
+        self.placements = placements
+        self.dispatch = dispatch
         self._last_id = "0-0"
         self.finished = False
+        self._started = False
+        self._loads_open = {"p", "d"}
+
+    @property
+    def predicted_overlap_tokens(self) -> int:
+        p = self.placements.get("prefill") or self.placements.get("both")
+        return p.overlap_blocks * self.gw.cfg.engine.block_size if p else 0
+
+    @property
+    def router_mode(self) -> str:
+        return self.gw.cfg.router.mode
+
+    def _end_load(self, kind: str) -> None:
+        if kind not in self._loads_open:
+            return
+        self._loads_open.discard(kind)
+        stage = "decode" if kind == "d" else ("prefill" if "prefill" in self.placements else "both")
+        p = self.placements.get(stage) or self.placements.get("both")
+        if p is not None:
+            try:
+                self.gw.router.loads.end(kind, p.worker.worker_id, self.request_id)
+            except redis.RedisError:
+                pass  # the deadline reaper ends it later
+
+    def _resend_if_vanished(self) -> None:
+        d = self.dispatch
+        if self._started or d.worker_id == "":
+            return
+        if not self.gw.r.exists(registry.alive_key(d.worker_id)):
+            log.warning("request %s: worker %s vanished before starting it; re-sending to %s",
+                        self.request_id, d.worker_id, d.fallback_queue)
+            self.gw.celery.send_task(d.task, args=d.args, queue=d.fallback_queue)
+            d.worker_id = ""
 
     def events(self, first_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
         """Yield stream events in order until `done` or `error`; raise GatewayTimeout on silence."""
@@ -58,13 +118,18 @@ class Submission:
         key = stream_key(self.request_id)
         got_any = False
         deadline = time.monotonic() + first
+        next_check = time.monotonic() + cfg.router.placement_timeout_s
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise GatewayTimeout(
                     f"no {'progress' if got_any else 'response'} from workers within "
                     f"{idle if got_any else first:.0f}s"
                 )
+            if not self._started and now >= next_check:
+                self._resend_if_vanished()
+                next_check = now + cfg.router.placement_timeout_s
             block_ms = int(min(remaining, 1.0) * 1000) or 1
             resp = self.gw.r.xread({key: self._last_id}, count=256, block=block_ms)
             if not resp:
@@ -72,24 +137,33 @@ class Submission:
             for _key, entries in resp:
                 for entry_id, fields in entries:
                     self._last_id = entry_id
-                    raw = fields.get(EVENT_FIELD.encode()) or fields.get(EVENT_FIELD)
-                    ev = json.loads(raw)
-                    got_any = True
+                    ev = json.loads(fields.get(EVENT_FIELD.encode()) or fields.get(EVENT_FIELD))
+                    got_any = self._started = True
                     deadline = time.monotonic() + idle
-                    yield ev
-                    if ev.get("type") in ("done", "error"):
+                    kind = ev.get("type")
+                    if kind == "delta" or (kind == "start" and ev.get("role") == "decode"):
+                        self._end_load("p")
+                    if kind in ("done", "error"):
                         self.finished = True
+                        self._end_load("p")
+                        self._end_load("d")
+                        if kind == "done":
+                            metrics.record_usage(self.req.model, ev.get("usage", {}), ev.get("prefill"))
                         self.gw.r.delete(key)
+                    yield ev
+                    if self.finished:
                         return
 
     def cancel(self) -> None:
         """Tell the workers to stop generating (client gone); idempotent."""
         if not self.finished:
             self.gw.r.set(cancel_key(self.request_id), "1", ex=CANCEL_TTL_S)
+            self._end_load("p")
+            self._end_load("d")
 
 
 class Gateway:
-    def __init__(self, cfg: FarmConfig, r: redis.Redis, celery_app=None):
+    def __init__(self, cfg: FarmConfig, r: redis.Redis, celery_app=None, router: Router | None = None):
         self.cfg = cfg
         self.r = r
         if celery_app is None:
@@ -97,27 +171,62 @@ class Gateway:
 
             celery_app = make_celery(cfg)
         self.celery = celery_app
+        self.router = router or Router(cfg, r)
+
+    def _workers(self, model: str) -> dict[str, list[registry.WorkerInfo]]:
+        by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
+        for w in registry.live_workers(self.r, model=model):
+            by_role.setdefault(w.role, []).append(w)
+        return by_role
+
+    @staticmethod
+    def _layout(by_role: dict[str, list]) -> str:
+        if by_role["prefill"] and (by_role["decode"] or by_role["both"]):
+            return "disaggregated"
+        if by_role["both"]:
+            return "aggregated"
+        if by_role["decode"]:
+            return "decode-only"
+        return ""
 
     def layout(self, model: str) -> str:
         """Which layout would serve `model` now; raises NoWorkersError when nothing can."""
-        workers = registry.live_workers(self.r, model=model)
-        roles = {w.role for w in workers}
-        if "prefill" in roles and ("decode" in roles or "both" in roles):
-            return "disaggregated"
-        if "both" in roles:
-            return "aggregated"
-        if "decode" in roles:
-            return "decode-only"
-        raise NoWorkersError(f"no live worker serves model {model!r}")
+        layout = self._layout(self._workers(model))
+        if not layout:
+            raise NoWorkersError(f"no live worker serves model {model!r}")
+        return layout
 
     def submit(self, req: GenerationRequest) -> Submission:
-        layout = self.layout(req.model)
+        """Route and enqueue; raises NoWorkersError (no worker) or BusyError (every worker busy)."""
+        by_role = self._workers(req.model)
+        layout = self._layout(by_role)
+        if not layout:
+            raise NoWorkersError(f"no live worker serves model {req.model!r}")
         req.created = req.created or time.time()
+        t0 = time.perf_counter()
+        hashes = self.router.hashes(req.prompt_token_ids)
+        hash_us = (time.perf_counter() - t0) * 1e6
+        metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(hash_us / 1e6)
+        loads = self.router.loads.loads()
+        n = len(req.prompt_token_ids)
+        bs = self.cfg.engine.block_size
+        blocks = math.ceil(n / bs)
+        placements: dict[str, Placement] = {}
         if layout == "disaggregated":
-            req.decode_queue = queue_name(req.model, "decode")
-            self.celery.send_task(TASK_PREFILL, args=[req.to_dict()], queue=queue_name(req.model, "prefill"))
-        elif layout == "aggregated":
-            self.celery.send_task(TASK_GENERATE, args=[req.to_dict()], queue=queue_name(req.model, "generate"))
+            p = placements["prefill"] = self.router.choose(by_role["prefill"], hashes, n, "prefill", loads)
+            d = placements["decode"] = self.router.choose(by_role["decode"] or by_role["both"], hashes, n,
+                                                          "decode", loads)
+            req.decode_queue = direct_queue(d.worker.worker_id)
+            task, args, fallback = TASK_PREFILL, [req.to_dict()], queue_name(req.model, "prefill")
         else:
-            self.celery.send_task(TASK_DECODE, args=[req.to_dict(), None], queue=queue_name(req.model, "decode"))
-        return Submission(self, req.request_id, layout)
+            stage = "both"
+            pool = by_role["both"] if layout == "aggregated" else by_role["decode"]
+            p = d = placements["both"] = self.router.choose(pool, hashes, n, stage, loads)
+            if layout == "aggregated":
+                task, args, fallback = TASK_GENERATE, [req.to_dict()], queue_name(req.model, "generate")
+            else:
+                task, args, fallback = TASK_DECODE, [req.to_dict(), None], queue_name(req.model, "decode")
+        self.router.loads.begin("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs))
+        self.router.loads.begin("d", d.worker.worker_id, req.request_id, blocks)
+        self.celery.send_task(task, args=args, queue=direct_queue(p.worker.worker_id))
+        return Submission(self, req, layout, placements, Dispatch(task, args, p.worker.worker_id, fallback))

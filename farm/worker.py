@@ -21,7 +21,9 @@ from farm.config import FarmConfig, farm_secret
 from farm.engine.engine import Engine, RequestOutput
 from farm.engine.scheduler import KVImport
 from farm.models import require_model_dir
-from farm.protocol import TASK_DECODE, GenerationRequest, Role, queues_for_role
+from farm.protocol import TASK_DECODE, GenerationRequest, Role, cancel_key, queue_name, queues_for_role
+from farm.router.events import KVEventPublisher
+from farm.router.keys import BLOCK_SIZE_KEY, claim_key, direct_queue
 from farm.streams import StreamWriter
 from farm.transfer.handle import sign_handle
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
@@ -40,7 +42,10 @@ class WorkerRuntime:
         mcfg = cfg.model(model)
         mdir = require_model_dir(cfg, mcfg)
         self.r = redis.Redis.from_url(cfg.redis.url, health_check_interval=10)
-        self.engine = Engine(mdir, cfg.engine, mcfg.max_model_len, handle_ttl_s=cfg.transfer.handle_ttl_s)
+        self._check_block_size()
+        self.kv_events = KVEventPublisher(self.r, worker_id)
+        self.engine = Engine(mdir, cfg.engine, mcfg.max_model_len, on_kv_event=self.kv_events,
+                             handle_ttl_s=cfg.transfer.handle_ttl_s)
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
                                     self.engine.abort)
         self.transfer = TransferServer(worker_id, self.secret, self._export, self.engine.release_held,
@@ -49,12 +54,24 @@ class WorkerRuntime:
             worker_id=worker_id, role=role, model=model, hostname=socket.gethostname(), pid=os.getpid(),
             block_size=cfg.engine.block_size,
             transfer_endpoint=f"{cfg.transfer.advertise_host}:{self.transfer.port}",
-            queues=queues_for_role(model, role), device=str(self.engine.runner.device),
+            queues=queues_for_role(model, role) + [direct_queue(worker_id)], device=str(self.engine.runner.device),
             num_blocks=self.engine.pool.num_blocks,
         )
         self.heartbeat = registry.Heartbeat(self.r, self.info, self.engine.stats)
 
+    def _check_block_size(self) -> None:
+        """Router and workers must agree on the KV block size: the first registrant fixes it."""
+        bs = self.cfg.engine.block_size
+        self.r.set(BLOCK_SIZE_KEY, bs, nx=True)
+        farm_bs = int(self.r.get(BLOCK_SIZE_KEY))
+        if farm_bs != bs:
+            raise RuntimeError(
+                f"KV block size mismatch: this worker uses {bs}, the farm uses {farm_bs} "
+                f"({BLOCK_SIZE_KEY} in Redis); refusing to register, requests would be routed wrongly"
+            )
+
     def start(self) -> WorkerRuntime:
+        self.kv_events.start()
         self.engine.start()
         self.streams.start()
         self.transfer.start()
@@ -73,6 +90,7 @@ class WorkerRuntime:
         self.transfer.stop()
         self.engine.stop()
         self.streams.stop()
+        self.kv_events.stop()
 
     # -- helpers ------------------------------------------------------------------------------------
     def _export(self, handle: dict[str, Any]):
@@ -115,19 +133,28 @@ class WorkerRuntime:
             "prefill_worker": prefill_worker, "decode_worker": self.worker_id, "prefill": mode,
         })
 
-    def _cancelled(self, request_id: str) -> bool:
-        from farm.protocol import cancel_key
-
+    def _should_skip(self, request_id: str, stage: str) -> bool:
+        """Skip a request whose client is gone, or whose stage another worker already claimed (a task
+        re-sent after its first worker vanished must not run twice)."""
         try:
-            return bool(self.r.exists(cancel_key(request_id)))
+            if self.r.exists(cancel_key(request_id)):
+                return True
+            key, ttl = claim_key(request_id, stage), int(self.cfg.celery.visibility_timeout_s)
+            if self.r.set(key, self.worker_id, nx=True, ex=ttl):
+                return False
+            holder = (self.r.get(key) or b"").decode()
+            if holder and not self.r.exists(registry.alive_key(holder)):
+                self.r.set(key, self.worker_id, ex=ttl)  # its worker died: redelivered, run it here
+                return False
+            return True
         except redis.RedisError:
             return False
 
     # -- tasks --------------------------------------------------------------------------------------
     def generate(self, req: GenerationRequest) -> dict[str, Any]:
         """Aggregated: prefill and decode here."""
-        if self._cancelled(req.request_id):
-            return {"finish_reason": "abort"}
+        if self._should_skip(req.request_id, "generate"):
+            return {"finish_reason": "skipped"}
         self.streams.emit(req.request_id, {"type": "start", "role": self.role, "worker": self.worker_id,
                                            "prefill_worker": self.worker_id, "prefill": "local"})
         out = self._run(req, lambda o: self._finish_event(req, o, self.worker_id, "local"))
@@ -135,7 +162,7 @@ class WorkerRuntime:
 
     def prefill(self, req: GenerationRequest) -> dict[str, Any] | None:
         """Compute the prompt's KV, hold it, and pass a signed handle on to the decode queue."""
-        if self._cancelled(req.request_id):
+        if self._should_skip(req.request_id, "prefill"):
             return None
         self.streams.emit(req.request_id, {"type": "start", "role": "prefill", "worker": self.worker_id})
         t0 = time.monotonic()
@@ -156,15 +183,20 @@ class WorkerRuntime:
         elif out.finish_reason == "abort":
             return None
         # Hand over to decode; with no handle (prefill failed) the decode worker prefills locally.
-        queue = req.decode_queue
-        if self.celery is not None and queue:
+        queue = req.decode_queue or queue_name(req.model, "decode")
+        if queue.startswith("farm.w.") and not self._direct_queue_alive(queue):
+            queue = queue_name(req.model, "decode")  # the chosen decode worker vanished: any will do
+        if self.celery is not None:
             self.celery.send_task(TASK_DECODE, args=[req.to_dict(), handle], queue=queue)
         return handle
 
+    def _direct_queue_alive(self, queue: str) -> bool:
+        return any(direct_queue(w.worker_id) == queue for w in registry.live_workers(self.r, model=self.model))
+
     def decode(self, req: GenerationRequest, handle: dict[str, Any] | None) -> dict[str, Any]:
         """Pull the handle's blocks (or prefill locally if that fails) and decode in the batch."""
-        if self._cancelled(req.request_id):
-            return {"finish_reason": "abort"}
+        if self._should_skip(req.request_id, "decode"):
+            return {"finish_reason": "skipped"}
         kv_import = None
         prefill_worker, mode, cached = self.worker_id, "local", None
         if handle:

@@ -17,6 +17,7 @@ from celery import signals
 
 from farm.config import ConfigError, get_config
 from farm.protocol import ROLES, queues_for_role
+from farm.router.keys import direct_queue
 
 log = logging.getLogger("farm.worker")
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app.worker_main([
         "worker", "--pool", "threads", "--concurrency", str(args.concurrency or cfg.celery.worker_threads),
-        "--queues", ",".join(queues_for_role(model, args.role)), "--hostname", name,
+        "--queues", ",".join(queues_for_role(model, args.role) + [direct_queue(name)]), "--hostname", name,
         "--without-gossip", "--without-mingle", "--task-events", "--loglevel", args.loglevel,
     ])
     return 0

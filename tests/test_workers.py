@@ -74,9 +74,9 @@ def test_unpullable_handle_falls_back_to_local_prefill(farm):
     }, b"test-secret-not-for-production")
     sub = gw.celery.send_task(TASK_DECODE, args=[req.to_dict(), dead], queue=queue_name(req.model, "decode"))
     assert sub is not None
-    from farm.gateway import Submission
+    from farm.gateway import Dispatch, Submission
 
-    events, text = collect(Submission(gw, req.request_id, "decode-only"))
+    events, text = collect(Submission(gw, req, "decode-only", {}, Dispatch(TASK_DECODE, [], "", "")))
     assert events[-1]["type"] == "done" and events[-1]["prefill"] == "local"
     assert events[-1]["prefill_worker"] == decode.name
     assert "4" in text

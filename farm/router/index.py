@@ -1,0 +1,241 @@
+"""The router's local view of the KV-block index, following the workers' event stream.
+
+`KVIndex` maps each block hash to a bitmask of the workers holding it, so the overlap of a request's
+hash chain with every worker is one pass over the chain (a few microseconds per block). `IndexFollower`
+keeps it current: it snapshots every worker's block set from Redis (consistent with that worker's last
+event id), then applies the shared stream, skipping events already in the snapshot and resyncing a
+worker whose event ids show a gap. Workers whose heartbeat expired are dropped, and their Redis state is
+deleted, so a dead worker leaves the index within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import redis
+
+from farm import registry
+from farm.router.keys import EVENTS_STREAM, LOAD_KEY, active_key, worker_blocks_key, worker_seq_key
+
+log = logging.getLogger(__name__)
+
+
+class KVIndex:
+    """hash -> bitmask of workers; thread-safe for one writer and many readers (GIL-atomic updates)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int] = {}
+        self.worker_bits: dict[str, int] = {}
+        self.bit_workers: dict[int, str] = {}
+        self.worker_blocks: dict[str, set[int]] = {}
+        self.last_event: dict[str, int] = {}
+        self.epochs: dict[str, int] = {}
+        self.events_applied = 0
+        self._lock = threading.Lock()
+
+    def _bit(self, worker: str) -> int:
+        b = self.worker_bits.get(worker)
+        if b is None:
+            used = set(self.worker_bits.values())
+            b = next(i for i in range(len(used) + 1) if i not in used)
+            self.worker_bits[worker] = b
+            self.bit_workers[b] = worker
+            self.worker_blocks[worker] = set()
+        return b
+
+    def store(self, worker: str, hashes: Iterable[int]) -> None:
+        bit = 1 << self._bit(worker)
+        mine = self.worker_blocks[worker]
+        blocks = self.blocks
+        for h in hashes:
+            blocks[h] = blocks.get(h, 0) | bit
+            mine.add(h)
+
+    def remove(self, worker: str, hashes: Iterable[int]) -> None:
+        b = self.worker_bits.get(worker)
+        if b is None:
+            return
+        mask = ~(1 << b)
+        mine = self.worker_blocks[worker]
+        blocks = self.blocks
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                v = blocks.get(h, 0) & mask
+                if v:
+                    blocks[h] = v
+                else:
+                    blocks.pop(h, None)
+
+    def clear_worker(self, worker: str) -> None:
+        with self._lock:
+            if worker in self.worker_blocks:
+                self.remove(worker, list(self.worker_blocks[worker]))
+
+    def drop_worker(self, worker: str) -> None:
+        with self._lock:
+            if worker in self.worker_blocks:
+                self.remove(worker, list(self.worker_blocks[worker]))
+                b = self.worker_bits.pop(worker)
+                self.bit_workers.pop(b, None)
+                self.worker_blocks.pop(worker, None)
+            self.last_event.pop(worker, None)
+            self.epochs.pop(worker, None)
+
+    def apply(self, ev: dict) -> bool:
+        """Apply one event; returns False when it reveals a gap (the caller resyncs the worker)."""
+        w, eid = ev["worker_id"], int(ev["event_id"])
+        epoch = int(ev.get("epoch", 0))
+        if self.epochs.get(w) != epoch:
+            if w in self.epochs and epoch < self.epochs[w]:
+                return True  # a late event from the worker's previous life
+            self.clear_worker(w)  # a restarted worker starts clean
+            self.epochs[w] = epoch
+            self.last_event[w] = 0
+        last = self.last_event.get(w)
+        if last is not None and eid <= last:
+            return True  # already in the snapshot
+        if last is not None and eid != last + 1 and ev["kind"] != "cleared":
+            return False
+        kind = ev["kind"]
+        if kind == "stored":
+            self.store(w, (int(h) for h in ev["blocks"]))
+        elif kind == "removed":
+            self.remove(w, (int(h) for h in ev["blocks"]))
+        elif kind == "cleared":
+            self.clear_worker(w)
+            self._bit(w)
+        self.last_event[w] = eid
+        self.events_applied += len(ev["blocks"]) or 1
+        return True
+
+    def overlaps(self, hashes: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
+        """Leading blocks of `hashes` each worker holds (workers with none are omitted)."""
+        alive = -1
+        if workers is not None:
+            alive = 0
+            for w in workers:
+                b = self.worker_bits.get(w)
+                if b is not None:
+                    alive |= 1 << b
+        out: dict[str, int] = {}
+        blocks = self.blocks
+        for i, h in enumerate(hashes):
+            m = blocks.get(h, 0) & alive
+            lost = alive & ~m
+            if lost and i > 0:
+                self._assign(out, lost, i)
+            alive = m
+            if not alive:
+                return out
+        if alive and hashes:
+            self._assign(out, alive, len(hashes))
+        return out
+
+    def _assign(self, out: dict[str, int], mask: int, n: int) -> None:
+        while mask:
+            low = mask & -mask
+            w = self.bit_workers.get(low.bit_length() - 1)
+            if w is not None:
+                out[w] = n
+            mask ^= low
+
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class IndexFollower:
+    """Keeps a KVIndex in step with Redis; one per router process."""
+
+    def __init__(self, r: redis.Redis, index: KVIndex | None = None, prune_interval_s: float = 1.0,
+                 maintenance=None):
+        self.r = r
+        self.maintenance = maintenance  # called with each prune (e.g. reaping expired load)
+        self.index = index or KVIndex()
+        self.prune_interval_s = prune_interval_s
+        self._last_id = "0-0"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
+        self._last_prune = 0.0
+        self.resyncs = 0
+        self.synced = threading.Event()
+
+    def start(self) -> IndexFollower:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def snapshot(self) -> None:
+        """Rebuild from every live worker's block set, then follow the stream from before the snapshot."""
+        last = self.r.xrevrange(EVENTS_STREAM, count=1)
+        self._last_id = last[0][0].decode() if last else "0-0"
+        for w in registry.live_workers(self.r):
+            self.resync_worker(w.worker_id)
+        self.synced.set()
+
+    def resync_worker(self, worker: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.smembers(worker_blocks_key(worker))
+        pipe.get(worker_seq_key(worker))
+        members, seq = pipe.execute()
+        epoch, _, last = (seq.decode() if seq else "0:0").partition(":")
+        self.index.drop_worker(worker)
+        self.index.store(worker, (int(h) for h in members))
+        self.index.epochs[worker] = int(epoch)
+        self.index.last_event[worker] = int(last or 0)
+        self.resyncs += 1
+
+    def poll(self, block_ms: int = 500) -> int:
+        """Apply new stream entries; returns the number of events applied."""
+        resp = self.r.xread({EVENTS_STREAM: self._last_id}, count=1000, block=block_ms)
+        n = 0
+        for _key, entries in resp or []:
+            for entry_id, fields in entries:
+                self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                batch = json.loads(fields[b"d"])
+                for ev in batch:
+                    if not self.index.apply(ev):
+                        self.resync_worker(ev["worker_id"])
+                        break
+                    n += 1
+        return n
+
+    def prune(self) -> None:
+        """Drop workers whose heartbeat expired, here and in Redis."""
+        live = {w.worker_id for w in registry.live_workers(self.r)}
+        for w in list(self.index.worker_bits):
+            if w not in live:
+                self.index.drop_worker(w)
+                forget_worker(self.r, w)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.synced.is_set():
+                    self.snapshot()
+                self.poll()
+                now = time.monotonic()
+                if now - self._last_prune >= self.prune_interval_s:
+                    self._last_prune = now
+                    self.prune()
+                    if self.maintenance:
+                        self.maintenance()
+            except redis.RedisError:
+                log.warning("KV index follower: Redis error; resyncing when it is back", exc_info=True)
+                self.synced.clear()
+                self._stop.wait(1.0)
+
+
+def forget_worker(r: redis.Redis, worker: str) -> None:
+    """Delete a departed worker's index and load state from Redis."""
+    pipe = r.pipeline()
+    pipe.delete(worker_blocks_key(worker), worker_seq_key(worker), active_key("p", worker), active_key("d", worker))
+    pipe.hdel(LOAD_KEY, f"{worker}|p", f"{worker}|d")
+    pipe.execute()

@@ -1,0 +1,162 @@
+"""The router: place a request on the worker that serves it cheapest, with state shared in Redis.
+
+Stages are timed (hashing, index lookup, load read, scheduling) so routing overhead is measured, not
+guessed. Modes: `kv` (cost function over the KV-block index and shared load), `round-robin`, `random`.
+Without worker KV events (`use_kv_events: false`) the index is approximated from this router's own past
+placements, each remembered for `approx_ttl_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from farm import metrics
+from farm.config import FarmConfig
+from farm.engine.hashing import block_hashes
+from farm.registry import WorkerInfo
+from farm.router.index import IndexFollower, KVIndex
+from farm.router.load import LoadTracker
+from farm.router.policy import Candidate, RoundRobin, kv_costs, softmax_pick
+
+log = logging.getLogger(__name__)
+
+
+class BusyError(RuntimeError):
+    """Every candidate worker is above the load threshold: shed the request (503 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Placement:
+    worker: WorkerInfo
+    overlap_blocks: int
+    mode: str
+    cost: float | None = None
+    timings_us: dict[str, float] = field(default_factory=dict)
+
+
+class ApproxIndex(KVIndex):
+    """Predicted cache contents from past placements, each forgotten after a TTL."""
+
+    def __init__(self, ttl_s: float):
+        super().__init__()
+        self.ttl_s = ttl_s
+        self._expiry: deque[tuple[float, str, list[int]]] = deque()
+        self._lock_approx = threading.Lock()
+
+    def record(self, worker: str, hashes: list[int]) -> None:
+        with self._lock_approx:
+            self.expire()
+            self.store(worker, hashes)
+            self._expiry.append((time.monotonic() + self.ttl_s, worker, hashes))
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, w, hs = self._expiry.popleft()
+            still = {h for _, w2, later in self._expiry if w2 == w for h in later}
+            self.remove(w, [h for h in hs if h not in still])
+
+
+class Router:
+    def __init__(self, cfg: FarmConfig, r: redis.Redis, follow: bool = True):
+        self.cfg = cfg
+        self.rc = cfg.router
+        self.r = r
+        self.block_size = cfg.engine.block_size
+        self.loads = LoadTracker(r, cfg.celery.max_request_s)
+        self.rng = random.Random()
+        self.rr: dict[str, RoundRobin] = {}
+        self._warned: set[str] = set()
+        self.follower: IndexFollower | None = None
+        if self.rc.use_kv_events:
+            self.index: KVIndex = KVIndex()
+            if follow:
+                self.follower = IndexFollower(r, self.index, maintenance=self.loads.reap).start()
+        else:
+            self.index = ApproxIndex(self.rc.approx_ttl_s)
+
+    def stop(self) -> None:
+        if self.follower:
+            self.follower.stop()
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return block_hashes(token_ids, self.block_size)
+
+    def _compatible(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        ok = []
+        for w in workers:
+            if w.block_size != self.block_size:
+                if w.worker_id not in self._warned:
+                    self._warned.add(w.worker_id)
+                    log.error("REFUSING worker %s: its KV block size %d differs from the router's %d; "
+                              "it would be routed wrongly", w.worker_id, w.block_size, self.block_size)
+                continue
+            ok.append(w)
+        return ok
+
+    def choose(self, workers: list[WorkerInfo], hashes: list[int], num_tokens: int, stage: str,
+               loads: dict[str, dict[str, int]] | None = None) -> Placement:
+        """Pick a worker for `stage` ("prefill", "decode" or "both") among `workers`."""
+        t0 = time.perf_counter()
+        workers = self._compatible(workers)
+        if not workers:
+            raise LookupError("no compatible worker")
+        mode = self.rc.mode
+        request_blocks = math.ceil(num_tokens / self.block_size)
+        t1 = time.perf_counter()
+        overlaps = self.index.overlaps(hashes, [w.worker_id for w in workers]) if stage != "decode" else {}
+        t2 = time.perf_counter()
+        if loads is None:
+            loads = self.loads.loads()
+        t3 = time.perf_counter()
+        cands = []
+        for w in workers:
+            ld = loads.get(w.worker_id, {"p": 0, "d": 0})
+            cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / self.block_size,
+                                   ld["d"], w.num_blocks))
+        self._shed_if_busy(cands, stage)
+        cost = None
+        if mode == "round-robin":
+            i = self.rr.setdefault(stage, RoundRobin()).pick(len(workers))
+        elif mode == "random":
+            i = self.rng.randrange(len(workers))
+        else:
+            weight = self.rc.overlap_weight if stage != "decode" else 0.0
+            costs = kv_costs(cands, request_blocks, weight)
+            i = softmax_pick(costs, self.rc.temperature, self.rng)
+            cost = costs[i]
+        t4 = time.perf_counter()
+        chosen = workers[i]
+        if isinstance(self.index, ApproxIndex) and stage != "decode":
+            self.index.record(chosen.worker_id, hashes)
+        timings = {"hash": 0.0, "index": (t2 - t1) * 1e6, "load": (t3 - t2) * 1e6,
+                   "schedule": ((t4 - t3) + (t1 - t0)) * 1e6}
+        metrics.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
+        return Placement(chosen, cands[i].overlap_blocks, mode, cost, timings)
+
+    def _shed_if_busy(self, cands: list[Candidate], stage: str) -> None:
+        threshold = self.rc.busy_threshold
+        if threshold <= 0:
+            return
+        def busy(c: Candidate) -> bool:
+            if not c.capacity_blocks:
+                return False
+            used = c.active_blocks + (c.pending_prefill_blocks if stage != "decode" else 0)
+            return used / c.capacity_blocks > threshold
+        if all(busy(c) for c in cands):
+            metrics.REQUESTS_SHED.labels(stage=stage).inc()
+            raise BusyError(f"all {len(cands)} {stage} workers are above {threshold:.0%} of their KV capacity",
+                            retry_after_s=self.rc.retry_after_s)
