@@ -1,0 +1,112 @@
+"""KV-aware routing with real worker processes: prefix reuse lands on the holder; vanished workers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from farm import registry
+from farm.config import load_config
+from farm.gateway import Gateway
+from farm.router.events import KVEventPublisher
+from tests.conftest import make_farm_env
+from tests.procs import WorkerProc, wait_registered
+from tests.test_workers import collect, request
+
+LONG_SYSTEM = ("You are the support assistant of a bicycle shop. You answer questions about repairs, "
+               "opening hours, prices and rentals. Always be short, precise and friendly. ") * 6
+
+
+@pytest.fixture(scope="module")
+def two_workers(redis_url, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("routing")
+    url = redis_url.rsplit("/", 1)[0] + "/2"
+    env = make_farm_env(url, tmp)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    procs = [WorkerProc(env, "both", f"agg-{i}", tmp) for i in range(2)]
+    try:
+        wait_registered(r, procs)
+        yield load_config(environ=env), r, procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def chat(cfg, user, system=LONG_SYSTEM, **kw):
+    from farm.tokenization import chat_prompt_ids, get_tokenizer
+
+    req = request(cfg, user, **kw)
+    tok = get_tokenizer(cfg, cfg.default_model)
+    req.prompt_token_ids = chat_prompt_ids(tok, [{"role": "system", "content": system},
+                                                 {"role": "user", "content": user}])
+    return req
+
+
+def test_second_request_with_same_prefix_lands_on_holder_with_cached_tokens(two_workers):
+    cfg, r, _ = two_workers
+    gw = Gateway(cfg, r)
+    gw.router.follower.synced.wait(10)
+    first_req = chat(cfg, "When do you open on Sunday?", max_tokens=8)
+    first, _ = collect(gw.submit(first_req))
+    holder = first[-1]["decode_worker"]
+    assert first[-1]["usage"]["cached_tokens"] == 0
+    # wait until the holder's KV events reached this router's index
+    hashes = gw.router.hashes(first_req.prompt_token_ids)
+    deadline = time.time() + 10
+    while gw.router.index.overlaps(hashes).get(holder, 0) < len(hashes) - 1 and time.time() < deadline:
+        time.sleep(0.05)
+    second_req = chat(cfg, "How much is a new chain?", max_tokens=8)
+    sub = gw.submit(second_req)
+    assert sub.predicted_overlap_tokens > 100
+    second, _ = collect(sub)
+    assert second[-1]["decode_worker"] == holder
+    assert second[-1]["usage"]["cached_tokens"] >= sub.predicted_overlap_tokens - 16 > 0
+
+
+def test_request_placed_on_vanished_worker_is_resent_and_completes(two_workers):
+    cfg, r, procs = two_workers
+    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"placement_timeout_s": 0.5})})
+    gw = Gateway(cfg, r)
+    gw.router.follower.synced.wait(10)
+    req = chat(cfg, "Do you rent tandems?", max_tokens=8)
+    # a ghost worker that claims to hold the whole prompt: the router will choose it
+    ghost = registry.WorkerInfo("ghost@nowhere", "both", cfg.default_model, "nowhere", 1,
+                                cfg.engine.block_size, num_blocks=10_000)
+    registry.register(r, ghost)
+    pub = KVEventPublisher(r, ghost.worker_id)
+    pub.start()
+    pub("stored", gw.router.hashes(req.prompt_token_ids), None)
+    pub.flush()
+    deadline = time.time() + 5
+    while "ghost@nowhere" not in gw.router.index.overlaps(gw.router.hashes(req.prompt_token_ids)):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    sub = gw.submit(req)
+    assert sub.dispatch.worker_id == "ghost@nowhere"
+    r.delete(registry.alive_key("ghost@nowhere"))  # it dies before consuming its queue
+    events, text = collect(sub, timeout=60)
+    assert events[-1]["type"] == "done"
+    assert events[-1]["decode_worker"] in {p.name for p in procs}
+    assert text
+
+
+def test_concurrent_shared_prefix_requests_spread_and_complete(two_workers):
+    cfg, r, procs = two_workers
+    gw = Gateway(cfg, r)
+    subs = [gw.submit(chat(cfg, f"Question number {i}: what do you sell?", max_tokens=6)) for i in range(8)]
+    results = [None] * len(subs)
+
+    def consume(i):
+        results[i] = collect(subs[i])[0]
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(subs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert all(ev[-1]["type"] == "done" for ev in results)
+    assert gw.router.loads.loads().get(procs[0].name, {"p": 0, "d": 0}) == {"p": 0, "d": 0}
