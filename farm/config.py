@@ -84,6 +84,14 @@ class RouterConfig(_Section):
     placement_timeout_s: float = Field(5, gt=0)
 
 
+class DisaggregationConfig(_Section):
+    # conditional: remote prefill only when it pays; always: every request (fails without prefill
+    # workers); never: decode workers prefill everything locally.
+    mode: Literal["conditional", "always", "never"] = "conditional"
+    remote_min_uncached_tokens: int = Field(1000, ge=0)
+    max_prefill_queue: int = Field(2, ge=1)
+
+
 class WorkersConfig(_Section):
     prefill: int = Field(1, ge=0)
     decode: int = Field(1, ge=0)
@@ -114,6 +122,7 @@ class FarmConfig(_Section):
     transfer: TransferConfig = TransferConfig()
     celery: CeleryConfig = CeleryConfig()
     router: RouterConfig = RouterConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     workers: WorkersConfig = WorkersConfig()
     default_model: str
     models: list[ModelConfig] = Field(min_length=1)

@@ -180,53 +180,65 @@ class Gateway:
         return by_role
 
     @staticmethod
-    def _layout(by_role: dict[str, list]) -> str:
-        if by_role["prefill"] and (by_role["decode"] or by_role["both"]):
-            return "disaggregated"
-        if by_role["both"]:
-            return "aggregated"
-        if by_role["decode"]:
-            return "decode-only"
-        return ""
+    def _pools(by_role: dict[str, list[registry.WorkerInfo]]) -> tuple[list, list]:
+        """(prefill workers, workers that can decode: decode workers, else aggregated ones)."""
+        return by_role["prefill"], by_role["decode"] or by_role["both"]
 
     def layout(self, model: str) -> str:
-        """Which layout would serve `model` now; raises NoWorkersError when nothing can."""
-        layout = self._layout(self._workers(model))
-        if not layout:
-            raise NoWorkersError(f"no live worker serves model {model!r}")
-        return layout
+        """How `model` is served now; raises NoWorkersError when nothing can serve it."""
+        prefill, decode = self._pools(self._workers(model))
+        mode = self.cfg.disaggregation.mode
+        if not decode or (mode == "always" and not prefill):
+            raise NoWorkersError(self._no_workers_message(model, prefill, decode))
+        if prefill and mode != "never":
+            return "disaggregated" if mode == "always" else "conditional"
+        return "aggregated" if decode[0].role == "both" else "decode-only"
+
+    def _no_workers_message(self, model: str, prefill: list, decode: list) -> str:
+        if decode and not prefill:
+            return f"disaggregation.mode is 'always' but no prefill worker serves model {model!r}"
+        return f"no live worker serves model {model!r}"
 
     def submit(self, req: GenerationRequest) -> Submission:
         """Route and enqueue; raises NoWorkersError (no worker) or BusyError (every worker busy)."""
-        by_role = self._workers(req.model)
-        layout = self._layout(by_role)
-        if not layout:
-            raise NoWorkersError(f"no live worker serves model {req.model!r}")
+        layout = self.layout(req.model)
+        prefill_pool, decode_pool = self._pools(self._workers(req.model))
         req.created = req.created or time.time()
         t0 = time.perf_counter()
         hashes = self.router.hashes(req.prompt_token_ids)
-        hash_us = (time.perf_counter() - t0) * 1e6
-        metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(hash_us / 1e6)
+        metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
         loads = self.router.loads.loads()
         n = len(req.prompt_token_ids)
         bs = self.cfg.engine.block_size
-        blocks = math.ceil(n / bs)
+        dcfg = self.cfg.disaggregation
         placements: dict[str, Placement] = {}
+        remote = False
         if layout == "disaggregated":
-            p = placements["prefill"] = self.router.choose(by_role["prefill"], hashes, n, "prefill", loads)
-            d = placements["decode"] = self.router.choose(by_role["decode"] or by_role["both"], hashes, n,
-                                                          "decode", loads)
+            d = self.router.choose(decode_pool, hashes, n, "decode", loads)
+            p = self.router.choose(prefill_pool, hashes, n, "prefill", loads)
+            remote = True
+        else:
+            # the decode worker may prefill itself: weigh its cached prefix as well as its load
+            d = self.router.choose(decode_pool, hashes, n, "both", loads)
+            p = d
+            if layout == "conditional":
+                uncached = n - d.overlap_blocks * bs
+                if uncached > dcfg.remote_min_uncached_tokens:
+                    cand = self.router.choose(prefill_pool, hashes, n, "prefill", loads)
+                    queued = (loads.get(cand.worker.worker_id) or {}).get("pn", 0)
+                    if queued < dcfg.max_prefill_queue:
+                        p, remote = cand, True
+        if remote:
+            placements["prefill"], placements["decode"] = p, d
             req.decode_queue = direct_queue(d.worker.worker_id)
             task, args, fallback = TASK_PREFILL, [req.to_dict()], queue_name(req.model, "prefill")
         else:
-            stage = "both"
-            pool = by_role["both"] if layout == "aggregated" else by_role["decode"]
-            p = d = placements["both"] = self.router.choose(pool, hashes, n, stage, loads)
-            if layout == "aggregated":
+            placements["both"] = d
+            if d.worker.role == "both":
                 task, args, fallback = TASK_GENERATE, [req.to_dict()], queue_name(req.model, "generate")
             else:
                 task, args, fallback = TASK_DECODE, [req.to_dict(), None], queue_name(req.model, "decode")
         self.router.loads.begin("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs))
-        self.router.loads.begin("d", d.worker.worker_id, req.request_id, blocks)
+        self.router.loads.begin("d", d.worker.worker_id, req.request_id, math.ceil(n / bs))
         self.celery.send_task(task, args=args, queue=direct_queue(p.worker.worker_id))
         return Submission(self, req, layout, placements, Dispatch(task, args, p.worker.worker_id, fallback))

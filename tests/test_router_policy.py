@@ -49,11 +49,11 @@ def test_load_is_shared_idempotent_and_reaped(redis_client):
     a.begin("p", "w1", "r1", 100)
     a.begin("p", "w1", "r1", 100)  # placing twice counts once
     a.begin("d", "w1", "r1", 7)
-    assert b.loads() == {"w1": {"p": 100, "d": 7}}  # another replica sees it
+    assert b.loads() == {"w1": {"p": 100, "pn": 1, "d": 7, "dn": 1}}  # another replica sees it
     assert b.end("p", "w1", "r1") and not a.end("p", "w1", "r1")
-    assert a.loads()["w1"] == {"p": 0, "d": 7}
+    assert a.loads()["w1"] == {"p": 0, "pn": 0, "d": 7, "dn": 1}
     assert a.reap(now=time.time() + 3600) == 1  # the API that placed r1 died: the deadline ends it
-    assert a.loads()["w1"] == {"p": 0, "d": 0}
+    assert a.loads()["w1"] == {"p": 0, "pn": 0, "d": 0, "dn": 0}
 
 
 def workers(r, n, block_size=16, num_blocks=100):

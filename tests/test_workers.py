@@ -21,6 +21,7 @@ from tests.procs import WorkerProc, wait_registered
 def farm(redis_url, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
     env = make_farm_env(redis_url, tmp)
+    env["FARM_DISAGGREGATION__MODE"] = "always"  # every request takes the handle path here
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     procs = [WorkerProc(env, "prefill", "prefill-t1", tmp), WorkerProc(env, "decode", "decode-t1", tmp)]
@@ -114,3 +115,34 @@ def test_cancel_stops_generation_on_the_worker(farm):
             break
     else:
         pytest.fail("stream ended without done")
+
+
+def with_disagg(cfg, **kw):
+    return cfg.model_copy(update={"disaggregation": cfg.disaggregation.model_copy(update=kw)})
+
+
+def test_conditional_disaggregation_prefills_short_prompts_locally_long_ones_remotely(farm):
+    cfg, r, (prefill, decode) = farm
+    gw = Gateway(with_disagg(cfg, mode="conditional", remote_min_uncached_tokens=300), r)
+    assert gw.layout(cfg.default_model) == "conditional"
+    short, _ = collect(gw.submit(request(cfg, "What is 2+2?", max_tokens=4)))
+    assert short[-1]["prefill"] == "local" and short[-1]["prefill_worker"] == decode.name
+    long_text = "Summarize the following notes. " + " ".join(f"Note {i}: the shipment {i} left on time." for i in range(60))
+    long, _ = collect(gw.submit(request(cfg, long_text, max_tokens=4)))
+    assert long[-1]["prefill"] == "remote" and long[-1]["prefill_worker"] == prefill.name
+
+
+def test_never_mode_and_enforced_mode_without_prefill_workers(farm):
+    cfg, r, (prefill, decode) = farm
+    gw = Gateway(with_disagg(cfg, mode="never"), r)
+    events, text = collect(gw.submit(request(cfg, "What is 2+2?")))
+    assert events[-1]["prefill"] == "local" and "4" in text
+    from farm.gateway import NoWorkersError
+
+    r2 = redis.Redis.from_url(str(cfg.redis.url).rsplit("/", 1)[0] + "/5")
+    r2.flushdb()
+    from farm import registry
+
+    registry.register(r2, registry.WorkerInfo("lonely-decode", "decode", cfg.default_model, "h", 1, 16))
+    with pytest.raises(NoWorkersError, match="always"):
+        Gateway(with_disagg(cfg, mode="always"), r2).layout(cfg.default_model)

@@ -177,10 +177,10 @@ class IndexFollower:
         last = self.r.xrevrange(EVENTS_STREAM, count=1)
         self._last_id = last[0][0].decode() if last else "0-0"
         for w in registry.live_workers(self.r):
-            self.resync_worker(w.worker_id)
+            self.resync_worker(w.worker_id, gap=False)
         self.synced.set()
 
-    def resync_worker(self, worker: str) -> None:
+    def resync_worker(self, worker: str, gap: bool = True) -> None:
         pipe = self.r.pipeline(transaction=True)
         pipe.smembers(worker_blocks_key(worker))
         pipe.get(worker_seq_key(worker))
@@ -190,7 +190,7 @@ class IndexFollower:
         self.index.store(worker, (int(h) for h in members))
         self.index.epochs[worker] = int(epoch)
         self.index.last_event[worker] = int(last or 0)
-        self.resyncs += 1
+        self.resyncs += gap
 
     def poll(self, block_ms: int = 500) -> int:
         """Apply new stream entries; returns the number of events applied."""
@@ -237,5 +237,5 @@ def forget_worker(r: redis.Redis, worker: str) -> None:
     """Delete a departed worker's index and load state from Redis."""
     pipe = r.pipeline()
     pipe.delete(worker_blocks_key(worker), worker_seq_key(worker), active_key("p", worker), active_key("d", worker))
-    pipe.hdel(LOAD_KEY, f"{worker}|p", f"{worker}|d")
+    pipe.hdel(LOAD_KEY, *(f"{worker}|{k}" for k in ("p", "pn", "d", "dn")))
     pipe.execute()

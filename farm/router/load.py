@@ -20,6 +20,7 @@ _BEGIN = """
 local amount = tonumber(ARGV[2])
 if redis.call('ZADD', KEYS[1], 'NX', amount, ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[3], amount)
+  redis.call('HINCRBY', KEYS[2], ARGV[3] .. 'n', 1)
   redis.call('ZADD', KEYS[3], ARGV[4], ARGV[5])
 end
 return 1
@@ -30,11 +31,16 @@ local amount = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if amount then
   redis.call('ZREM', KEYS[1], ARGV[1])
   redis.call('HINCRBY', KEYS[2], ARGV[2], -tonumber(amount))
+  redis.call('HINCRBY', KEYS[2], ARGV[2] .. 'n', -1)
   redis.call('ZREM', KEYS[3], ARGV[3])
   return 1
 end
 return 0
 """
+
+
+def empty_load() -> dict[str, int]:
+    return {"p": 0, "pn": 0, "d": 0, "dn": 0}
 
 
 class LoadTracker:
@@ -55,11 +61,12 @@ class LoadTracker:
                               args=[request_id, f"{worker}|{kind}", member]))
 
     def loads(self) -> dict[str, dict[str, int]]:
-        """{worker: {"p": pending prefill tokens, "d": active decode blocks}} for the whole farm."""
+        """{worker: {"p": pending prefill tokens, "pn": pending prefill requests, "d": active decode
+        blocks, "dn": decoding requests}} for the whole farm, in one round trip."""
         out: dict[str, dict[str, int]] = {}
         for field, value in self.r.hgetall(LOAD_KEY).items():
             w, _, kind = field.decode().rpartition("|")
-            out.setdefault(w, {"p": 0, "d": 0})[kind] = max(0, int(value))
+            out.setdefault(w, empty_load())[kind] = max(0, int(value))
         return out
 
     def reap(self, now: float | None = None) -> int:

@@ -24,7 +24,7 @@ from farm.config import FarmConfig
 from farm.engine.hashing import block_hashes
 from farm.registry import WorkerInfo
 from farm.router.index import IndexFollower, KVIndex
-from farm.router.load import LoadTracker
+from farm.router.load import LoadTracker, empty_load
 from farm.router.policy import Candidate, RoundRobin, kv_costs, softmax_pick
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Router:
         t3 = time.perf_counter()
         cands = []
         for w in workers:
-            ld = loads.get(w.worker_id, {"p": 0, "d": 0})
+            ld = loads.get(w.worker_id) or empty_load()
             cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / self.block_size,
                                    ld["d"], w.num_blocks))
         self._shed_if_busy(cands, stage)

@@ -1,0 +1,276 @@
+"""`farm`: run and inspect an Inference Farm.
+
+    farm up [--detach] [--prefill-workers N] [--decode-workers N] [--workers N] [--port P] ...
+    farm down
+    farm status [--json]
+    farm prepare
+    farm worker --role decode [--model NAME] [--name NAME]
+
+Configuration comes from config/default.yaml, then the file in FARM_CONFIG (or --config), then
+FARM_<SECTION>__<KEY> environment variables. A configuration error exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from farm.config import ConfigError, FarmConfig, load_config
+from farm.protocol import ROLES, queue_name
+
+PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport: `<queue>\x06\x16<priority>` holds priority N
+
+
+# -- farm up ----------------------------------------------------------------------------------------
+def worker_counts(cfg: FarmConfig, prefill: int | None, decode: int | None, both: int | None) -> dict[str, int]:
+    """Worker counts from the flags; `--workers N` alone means N aggregated workers and nothing else."""
+    if both is not None and prefill is None and decode is None:
+        prefill = decode = 0
+    counts = {
+        "prefill": cfg.workers.prefill if prefill is None else prefill,
+        "decode": cfg.workers.decode if decode is None else decode,
+        "both": cfg.workers.both if both is None else both,
+    }
+    if any(n < 0 for n in counts.values()):
+        raise ConfigError(f"worker counts must not be negative: {counts}")
+    if sum(counts.values()) == 0:
+        raise ConfigError("no workers to start: give --workers N, or --prefill-workers N --decode-workers N")
+    if counts["prefill"] and not (counts["decode"] or counts["both"]):
+        raise ConfigError("prefill workers hand every request to a decode worker: add --decode-workers N "
+                          "(or --workers N)")
+    return counts
+
+
+def cmd_up(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    from farm.supervisor import Farm
+
+    counts = worker_counts(cfg, args.prefill_workers, args.decode_workers, args.workers)
+    if args.router_mode:
+        if not hasattr(cfg, "router"):
+            raise ConfigError("--router-mode: this farm has no router settings")
+        # The resolved configuration (with this mode) is what every child process loads.
+        cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"mode": args.router_mode})})
+    models = [m.name for m in cfg.models] if args.all_models else None
+    farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
+                flower=cfg.flower.enabled and not args.no_flower, models=models, grace_s=args.grace)
+    return farm.serve(timeout=args.timeout, detach=args.detach)
+
+
+# -- farm down --------------------------------------------------------------------------------------
+def cmd_down(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    from farm.supervisor import stop_from_state_file
+
+    stopped = stop_from_state_file(cfg, grace_s=args.grace)
+    if stopped:
+        print(f"stopped: {', '.join(stopped)}")
+    else:
+        print(f"no farm is running from {cfg.state_path}")
+    return 0
+
+
+# -- farm status ------------------------------------------------------------------------------------
+def queue_depth(r, queue: str) -> int:
+    """Messages waiting in a Celery queue on Redis, summed over its priority lists."""
+    pipe = r.pipeline(transaction=False)
+    pipe.llen(queue)
+    for pri in range(1, 10):
+        pipe.llen(f"{queue}{PRIORITY_SEP}{pri}")
+    return int(sum(pipe.execute()))
+
+
+def collect_status(cfg: FarmConfig) -> dict[str, Any]:
+    """Everything `farm status` shows, as one JSON-able object."""
+    from farm import redis_server, registry
+    from farm.models import is_prepared, model_dir
+    from farm.supervisor import read_state, recorded_processes
+
+    state = read_state(cfg) or {}
+    out: dict[str, Any] = {
+        "workers": {}, "queues": {}, "processes": [], "models": [],
+        "redis": {"url": cfg.redis.url, "ok": False, "error": None},
+        "state_dir": str(cfg.state_path), "urls": state.get("urls", {}),
+    }
+    for m in cfg.models:
+        out["models"].append({
+            "name": m.name, "default": m.name == cfg.default_model, "source": m.source or m.path,
+            "dir": str(model_dir(cfg, m)), "prepared": is_prepared(cfg, m), "max_model_len": m.max_model_len,
+        })
+    for p in recorded_processes(cfg):
+        out["processes"].append({"name": p.name, "role": p.role, "model": p.model, "pid": p.pid,
+                                 "alive": p.alive(), "log": p.log})
+    models = [m.name for m in cfg.models]
+    for name in models:
+        out["workers"][name] = {role: [] for role in ROLES}
+    r = redis_server.client(cfg.redis.url, timeout=3)
+    try:
+        workers = registry.live_workers(r)
+        out["redis"]["ok"] = True
+        queues: list[str] = []
+        for w in workers:
+            roles = out["workers"].setdefault(w.model, {role: [] for role in ROLES})
+            roles.setdefault(w.role, []).append(asdict(w))
+            if w.model not in models:
+                models.append(w.model)
+            queues += w.queues
+        for name in models:
+            queues += [queue_name(name, kind) for kind in ("prefill", "decode", "generate")]
+        for q in dict.fromkeys(queues):
+            out["queues"][q] = queue_depth(r, q)
+    except Exception as e:  # noqa: BLE001 - any Redis trouble is reported, not raised
+        out["redis"]["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        r.close()
+    return out
+
+
+def print_status(st: dict[str, Any]) -> None:
+    red = st["redis"]
+    print(f"Redis    {red['url']}  " + ("ok" if red["ok"] else f"NOT REACHABLE ({red['error']})"))
+    for key, label in (("api", "API"), ("flower", "Flower")):
+        if st["urls"].get(key):
+            print(f"{label:<8} {st['urls'][key]}")
+    print(f"State    {st['state_dir']}")
+    print("\nModels")
+    for m in st["models"]:
+        flags = " (default)" if m["default"] else ""
+        print(f"  {m['name']}{flags}  {'prepared' if m['prepared'] else 'NOT prepared'}  {m['dir']}")
+    print("\nWorkers")
+    for model, roles in st["workers"].items():
+        parts = []
+        for role, ws in roles.items():
+            names = ", ".join(w["worker_id"] for w in ws)
+            parts.append(f"{role}: {len(ws)}" + (f" ({names})" if names else ""))
+        print(f"  {model}  " + "  ".join(parts))
+    print("\nQueues")
+    if not st["queues"]:
+        print("  (unknown)" if not red["ok"] else "  (none)")
+    width = max((len(q) for q in st["queues"]), default=0)
+    for q, n in st["queues"].items():
+        print(f"  {q:<{width}}  {n}")
+    print("\nProcesses")
+    if not st["processes"]:
+        print("  (none recorded: no farm started from this state dir)")
+    else:
+        width = max(len(p["name"]) for p in st["processes"])
+        for p in st["processes"]:
+            state = "running" if p["alive"] else "DEAD"
+            print(f"  {p['name']:<{width}}  {p['role']:<7} pid {p['pid']:<8} {state:<8} {p['log']}")
+
+
+def cmd_status(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    st = collect_status(cfg)
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print_status(st)
+    return 0 if st["redis"]["ok"] else 1
+
+
+# -- farm prepare / worker --------------------------------------------------------------------------
+def cmd_prepare(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    from farm.models import ModelNotFoundError, prepare_all
+
+    try:
+        paths = prepare_all(cfg, progress=not args.quiet)
+    except ModelNotFoundError as e:
+        print(f"farm: {e}", file=sys.stderr)
+        return 1
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_worker(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    if args.model is not None:
+        try:
+            cfg.model(args.model)
+        except KeyError:
+            raise ConfigError(f"unknown model {args.model!r}; configured: {[m.name for m in cfg.models]}") from None
+    argv = [sys.executable, "-m", "tasks.worker", "--role", args.role]
+    for flag in ("model", "name", "concurrency", "loglevel"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag}", str(value)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+# -- argument parsing -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="farm", description="Inference Farm: run and inspect the serving farm.")
+    p.add_argument("--config", metavar="PATH", help="override file (default: $FARM_CONFIG)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start Redis (if needed), workers, the API and Flower")
+    up.add_argument("--detach", action="store_true",
+                    help="return once every component is healthy, leaving the farm running")
+    up.add_argument("--prefill-workers", type=int, metavar="N", help="prefill workers (default: workers.prefill)")
+    up.add_argument("--decode-workers", type=int, metavar="N", help="decode workers (default: workers.decode)")
+    up.add_argument("--workers", type=int, metavar="N",
+                    help="aggregated (prefill+decode) workers; alone, runs only these")
+    up.add_argument("--all-models", action="store_true", help="workers for every configured model "
+                    "(default: only default_model)")
+    up.add_argument("--port", type=int, metavar="P", help="API port (default: api.port)")
+    up.add_argument("--router-mode", choices=("kv", "round-robin", "random"),
+                    help="how the API places requests on workers (default: router.mode)")
+    up.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    up.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="seconds to wait for every component to become healthy (default: 300)")
+    up.add_argument("--grace", type=float, default=60.0, metavar="S",
+                    help="on stop, seconds workers get to finish their requests (default: 60)")
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="stop the farm recorded in <state_dir>/farm.json")
+    down.add_argument("--grace", type=float, default=60.0, metavar="S",
+                      help="seconds workers get to finish their requests before SIGKILL (default: 60)")
+    down.set_defaults(func=cmd_down)
+
+    status = sub.add_parser("status", help="workers by role, queue depths, processes, models")
+    status.add_argument("--json", action="store_true", help="one JSON object: workers, queues, processes, models")
+    status.set_defaults(func=cmd_status)
+
+    prep = sub.add_parser("prepare", help="prepare (convert) every configured model once")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(func=cmd_prepare)
+
+    w = sub.add_parser("worker", help="run one worker in the foreground (e.g. on a second machine)")
+    w.add_argument("--role", choices=ROLES, required=True)
+    w.add_argument("--model", help="model name from the config (default: default_model)")
+    w.add_argument("--name", help="worker id (default: <role>@<hostname>)")
+    w.add_argument("--concurrency", type=int, help="task threads (default: celery.worker_threads)")
+    w.add_argument("--loglevel", help="log level (default: INFO)")
+    w.set_defaults(func=cmd_worker)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    if args.config:
+        os.environ["FARM_CONFIG"] = os.path.abspath(args.config)  # children (farm worker) see it too
+    try:
+        cfg = load_config(args.config)
+        return args.func(cfg, args)
+    except ConfigError as e:
+        print(f"farm: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from farm.supervisor import FarmError
+
+        if isinstance(e, FarmError):
+            print(f"farm: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
