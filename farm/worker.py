@@ -26,6 +26,7 @@ from farm.router.events import KVEventPublisher
 from farm.router.keys import BLOCK_SIZE_KEY, claim_key, direct_queue
 from farm.streams import StreamWriter
 from farm.transfer.handle import sign_handle
+from farm.transfer.shm import host_id as shm_host_id
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,8 @@ class WorkerRuntime:
                              handle_ttl_s=cfg.transfer.handle_ttl_s)
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
                                     self.engine.abort)
-        self.transfer = TransferServer(worker_id, self.secret, self._export, self.engine.release_held,
-                                       cfg.transfer.bind_host)
+        self.transfer = TransferServer(worker_id, self.secret, self._check_held, self.engine.runner.read_blocks,
+                                       self.engine.release_held, cfg.transfer.bind_host)
         self.info = registry.WorkerInfo(
             worker_id=worker_id, role=role, model=model, hostname=socket.gethostname(), pid=os.getpid(),
             block_size=cfg.engine.block_size,
@@ -93,12 +94,11 @@ class WorkerRuntime:
         self.kv_events.stop()
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _export(self, handle: dict[str, Any]):
+    def _check_held(self, handle: dict[str, Any]) -> None:
         rid = handle["request_id"]
         held = self.engine.held.get(rid)
         if held is None or held.seq.block_table != handle["block_ids"]:
             raise TransferError(f"no blocks held for request {rid} (expired or already pulled)")
-        return self.engine.runner.read_blocks(handle["block_ids"])
 
     def _run(self, req: GenerationRequest, on_done, **submit_kw) -> RequestOutput:
         """Submit to the engine, stream deltas, and block until the request finishes."""
@@ -172,7 +172,8 @@ class WorkerRuntime:
             data = self.engine.runner.read_blocks(out.held_blocks)
             handle = sign_handle({
                 "request_id": req.request_id, "worker_id": self.worker_id,
-                "endpoint": self.info.transfer_endpoint, "transport": "tcp",
+                "endpoint": self.info.transfer_endpoint, "host_id": shm_host_id(),
+                "transport": ",".join(self.cfg.transfer.transports),
                 "block_ids": out.held_blocks, "block_hashes": [str(h) for h in (out.block_hashes or [])],
                 "num_tokens": len(req.prompt_token_ids), "first_token": out.first_token,
                 "cached_tokens": out.cached_tokens, "layout": self.engine.runner.layout.to_dict(),
@@ -201,7 +202,7 @@ class WorkerRuntime:
         prefill_worker, mode, cached = self.worker_id, "local", None
         if handle:
             try:
-                data = fetch_blocks(handle, self.secret)
+                data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports)
                 if data.shape[3] != self.cfg.engine.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]))

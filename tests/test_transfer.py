@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from farm.config import EngineConfig
 from farm.engine.engine import Engine
 from farm.protocol import SamplingParams
 from farm.transfer.handle import HandleError, sign_handle, verify_handle
+from farm.transfer.shm import host_id, import_from_shm
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
 
 SECRET = b"k" * 32
@@ -18,6 +20,7 @@ SECRET = b"k" * 32
 
 def base_handle(**kw):
     h = {"request_id": "r1", "worker_id": "w1", "endpoint": "127.0.0.1:1", "transport": "tcp",
+         "host_id": "elsewhere",
          "block_ids": [1, 2], "block_hashes": ["9"], "num_tokens": 20, "first_token": 5, "cached_tokens": 0,
          "layout": {}, "checksum": "0", "expires_at": time.time() + 60}
     h.update(kw)
@@ -43,13 +46,11 @@ def test_sign_verify_and_tamper_detection():
 def prefill_side(tiny_model_dir):
     eng = Engine(tiny_model_dir, EngineConfig(block_size=4), max_model_len=256).start()
 
-    def export(h):
-        held = eng.held.get(h["request_id"])
-        if held is None:
+    def check(h):
+        if h["request_id"] not in eng.held:
             raise TransferError("not held")
-        return eng.runner.read_blocks(h["block_ids"])
 
-    server = TransferServer("w1", SECRET, export, eng.release_held, "127.0.0.1").start()
+    server = TransferServer("w1", SECRET, check, eng.runner.read_blocks, eng.release_held, "127.0.0.1").start()
     yield eng, server
     server.stop()
     eng.stop()
@@ -77,12 +78,15 @@ def make_handle(eng, server, out, **kw):
     return sign_handle(base_handle(**fields), SECRET)
 
 
-def test_pull_over_tcp_returns_exact_blocks_and_releases_them(prefill_side):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pull_returns_exact_blocks_and_releases_them(prefill_side, transport):
     eng, server = prefill_side
     out = hold(eng, list(range(100, 118)))
-    expected = eng.runner.read_blocks(out.held_blocks)
-    h = make_handle(eng, server, out)
+    expected = eng.runner.read_blocks(out.held_blocks).clone()
+    h = make_handle(eng, server, out, transport="tcp,shm", host_id=host_id() if transport == "shm" else "other")
+    before = set(os.listdir("/dev/shm"))
     data = fetch_blocks(h, SECRET)
+    assert set(os.listdir("/dev/shm")) == before  # the shared-memory file is gone once mapped
     assert torch.equal(data, expected)
     deadline = time.time() + 2
     while eng.held and time.time() < deadline:
@@ -116,3 +120,10 @@ def test_unreachable_worker_is_a_transfer_error():
                                         "dtype": "float32"}), SECRET)
     with pytest.raises(TransferError, match="cannot pull"):
         fetch_blocks(h, SECRET, timeout=2)
+
+
+def test_shm_refuses_paths_it_did_not_create():
+    with pytest.raises(ValueError, match="refusing"):
+        import_from_shm("/etc/passwd", 10, torch.uint8, (10,))
+    with pytest.raises(ValueError, match="refusing"):
+        import_from_shm("/dev/shm/../../etc/passwd", 10, torch.uint8, (10,))

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 SIGNED_FIELDS = (
-    "request_id", "worker_id", "endpoint", "transport", "block_ids", "block_hashes", "num_tokens",
+    "request_id", "worker_id", "endpoint", "host_id", "transport", "block_ids", "block_hashes", "num_tokens",
     "first_token", "cached_tokens", "layout", "checksum", "expires_at",
 )
 

@@ -1,10 +1,14 @@
-"""TCP transport: each worker runs a small transfer server; decode workers pull held blocks from it.
+"""The KV transfer server each worker runs, and the client decode workers use to pull held blocks.
 
-Works between processes on one host (loopback) and across hosts. Protocol, one pull per connection:
-client sends one JSON line `{"handle": {...}}`; the server verifies the handle (signature, expiry, that it
-names this worker and blocks it holds), answers one JSON line `{"ok": true, "nbytes": N}` and then N raw
-bytes of the blocks `[layers, 2, n_blocks, block_size, kv_heads, head_dim]`, or `{"ok": false, "error"}`.
-The blocks are released on the server once sent. The receiver checks the checksum from the handle.
+One pull per connection. The client sends one JSON line `{"handle": {...}, "mode": "tcp"|"shm"}`; the
+server verifies the handle (signature, expiry, that it names this worker and blocks it still holds)
+before touching memory, then either
+- tcp: answers `{"ok": true, "nbytes": N}` and streams the N raw bytes of the blocks
+  `[layers, 2, n_blocks, block_size, kv_heads, head_dim]` (works across hosts), or
+- shm (same host): gathers the blocks into a /dev/shm file, answers `{"ok": true, "shm": path, ...}`,
+  and waits for the client's `{"done": true}` after it mapped the file;
+or `{"ok": false, "error"}`. The held blocks are released once the pull is over. The receiver checks
+the checksum carried by the (signed) handle.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from typing import Any
 import torch
 import xxhash
 
+from farm.transfer import shm
 from farm.transfer.handle import HandleError, verify_handle
 
 log = logging.getLogger(__name__)
 
 MAX_HEADER = 1 << 20
+ReadBlocks = Callable[..., torch.Tensor]  # read_blocks(block_ids, out=None) -> tensor
 
 
 class TransferError(RuntimeError):
@@ -46,10 +52,22 @@ def _read_line(sock_file) -> dict[str, Any]:
     return json.loads(line)
 
 
-class TransferServer:
-    """Serves held blocks. `export(handle) -> tensor` reads them; `release(request_id)` frees them."""
+def _send(wfile, obj: dict[str, Any]) -> None:
+    wfile.write(json.dumps(obj).encode() + b"\n")
+    wfile.flush()
 
-    def __init__(self, worker_id: str, secret: bytes, export: Callable[[dict], torch.Tensor],
+
+def handle_shape(h: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype]:
+    lay = h["layout"]
+    shape = (lay["num_layers"], 2, len(h["block_ids"]), lay["block_size"], lay["num_kv_heads"], lay["head_dim"])
+    return shape, getattr(torch, lay["dtype"])
+
+
+class TransferServer:
+    """Serves held blocks: `check(handle)` raises if they are not held, `read_blocks` gathers them,
+    `release(request_id)` frees them after the pull."""
+
+    def __init__(self, worker_id: str, secret: bytes, check: Callable[[dict], None], read_blocks: ReadBlocks,
                  release: Callable[[str], None], bind_host: str = "0.0.0.0", port: int = 0):
         self.worker_id = worker_id
         outer = self
@@ -61,15 +79,32 @@ class TransferServer:
                     h = verify_handle(msg.get("handle"), secret)
                     if h["worker_id"] != outer.worker_id:
                         raise HandleError("handle names another worker")
-                    data = export(h)
+                    check(h)
                 except (HandleError, TransferError, KeyError, ValueError) as e:
-                    self.wfile.write(json.dumps({"ok": False, "error": str(e)}).encode() + b"\n")
+                    _send(self.wfile, {"ok": False, "error": str(e)})
                     return
-                view = _bytes_view(data)
-                self.wfile.write(json.dumps({"ok": True, "nbytes": len(view)}).encode() + b"\n")
+                try:
+                    if msg.get("mode") == "shm" and shm.available():
+                        self._serve_shm(h)
+                    else:
+                        self._serve_tcp(h)
+                finally:
+                    release(h["request_id"])
+
+            def _serve_tcp(self, h: dict[str, Any]) -> None:
+                view = _bytes_view(read_blocks(h["block_ids"]))
+                _send(self.wfile, {"ok": True, "nbytes": len(view)})
                 self.wfile.write(view)
                 self.wfile.flush()
-                release(h["request_id"])
+
+            def _serve_shm(self, h: dict[str, Any]) -> None:
+                shape, dtype = handle_shape(h)
+                path, nbytes = shm.export_to_shm(read_blocks, h["block_ids"], shape, dtype)
+                try:
+                    _send(self.wfile, {"ok": True, "shm": path, "nbytes": nbytes})
+                    self.rfile.readline(MAX_HEADER)  # the client's "done" (or EOF if it gave up)
+                finally:
+                    shm.discard(path)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -88,35 +123,44 @@ class TransferServer:
         self.server.server_close()
 
 
-def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0) -> torch.Tensor:
-    """Pull the blocks a handle names; returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
+def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, allow_shm: bool = True) -> torch.Tensor:
+    """Pull the blocks a handle names: through shared memory when the handle's worker is on this host
+    (and offers it), else over TCP. Returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
     try:
         h = verify_handle(handle, secret)
     except HandleError as e:
         raise TransferError(str(e)) from e
     host, _, port = str(h["endpoint"]).rpartition(":")
-    lay = h["layout"]
-    shape = (lay["num_layers"], 2, len(h["block_ids"]), lay["block_size"], lay["num_kv_heads"], lay["head_dim"])
-    dtype = getattr(torch, lay["dtype"])
+    shape, dtype = handle_shape(h)
+    use_shm = allow_shm and "shm" in str(h["transport"]).split(",") and h.get("host_id") == shm.host_id()
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            sock.sendall(json.dumps({"handle": h}).encode() + b"\n")
-            f = sock.makefile("rb")
+            f = sock.makefile("rwb")
+            _send(f, {"handle": h, "mode": "shm" if use_shm else "tcp"})
             head = _read_line(f)
             if not head.get("ok"):
                 raise TransferError(f"transfer refused by {h['endpoint']}: {head.get('error')}")
-            nbytes = int(head["nbytes"])
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            view = memoryview(buf.numpy()).cast("B")
-            got = 0
-            while got < nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise TransferError("connection closed mid-transfer")
-                got += n
+            if "shm" in head:
+                data = shm.import_from_shm(head["shm"], int(head["nbytes"]), dtype, shape)
+                _send(f, {"done": True})
+            else:
+                data = _receive(f, int(head["nbytes"])).view(dtype).reshape(shape)
     except OSError as e:
         raise TransferError(f"cannot pull KV from {h['endpoint']}: {e}") from e
-    data = buf.view(dtype).reshape(shape)
+    except ValueError as e:
+        raise TransferError(f"bad transfer from {h['endpoint']}: {e}") from e
     if checksum(data) != h["checksum"]:
         raise TransferError("KV checksum mismatch")
     return data
+
+
+def _receive(f, nbytes: int) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy()).cast("B")
+    got = 0
+    while got < nbytes:
+        n = f.readinto(view[got:])
+        if not n:
+            raise TransferError("connection closed mid-transfer")
+        got += n
+    return buf
