@@ -65,7 +65,7 @@ class TransferConfig(_Section):
     advertise_host: str = "127.0.0.1"
     bind_host: str = "0.0.0.0"
     handle_ttl_s: float = Field(120, gt=0)
-    transports: list[Literal["shm", "tcp"]] = Field(default_factory=lambda: ["shm", "tcp"], min_length=1)
+    transports: list[Literal["nixl", "shm", "tcp"]] = Field(default_factory=lambda: ["shm", "tcp"], min_length=1)
 
     @model_validator(mode="after")
     def _tcp_required(self) -> TransferConfig:

@@ -49,8 +49,16 @@ class WorkerRuntime:
                              handle_ttl_s=cfg.transfer.handle_ttl_s)
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
                                     self.engine.abort)
+        self.nixl = None
+        if "nixl" in cfg.transfer.transports:
+            from farm.transfer import nixl
+
+            if nixl.available():
+                self.nixl = nixl.NixlSource(worker_id, self.engine.runner.kv)
+            else:
+                log.warning("transfer.transports lists nixl but the nixl package is not installed")
         self.transfer = TransferServer(worker_id, self.secret, self._check_held, self.engine.runner.read_blocks,
-                                       self.engine.release_held, cfg.transfer.bind_host)
+                                       self.engine.release_held, cfg.transfer.bind_host, nixl_source=self.nixl)
         self.info = registry.WorkerInfo(
             worker_id=worker_id, role=role, model=model, hostname=socket.gethostname(), pid=os.getpid(),
             block_size=cfg.engine.block_size,
@@ -173,7 +181,7 @@ class WorkerRuntime:
             handle = sign_handle({
                 "request_id": req.request_id, "worker_id": self.worker_id,
                 "endpoint": self.info.transfer_endpoint, "host_id": shm_host_id(),
-                "transport": ",".join(self.cfg.transfer.transports),
+                "transport": ",".join(t for t in self.cfg.transfer.transports if t != "nixl" or self.nixl),
                 "block_ids": out.held_blocks, "block_hashes": [str(h) for h in (out.block_hashes or [])],
                 "num_tokens": len(req.prompt_token_ids), "first_token": out.first_token,
                 "cached_tokens": out.cached_tokens, "layout": self.engine.runner.layout.to_dict(),
@@ -202,7 +210,9 @@ class WorkerRuntime:
         prefill_worker, mode, cached = self.worker_id, "local", None
         if handle:
             try:
-                data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports)
+                data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports,
+                                    nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
+                                    device=self.engine.runner.device)
                 if data.shape[3] != self.cfg.engine.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]))

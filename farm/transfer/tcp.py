@@ -68,7 +68,8 @@ class TransferServer:
     `release(request_id)` frees them after the pull."""
 
     def __init__(self, worker_id: str, secret: bytes, check: Callable[[dict], None], read_blocks: ReadBlocks,
-                 release: Callable[[str], None], bind_host: str = "0.0.0.0", port: int = 0):
+                 release: Callable[[str], None], bind_host: str = "0.0.0.0", port: int = 0,
+                 nixl_source: Any = None):
         self.worker_id = worker_id
         outer = self
 
@@ -84,7 +85,10 @@ class TransferServer:
                     _send(self.wfile, {"ok": False, "error": str(e)})
                     return
                 try:
-                    if msg.get("mode") == "shm" and shm.available():
+                    if msg.get("mode") == "nixl" and nixl_source is not None:
+                        _send(self.wfile, {"ok": True, "nixl": nixl_source.offer(h["block_ids"])})
+                        self.rfile.readline(MAX_HEADER)  # the puller's "done" after its READ completed
+                    elif msg.get("mode") == "shm" and shm.available():
                         self._serve_shm(h)
                     else:
                         self._serve_tcp(h)
@@ -123,24 +127,34 @@ class TransferServer:
         self.server.server_close()
 
 
-def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, allow_shm: bool = True) -> torch.Tensor:
-    """Pull the blocks a handle names: through shared memory when the handle's worker is on this host
-    (and offers it), else over TCP. Returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
+def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, allow_shm: bool = True,
+                 nixl_name: str | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """Pull the blocks a handle names: NIXL when both sides have it (`nixl_name` set), else shared
+    memory when the handle's worker is on this host (and offers it), else TCP.
+    Returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
     try:
         h = verify_handle(handle, secret)
     except HandleError as e:
         raise TransferError(str(e)) from e
     host, _, port = str(h["endpoint"]).rpartition(":")
     shape, dtype = handle_shape(h)
-    use_shm = allow_shm and "shm" in str(h["transport"]).split(",") and h.get("host_id") == shm.host_id()
+    offered = str(h["transport"]).split(",")
+    use_shm = allow_shm and "shm" in offered and h.get("host_id") == shm.host_id()
+    mode = "nixl" if nixl_name and "nixl" in offered else ("shm" if use_shm else "tcp")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
             f = sock.makefile("rwb")
-            _send(f, {"handle": h, "mode": "shm" if use_shm else "tcp"})
+            _send(f, {"handle": h, "mode": mode})
             head = _read_line(f)
             if not head.get("ok"):
                 raise TransferError(f"transfer refused by {h['endpoint']}: {head.get('error')}")
-            if "shm" in head:
+            if "nixl" in head:
+                from farm.transfer.nixl import nixl_read
+
+                data = nixl_read(nixl_name, head["nixl"], shape, dtype, device or torch.device("cpu"),
+                                 h["request_id"].encode(), timeout).cpu()
+                _send(f, {"done": True})
+            elif "shm" in head:
                 data = shm.import_from_shm(head["shm"], int(head["nbytes"]), dtype, shape)
                 _send(f, {"done": True})
             else:

