@@ -208,11 +208,12 @@ class WorkerRuntime:
             return {"finish_reason": "skipped"}
         kv_import = None
         prefill_worker, mode, cached = self.worker_id, "local", None
+        pull: dict[str, Any] = {}
         if handle:
             try:
                 data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports,
                                     nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
-                                    device=self.engine.runner.device)
+                                    device=self.engine.runner.device, info=pull)
                 if data.shape[3] != self.cfg.engine.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]))
@@ -220,7 +221,8 @@ class WorkerRuntime:
             except TransferError as e:
                 log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)
         self.streams.emit(req.request_id, {"type": "start", "role": "decode", "worker": self.worker_id,
-                                           "prefill_worker": prefill_worker, "prefill": mode})
+                                           "prefill_worker": prefill_worker, "prefill": mode,
+                                           "kv_transfer": pull if mode == "remote" else None})
         out = self._run(req, lambda o: self._finish_event(req, o, prefill_worker, mode, cached),
                         kv_import=kv_import)
         return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}

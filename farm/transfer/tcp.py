@@ -18,6 +18,7 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -128,10 +129,12 @@ class TransferServer:
 
 
 def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, allow_shm: bool = True,
-                 nixl_name: str | None = None, device: torch.device | None = None) -> torch.Tensor:
+                 nixl_name: str | None = None, device: torch.device | None = None,
+                 info: dict[str, Any] | None = None) -> torch.Tensor:
     """Pull the blocks a handle names: NIXL when both sides have it (`nixl_name` set), else shared
     memory when the handle's worker is on this host (and offers it), else TCP.
-    Returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
+    Returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]; `info` (if given) gets the transport
+    used, the bytes moved and the seconds taken."""
     try:
         h = verify_handle(handle, secret)
     except HandleError as e:
@@ -141,6 +144,7 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
     offered = str(h["transport"]).split(",")
     use_shm = allow_shm and "shm" in offered and h.get("host_id") == shm.host_id()
     mode = "nixl" if nixl_name and "nixl" in offered else ("shm" if use_shm else "tcp")
+    t0 = time.perf_counter()
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
             f = sock.makefile("rwb")
@@ -165,6 +169,8 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
         raise TransferError(f"bad transfer from {h['endpoint']}: {e}") from e
     if checksum(data) != h["checksum"]:
         raise TransferError("KV checksum mismatch")
+    if info is not None:
+        info.update(transport=mode, bytes=data.numel() * data.element_size(), seconds=time.perf_counter() - t0)
     return data
 
 
