@@ -62,6 +62,45 @@ class PrefillChunk:
     block_table: list[int]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[layers, 2, blocks, ...] as [layers*2, blocks, block_elems]: gathers along a middle dim of a 6-d
+    tensor are ~20x slower on CPU than along this 3-d view."""
+    return t.view(t.shape[0] * t.shape[1], t.shape[2], -1)
+
+
+def gather_blocks(kv: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy blocks out of a cache [layers, 2, num_blocks, ...] into [layers, 2, n, ...] (or `out`)."""
+    shape = (*kv.shape[:2], len(block_ids), *kv.shape[3:])
+    if out is None:
+        out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    src, dst = _flat(kv), _flat(out)
+    j = 0
+    for start, length in _runs(block_ids):  # block tables are mostly runs: strided slice copies, no temp
+        dst[:, j:j + length].copy_(src[:, start:start + length])
+        j += length
+    return out
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """[3, 4, 5, 9, 10] -> [(3, 3), (9, 2)]: consecutive ids as (start, length)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
+    """Write [layers, 2, n, ...] into the cache's blocks `block_ids`."""
+    src, dst = _flat(data.to(device=kv.device, dtype=kv.dtype)), _flat(kv)
+    j = 0
+    for start, length in _runs(block_ids):
+        dst[:, start:start + length].copy_(src[:, j:j + length])
+        j += length
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -102,23 +141,12 @@ class ModelRunner:
                  self.device, self.dtype, len(self.layers), self.num_blocks, block_size)
 
     # -- KV cache access (used by transfer) ---------------------------------------------------------
-    def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        """[layers, 2, blocks, ...] as [layers*2, blocks, block_elems]: gathers along a middle dim of a
-        6-d tensor are ~20x slower on CPU than along this 3-d view."""
-        return t.view(t.shape[0] * t.shape[1], t.shape[2], -1)
-
     def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous copy of the given blocks: [layers, 2, n, block_size, kv_heads, head_dim]."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        shape = (*self.kv.shape[:2], len(block_ids), *self.kv.shape[3:])
-        if out is None:
-            return self._flat(self.kv)[:, idx].view(shape)
-        self._flat(out).copy_(self._flat(self.kv)[:, idx])
-        return out
+        return gather_blocks(self.kv, block_ids, out)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        self._flat(self.kv)[:, idx] = self._flat(data.to(device=self.device, dtype=self.dtype))
+        scatter_blocks(self.kv, block_ids, data)
 
     # -- forward ------------------------------------------------------------------------------------
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:

@@ -1,8 +1,7 @@
 """Same-host shared memory for KV transfer: blocks are gathered straight into a file in /dev/shm.
 
-The prefill worker gathers the held blocks with one `index_select(out=...)` into a memory-mapped file;
-the decode worker maps the same file (copy-on-write, no read until used) and the engine copies from it
-into its own cache: no bytes objects, no socket copies. The file is unlinked as soon as the receiver
+The prefill worker gathers the held blocks straight into a memory-mapped file; the decode worker maps
+the same file and the engine copies from it into its own cache: no bytes objects, no socket copies. The file is unlinked as soon as the receiver
 has mapped it, so nothing is left behind if either side dies. Only names the farm created
 (`/dev/shm/farm-kv-<hex>`) are accepted, so a handle cannot make a worker map an arbitrary file.
 """
@@ -65,7 +64,7 @@ def import_from_shm(path: str, nbytes: int, dtype: torch.dtype, shape: tuple[int
     if not _NAME.match(path):
         raise ValueError(f"refusing shared-memory path {path!r}")
     try:
-        raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # maps, never copies
     finally:
         try:
             os.unlink(path)
