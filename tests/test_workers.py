@@ -146,3 +146,21 @@ def test_never_mode_and_enforced_mode_without_prefill_workers(farm):
     registry.register(r2, registry.WorkerInfo("lonely-decode", "decode", cfg.default_model, "h", 1, 16))
     with pytest.raises(NoWorkersError, match="always"):
         Gateway(with_disagg(cfg, mode="always"), r2).layout(cfg.default_model)
+
+
+def test_block_pools_return_to_their_starting_state(farm):
+    """After every request above (including cancelled and fallen-back ones) nothing is held or leaked."""
+    import json
+
+    from farm import registry
+
+    cfg, r, procs = farm
+    deadline = time.time() + 15
+    while True:
+        stats = {p.name: json.loads(r.get(registry.alive_key(p.name)) or "{}") for p in procs}
+        clean = all(s.get("held") == 0 and s.get("running") == 0 and s.get("waiting") == 0
+                    and s.get("blocks_free") == s.get("blocks_total") for s in stats.values())
+        if clean or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert clean, stats
