@@ -167,20 +167,23 @@ class ModelRunner:
         def attend(li: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
             outs = []
             for off, n, c in spans:
-                qs = q[off:off + n].transpose(0, 1)  # [heads, n, d]
+                # 4-d inputs ([1, heads, n, d]) take SDPA's fused CPU kernel; 3-d ones fall back to the
+                # slow math path (8x slower at 2k tokens).
+                qs = q[off:off + n].transpose(0, 1)[None]
                 ctx = c.start + n
                 if c.start == 0:
-                    ks = k_new[off:off + n].transpose(0, 1)
-                    vs = v_new[off:off + n].transpose(0, 1)
+                    ks = k_new[off:off + n].transpose(0, 1)[None]
+                    vs = v_new[off:off + n].transpose(0, 1)[None]
                     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scaling,
                                                        enable_gqa=True)
                 else:
                     cslots = torch.tensor(self._slots(c.block_table, 0, ctx), device=self.device)
-                    ks = k_cache[cslots].transpose(0, 1)
-                    vs = v_cache[cslots].transpose(0, 1)
+                    ks = k_cache[cslots].transpose(0, 1)[None]
+                    vs = v_cache[cslots].transpose(0, 1)[None]
                     mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(ctx - n)
                     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling,
                                                        enable_gqa=True)
+                o = o[0]
                 outs.append(o.transpose(0, 1).reshape(n, -1))
             return torch.cat(outs, 0)
 

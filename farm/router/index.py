@@ -227,8 +227,9 @@ class IndexFollower:
                     self.prune()
                     if self.maintenance:
                         self.maintenance()
-            except redis.RedisError:
-                log.warning("KV index follower: Redis error; resyncing when it is back", exc_info=True)
+            except redis.RedisError as e:
+                if self.synced.is_set():
+                    log.warning("KV index follower: Redis unreachable (%s); resyncing when it is back", e)
                 self.synced.clear()
                 self._stop.wait(1.0)
 
