@@ -42,6 +42,9 @@ from farm.router.router import BusyError, Placement, Router
 
 log = logging.getLogger(__name__)
 
+OBS_STREAM = "farm:obs"  # one entry per finished request: ttft, itl, isl, osl (read by the planner)
+OBS_MAXLEN = 20_000
+
 __all__ = ["BusyError", "Gateway", "GatewayTimeout", "NoWorkersError", "Submission"]
 
 
@@ -78,6 +81,10 @@ class Submission:
         self.finished = False
         self._started = False
         self._loads_open = {"p", "d"}
+        self._t0 = time.monotonic()
+        self.ttft_s: float | None = None
+        self._last_delta: float | None = None
+        self._itl_sum, self._itl_n = 0.0, 0
 
     @property
     def predicted_overlap_tokens(self) -> int:
@@ -143,16 +150,44 @@ class Submission:
                     kind = ev.get("type")
                     if kind == "delta" or (kind == "start" and ev.get("role") == "decode"):
                         self._end_load("p")
+                    if kind == "delta" and ev.get("n"):
+                        self._observe_delta(ev["n"])
                     if kind in ("done", "error"):
                         self.finished = True
                         self._end_load("p")
                         self._end_load("d")
                         if kind == "done":
                             metrics.record_usage(self.req.model, ev.get("usage", {}), ev.get("prefill"))
+                            self._record_observation(ev)
                         self.gw.r.delete(key)
                     yield ev
                     if self.finished:
                         return
+
+    def _observe_delta(self, n: int) -> None:
+        now = time.monotonic()
+        if self.ttft_s is None:
+            self.ttft_s = now - self._t0
+        elif self._last_delta is not None:
+            self._itl_sum += now - self._last_delta
+            self._itl_n += n
+        self._last_delta = now
+
+    @property
+    def itl_s(self) -> float | None:
+        return self._itl_sum / self._itl_n if self._itl_n else None
+
+    def _record_observation(self, done: dict[str, Any]) -> None:
+        """What the planner plans from: observed latency and request sizes, in a capped stream."""
+        usage = done.get("usage", {})
+        obs = {"model": self.req.model, "ts": time.time(), "ttft": self.ttft_s or 0.0, "itl": self.itl_s or 0.0,
+               "isl": usage.get("prompt_tokens", 0), "osl": usage.get("completion_tokens", 0),
+               "prefill": done.get("prefill", "")}
+        metrics.observe_latency(self.req.model, self.ttft_s, self.itl_s)
+        try:
+            self.gw.r.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
+        except redis.RedisError:
+            pass
 
     def cancel(self) -> None:
         """Tell the workers to stop generating (client gone); idempotent."""

@@ -38,3 +38,15 @@ def record_usage(model: str, usage: dict[str, int], prefill_mode: str | None) ->
     COMPLETION_TOKENS.labels(model=model).inc(usage.get("completion_tokens", 0))
     if prefill_mode:
         PREFILL_MODE.labels(mode=prefill_mode).inc()
+
+TTFT_SECONDS = Histogram("farm_ttft_seconds", "Time to first token seen by the gateway", ["model"],
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+ITL_SECONDS = Histogram("farm_itl_seconds", "Mean inter-token latency per request", ["model"],
+                        buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1))
+
+
+def observe_latency(model: str, ttft_s: float | None, itl_s: float | None) -> None:
+    if ttft_s is not None:
+        TTFT_SECONDS.labels(model=model).observe(ttft_s)
+    if itl_s is not None:
+        ITL_SECONDS.labels(model=model).observe(itl_s)
