@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 ROUTING_DECISIONS = Counter("farm_routing_decisions_total", "Routing decisions", ["mode", "stage"])
 ROUTING_STAGE_SECONDS = Histogram(
@@ -50,3 +50,61 @@ def observe_latency(model: str, ttft_s: float | None, itl_s: float | None) -> No
         TTFT_SECONDS.labels(model=model).observe(ttft_s)
     if itl_s is not None:
         ITL_SECONDS.labels(model=model).observe(itl_s)
+
+REQUESTS = Counter("farm_requests_total", "Generation requests answered by the API", ["model", "status"])
+QUEUE_DEPTH = Gauge("farm_queue_depth", "Messages waiting in a Celery queue", ["queue"])
+KV_BLOCKS = Gauge("farm_kv_blocks", "KV blocks per worker, tier and state", ["worker", "tier", "state"])
+WORKERS = Gauge("farm_workers", "Live workers", ["model", "role"])
+KV_HIT_RATIO = Gauge("farm_kv_hit_ratio", "Prompt tokens served from a worker's prefix cache / looked up",
+                     ["worker"])
+
+
+class FarmCollector:
+    """Farm-wide gauges read from Redis at scrape time: queue depths and every worker's KV state."""
+
+    def __init__(self, r, cfg):
+        self.r, self.cfg = r, cfg
+
+    def refresh(self) -> None:
+        import json
+
+        from farm import registry
+        from farm.protocol import queue_name
+        from farm.router.keys import direct_queue
+
+        try:
+            workers = registry.live_workers(self.r)
+            queues = [queue_name(m.name, k) for m in self.cfg.models for k in ("prefill", "decode", "generate")]
+            queues += [direct_queue(w.worker_id) for w in workers]
+            pipe = self.r.pipeline()
+            for q in queues:
+                pipe.llen(q)
+            for w in workers:
+                pipe.get(registry.alive_key(w.worker_id))
+            res = pipe.execute()
+        except Exception:  # noqa: BLE001 - Redis down: keep the last values, the API reports 503 elsewhere
+            return
+        for q, n in zip(queues, res[: len(queues)], strict=True):
+            QUEUE_DEPTH.labels(queue=q).set(n)
+        WORKERS.clear()
+        counts: dict[tuple[str, str], int] = {}
+        for w in workers:
+            counts[(w.model, w.role)] = counts.get((w.model, w.role), 0) + 1
+        for (model, role), n in counts.items():
+            WORKERS.labels(model=model, role=role).set(n)
+        KV_BLOCKS.clear()
+        KV_HIT_RATIO.clear()
+        for w, raw in zip(workers, res[len(queues):], strict=True):
+            stats = json.loads(raw) if raw else {}
+            total, free = stats.get("blocks_total", 0), stats.get("blocks_free", 0)
+            KV_BLOCKS.labels(worker=w.worker_id, tier="device", state="used").set(total - free)
+            KV_BLOCKS.labels(worker=w.worker_id, tier="device", state="free").set(free)
+            KV_BLOCKS.labels(worker=w.worker_id, tier="device", state="cached").set(stats.get("cached_blocks", 0))
+            for tier in ("host", "disk"):
+                t = stats.get("tiers", {}).get(tier)
+                if t:
+                    KV_BLOCKS.labels(worker=w.worker_id, tier=tier, state="used").set(t.get("used", 0))
+                    KV_BLOCKS.labels(worker=w.worker_id, tier=tier, state="free").set(
+                        t.get("capacity_blocks", 0) - t.get("used", 0))
+            q = stats.get("prefix_query_tokens", 0)
+            KV_HIT_RATIO.labels(worker=w.worker_id).set(stats.get("prefix_hit_tokens", 0) / q if q else 0.0)

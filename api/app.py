@@ -1,0 +1,48 @@
+"""Flask application factory: `gunicorn 'api.app:create_app()'` serves the farm's OpenAI API."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+from flask import Flask
+
+from api.errors import register_error_handlers
+from farm.config import FarmConfig, get_config
+from farm.gateway import Gateway
+from farm.metrics import FarmCollector
+from farm.tokenization import get_tokenizer
+
+
+class FarmContext:
+    """What every request handler shares in one API process: config, Redis, gateway, tokenizers."""
+
+    def __init__(self, cfg: FarmConfig, gateway: Gateway | None = None):
+        self.cfg = cfg
+        self.redis = redis.Redis.from_url(cfg.redis.url, health_check_interval=10, socket_keepalive=True)
+        self.gateway = gateway or Gateway(cfg, self.redis)
+        self.farm_collector = FarmCollector(self.redis, cfg)
+        self.started = int(time.time())
+        self._lock = threading.Lock()
+
+    def tokenizer(self, model: str):
+        with self._lock:
+            return get_tokenizer(self.cfg, model)
+
+
+def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None) -> Flask:
+    cfg = cfg or get_config()
+    app = Flask("inference-farm")
+    app.config["MAX_CONTENT_LENGTH"] = cfg.api.max_body_bytes
+    app.json.sort_keys = False
+    app.extensions["farm"] = FarmContext(cfg, gateway)
+    register_error_handlers(app)
+    from api.routes import health, metrics, openai
+
+    app.register_blueprint(openai.bp)
+    app.register_blueprint(health.bp)
+    app.register_blueprint(metrics.bp)
+    logging.getLogger("farm").setLevel(logging.INFO)
+    return app

@@ -1,0 +1,71 @@
+"""OpenAI response objects and SSE chunks for chat and text completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+
+def usage(u: dict[str, int]) -> dict[str, Any]:
+    p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens", 0))}}
+
+
+def finish_reason(r: str | None) -> str:
+    return r if r in ("stop", "length", "content_filter") else "stop"
+
+
+def full_response(kind: str, rid: str, model: str, text: str, reason: str, u: dict[str, int]) -> dict[str, Any]:
+    created = int(time.time())
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason(reason)}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage(u)}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage(u)}
+
+
+class ChunkWriter:
+    """Builds the SSE lines of one streamed response."""
+
+    def __init__(self, kind: str, rid: str, model: str):
+        self.kind, self.rid, self.model = kind, rid, model
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def _line(self, obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        return self._line({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                           "choices": choices, **extra})
+
+    def role(self) -> str:
+        if self.kind != "chat":
+            return ""
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def delta(self, text: str) -> str:
+        if self.kind == "chat":
+            return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
+        return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+
+    def finish(self, reason: str) -> str:
+        if self.kind == "chat":
+            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}])
+        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}])
+
+    def usage(self, u: dict[str, int]) -> str:
+        return self._chunk([], usage=usage(u))
+
+    def error(self, message: str, code: str = "server_error") -> str:
+        return self._line({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"

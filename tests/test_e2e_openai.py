@@ -1,0 +1,128 @@
+"""End to end with the official openai SDK against `farm up`'s processes and the real default model:
+gunicorn API, a prefill worker and a decode worker (separate processes), a managed redis-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import requests
+import pytest
+import redis
+
+from farm import registry
+from farm.config import load_config
+from farm.supervisor import Farm
+from tests.conftest import free_port, make_farm_env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    env = make_farm_env(f"redis://127.0.0.1:{free_port()}/0", tmp)  # Farm starts and manages this Redis
+    env["FARM_DISAGGREGATION__MODE"] = "always"  # short prompts take the handle path too
+    cfg = load_config(environ=env)
+    f = Farm(cfg, prefill=1, decode=1, both=0, port=free_port(), flower=False, env=env)
+    try:
+        f.start()
+        f.wait_healthy(240)
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture
+def client(farm):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{farm.api_port}/v1", api_key="unused", max_retries=0)
+
+
+def worker_pids(farm) -> dict[str, int]:
+    r = redis.Redis.from_url(farm.cfg.redis.url)
+    return {w.worker_id: w.pid for w in registry.live_workers(r)}
+
+
+def test_non_streaming_answer_comes_from_two_processes_through_a_handle(farm, client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=farm.cfg.default_model, messages=[{"role": "user", "content": "What is 2+2?"}],
+        max_tokens=40, temperature=0)
+    resp = raw.parse()
+    assert "4" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 0 and resp.usage.completion_tokens > 0
+    pre, dec = raw.headers["x-farm-prefill-worker"], raw.headers["x-farm-decode-worker"]
+    pids = worker_pids(farm)
+    assert pre != dec and pids[pre] != pids[dec]
+    assert raw.headers["x-farm-prefill"] == "remote"  # the KV handle path was used
+
+
+def test_streaming_answer_and_usage(farm, client):
+    stream = client.chat.completions.create(
+        model=farm.cfg.default_model, messages=[{"role": "user", "content": "What is 2+2?"}],
+        max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "4" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_and_models(farm, client):
+    models = [m.id for m in client.models.list().data]
+    assert farm.cfg.default_model in models
+    resp = client.completions.create(model=farm.cfg.default_model, prompt="The capital of France is",
+                                     max_tokens=5, temperature=0)
+    assert resp.choices[0].text and resp.usage.completion_tokens <= 5
+
+
+def test_repeated_prefix_reports_cached_tokens(farm, client):
+    system = "You are a meticulous assistant for a public library. " * 10
+    for question in ("When do you open?", "Can I renew a book online?"):
+        resp = client.chat.completions.create(
+            model=farm.cfg.default_model, max_tokens=4, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def test_client_disconnect_cancels_generation_on_the_worker(farm):
+    r = redis.Redis.from_url(farm.cfg.redis.url)
+    url = f"http://127.0.0.1:{farm.api_port}/v1/chat/completions"
+    body = {"model": farm.cfg.default_model, "stream": True, "max_tokens": 3000, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me an endless story."}]}
+    body["ignore_eos"] = True
+    with requests.post(url, json=body, timeout=60, stream=True) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith(b"data: {"):
+                seen += 1
+            if seen >= 5:
+                break  # hang up mid-stream
+    deadline = time.time() + 15
+    import json
+
+    while time.time() < deadline:
+        stats = [json.loads(r.get(registry.alive_key(w.worker_id)) or "{}") for w in registry.live_workers(r)]
+        if all(s.get("running", 0) == 0 for s in stats):
+            break
+        time.sleep(0.25)
+    assert all(s.get("running", 0) == 0 for s in stats), stats
+
+
+def test_concurrent_streams_all_complete(farm, client):
+    results: list[str] = []
+
+    def one(i: int) -> None:
+        r = client.chat.completions.create(model=farm.cfg.default_model, max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": f"Say a word about {i}."}])
+        results.append(r.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 6 and set(results) <= {"stop", "length"}
