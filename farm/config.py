@@ -86,6 +86,7 @@ class RouterConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     use_kv_events: bool = True
     approx_ttl_s: float = Field(120, gt=0)
+    prediction_ttl_s: float = Field(10, gt=0)
     busy_threshold: float = Field(0.95, ge=0)
     retry_after_s: int = Field(2, ge=1)
     placement_timeout_s: float = Field(5, gt=0)

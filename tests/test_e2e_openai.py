@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-import requests
 import pytest
 import redis
+import requests
 
 from farm import registry
 from farm.config import load_config

@@ -81,12 +81,17 @@ class Router:
         self.rr: dict[str, RoundRobin] = {}
         self._warned: set[str] = set()
         self.follower: IndexFollower | None = None
+        # Placements not yet confirmed by KV events (the prefill is still running) are predicted for
+        # a short while, so concurrent requests sharing a new prefix follow the first one instead of
+        # each prefilling it somewhere else. Without events, predictions are all there is.
+        self.predicted = ApproxIndex(self.rc.approx_ttl_s if not self.rc.use_kv_events
+                                     else self.rc.prediction_ttl_s)
         if self.rc.use_kv_events:
             self.index: KVIndex = KVIndex()
             if follow:
                 self.follower = IndexFollower(r, self.index, maintenance=self.loads.reap).start()
         else:
-            self.index = ApproxIndex(self.rc.approx_ttl_s)
+            self.index = self.predicted
 
     def stop(self) -> None:
         if self.follower:
@@ -117,7 +122,14 @@ class Router:
         mode = self.rc.mode
         request_blocks = math.ceil(num_tokens / self.block_size)
         t1 = time.perf_counter()
-        overlaps = self.index.overlaps(hashes, [w.worker_id for w in workers]) if stage != "decode" else {}
+        overlaps: dict[str, int] = {}
+        if stage != "decode":
+            ids = [w.worker_id for w in workers]
+            overlaps = self.index.overlaps(hashes, ids)
+            if self.predicted is not self.index:
+                self.predicted.expire()
+                for w, n in self.predicted.overlaps(hashes, ids).items():
+                    overlaps[w] = max(n, overlaps.get(w, 0))
         t2 = time.perf_counter()
         if loads is None:
             loads = self.loads.loads()
@@ -140,8 +152,8 @@ class Router:
             cost = costs[i]
         t4 = time.perf_counter()
         chosen = workers[i]
-        if isinstance(self.index, ApproxIndex) and stage != "decode":
-            self.index.record(chosen.worker_id, hashes)
+        if stage != "decode" and mode == "kv":
+            self.predicted.record(chosen.worker_id, hashes)
         timings = {"hash": 0.0, "index": (t2 - t1) * 1e6, "load": (t3 - t2) * 1e6,
                    "schedule": ((t4 - t3) + (t1 - t0)) * 1e6}
         metrics.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
