@@ -50,6 +50,12 @@ class FlowerConfig(_Section):
     port: int = Field(5555, ge=1, le=65535)
 
 
+class KVTiersConfig(_Section):
+    host_mb: float = Field(512, ge=0)  # tier 2: host memory (pinned on CUDA); 0 disables
+    disk_mb: float = Field(1024, ge=0)  # tier 3: a file arena under <state_dir>/kvcache; 0 disables
+    disk_min_reuse: int = Field(1, ge=0)  # only blocks reused this often are worth a disk write
+
+
 class EngineConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_mb: int = Field(768, ge=1)
@@ -59,6 +65,7 @@ class EngineConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     torch_threads: int = Field(0, ge=0)
     stream_flush_ms: float = Field(20, ge=0)
+    kv_tiers: KVTiersConfig = KVTiersConfig()
 
 
 class TransferConfig(_Section):
@@ -87,6 +94,13 @@ class RouterConfig(_Section):
     use_kv_events: bool = True
     approx_ttl_s: float = Field(120, gt=0)
     prediction_ttl_s: float = Field(10, gt=0)
+    tier_weights: dict[str, float] = Field(default_factory=lambda: {"device": 1.0, "host": 0.8, "disk": 0.5})
+
+    @model_validator(mode="after")
+    def _tiers_named(self) -> RouterConfig:
+        if set(self.tier_weights) != {"device", "host", "disk"}:
+            raise ValueError("router.tier_weights needs exactly the keys device, host and disk")
+        return self
     busy_threshold: float = Field(0.95, ge=0)
     retry_after_s: int = Field(2, ge=1)
     placement_timeout_s: float = Field(5, gt=0)

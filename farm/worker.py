@@ -46,7 +46,7 @@ class WorkerRuntime:
         self._check_block_size()
         self.kv_events = KVEventPublisher(self.r, worker_id)
         self.engine = Engine(mdir, cfg.engine, mcfg.max_model_len, on_kv_event=self.kv_events,
-                             handle_ttl_s=cfg.transfer.handle_ttl_s)
+                             handle_ttl_s=cfg.transfer.handle_ttl_s, kv_tier_dir=cfg.state_path / "kvcache")
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
                                     self.engine.abort)
         self.nixl = None

@@ -95,7 +95,7 @@ def test_gap_in_stream_triggers_resync_from_snapshot(redis_client):
     before = follower.resyncs
     sync(follower)
     assert follower.resyncs == before + 1
-    assert follower.index.worker_blocks["g1"] == {2, 3, 4}
+    assert set(follower.index.worker_blocks["g1"]) == {2, 3, 4}
 
 
 def test_restarted_worker_starts_clean(redis_client):
@@ -114,7 +114,7 @@ def test_restarted_worker_starts_clean(redis_client):
     new("stored", [20], None)
     new.stop()
     sync(follower)
-    assert follower.index.worker_blocks["re1"] == {20}
+    assert set(follower.index.worker_blocks["re1"]) == {20}
     assert r.smembers(worker_blocks_key("re1")) == {b"20"}
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 KVEventFn = Callable[[str, list[int], int | None], None]  # (kind, block hashes, parent hash)
+# (block id, hash, parent hash, reuse count): a cached block is about to be overwritten; its data is intact
+EvictFn = Callable[[int, int, int | None, int], None]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,10 +31,12 @@ class Block:
     ref_cnt: int = 0
     block_hash: int | None = None
     parent_hash: int | None = None
+    reuse: int = 0  # prefix-cache hits on this block since it was cached
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, on_event: KVEventFn | None = None):
+    def __init__(self, num_blocks: int, block_size: int, on_event: KVEventFn | None = None,
+                 on_evict: EvictFn | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -41,6 +45,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.on_event = on_event
+        self.on_evict = on_evict  # the lower KV tiers offload what the device is about to drop
         self.hits = 0  # cached tokens served
         self.queries = 0  # prompt tokens looked up
 
@@ -71,25 +76,27 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.pop(bid, None)
             b.ref_cnt += 1
+            b.reuse += 1
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` fresh blocks (evicting the least recently used cached contents)."""
         if n > len(self.free_queue):
             raise NoFreeBlocksError(f"need {n} KV blocks, {len(self.free_queue)} free")
         out = []
-        evicted: list[int] = []
         for _ in range(n):
             bid, _ = self.free_queue.popitem(last=False)
             b = self.blocks[bid]
             if b.block_hash is not None:
                 if self.cached.get(b.block_hash) == bid:
                     del self.cached[b.block_hash]
-                    evicted.append(b.block_hash)
+                    if self.on_event:
+                        self.on_event("removed", [b.block_hash], None)
+                    if self.on_evict:
+                        self.on_evict(bid, b.block_hash, b.parent_hash, b.reuse)
                 b.block_hash = b.parent_hash = None
             b.ref_cnt = 1
+            b.reuse = 0
             out.append(bid)
-        if evicted and self.on_event:
-            self.on_event("removed", evicted, None)
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

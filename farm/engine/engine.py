@@ -27,6 +27,7 @@ from farm.engine.block_pool import BlockPool, KVEventFn
 from farm.engine.model_runner import ModelRunner
 from farm.engine.sampling import make_generator, sample
 from farm.engine.scheduler import DecodeBatch, KVImport, PrefillBatch, Scheduler, Sequence
+from farm.kvcache.tiers import TieredKV
 from farm.protocol import SamplingParams
 from farm.tokenization import IncrementalDetokenizer, eos_token_ids
 
@@ -60,7 +61,7 @@ class HeldBlocks:
 class Engine:
     def __init__(self, model_dir: Path, cfg: EngineConfig, max_model_len: int,
                  on_kv_event: KVEventFn | None = None, max_num_blocks: int | None = None,
-                 handle_ttl_s: float = 120.0):
+                 handle_ttl_s: float = 120.0, kv_tier_dir: Path | None = None):
         from transformers import AutoTokenizer
 
         if cfg.torch_threads:
@@ -71,9 +72,14 @@ class Engine:
                                   cfg.dtype, max_num_blocks=max_num_blocks)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
-        self.pool = BlockPool(self.runner.num_blocks, cfg.block_size, on_kv_event)
+        t = cfg.kv_tiers
+        self.tiers = TieredKV(self.runner.kv, t.host_mb, t.disk_mb,
+                              (kv_tier_dir / f"kv-{id(self):x}.arena") if kv_tier_dir else None,
+                              t.disk_min_reuse, on_kv_event)
+        self.pool = BlockPool(self.runner.num_blocks, cfg.block_size, on_kv_event,
+                              on_evict=self.tiers.offload if self.tiers.enabled else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.runner.write_blocks)
+                                   self.runner.write_blocks, tiers=self.tiers)
         self.held: dict[str, HeldBlocks] = {}
         self.handle_ttl_s = handle_ttl_s
         self._by_id: dict[str, Sequence] = {}
@@ -140,6 +146,7 @@ class Engine:
             "steps": self.steps,
             "tokens_generated": self.tokens_generated,
             "preemptions": self.scheduler.preemptions,
+            "tiers": self.tiers.stats(),
         }
 
     def _post(self, msg: tuple) -> None:
@@ -212,7 +219,9 @@ class Engine:
             return
         self.steps += 1
         if isinstance(batch, PrefillBatch):
+            t0 = time.perf_counter()
             logits = self.runner.prefill(batch.chunks)
+            self.tiers.observe_prefill(sum(len(c.token_ids) for c in batch.chunks), time.perf_counter() - t0)
             done_seqs, done_rows = [], []
             for i, (seq, chunk, complete) in enumerate(zip(batch.seqs, batch.chunks, batch.completes, strict=True)):
                 seq.num_computed = chunk.start + len(chunk.token_ids)

@@ -80,12 +80,13 @@ class DecodeBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 import_fn: Callable[[list[int], torch.Tensor], None]):
+                 import_fn: Callable[[list[int], torch.Tensor], None], tiers=None):
         self.pool = pool
         self.bs = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.import_fn = import_fn  # writes imported KV into blocks
+        self.tiers = tiers  # farm.kvcache.tiers.TieredKV: host/disk blocks below the device cache
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -132,6 +133,10 @@ class Scheduler:
         cached = self.pool.cached_prefix(hashes)
         if seq.kv_import is None and len(cached) * self.bs >= len(ids):
             cached = cached[:-1]  # always compute at least one token to get logits
+        lower: list[str] = []
+        if seq.kv_import is None and self.tiers is not None and self.tiers.enabled:
+            limit = (len(ids) - 1) // self.bs  # full blocks that leave at least one token to compute
+            lower = self.tiers.lookup(hashes[len(cached):limit])
         total_blocks = math.ceil(len(ids) / self.bs) if seq.kv_import is None else \
             math.ceil(seq.kv_import.num_tokens / self.bs)
         idle_cached = sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0)
@@ -141,8 +146,15 @@ class Scheduler:
             return False
         self.pool.touch(cached)
         fresh = self.pool.allocate(need)
+        if lower:  # onboard from host/disk instead of recomputing, and cache them on the device again
+            start = len(cached)
+            n = self.tiers.onboard(hashes[start:start + len(lower)], lower, fresh[:len(lower)])
+            self.pool.cache_blocks(fresh[:n], hashes[start:start + n], hashes[start - 1] if start else None)
+            cached_count = start + n
+        else:
+            cached_count = len(cached)
         seq.block_table = cached + fresh
-        seq.num_computed = len(cached) * self.bs
+        seq.num_computed = cached_count * self.bs
         seq.num_cached_tokens = seq.num_computed
         self.pool.queries += len(seq.prompt_ids)
         self.pool.hits += seq.num_cached_tokens
@@ -155,7 +167,7 @@ class Scheduler:
             seq.hashes = hashes[:len(cached)]
             self.register_full_blocks(seq)
         else:
-            seq.hashes = hashes[:len(cached)]
+            seq.hashes = hashes[:cached_count]
         return True
 
     # -- one step ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from farm.router.index import member
 from farm.router.keys import EVENTS_MAXLEN, EVENTS_STREAM, worker_blocks_key, worker_seq_key
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,9 @@ class KVEventPublisher:
             if ev["kind"] == "cleared":
                 pipe.delete(bkey)
             elif ev["kind"] == "stored" and ev["blocks"]:
-                pipe.sadd(bkey, *ev["blocks"])
+                pipe.sadd(bkey, *(member(h, ev["tier"]) for h in ev["blocks"]))
             elif ev["kind"] == "removed" and ev["blocks"]:
-                pipe.srem(bkey, *ev["blocks"])
+                pipe.srem(bkey, *(member(h, ev["tier"]) for h in ev["blocks"]))
         pipe.set(worker_seq_key(self.worker_id), f"{self.epoch}:{batch[-1]['event_id']}")
         pipe.xadd(EVENTS_STREAM, {"w": self.worker_id, "d": json.dumps(batch)}, maxlen=EVENTS_MAXLEN,
                   approximate=True)

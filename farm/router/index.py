@@ -24,14 +24,29 @@ from farm.router.keys import EVENTS_STREAM, LOAD_KEY, active_key, worker_blocks_
 log = logging.getLogger(__name__)
 
 
+TIER_BITS = {"device": 1, "host": 2, "disk": 4}
+
+
+def member(h: int, tier: str) -> str:
+    """How a block is kept in a worker's Redis snapshot set: `hash` on the device, `hash@tier` below."""
+    return str(h) if tier == "device" else f"{h}@{tier}"
+
+
+def parse_member(m: bytes | str) -> tuple[int, str]:
+    s = m.decode() if isinstance(m, bytes) else m
+    h, _, tier = s.partition("@")
+    return int(h), tier or "device"
+
+
 class KVIndex:
-    """hash -> bitmask of workers; thread-safe for one writer and many readers (GIL-atomic updates)."""
+    """hash -> bitmask of workers holding it in any tier; per worker, hash -> bitmask of tiers.
+    Thread-safe for one writer and many readers (GIL-atomic updates)."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, int] = {}
         self.worker_bits: dict[str, int] = {}
         self.bit_workers: dict[int, str] = {}
-        self.worker_blocks: dict[str, set[int]] = {}
+        self.worker_blocks: dict[str, dict[int, int]] = {}
         self.last_event: dict[str, int] = {}
         self.epochs: dict[str, int] = {}
         self.events_applied = 0
@@ -44,42 +59,51 @@ class KVIndex:
             b = next(i for i in range(len(used) + 1) if i not in used)
             self.worker_bits[worker] = b
             self.bit_workers[b] = worker
-            self.worker_blocks[worker] = set()
+            self.worker_blocks[worker] = {}
         return b
 
-    def store(self, worker: str, hashes: Iterable[int]) -> None:
+    def store(self, worker: str, hashes: Iterable[int], tier: str = "device") -> None:
         bit = 1 << self._bit(worker)
+        tbit = TIER_BITS.get(tier, 1)
         mine = self.worker_blocks[worker]
         blocks = self.blocks
         for h in hashes:
             blocks[h] = blocks.get(h, 0) | bit
-            mine.add(h)
+            mine[h] = mine.get(h, 0) | tbit
 
-    def remove(self, worker: str, hashes: Iterable[int]) -> None:
+    def remove(self, worker: str, hashes: Iterable[int], tier: str | None = "device") -> None:
+        """Remove blocks from one tier of a worker (every tier when `tier` is None)."""
         b = self.worker_bits.get(worker)
         if b is None:
             return
         mask = ~(1 << b)
+        keep = 0 if tier is None else ~TIER_BITS.get(tier, 1)
         mine = self.worker_blocks[worker]
         blocks = self.blocks
         for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                v = blocks.get(h, 0) & mask
-                if v:
-                    blocks[h] = v
-                else:
-                    blocks.pop(h, None)
+            tiers = mine.get(h)
+            if tiers is None:
+                continue
+            tiers &= keep
+            if tiers:
+                mine[h] = tiers
+                continue
+            del mine[h]
+            v = blocks.get(h, 0) & mask
+            if v:
+                blocks[h] = v
+            else:
+                blocks.pop(h, None)
 
     def clear_worker(self, worker: str) -> None:
         with self._lock:
             if worker in self.worker_blocks:
-                self.remove(worker, list(self.worker_blocks[worker]))
+                self.remove(worker, list(self.worker_blocks[worker]), tier=None)
 
     def drop_worker(self, worker: str) -> None:
         with self._lock:
             if worker in self.worker_blocks:
-                self.remove(worker, list(self.worker_blocks[worker]))
+                self.remove(worker, list(self.worker_blocks[worker]), tier=None)
                 b = self.worker_bits.pop(worker)
                 self.bit_workers.pop(b, None)
                 self.worker_blocks.pop(worker, None)
@@ -101,11 +125,11 @@ class KVIndex:
             return True  # already in the snapshot
         if last is not None and eid != last + 1 and ev["kind"] != "cleared":
             return False
-        kind = ev["kind"]
+        kind, tier = ev["kind"], ev.get("tier") or "device"
         if kind == "stored":
-            self.store(w, (int(h) for h in ev["blocks"]))
+            self.store(w, (int(h) for h in ev["blocks"]), tier)
         elif kind == "removed":
-            self.remove(w, (int(h) for h in ev["blocks"]))
+            self.remove(w, (int(h) for h in ev["blocks"]), tier)
         elif kind == "cleared":
             self.clear_worker(w)
             self._bit(w)
@@ -134,6 +158,19 @@ class KVIndex:
                 return out
         if alive and hashes:
             self._assign(out, alive, len(hashes))
+        return out
+
+    def weighted(self, hashes: Sequence[int], overlaps: dict[str, int], weights: dict[str, float]) -> dict[str, float]:
+        """Overlap scores where each leading block counts by the best tier it sits in on that worker
+        (a device hit is worth more than a host or disk hit, which still beats recomputing)."""
+        out = {}
+        for w, n in overlaps.items():
+            mine = self.worker_blocks.get(w, {})
+            score = 0.0
+            for h in hashes[:n]:
+                t = mine.get(h, 0)
+                score += weights["device"] if t & 1 else (weights["host"] if t & 2 else weights["disk"])
+            out[w] = score
         return out
 
     def _assign(self, out: dict[str, int], mask: int, n: int) -> None:
@@ -187,7 +224,13 @@ class IndexFollower:
         members, seq = pipe.execute()
         epoch, _, last = (seq.decode() if seq else "0:0").partition(":")
         self.index.drop_worker(worker)
-        self.index.store(worker, (int(h) for h in members))
+        by_tier: dict[str, list[int]] = {}
+        for m in members:
+            h, tier = parse_member(m)
+            by_tier.setdefault(tier, []).append(h)
+        self.index._bit(worker)
+        for tier, hs in by_tier.items():
+            self.index.store(worker, hs, tier)
         self.index.epochs[worker] = int(epoch)
         self.index.last_event[worker] = int(last or 0)
         self.resyncs += gap

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass
 class Candidate:
     worker: str
-    overlap_blocks: int = 0  # leading request blocks cached on the worker
+    overlap_blocks: float = 0  # leading request blocks cached on the worker, weighted by tier
     pending_prefill_blocks: float = 0.0  # prompt blocks queued for prefill there
     active_blocks: float = 0.0  # blocks of requests decoding there
     capacity_blocks: int = 0  # the worker's KV cache size

@@ -41,7 +41,7 @@ class BusyError(RuntimeError):
 @dataclass
 class Placement:
     worker: WorkerInfo
-    overlap_blocks: int
+    overlap_blocks: int  # leading request blocks cached on the chosen worker (any tier), as predicted
     mode: str
     cost: float | None = None
     timings_us: dict[str, float] = field(default_factory=dict)
@@ -122,14 +122,16 @@ class Router:
         mode = self.rc.mode
         request_blocks = math.ceil(num_tokens / self.block_size)
         t1 = time.perf_counter()
-        overlaps: dict[str, int] = {}
+        overlaps: dict[str, float] = {}
         if stage != "decode":
             ids = [w.worker_id for w in workers]
             overlaps = self.index.overlaps(hashes, ids)
+            scores = self.index.weighted(hashes, overlaps, self.rc.tier_weights)
             if self.predicted is not self.index:
                 self.predicted.expire()
                 for w, n in self.predicted.overlaps(hashes, ids).items():
-                    overlaps[w] = max(n, overlaps.get(w, 0))
+                    scores[w] = max(float(n), scores.get(w, 0.0))
+            overlaps = scores
         t2 = time.perf_counter()
         if loads is None:
             loads = self.loads.loads()
@@ -157,7 +159,7 @@ class Router:
         timings = {"hash": 0.0, "index": (t2 - t1) * 1e6, "load": (t3 - t2) * 1e6,
                    "schedule": ((t4 - t3) + (t1 - t0)) * 1e6}
         metrics.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
-        return Placement(chosen, cands[i].overlap_blocks, mode, cost, timings)
+        return Placement(chosen, int(overlaps.get(chosen.worker_id, 0)) if overlaps else 0, mode, cost, timings)
 
     def _shed_if_busy(self, cands: list[Candidate], stage: str) -> None:
         threshold = self.rc.busy_threshold
