@@ -4,8 +4,8 @@
 
 For each router mode (kv, round-robin, random) a fresh farm with 4 aggregated workers on the default
 model is started (same config otherwise; each worker has one torch thread and a deliberately small KV
-cache, so that all the workload's prefixes fit in the farm but not in one worker: where a request lands
-decides whether its prefix is cached). aiperf (installed into bench/.venv-aiperf by this script) drives
+cache with the lower KV tiers off, so that all the workload's prefixes fit in the farm but not in one
+worker: where a request lands decides whether its prefix is cached). aiperf (installed into bench/.venv-aiperf by this script) drives
 the same shared-prefix workload each time: a pool of long prefix prompts, short user turns, multi-turn
 conversations, streaming, a fixed concurrency. Reported per mode: TTFT p50/p90/p99, ITL, request and
 output-token throughput (from aiperf), and the measured prefix-cache hit ratio (cached / prompt tokens
@@ -82,7 +82,9 @@ def ideal_hit_ratio(raw: Path, tok, block_size: int) -> tuple[float, int]:
 
 
 def run_mode(mode: str, args, exe: Path) -> dict:
-    overrides = {"router": {"mode": mode}, "engine": {"torch_threads": 1, "kv_cache_mb": args.kv_cache_mb}}
+    # KV tiers off: a host tier would hold every prefix for every worker and hide where requests land
+    overrides = {"router": {"mode": mode}, "engine": {"torch_threads": 1, "kv_cache_mb": args.kv_cache_mb,
+                                                      "kv_tiers": {"host_mb": 0, "disk_mb": 0}}}
     with bench_farm(both=args.workers, api=True, overrides=overrides) as farm:
         cfg = farm.cfg
         base = f"http://127.0.0.1:{farm.api_port}"
