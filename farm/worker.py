@@ -91,6 +91,8 @@ class WorkerRuntime:
         return self
 
     def stop(self) -> None:
+        if not self.heartbeat.is_alive():
+            return  # never started (Celery stopped before it was ready)
         self.heartbeat.stop()
         try:
             registry.deregister(self.r, self.worker_id)

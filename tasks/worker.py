@@ -44,12 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     if "@" not in name:
         name = f"{name}@{socket.gethostname()}"
 
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from farm.worker import WorkerRuntime, set_runtime
     from tasks.celery_app import app
 
-    @signals.worker_init.connect(weak=False)
+    # Load the model and run the start-up checks (block size, model files) before Celery starts, so a
+    # worker that cannot serve exits with a clear error instead of consuming tasks it would fail.
+    try:
+        runtime = WorkerRuntime(cfg, args.role, model, name, celery_app=app)
+    except Exception as e:  # noqa: BLE001 - any start-up failure ends the process, loudly
+        log.critical("worker %s cannot start: %s", name, e)
+        print(f"farm worker {name}: cannot start: {e}", file=sys.stderr)
+        return 3
+    set_runtime(runtime)
+
+    @signals.worker_ready.connect(weak=False)
     def _start_runtime(**_kw) -> None:
-        set_runtime(WorkerRuntime(cfg, args.role, model, name, celery_app=app).start())
+        runtime.start()  # registers the worker: routers may place work on it from now on
 
     @signals.worker_shutdown.connect(weak=False)
     def _stop_runtime(**_kw) -> None:
@@ -59,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
             _runtime.stop()
             set_runtime(None)
 
-    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app.worker_main([
         "worker", "--pool", "threads", "--concurrency", str(args.concurrency or cfg.celery.worker_threads),
         "--queues", ",".join(queues_for_role(model, args.role) + [direct_queue(name)]), "--hostname", name,

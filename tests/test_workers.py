@@ -164,3 +164,15 @@ def test_block_pools_return_to_their_starting_state(farm):
             break
         time.sleep(0.5)
     assert clean, stats
+
+
+def test_worker_with_another_block_size_refuses_to_start(farm, tmp_path, redis_url):
+    """The farm's block size is fixed by its first worker; a mismatching worker exits loudly."""
+    env = make_farm_env(redis_url, tmp_path)
+    proc = WorkerProc(env, "decode", "odd-block", tmp_path, extra_env={"FARM_ENGINE__BLOCK_SIZE": "32"})
+    assert proc.proc.wait(60) == 3
+    assert "KV block size mismatch" in proc.tail()
+    cfg, r, _ = farm
+    from farm import registry
+
+    assert proc.name not in {w.worker_id for w in registry.live_workers(r)}
