@@ -83,7 +83,7 @@ def ideal_hit_ratio(raw: Path, tok, block_size: int) -> tuple[float, int]:
 
 def run_mode(mode: str, args, exe: Path) -> dict:
     # KV tiers off: a host tier would hold every prefix for every worker and hide where requests land
-    overrides = {"router": {"mode": mode}, "engine": {"torch_threads": 1, "kv_cache_mb": args.kv_cache_mb,
+    overrides = {"router": {"mode": mode, "overlap_weight": args.overlap_weight}, "engine": {"torch_threads": 1, "kv_cache_mb": args.kv_cache_mb,
                                                       "kv_tiers": {"host_mb": 0, "disk_mb": 0}}}
     with bench_farm(both=args.workers, api=True, overrides=overrides) as farm:
         cfg = farm.cfg
@@ -129,13 +129,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="kv,round-robin,random")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-tokens", type=int, default=640)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--kv-cache-mb", type=int, default=96)
+    ap.add_argument("--kv-cache-mb", type=int, default=128)
+    ap.add_argument("--overlap-weight", type=float, default=4.0,
+                    help="router.overlap_weight: higher favours cache reuse over load balance")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--quick", action="store_true", help="a small run to check the plumbing")
     ap.add_argument("--out", default="bench/out/routing.json")
