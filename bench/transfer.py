@@ -21,6 +21,7 @@ from bench.common import goal, goal_line, machine_info, table, write_json
 from farm.engine.model_runner import gather_blocks
 from farm.transfer.handle import sign_handle
 from farm.transfer.shm import host_id
+from farm.transfer.staging import StagingPool
 from farm.transfer.tcp import TransferServer, checksum, fetch_blocks
 
 SECRET = b"bench-secret"
@@ -59,12 +60,16 @@ def run_size(mb: int, repeat: int) -> dict:
     res = {"mb": nbytes / 2**20, "blocks": n}
     res["clone_s"] = timed(lambda: data.clone())
     res["gather_s"] = timed(lambda: gather_blocks(kv, ids))
+    staging = StagingPool()  # a decode worker reuses its receive buffers (see farm/transfer/staging.py)
     for transport in ("shm", "tcp"):
         info: dict = {}
         h = handle("tcp,shm" if transport == "shm" else "tcp")
 
         def pull(h=h, info=info) -> torch.Tensor:
-            return fetch_blocks(h, SECRET, info=info)
+            out = fetch_blocks(h, SECRET, info=info, staging=staging)
+            if info["transport"] == "tcp":
+                staging.release(out)
+            return out
 
         res[f"{transport}_s"] = timed(pull)
         assert info["transport"] == transport, info

@@ -27,6 +27,7 @@ from farm.router.keys import BLOCK_SIZE_KEY, claim_key, direct_queue
 from farm.streams import StreamWriter
 from farm.transfer.handle import sign_handle
 from farm.transfer.shm import host_id as shm_host_id
+from farm.transfer.staging import StagingPool
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class WorkerRuntime:
                              handle_ttl_s=cfg.transfer.handle_ttl_s, kv_tier_dir=cfg.state_path / "kvcache")
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
                                     self.engine.abort)
+        self.staging = StagingPool()
         self.nixl = None
         if "nixl" in cfg.transfer.transports:
             from farm.transfer import nixl
@@ -215,10 +217,11 @@ class WorkerRuntime:
             try:
                 data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports,
                                     nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
-                                    device=self.engine.runner.device, info=pull)
+                                    device=self.engine.runner.device, info=pull, staging=self.staging)
                 if data.shape[3] != self.cfg.engine.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
-                kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]))
+                kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]),
+                                     release=self.staging.release)
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
             except TransferError as e:
                 log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)

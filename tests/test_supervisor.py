@@ -198,7 +198,15 @@ def test_foreground_supervisor_stops_cleanly(tmp_path, how):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     state = tmp_path / "state" / "farm.json"
     url = f"redis://127.0.0.1:{port}/0"
+    head = []
     try:
+        # stop it only once it says it is up (a Ctrl-C during start-up is another test's business)
+        deadline = time.time() + 60
+        while not any("farm is up" in line for line in head):
+            line = fg.stdout.readline()
+            assert line or fg.poll() is None, "supervisor exited before it was up"
+            assert time.time() < deadline, "supervisor did not come up"
+            head.append(line)
         _wait_for(lambda: state.exists() and redis_server.ping(url), 20)
         assert json.loads(state.read_text())["supervisor"]["pid"] == fg.pid
         if how == "ctrl-c":
@@ -207,6 +215,7 @@ def test_foreground_supervisor_stops_cleanly(tmp_path, how):
             down = _farm_cli(env, "down")
             assert down.returncode == 0 and "redis" in down.stdout
         out, err = fg.communicate(timeout=30)
+        out = "".join(head) + out
     finally:
         if fg.poll() is None:
             fg.kill()

@@ -30,6 +30,7 @@ class KVImport:
     data: torch.Tensor  # [layers, 2, n_blocks, block_size, kv_heads, head_dim]
     num_tokens: int
     first_token: int
+    release: Callable[[torch.Tensor], None] | None = None  # gives the receive buffer back once copied
 
 
 @dataclass
@@ -164,6 +165,8 @@ class Scheduler:
                 self.import_fn(fresh, imp.data[:, :, len(cached):total_blocks])
             seq.num_computed = imp.num_tokens
             seq.kv_import = None  # release the host copy
+            if imp.release is not None:
+                imp.release(imp.data)
             seq.hashes = hashes[:len(cached)]
             self.register_full_blocks(seq)
         else:

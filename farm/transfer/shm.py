@@ -46,7 +46,7 @@ def export_to_shm(read_blocks, block_ids: list[int], shape: tuple[int, ...], dty
     path = str(SHM_DIR / f"farm-kv-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)  # allocate the pages now: the gather then writes, not faults
     finally:
         os.close(fd)
     try:

@@ -27,6 +27,7 @@ import xxhash
 
 from farm.transfer import shm
 from farm.transfer.handle import HandleError, verify_handle
+from farm.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class TransferServer:
                  release: Callable[[str], None], bind_host: str = "0.0.0.0", port: int = 0,
                  nixl_source: Any = None):
         self.worker_id = worker_id
+        self.staging = StagingPool()
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -97,10 +99,15 @@ class TransferServer:
                     release(h["request_id"])
 
             def _serve_tcp(self, h: dict[str, Any]) -> None:
-                view = _bytes_view(read_blocks(h["block_ids"]))
-                _send(self.wfile, {"ok": True, "nbytes": len(view)})
-                self.wfile.write(view)
-                self.wfile.flush()
+                shape, dtype = handle_shape(h)
+                nbytes = int(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+                buf = outer.staging.acquire(nbytes)  # gather into touched memory: no page faults
+                try:
+                    read_blocks(h["block_ids"], out=buf.view(dtype).view(shape))
+                    _send(self.wfile, {"ok": True, "nbytes": nbytes})
+                    self.connection.sendall(memoryview(buf.numpy()).cast("B"))
+                finally:
+                    outer.staging.release(buf)
 
             def _serve_shm(self, h: dict[str, Any]) -> None:
                 shape, dtype = handle_shape(h)
@@ -130,11 +137,12 @@ class TransferServer:
 
 def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, allow_shm: bool = True,
                  nixl_name: str | None = None, device: torch.device | None = None,
-                 info: dict[str, Any] | None = None) -> torch.Tensor:
+                 info: dict[str, Any] | None = None, staging: StagingPool | None = None) -> torch.Tensor:
     """Pull the blocks a handle names: NIXL when both sides have it (`nixl_name` set), else shared
     memory when the handle's worker is on this host (and offers it), else TCP.
     Returns [layers, 2, n_blocks, block_size, kv_heads, head_dim]; `info` (if given) gets the transport
-    used, the bytes moved and the seconds taken."""
+    used, the bytes moved and the seconds taken. TCP pulls land in a buffer from `staging` (the caller
+    gives it back with `staging.release(result)` once done with it)."""
     try:
         h = verify_handle(handle, secret)
     except HandleError as e:
@@ -147,9 +155,8 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
     t0 = time.perf_counter()
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            f = sock.makefile("rwb")
-            _send(f, {"handle": h, "mode": mode})
-            head = _read_line(f)
+            sock.sendall(json.dumps({"handle": h, "mode": mode}).encode() + b"\n")
+            head, leftover = _recv_line(sock)
             if not head.get("ok"):
                 raise TransferError(f"transfer refused by {h['endpoint']}: {head.get('error')}")
             if "nixl" in head:
@@ -157,12 +164,14 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
 
                 data = nixl_read(nixl_name, head["nixl"], shape, dtype, device or torch.device("cpu"),
                                  h["request_id"].encode(), timeout).cpu()
-                _send(f, {"done": True})
+                sock.sendall(b'{"done": true}\n')
             elif "shm" in head:
                 data = shm.import_from_shm(head["shm"], int(head["nbytes"]), dtype, shape)
-                _send(f, {"done": True})
+                sock.sendall(b'{"done": true}\n')
             else:
-                data = _receive(f, int(head["nbytes"])).view(dtype).reshape(shape)
+                nbytes = int(head["nbytes"])
+                buf = staging.acquire(nbytes) if staging is not None else StagingPool().acquire(nbytes)
+                data = _receive(sock, buf, leftover).view(dtype).reshape(shape)
     except OSError as e:
         raise TransferError(f"cannot pull KV from {h['endpoint']}: {e}") from e
     except ValueError as e:
@@ -174,12 +183,28 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
     return data
 
 
-def _receive(f, nbytes: int) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+def _recv_line(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    """Read the JSON header line; returns it and whatever payload bytes arrived with it."""
+    buf = b""
+    while b"\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise TransferError("connection closed before the transfer header")
+        buf += chunk
+        if len(buf) > MAX_HEADER:
+            raise TransferError("transfer header too long")
+    line, _, rest = buf.partition(b"\n")
+    return json.loads(line), rest
+
+
+def _receive(sock: socket.socket, buf: torch.Tensor, leftover: bytes = b"") -> torch.Tensor:
+    """Receive straight into `buf` (recv_into, no intermediate buffers)."""
+    nbytes = buf.numel()
     view = memoryview(buf.numpy()).cast("B")
-    got = 0
+    got = len(leftover)
+    view[:got] = leftover
     while got < nbytes:
-        n = f.readinto(view[got:])
+        n = sock.recv_into(view[got:], min(nbytes - got, 1 << 20))
         if not n:
             raise TransferError("connection closed mid-transfer")
         got += n
