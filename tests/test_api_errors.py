@@ -147,3 +147,16 @@ def test_models_and_health(app_client):
     h = c.get("/health")
     assert h.status_code == 200 and h.get_json()["redis"] == "ok"
     assert h.get_json()["workers"][cfg.default_model] == {"prefill": 0, "decode": 0, "both": 0}
+
+
+def test_every_worker_busy_is_shed_with_503_and_retry_after(app_client, with_worker, redis_client):
+    """Busy shedding: the API answers at once instead of queueing without bound."""
+    from farm.router.keys import direct_queue
+    from farm.router.load import LoadTracker
+
+    c, cfg = app_client
+    LoadTracker(redis_client).begin("d", "ghost@test", "someone-else", 990)  # 99% of its 1000 blocks
+    resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
+    assert_error(resp, 503, code="overloaded")
+    assert int(resp.headers["Retry-After"]) == cfg.router.retry_after_s
+    assert redis_client.llen(direct_queue("ghost@test")) == 0
