@@ -183,7 +183,7 @@ class Submission:
         obs = {"model": self.req.model, "ts": time.time(), "ttft": self.ttft_s or 0.0, "itl": self.itl_s or 0.0,
                "isl": usage.get("prompt_tokens", 0), "osl": usage.get("completion_tokens", 0),
                "prefill": done.get("prefill", "")}
-        metrics.observe_latency(self.req.model, self.ttft_s, self.itl_s)
+        metrics.observe_latency(self.req.model, self.ttft_s, self.itl_s, time.monotonic() - self._t0)
         try:
             self.gw.r.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
         except redis.RedisError:

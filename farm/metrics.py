@@ -45,7 +45,13 @@ ITL_SECONDS = Histogram("farm_itl_seconds", "Mean inter-token latency per reques
                         buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1))
 
 
-def observe_latency(model: str, ttft_s: float | None, itl_s: float | None) -> None:
+E2E_SECONDS = Histogram("farm_e2e_latency_seconds", "Request latency from submit to the last token", ["model"],
+                        buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+
+def observe_latency(model: str, ttft_s: float | None, itl_s: float | None, e2e_s: float | None = None) -> None:
+    if e2e_s is not None:
+        E2E_SECONDS.labels(model=model).observe(e2e_s)
     if ttft_s is not None:
         TTFT_SECONDS.labels(model=model).observe(ttft_s)
     if itl_s is not None:

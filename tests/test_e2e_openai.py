@@ -126,3 +126,31 @@ def test_concurrent_streams_all_complete(farm, client):
     for t in threads:
         t.join(120)
     assert len(results) == 6 and set(results) <= {"stop", "length"}
+
+
+def test_metrics_expose_the_farm_after_traffic(farm, client):
+    """/metrics parses as Prometheus text and its values follow the traffic above."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(model=farm.cfg.default_model, max_tokens=3, temperature=0,
+                                   messages=[{"role": "user", "content": "One more."}])
+    text = requests.get(f"http://127.0.0.1:{farm.api_port}/metrics", timeout=10).text
+    samples: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples.setdefault(s.name, []).append(s)
+
+    def total(name, **labels):
+        return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    model = farm.cfg.default_model
+    assert total("farm_requests_total", model=model, status="200") >= 5
+    assert total("farm_prompt_tokens_total", model=model) > total("farm_cached_prompt_tokens_total", model=model) > 0
+    assert total("farm_completion_tokens_total", model=model) > 0
+    assert total("farm_ttft_seconds_count", model=model) >= 5 and total("farm_e2e_latency_seconds_count") >= 5
+    assert total("farm_prefill_total", mode="remote") >= 5
+    assert total("farm_routing_decisions_total", mode="kv") >= 5
+    assert total("farm_routing_stage_seconds_count", stage="index") >= 1
+    assert total("farm_workers", role="prefill") == 1 and total("farm_workers", role="decode") == 1
+    assert {s.labels["tier"] for s in samples["farm_kv_blocks"]} >= {"device"}
+    assert all(s.value >= 0 for s in samples["farm_queue_depth"])
