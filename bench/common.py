@@ -162,3 +162,21 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     return p
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) by rank, None for no data: enough for latency tails of a benchmark."""
+    if not xs:
+        return None
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def finish(out: str | Path, data: dict[str, Any], goals: list[dict[str, Any]], fmt: str = "{:.2f}") -> Path:
+    """Print each goal's line and write the run's JSON (with machine info and goals) to `out`."""
+    print()
+    for g in goals:
+        print(goal_line(g, fmt))
+    path = write_json(out, {"machine": machine_info(), **data, "goals": goals})
+    print(f"\nwrote {path}")
+    return path

@@ -22,7 +22,7 @@ import uuid
 
 import redis
 
-from bench.common import goal, goal_line, machine_info, table, write_json
+from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from farm.gateway import Gateway
 from farm.protocol import GenerationRequest, SamplingParams
@@ -32,11 +32,7 @@ WORDS = ("river mountain ledger harbor copper violet engine garden signal lanter
          "falcon quartz timber").split()
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+pct = percentile
 
 
 def long_prompt(rng: random.Random, tok, n_tokens: int) -> list[int]:
@@ -162,11 +158,7 @@ def main() -> None:
           f"= {transfer / local:.1%} of the local prefill")
     goals = [goal("disaggregated / aggregated chat ITL p99", itl_ratio, 0.5, higher_is_better=False),
              goal("KV transfer / prefill time", transfer / local, 0.10, higher_is_better=False)]
-    print()
-    for g in goals:
-        print(goal_line(g, "{:.3f}"))
-    write_json(args.out, {"machine": machine_info(), "args": vars(args), "runs": runs, "goals": goals})
-    print(f"\nwrote {args.out}")
+    finish(args.out, {"args": vars(args), "runs": runs}, goals, "{:.3f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import goal, goal_line, machine_info, table, write_json
+from bench.common import finish, goal, table
 from farm.config import KVTiersConfig, load_config
 from farm.engine.engine import Engine
 from farm.models import model_dir
@@ -118,11 +118,7 @@ def main() -> None:
     goals = [goal(f"recompute / host TTFT at {results[-1]['length']}", last["recompute"] / last["host"], 3.0),
              goal("disk TTFT / recompute TTFT (worst length)",
                   max(r["median"]["disk"] / r["median"]["recompute"] for r in results), 1.0, higher_is_better=False)]
-    print()
-    for g in goals:
-        print(goal_line(g, "{:.3f}"))
-    write_json(args.out, {"machine": machine_info(), "args": vars(args), "results": results, "goals": goals})
-    print(f"\nwrote {args.out}")
+    finish(args.out, {"args": vars(args), "results": results}, goals, "{:.3f}")
 
 
 if __name__ == "__main__":

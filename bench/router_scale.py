@@ -25,17 +25,14 @@ from pathlib import Path
 
 import redis
 
-from bench.common import goal, goal_line, machine_info, table, write_json
+from bench.common import finish, goal, percentile, table
 from farm import redis_server, registry
 from farm.config import load_config
 from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower
 from farm.router.router import Router
 
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+pct = percentile
 
 
 def free_port() -> int:
@@ -138,18 +135,14 @@ def main() -> None:
         print(f"\nDecisions: {args.decisions} x 1,024-token prompts over {args.workers} workers, "
               f"{indexed:,} indexed blocks (µs)")
         print(table(["stage", "p50 us", "p99 us", "mean us"], rows, digits=1))
-        print()
-        for g in goals:
-            print(goal_line(g, "{:,.1f}"))
-        write_json(args.out, {
-            "machine": machine_info(), "args": vars(args),
+        finish(args.out, {
+            "args": vars(args),
             "index": {"blocks": total_blocks, "indexed": indexed, "publish_s": t_pub, "apply_s": t_apply,
                       "publish_rate": pub_rate, "apply_rate": apply_rate, "e2e_rate": e2e_rate},
             "decision_us": {k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in
                             {**stages, "decision": decision, "decision_plus_load": total}.items()},
-            "chose_prefix_holder": overlap_hits, "goals": goals,
-        })
-        print(f"\nwrote {args.out}")
+            "chose_prefix_holder": overlap_hits,
+        }, goals, "{:,.1f}")
     finally:
         redis_server.stop(proc)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import BENCH_DIR, OUT_DIR, goal, goal_line, machine_info, table, write_json
+from bench.common import BENCH_DIR, OUT_DIR, finish, goal, table
 from bench.farms import bench_farm
 from farm.engine.hashing import block_hashes
 from farm.models import model_dir
@@ -163,11 +163,7 @@ def main() -> None:
         goals.append(goal("round-robin TTFT p50 / kv TTFT p50", rr_ttft / kv_ttft, 3.0))
     if "kv" in by:
         goals.append(goal("kv hit ratio / ideal", by["kv"]["hit_ratio"] / (by["kv"]["ideal_hit_ratio"] or 1), 0.9))
-    print()
-    for g in goals:
-        print(goal_line(g))
-    write_json(args.out, {"machine": machine_info(), "args": vars(args), "runs": runs, "goals": goals})
-    print(f"\nwrote {args.out}")
+    finish(args.out, {"args": vars(args), "runs": runs}, goals)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import goal, goal_line, machine_info, table, write_json
+from bench.common import finish, goal, table
 from farm.engine.model_runner import gather_blocks
 from farm.transfer.handle import sign_handle
 from farm.transfer.shm import host_id
@@ -92,11 +92,7 @@ def main() -> None:
     big = results[-1]
     goals = [goal(f"shm / copy at {big['mb']:.0f} MB", big["shm_gbps"] / big["gather_gbps"], 0.5),
              goal(f"tcp / copy at {big['mb']:.0f} MB", big["tcp_gbps"] / big["gather_gbps"], 0.25)]
-    print()
-    for g in goals:
-        print(goal_line(g))
-    write_json(args.out, {"machine": machine_info(), "results": results, "goals": goals})
-    print(f"\nwrote {args.out}")
+    finish(args.out, {"results": results}, goals)
 
 
 if __name__ == "__main__":
