@@ -33,6 +33,7 @@ class StreamWriter:
         self.on_cancel = on_cancel
         self.cancel_poll_s = cancel_poll_s
         self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._streaming: set[str] = set()  # requests whose first token was already sent
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -50,14 +51,20 @@ class StreamWriter:
         self.flush()
 
     def emit(self, request_id: str, event: dict[str, Any], urgent: bool = False) -> None:
+        kind = event.get("type")
         with self._lock:
             q = self._pending.setdefault(request_id, [])
-            if event.get("type") == "delta" and q and q[-1].get("type") == "delta":
+            if kind == "delta" and q and q[-1].get("type") == "delta":
                 q[-1]["text"] += event["text"]
                 q[-1]["n"] += event["n"]
             else:
                 q.append(event)
-        if urgent or event.get("type") != "delta":
+            if kind == "delta" and request_id not in self._streaming:
+                self._streaming.add(request_id)
+                urgent = True  # the first token goes out at once: batching must not add to TTFT
+            elif kind in ("done", "error"):
+                self._streaming.discard(request_id)
+        if urgent or kind != "delta":
             self._wake.set()
 
     def flush(self) -> None:
