@@ -64,6 +64,8 @@ def stream(gw: Gateway, ids: list[int], max_tokens: int, cfg=None) -> dict:
 
 def run_layout(name: str, counts: dict, args) -> dict:
     overrides = {"engine": {"torch_threads": 1}}
+    if counts.get("prefill"):
+        overrides["disaggregation"] = {"mode": args.disagg_mode}
     with bench_farm(**counts, overrides=overrides) as farm:
         cfg = farm.cfg
         gw = Gateway(cfg, redis.Redis.from_url(cfg.redis.url))
@@ -136,6 +138,9 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=2000)
     ap.add_argument("--long-every", type=float, default=6)
     ap.add_argument("--ttft-repeat", type=int, default=3)
+    ap.add_argument("--disagg-mode", default="conditional", choices=["conditional", "always"],
+                    help="disaggregated layout: conditional (short prompts prefill on the decode worker) "
+                         "or always (the decode worker only decodes)")
     ap.add_argument("--out", default="bench/out/disagg.json")
     args = ap.parse_args()
     runs = [run_layout("aggregated", {"both": 2}, args),
