@@ -5,6 +5,7 @@
     farm status [--json]
     farm prepare
     farm worker --role decode [--model NAME] [--name NAME]
+    farm planner run [--mode load|sla] [--dry-run] | farm planner profile --out config/profiles/M.json
 
 Configuration comes from config/default.yaml, then the file in FARM_CONFIG (or --config), then
 FARM_<SECTION>__<KEY> environment variables. A configuration error exits with status 2.
@@ -105,6 +106,7 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
     models = [m.name for m in cfg.models]
     for name in models:
         out["workers"][name] = {role: [] for role in ROLES}
+    out["planner"] = None
     r = redis_server.client(cfg.redis.url, timeout=3)
     try:
         workers = registry.live_workers(r)
@@ -120,6 +122,9 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
             queues += [queue_name(name, kind) for kind in ("prefill", "decode", "generate")]
         for q in dict.fromkeys(queues):
             out["queues"][q] = queue_depth(r, q)
+        from farm.planner.cli import status_section
+
+        out["planner"] = status_section(r)
     except Exception as e:  # noqa: BLE001 - any Redis trouble is reported, not raised
         out["redis"]["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -159,6 +164,10 @@ def print_status(st: dict[str, Any]) -> None:
         for p in st["processes"]:
             state = "running" if p["alive"] else "DEAD"
             print(f"  {p['name']:<{width}}  {p['role']:<7} pid {p['pid']:<8} {state:<8} {p['log']}")
+    if red["ok"]:
+        from farm.planner.cli import print_status_section
+
+        print_status_section(st.get("planner"))
 
 
 def cmd_status(cfg: FarmConfig, args: argparse.Namespace) -> int:
@@ -246,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, help="task threads (default: celery.worker_threads)")
     w.add_argument("--loglevel", help="log level (default: INFO)")
     w.set_defaults(func=cmd_worker)
+
+    from farm.planner.cli import add_parser as add_planner_parser
+
+    add_planner_parser(sub)
     return p
 
 
