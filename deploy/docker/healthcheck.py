@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Container health checks of the Inference Farm images (installed as `farm-healthcheck`).
+
+    farm-healthcheck api      GET http://127.0.0.1:$FARM_API__PORT/health answers 200 (Redis reachable)
+    farm-healthcheck worker   the worker's heartbeat key `farm:alive:<worker id>` exists in Redis
+
+A worker refreshes its heartbeat key every 2 s with a TTL of 6 s (farm/registry.py), and only once its
+model is loaded and it consumes its queues: the key is missing while the model loads, after the worker
+stopped, and when its heartbeat thread hangs. The worker id is `$FARM_WORKER_ID` when set, otherwise
+it is worked out from the running `tasks.worker` process (`$FARM_WORKER_PID`, default the first one,
+PID 1 in a container) exactly as tasks/worker.py does (`--name`, `<name>@<hostname>` when the name
+has no `@`, default `<role>@<hostname>`).
+
+Exit status 0 = healthy, 1 = unhealthy (Docker's HEALTHCHECK convention).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def check_api() -> int:
+    port = os.environ.get("FARM_API__PORT", "8080")
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            ok = resp.status == 200
+    except (urllib.error.URLError, OSError) as e:
+        print(f"{url}: {e}")
+        return 1
+    print(f"{url}: {'ok' if ok else 'unhealthy'}")
+    return 0 if ok else 1
+
+
+def _worker_argv() -> list[str] | None:
+    """The argv of this container's `python -m tasks.worker` process: PID 1 unless an init runs
+    (then the first such process), or the process $FARM_WORKER_PID names."""
+    pid = os.environ.get("FARM_WORKER_PID")
+    procs = [Path("/proc") / pid] if pid else sorted(Path("/proc").glob("[0-9]*"), key=lambda p: int(p.name))
+    for proc in procs:
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if "tasks.worker" in args:
+            return args[args.index("tasks.worker") + 1:]
+    return None
+
+
+def worker_id() -> str:
+    wid = os.environ.get("FARM_WORKER_ID", "")
+    if not wid:
+        args = _worker_argv() or []
+        opts = {a: b for a, b in zip(args, args[1:], strict=False) if a.startswith("--")}
+        role = opts.get("--role", "both")
+        wid = opts.get("--name") or f"{role}@{socket.gethostname()}"
+    if "@" not in wid:
+        wid = f"{wid}@{socket.gethostname()}"
+    return wid
+
+
+def check_worker() -> int:
+    import redis
+
+    url = os.environ.get("FARM_REDIS__URL")
+    if not url:
+        from farm.config import load_config
+
+        url = load_config().redis.url
+    wid = worker_id()
+    r = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
+    try:
+        alive = bool(r.exists(f"farm:alive:{wid}"))
+    except redis.RedisError as e:
+        print(f"redis unreachable: {e}")
+        return 1
+    finally:
+        r.close()
+    print(f"worker {wid}: {'alive' if alive else 'no heartbeat'}")
+    return 0 if alive else 1
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in ("api", "worker"):
+        print("usage: farm-healthcheck api|worker", file=sys.stderr)
+        return 2
+    return check_api() if argv[0] == "api" else check_worker()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

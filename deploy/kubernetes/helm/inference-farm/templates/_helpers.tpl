@@ -1,0 +1,421 @@
+{{/* ---- names and labels ---------------------------------------------------------------------- */}}
+
+{{- define "farm.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "farm.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "farm.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "farm.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "farm.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "farm.labels" -}}
+helm.sh/chart: {{ include "farm.chart" . }}
+{{ include "farm.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: inference-farm
+{{- end }}
+
+{{- define "farm.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "farm.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* A worker entry's model name (model.name, else model.path as in Dynamo's chart) and type (default both). */}}
+{{- define "farm.wModel" -}}
+{{- $m := .model | default dict }}
+{{- $m.name | default $m.path | default "" }}
+{{- end }}
+
+{{- define "farm.wType" -}}
+{{- .workerType | default "both" }}
+{{- end }}
+
+{{/* Queue-safe model name, as farm.protocol.model_slug: [^A-Za-z0-9_.-]+ -> "_" */}}
+{{- define "farm.queueSlug" -}}
+{{- regexReplaceAll "[^A-Za-z0-9_.-]+" . "_" }}
+{{- end }}
+
+{{/* DNS-1123 form of a name, as farm.planner.actuators.deployment_name does with the model. */}}
+{{- define "farm.dnsSlug" -}}
+{{- regexReplaceAll "[^a-z0-9-]+" (lower .) "-" | trimAll "-" }}
+{{- end }}
+
+{{/* A worker entry's Deployment name. Args: dict "root" $ "w" $worker */}}
+{{- define "farm.workerName" -}}
+{{- $suffix := .w.name | default (printf "%s-%s" (include "farm.dnsSlug" (include "farm.wModel" .w)) (include "farm.wType" .w)) }}
+{{- $full := printf "%s-%s" (include "farm.fullname" .root) $suffix }}
+{{- regexReplaceAll "-+" (regexReplaceAll "[^a-z0-9-]+" (lower $full) "-") "-" | trimAll "-" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The Deployment name template the planner formats with {model} and {role}. */}}
+{{- define "farm.plannerDeploymentTemplate" -}}
+{{- printf "%s-{model}-{role}" (include "farm.fullname" .) }}
+{{- end }}
+
+{{/* Celery queues a worker consumes (farm.protocol.queues_for_role), one per line. */}}
+{{- define "farm.workerQueues" -}}
+{{- $slug := include "farm.queueSlug" (include "farm.wModel" .) }}
+{{- $role := include "farm.wType" . }}
+{{- if eq $role "prefill" }}
+farm.{{ $slug }}.prefill
+{{- else if eq $role "decode" }}
+farm.{{ $slug }}.decode
+{{- else }}
+farm.{{ $slug }}.generate
+farm.{{ $slug }}.prefill
+farm.{{ $slug }}.decode
+{{- end }}
+{{- end }}
+
+{{- define "farm.image" -}}
+{{- printf "%s:%s" .repository (toString .tag) }}
+{{- end }}
+
+{{/* ---- secrets ------------------------------------------------------------------------------------- */}}
+
+{{- define "farm.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis" (include "farm.fullname" .)) }}
+{{- end }}
+
+{{- define "farm.flowerSecretName" -}}
+{{- .Values.flower.auth.existingSecret | default (printf "%s-flower" (include "farm.fullname" .)) }}
+{{- end }}
+
+{{- define "farm.farmSecretName" -}}
+{{- .Values.secrets.existingSecret | default (printf "%s-farm" (include "farm.fullname" .)) }}
+{{- end }}
+
+{{/*
+A secret value: the one given, else the one already in the cluster (so upgrades keep it), else a new
+random one. Args: dict "root" $ "secret" NAME "key" KEY "value" GIVEN
+*/}}
+{{- define "farm.secretValue" -}}
+{{- if .value }}
+{{- .value }}
+{{- else }}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .secret | default dict }}
+{{- $old := dig "data" .key "" $existing }}
+{{- if $old }}
+{{- b64dec $old }}
+{{- else }}
+{{- randAlphaNum 32 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* ---- pod pieces ---------------------------------------------------------------------------------- */}}
+
+{{/* Environment every farm container gets: configuration, Redis, the shared secret, router mode. */}}
+{{- define "farm.commonEnv" -}}
+- name: FARM_CONFIG
+  value: /etc/farm/farm.yaml
+- name: FARM_STATE_DIR
+  value: /var/lib/farm
+- name: HOME
+  value: /var/lib/farm
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: TRANSFORMERS_OFFLINE
+  value: "1"
+{{- if .Values.redis.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "farm.redisSecretName" . }}
+      key: {{ .Values.redis.auth.existingSecretKey }}
+- name: FARM_REDIS__URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "farm.fullname" .) | quote }}
+{{- else }}
+- name: FARM_REDIS__URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "farm.farmSecretName" . }}
+      key: redis-url
+{{- end }}
+- name: FARM_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "farm.farmSecretName" . }}
+      key: farm-secret
+- name: FARM_ROUTER__MODE
+  value: {{ .Values.frontend.routerMode | quote }}
+{{- end }}
+
+{{- define "farm.podSecurityContext" -}}
+{{- with .Values.podSecurityContext -}}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "farm.containerSecurityContext" -}}
+{{- with .Values.securityContext -}}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of API and worker pods: config, per-pod state, /tmp, models. */}}
+{{- define "farm.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "farm.fullname" . }}-config
+- name: state
+  emptyDir:
+    {{- with .Values.stateVolume.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+- name: tmp
+  emptyDir: {}
+- name: models
+  {{- $ms := .Values.modelStorage }}
+  {{- if eq $ms.type "emptyDir" }}
+  emptyDir: {}
+  {{- else if eq $ms.type "persistentVolumeClaim" }}
+  persistentVolumeClaim:
+    claimName: {{ include "farm.fullname" . }}-models
+  {{- else if eq $ms.type "existingClaim" }}
+  persistentVolumeClaim:
+    claimName: {{ required "modelStorage.existingClaim is required with modelStorage.type=existingClaim" $ms.existingClaim }}
+  {{- else if eq $ms.type "hostPath" }}
+  hostPath:
+    path: {{ required "modelStorage.hostPath is required with modelStorage.type=hostPath" $ms.hostPath }}
+    type: DirectoryOrCreate
+  {{- else }}
+  {{- fail (printf "modelStorage.type must be emptyDir, persistentVolumeClaim, existingClaim or hostPath, not %q" $ms.type) }}
+  {{- end }}
+{{- end }}
+
+{{- define "farm.volumeMounts" -}}
+- name: config
+  mountPath: /etc/farm
+  readOnly: true
+- name: state
+  mountPath: /var/lib/farm
+- name: tmp
+  mountPath: /tmp
+- name: models
+  mountPath: /var/lib/farm/models
+  readOnly: true
+{{- end }}
+
+{{/*
+Init container: `farm prepare` under an exclusive lock on the models volume (pods sharing a claim
+convert a builtin model once; the others wait, then find it prepared).
+*/}}
+{{- define "farm.prepareInitContainer" -}}
+{{- if .Values.modelStorage.prepare.enabled -}}
+initContainers:
+- name: prepare-models
+  image: {{ include "farm.image" .Values.images.prepare }}
+  imagePullPolicy: {{ .Values.images.prepare.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import fcntl, subprocess, sys
+      with open("/var/lib/farm/models/.prepare.lock", "w") as lock:
+          fcntl.flock(lock, fcntl.LOCK_EX)
+          sys.exit(subprocess.call(["farm", "prepare", "--quiet"]))
+  env:
+    - name: FARM_CONFIG
+      value: /etc/farm/farm.yaml
+    - name: FARM_STATE_DIR
+      value: /var/lib/farm
+    - name: HOME
+      value: /var/lib/farm
+  {{- include "farm.containerSecurityContext" . | nindent 2 }}
+  {{- with .Values.modelStorage.prepare.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: config
+      mountPath: /etc/farm
+      readOnly: true
+    - name: state
+      mountPath: /var/lib/farm
+    - name: tmp
+      mountPath: /tmp
+    - name: models
+      mountPath: /var/lib/farm/models
+{{- end }}
+{{- end }}
+
+{{/*
+The worker heartbeat check (exec probe). Exit 0 when farm:alive:$WORKER_ID exists in Redis. Arg
+"strict": a Redis that does not answer fails the check (startup, readiness); otherwise (liveness) it
+passes, so a Redis outage does not restart every worker: the worker itself reconnects and
+re-registers.
+*/}}
+{{- define "farm.heartbeatProbe" -}}
+exec:
+  command:
+    - python
+    - -c
+    - |
+      import os, sys, redis
+      wid = os.environ["WORKER_ID"]
+      r = redis.Redis.from_url(os.environ["FARM_REDIS__URL"], socket_timeout=3, socket_connect_timeout=3)
+      try:
+          alive = r.exists("farm:alive:" + wid)
+      except redis.RedisError as e:
+          print("redis unreachable:", e)
+          sys.exit(1 if sys.argv[1:] == ["strict"] else 0)
+      print(wid, "alive" if alive else "has no heartbeat")
+      sys.exit(0 if alive else 1)
+    {{- if .strict }}
+    - strict
+    {{- end }}
+periodSeconds: {{ .probe.periodSeconds }}
+timeoutSeconds: {{ .probe.timeoutSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+{{- end }}
+
+{{/*
+Environment from an engine settings mapping, e.g. {kv_cache_mb: 4096, kv_tiers: {host_mb: 1}} ->
+FARM_ENGINE__KV_CACHE_MB=4096, FARM_ENGINE__KV_TIERS__HOST_MB=1 (the farm parses them as YAML scalars).
+*/}}
+{{- define "farm.engineEnv" -}}
+{{- range $k, $v := . }}
+{{- if kindIs "map" $v }}
+{{- range $k2, $v2 := $v }}
+- name: {{ printf "FARM_ENGINE__%s__%s" (upper $k) (upper $k2) }}
+  value: {{ ternary $v2 (toJson $v2) (kindIs "string" $v2) | quote }}
+{{- end }}
+{{- else }}
+- name: {{ printf "FARM_ENGINE__%s" (upper $k) }}
+  value: {{ ternary $v (toJson $v) (kindIs "string" $v) | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* ---- the farm configuration ------------------------------------------------------------------------ */}}
+
+{{/* Models served by the worker entries, deduplicated by name, as config `models:` entries. */}}
+{{- define "farm.models" -}}
+{{- $seen := dict }}
+{{- $models := list }}
+{{- range .Values.workers }}
+{{- $name := include "farm.wModel" . }}
+{{- if not (hasKey $seen $name) }}
+{{- $_ := set $seen $name true }}
+{{- $m := dict "name" $name "max_model_len" (int (.model.maxModelLen | default 4096)) }}
+{{- if .model.path }}
+{{- if hasPrefix "/" .model.path }}
+{{- $_ := set $m "path" .model.path }}
+{{- else }}
+{{- $_ := set $m "path" (printf "/var/lib/farm/models/%s" .model.path) }}
+{{- end }}
+{{- else }}
+{{- $_ := set $m "source" (.model.source | default "builtin:smollm2") }}
+{{- end }}
+{{- $models = append $models $m }}
+{{- end }}
+{{- end }}
+{{- toYaml $models }}
+{{- end }}
+
+{{- define "farm.config" -}}
+{{- $models := include "farm.models" . | fromYamlArray }}
+{{- $default := .Values.defaultModel | default (include "farm.wModel" (first .Values.workers)) }}
+{{- $cfg := dict
+  "redis" (dict "managed" false)
+  "api" (dict "host" "0.0.0.0" "port" (int .Values.frontend.port) "threads" (int .Values.frontend.threads))
+  "flower" (dict "enabled" .Values.flower.enabled "host" "0.0.0.0" "port" (int .Values.flower.port))
+  "router" (dict "mode" .Values.frontend.routerMode)
+  "transfer" (dict "bind_host" "0.0.0.0")
+  "default_model" $default
+  "models" $models }}
+{{- toYaml (mergeOverwrite $cfg (deepCopy .Values.config)) }}
+{{- end }}
+
+{{- define "farm.plannerConfig" -}}
+{{- $models := list }}
+{{- $roles := list }}
+{{- range .Values.workers }}
+{{- $models = append $models (include "farm.wModel" .) }}
+{{- $roles = append $roles (include "farm.wType" .) }}
+{{- end }}
+{{- $p := dict
+  "enabled" true
+  "mode" .Values.planner.mode
+  "actuator" "kubernetes"
+  "dry_run" .Values.planner.dryRun
+  "interval_s" .Values.planner.intervalSeconds
+  "models" ($models | uniq)
+  "roles" ($roles | uniq)
+  "kubernetes" (dict "deployment" (include "farm.plannerDeploymentTemplate" .) "namespace" .Release.Namespace) }}
+{{- toYaml (dict "planner" (mergeOverwrite $p (deepCopy .Values.planner.config))) }}
+{{- end }}
+
+{{/* ---- checks that fail the render with a clear message ------------------------------------------- */}}
+{{- define "farm.validate" -}}
+{{- if not .Values.workers }}
+{{- fail "workers: at least one worker entry is needed" }}
+{{- end }}
+{{- $names := dict }}
+{{- $roles := dict }}
+{{- range $i, $w := .Values.workers }}
+{{- $model := include "farm.wModel" $w }}
+{{- $role := include "farm.wType" $w }}
+{{- if not $model }}
+{{- fail (printf "workers[%d]: model.name (or model.path) is required" $i) }}
+{{- end }}
+{{- if not (has $role (list "prefill" "decode" "both")) }}
+{{- fail (printf "workers[%d].workerType must be prefill, decode or both, not %q" $i $role) }}
+{{- end }}
+{{- $n := include "farm.workerName" (dict "root" $ "w" $w) }}
+{{- if hasKey $names $n }}
+{{- fail (printf "workers[%d]: Deployment name %s is used twice; give the entries different names" $i $n) }}
+{{- end }}
+{{- $_ := set $names $n true }}
+{{- $_ := set $roles (printf "%s/%s" $model $role) true }}
+{{- if $.Values.planner.enabled }}
+{{- $expected := include "farm.workerName" (dict "root" $ "w" (omit $w "name")) }}
+{{- if ne $n $expected }}
+{{- fail (printf "planner.enabled: the planner scales Deployment %s for model %s role %s, but workers[%d] is named %s; leave workers[%d].name empty" $expected $model $role $i $n $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range .Values.workers }}
+{{- $model := include "farm.wModel" . }}
+{{- if and (eq (include "farm.wType" .) "prefill") (not (or (hasKey $roles (printf "%s/decode" $model)) (hasKey $roles (printf "%s/both" $model)))) }}
+{{- fail (printf "model %s has prefill workers but no decode or both workers: prefill workers hand every request to a decode worker" $model) }}
+{{- end }}
+{{- end }}
+{{- if not (has .Values.frontend.routerMode (list "kv" "round-robin" "random")) }}
+{{- fail (printf "frontend.routerMode must be kv, round-robin or random, not %q" (toString .Values.frontend.routerMode)) }}
+{{- end }}
+{{- if and .Values.keda.enabled .Values.planner.enabled (not .Values.planner.dryRun) }}
+{{- fail "keda.enabled and planner.enabled both scale the worker Deployments: enable one (or set planner.dryRun)" }}
+{{- end }}
+{{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.secrets.existingSecret) }}
+{{- fail "redis.enabled=false needs redis.externalUrl (or secrets.existingSecret with a redis-url key)" }}
+{{- end }}
+{{- if and .Values.keda.enabled (not .Values.redis.enabled) (not .Values.keda.redisAddress) }}
+{{- fail "keda.enabled with an external Redis needs keda.redisAddress (host:port)" }}
+{{- end }}
+{{- end }}
