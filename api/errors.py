@@ -1,40 +1,98 @@
 """OpenAI-shaped errors: every failure is `{"error": {"message", "type", "param", "code"}}` JSON with the
-right status, never an HTML page or a traceback."""
+right status, never an HTML page or a traceback.
+
+`to_api_error` is the one mapping from exceptions (ours, the gateway's, werkzeug's, Redis's) to that shape,
+used both by the Flask error handlers and by SSE streams that fail after their headers were sent.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from flask import Flask, jsonify
+import redis
+from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
+
+from farm.gateway import BusyError, GatewayTimeout, NoWorkersError
+from farm.models import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
+# OpenAI's error types by status; anything 5xx (or unlisted) is a server_error.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 429: "rate_limit_error"}
+          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error"}
+NO_WORKERS_RETRY_AFTER_S = 5  # workers take seconds to start and register
+REDIS_DOWN_RETRY_AFTER_S = 2
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+    """An error the API answers with: status, OpenAI error body, optional extra headers."""
+
+    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.type = type or error_type(status)
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error")
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 invalid_request_error naming the offending parameter."""
     return APIError(400, message, param=param, code=code)
 
 
-def error_response(err: APIError):
+_HTTP_MESSAGES = {
+    400: "Bad request.",
+    404: "Not found: no such route. See /v1/models, /v1/chat/completions, /v1/completions and /health.",
+    413: "Request body too large.",
+}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def to_api_error(err: BaseException) -> APIError:
+    """Map any exception to the APIError the client should see (unexpected ones: a bare 500)."""
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, HTTPException):
+        status = err.code or 500
+        if status == 405:
+            message = "Method not allowed for this route."
+            if getattr(err, "valid_methods", None):
+                message = f"Method not allowed; this route accepts {', '.join(sorted(err.valid_methods))}."
+        else:
+            message = _HTTP_MESSAGES.get(status) or (err.description if status < 500 else None) or err.name
+        # keep headers such as Allow (405) or Retry-After, never werkzeug's Content-Type
+        headers = {k: v for k, v in err.get_headers() if k.lower() not in ("content-type", "content-length")}
+        return APIError(status, message, code=_HTTP_CODES.get(status), headers=headers)
+    if isinstance(err, NoWorkersError):
+        return APIError(503, str(err), code="no_workers", headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
+    if isinstance(err, BusyError):
+        return APIError(503, f"The farm is at capacity: {err}", code="overloaded",
+                        headers={"Retry-After": str(err.retry_after_s)})
+    if isinstance(err, GatewayTimeout):
+        return APIError(504, str(err), code="timeout")
+    if isinstance(err, ModelNotFoundError):  # configured but not on disk: the operator's problem, not the client's
+        return APIError(503, str(err), code="model_unavailable")
+    if isinstance(err, redis.RedisError):
+        return APIError(503, "The farm's Redis is unreachable.", code="redis_unavailable",
+                        headers={"Retry-After": str(REDIS_DOWN_RETRY_AFTER_S)})
+    return APIError(500, "Internal server error.", code="internal_error")
+
+
+def error_response(err: APIError) -> Response:
     resp = jsonify(err.body())
     resp.status_code = err.status
     for k, v in err.headers.items():
@@ -43,22 +101,23 @@ def error_response(err: APIError):
 
 
 def register_error_handlers(app: Flask) -> None:
+    """Route every error, including werkzeug's and unexpected exceptions, through `to_api_error`."""
+
     @app.errorhandler(APIError)
     def _api_error(err: APIError):
         return error_response(err)
 
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException):
-        status = err.code or 500
-        messages = {
-            404: "Not found: no such route. See /v1/models, /v1/chat/completions, /v1/completions.",
-            405: f"Method not allowed: {err.description}",
-            413: "Request body too large.",
-        }
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
-        return error_response(APIError(status, messages.get(status, err.description or err.name), code=code))
+        if err.code is not None and err.code < 400:  # redirects (e.g. RequestRedirect) are not errors
+            return err
+        return error_response(to_api_error(err))
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
-        log.exception("unhandled error")
-        return error_response(APIError(500, "Internal server error.", code="internal_error"))
+        api_err = to_api_error(err)
+        if api_err.status == 500:
+            log.exception("unhandled error")
+        else:
+            log.warning("request failed: %s: %s", type(err).__name__, err)
+        return error_response(api_err)

@@ -8,16 +8,19 @@ from typing import Any
 
 
 def usage(u: dict[str, int]) -> dict[str, Any]:
+    """OpenAI usage from the worker's done event (cached_tokens: prompt tokens served from the prefix cache)."""
     p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens", 0))}}
 
 
 def finish_reason(r: str | None) -> str:
+    """OpenAI has no "abort": a request aborted by the farm reports "stop"."""
     return r if r in ("stop", "length", "content_filter") else "stop"
 
 
 def full_response(kind: str, rid: str, model: str, text: str, reason: str, u: dict[str, int]) -> dict[str, Any]:
+    """The non-streamed `chat.completion` (kind "chat") or `text_completion` object."""
     created = int(time.time())
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +10,7 @@ from api.errors import APIError, bad_request
 from farm.protocol import SamplingParams
 from farm.tokenization import chat_prompt_ids, text_prompt_ids
 
-CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
+CHAT_ROLES = {"system", "user", "assistant", "developer"}  # developer is sent to the template as system
 UNSUPPORTED = {"logprobs": "logprobs", "top_logprobs": "logprobs", "tools": "tool calling",
                "tool_choice": "tool calling", "functions": "function calling", "function_call": "function calling",
                "response_format": "structured output", "logit_bias": "logit_bias"}
@@ -17,6 +18,8 @@ UNSUPPORTED = {"logprobs": "logprobs", "top_logprobs": "logprobs", "tools": "too
 
 @dataclass
 class ParsedRequest:
+    """A validated request: what the gateway needs (token ids, sampling) plus the response flags."""
+
     model: str
     prompt_ids: list[int]
     sampling: SamplingParams
@@ -26,6 +29,7 @@ class ParsedRequest:
 
 
 def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
+    """body[name] if present and of `types` (booleans only where asked for), else a 400 naming it."""
     v = body.get(name)
     if v is None:
         return None
@@ -40,13 +44,17 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
     v = _type_check(body, name, (int, float), "a number")
     if v is None:
         return default
+    if not math.isfinite(v):
+        raise bad_request(f"'{name}' must be a finite number", name, "invalid_value")
     if v > hi or v < lo or (lo_open and v == lo):
         lo_s = f"> {lo}" if lo_open else f">= {lo}"
         raise bad_request(f"'{name}' must be {lo_s} and <= {hi}, got {v}", name, "invalid_value")
     return float(v)
 
 
-def _common(body: dict, prompt_len: int, max_model_len: int) -> tuple[SamplingParams, bool, bool]:
+def _common(body: dict, prompt_len: int, max_model_len: int,
+            prompt_param: str) -> tuple[SamplingParams, bool, bool]:
+    """Sampling parameters and stream flags shared by chat and completions, checked like OpenAI's."""
     for key, what in UNSUPPORTED.items():
         if body.get(key) not in (None, False, [], {}) and not (key == "response_format"
                                                           and body[key] == {"type": "text"}):
@@ -80,7 +88,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int) -> tuple[SamplingPa
             max_tokens = v
     if prompt_len >= max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; your prompt has "
-                          f"{prompt_len} tokens.", "messages", "context_length_exceeded")
+                          f"{prompt_len} tokens.", prompt_param, "context_length_exceeded")
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
     elif prompt_len + max_tokens > max_model_len:
@@ -117,6 +125,7 @@ def _content_text(content: Any, i: int) -> str:
 
 
 def normalize_messages(body: dict) -> list[dict[str, str]]:
+    """`messages` as [{"role", "content": str}] for the chat template; developer becomes system."""
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")
@@ -135,19 +144,23 @@ def normalize_messages(body: dict) -> list[dict[str, str]]:
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
+    """Validate a /v1/chat/completions body (model already checked) and apply the chat template."""
     messages = normalize_messages(body)
     try:
         ids = chat_prompt_ids(tokenizer, messages)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
-    params, stream, include_usage = _common(body, len(ids), max_model_len)
+    params, stream, include_usage = _common(body, len(ids), max_model_len, "messages")
     return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages})
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
+    """Validate a /v1/completions body (model already checked): one prompt, as text or token ids."""
     for key in ("echo", "suffix"):
         if body.get(key):
             raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    if body.get("logprobs") is not None and body["logprobs"] is not False:  # an integer here; even 0 asks
+        raise bad_request("'logprobs' is not supported by this server", "logprobs", "unsupported_parameter")
     best_of = _type_check(body, "best_of", (int,), "an integer")
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
@@ -168,11 +181,12 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest
     else:
         raise bad_request("'prompt' must be a string, a list of token ids, or a list with one of those "
                           "(batched prompts are not supported)", "prompt")
-    params, stream, include_usage = _common(body, len(ids), max_model_len)
+    params, stream, include_usage = _common(body, len(ids), max_model_len, "prompt")
     return ParsedRequest(body["model"], ids, params, stream, include_usage)
 
 
 def require_model(body: Any, known: list[str]) -> str:
+    """The body must be an object naming a configured model (unknown: 404 model_not_found)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -181,6 +195,6 @@ def require_model(body: Any, known: list[str]) -> str:
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     if model not in known:
-        raise APIError(404, f"The model '{model}' does not exist. Available: {', '.join(known)}", "model",
-                       "model_not_found")
+        raise APIError(404, f"The model '{model}' does not exist. Available: {', '.join(known)}", param="model",
+                       code="model_not_found")
     return model

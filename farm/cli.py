@@ -57,7 +57,8 @@ def cmd_up(cfg: FarmConfig, args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"mode": args.router_mode})})
     models = [m.name for m in cfg.models] if args.all_models else None
     farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
-                flower=cfg.flower.enabled and not args.no_flower, models=models, grace_s=args.grace)
+                flower=cfg.flower.enabled and not args.no_flower, models=models, grace_s=args.grace,
+                batch_drivers=cfg.workers.batch_drivers)
     return farm.serve(timeout=args.timeout, detach=args.detach)
 
 
@@ -256,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--loglevel", help="log level (default: INFO)")
     w.set_defaults(func=cmd_worker)
 
+    from farm.batch.cli import add_parser as add_batch_parser
     from farm.planner.cli import add_parser as add_planner_parser
 
+    add_batch_parser(sub)
     add_planner_parser(sub)
     return p
 

@@ -16,6 +16,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from farm.batch.config import BatchConfig
+from farm.planner.config import PlannerConfig
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "config" / "default.yaml"
 ENV_PREFIX = "FARM_"
@@ -118,6 +121,7 @@ class WorkersConfig(_Section):
     prefill: int = Field(1, ge=0)
     decode: int = Field(1, ge=0)
     both: int = Field(0, ge=0)
+    batch_drivers: int = Field(1, ge=0)  # processes that run OpenAI batches (tasks.batch); 0 = no Batch API runs
 
 
 class ModelConfig(_Section):
@@ -146,6 +150,8 @@ class FarmConfig(_Section):
     router: RouterConfig = RouterConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     workers: WorkersConfig = WorkersConfig()
+    batch: BatchConfig = BatchConfig()
+    planner: PlannerConfig = PlannerConfig()
     default_model: str
     models: list[ModelConfig] = Field(min_length=1)
 

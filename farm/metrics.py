@@ -63,6 +63,56 @@ KV_BLOCKS = Gauge("farm_kv_blocks", "KV blocks per worker, tier and state", ["wo
 WORKERS = Gauge("farm_workers", "Live workers", ["model", "role"])
 KV_HIT_RATIO = Gauge("farm_kv_hit_ratio", "Prompt tokens served from a worker's prefix cache / looked up",
                      ["worker"])
+BATCH_INFLIGHT = Gauge("farm_batch_inflight_lines", "Batch lines in flight in this batch-driver process")
+BATCH_WINDOW = Gauge("farm_batch_window_lines",
+                     "Batch lines a driver may have in flight now (small while interactive requests run)")
+
+
+# Farm-wide counters kept in Redis hashes (field = label value), because the processes that count them
+# (batch drivers) are not the ones Prometheus scrapes; the API's /metrics exports them (FarmCollector).
+FARM_COUNTERS: dict[str, tuple[str, str]] = {
+    "farm_batch_lines": ("Batch lines by outcome (completed, failed, retried)", "state"),
+    "farm_batches": ("Batches that reached a final status", "status"),
+}
+
+
+def count_farm(r, name: str, label_value: str, n: int = 1) -> None:
+    """Add to a farm-wide counter (FARM_COUNTERS); failures are logged, never raised into the caller."""
+    try:
+        r.hincrby(f"farm:stats:{name}", label_value, n)
+    except Exception:  # noqa: BLE001 - a metric must not fail a batch line
+        import logging
+
+        logging.getLogger(__name__).warning("could not count %s{%s}", name, label_value)
+
+
+class _RedisCounters:
+    """A Prometheus collector yielding FARM_COUNTERS as last read from Redis by FarmCollector.refresh."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, float]] = {}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, (doc, label) in FARM_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=[label])
+            for value, n in sorted(self.values.get(name, {}).items()):
+                fam.add_metric([value], n)
+            yield fam
+
+
+_REDIS_COUNTERS: _RedisCounters | None = None
+
+
+def _redis_counters() -> _RedisCounters:
+    global _REDIS_COUNTERS
+    if _REDIS_COUNTERS is None:
+        from prometheus_client import REGISTRY
+
+        _REDIS_COUNTERS = _RedisCounters()
+        REGISTRY.register(_REDIS_COUNTERS)
+    return _REDIS_COUNTERS
 
 
 class FarmCollector:
@@ -70,6 +120,7 @@ class FarmCollector:
 
     def __init__(self, r, cfg):
         self.r, self.cfg = r, cfg
+        self.counters = _redis_counters()
 
     def refresh(self) -> None:
         import json
@@ -87,9 +138,15 @@ class FarmCollector:
                 pipe.llen(q)
             for w in workers:
                 pipe.get(registry.alive_key(w.worker_id))
+            for name in FARM_COUNTERS:
+                pipe.hgetall(f"farm:stats:{name}")
             res = pipe.execute()
         except Exception:  # noqa: BLE001 - Redis down: keep the last values, the API reports 503 elsewhere
             return
+        n_counters = len(FARM_COUNTERS)
+        res, counter_values = res[: len(res) - n_counters], res[len(res) - n_counters:]
+        self.counters.values = {name: {k.decode(): float(v) for k, v in raw.items()}
+                                for name, raw in zip(FARM_COUNTERS, counter_values, strict=True)}
         for q, n in zip(queues, res[: len(queues)], strict=True):
             QUEUE_DEPTH.labels(queue=q).set(n)
         WORKERS.clear()

@@ -17,6 +17,8 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 TASK_PREFILL = "farm.prefill"
 TASK_DECODE = "farm.decode"
 TASK_GENERATE = "farm.generate"
+TASK_BATCH_DRIVE = "farm.batch.drive"  # drives one batch (farm.batch.driver)
+BATCH_QUEUE = "farm.batch"  # consumed only by batch-driver processes (`python -m tasks.batch`)
 
 
 def model_slug(model: str) -> str:

@@ -46,6 +46,8 @@ API_APP = "api.app:create_app()"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 API_GRACE_S = 40.0  # gunicorn --graceful-timeout 30, plus margin
 FLOWER_GRACE_S = 10.0
+BATCH_GRACE_S = 30.0  # a batch driver gives in-flight lines batch.shutdown_grace_s, then hands its batches back
+RESTARTED_ROLES = (*WORKER_ROLES, "batch")  # restarted when they die; anything else dying stops the farm
 REDIS_GRACE_S = 30.0
 MAX_WORKER_RESTARTS = 3
 
@@ -191,11 +193,13 @@ def _stop_group(procs: list[Proc], sig_timeout: float) -> None:
 
 
 def stop_ordered(procs: Iterable[Proc], grace_s: float = 60.0) -> None:
-    """Stop farm processes in the safe order: workers (warm shutdown), API, Flower, Redis."""
+    """Stop farm processes in the safe order: batch drivers (they stop feeding lines and hand their batches
+    back), workers (warm shutdown), API, Flower, Redis."""
     procs = list(procs)
-    by_role = {r: [p for p in procs if p.role == r] for r in ("api", "flower", "redis")}
+    by_role = {r: [p for p in procs if p.role == r] for r in ("batch", "api", "flower", "redis")}
     workers = [p for p in procs if p.role in WORKER_ROLES]
-    others = [p for p in procs if p.role not in (*WORKER_ROLES, "api", "flower", "redis")]
+    others = [p for p in procs if p.role not in (*WORKER_ROLES, "batch", "api", "flower", "redis")]
+    _stop_group(by_role["batch"], BATCH_GRACE_S)
     _stop_group(workers, grace_s)
     _stop_group(by_role["api"], API_GRACE_S)
     _stop_group(by_role["flower"] + others, FLOWER_GRACE_S)
@@ -309,19 +313,22 @@ class Farm:
     """The processes of one farm on this machine.
 
     Workers run `cfg.default_model` unless `models` names others; `prefill`, `decode` and `both` are
-    counts per model. `port` overrides `api.port`, `flower_port` overrides `flower.port`. Extra
+    counts per model; `batch_drivers` processes run OpenAI batches (tasks.batch). `port` overrides
+    `api.port`, `flower_port` overrides `flower.port`. Extra
     keyword arguments exist for tests: `api=False` starts no API, `api_app` replaces the gunicorn app,
     `env` adds environment variables for the children, `grace_s` is the workers' shutdown grace.
     """
 
     def __init__(self, cfg: FarmConfig, prefill: int = 1, decode: int = 1, both: int = 0,
-                 port: int | None = None, flower: bool = True, models: list[str] | None = None, *,
+                 port: int | None = None, flower: bool = True, models: list[str] | None = None,
+                 batch_drivers: int = 0, *,
                  api: bool = True, flower_port: int | None = None, api_app: str = API_APP,
                  grace_s: float = 60.0, prepare: bool = True, env: dict[str, str] | None = None,
                  hostname: str | None = None):
         self.cfg = cfg
         self.counts = {"prefill": int(prefill), "decode": int(decode), "both": int(both)}
-        if any(n < 0 for n in self.counts.values()):
+        self.batch_drivers = int(batch_drivers)
+        if any(n < 0 for n in [*self.counts.values(), self.batch_drivers]):
             raise ConfigError(f"worker counts must not be negative: {self.counts}")
         self.models = list(models) if models else [cfg.default_model]
         for name in self.models:
@@ -509,6 +516,9 @@ class Farm:
         return [sys.executable, "-m", "celery", "-A", "tasks.celery_app", "flower",
                 f"--address={self.flower_host}", f"--port={self.flower_port}"]
 
+    def batch_command(self, name: str) -> list[str]:
+        return [sys.executable, "-m", "tasks.batch", "--name", self.worker_id(name)]
+
     def _start_worker(self, name: str, role: str, model: str) -> Proc:
         return self._spawn(Proc(name, role, self.worker_command(role, model, name), str(self.log_path(name)),
                                 model=model, worker_id=self.worker_id(name)))
@@ -538,6 +548,9 @@ class Farm:
             self.write_state()
             for name, role, model in self.expected_workers:
                 self._start_worker(name, role, model)
+            for i in range(1, self.batch_drivers + 1):
+                name = f"batch-{i}"
+                self._spawn(Proc(name, "batch", self.batch_command(name), str(self.log_path(name))))
             if self.api_enabled:
                 self._spawn(Proc("api", "api", self.api_command(), str(self.log_path("api"))))
             if self.flower_enabled:
@@ -692,7 +705,7 @@ class Farm:
                     self.write_state()
                     continue
                 rc = p.returncode
-                if p.role in WORKER_ROLES and p.restarts < MAX_WORKER_RESTARTS:
+                if p.role in RESTARTED_ROLES and p.restarts < MAX_WORKER_RESTARTS:
                     p.restarts += 1
                     print(f"farm: {p.name} exited with status {rc}; restarting it "
                           f"({p.restarts}/{MAX_WORKER_RESTARTS}); log: {p.log}\n{p.tail(10)}", file=sys.stderr)

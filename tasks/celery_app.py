@@ -19,7 +19,7 @@ from farm.config import FarmConfig, get_config
 def make_celery(cfg: FarmConfig | None = None) -> Celery:
     """A Celery app for `cfg` (the process configuration by default)."""
     cfg = cfg or get_config()
-    app = Celery("farm", broker=cfg.redis.url, backend=None, include=["tasks.generation"])
+    app = Celery("farm", broker=cfg.redis.url, backend=None, include=["tasks.generation", "tasks.batch"])
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

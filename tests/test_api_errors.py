@@ -3,26 +3,55 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+from flask import Flask
 
 from api.app import create_app
 from farm import registry
 from farm.config import get_config
+from farm.router.keys import direct_queue
+from tests.conftest import make_farm_env
+
+GHOST = "ghost@test"
+
+
+@contextmanager
+def farm_app(redis_url: str, tmp: Path) -> Iterator[Flask]:
+    """`create_app()` under the `farm_env` environment, for a module-scoped fixture: building and
+    stopping an app (its router follows KV events on a thread) per test costs ~0.6 s."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in make_farm_env(redis_url, tmp).items():
+            mp.setenv(k, v)
+        get_config.cache_clear()
+        app = create_app()
+        try:
+            yield app
+        finally:
+            app.extensions["farm"].gateway.router.stop()
+            get_config.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
+    with farm_app(redis_url, tmp_path_factory.mktemp("api")) as app:
+        yield app
 
 
 @pytest.fixture
-def app_client(farm_env, redis_client):
-    app = create_app(get_config())
-    yield app.test_client(), get_config()
-    app.extensions["farm"].gateway.router.stop()
+def app_client(app, redis_client):
+    """A test client on an empty Redis (no workers), and the app's config."""
+    return app.test_client(), app.extensions["farm"].cfg
 
 
 @pytest.fixture
 def with_worker(app_client, redis_client):
     """A registered worker (its queue is never consumed): requests that pass validation get queued."""
     _, cfg = app_client
-    registry.register(redis_client, registry.WorkerInfo("ghost@test", "both", cfg.default_model, "h", 1,
+    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
                                                         cfg.engine.block_size, num_blocks=1000))
 
 
@@ -32,9 +61,12 @@ def post(client, path, body, raw=False, **kw):
 
 
 def assert_error(resp, status, param=None, code=None):
+    """The exact OpenAI error shape: JSON {"error": {message, type, param, code}} with `status`."""
     assert resp.status_code == status, resp.data
     assert resp.content_type.startswith("application/json")
-    err = resp.get_json()["error"]
+    body = resp.get_json()
+    assert set(body) == {"error"}
+    err = body["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
     if param is not None:
@@ -53,6 +85,10 @@ def test_malformed_json_and_non_object(app_client):
     assert_error(post(c, "/v1/chat/completions", "{not json", raw=True), 400)
     assert_error(post(c, "/v1/chat/completions", "[1, 2]", raw=True), 400)
     assert_error(post(c, "/v1/chat/completions", "", raw=True), 400)
+    assert_error(post(c, "/v1/chat/completions", b"\xff\xfe", raw=True), 400)
+    # Python's json would take NaN; strict JSON does not, so no NaN temperature gets through
+    assert_error(post(c, "/v1/chat/completions", '{"model": "m", "temperature": NaN}', raw=True), 400)
+    assert_error(c.post("/v1/completions", data="not json", content_type="text/plain"), 400)
 
 
 def test_missing_and_bad_messages(app_client):
@@ -60,103 +96,167 @@ def test_missing_and_bad_messages(app_client):
     assert_error(post(c, "/v1/chat/completions", {"model": cfg.default_model}), 400, "messages",
                  "missing_required_parameter")
     assert_error(post(c, "/v1/chat/completions", {"model": cfg.default_model, "messages": []}), 400, "messages")
+    assert_error(post(c, "/v1/chat/completions", {"model": cfg.default_model, "messages": "hi"}), 400, "messages")
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=["hi"])), 400, "messages[0]")
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "wizard", "content": "x"}])),
+                 400, "messages[0].role")
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "tool", "content": "x"}])),
                  400, "messages[0].role")
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "user", "content": 5}])),
                  400, "messages[0].content")
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "user", "content": image}])),
+                 400, "messages[0].content")
+
+
+def test_valid_message_forms_pass_validation(app_client):
+    """developer role and text parts are accepted: with no worker the answer is 503, not 400."""
+    c, cfg = app_client
+    msgs = [{"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=msgs, max_completion_tokens=5, max_tokens=7,
+                                                      presence_penalty=1, frequency_penalty=-1, user="u", seed=3,
+                                                      stop="\n", n=1)), 503, code="no_workers")
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 2, 3], "max_tokens": 3}),
+                 503, code="no_workers")
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": ["one prompt"]}),
+                 503, code="no_workers")
 
 
 def test_unknown_and_missing_model(app_client):
     c, cfg = app_client
     assert_error(post(c, "/v1/chat/completions", chat(cfg, model="gpt-9")), 404, "model", "model_not_found")
+    assert_error(post(c, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model", "model_not_found")
     body = chat(cfg)
     del body["model"]
     assert_error(post(c, "/v1/chat/completions", body), 400, "model")
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, model=7)), 400, "model")
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", 3), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
-    ("max_completion_tokens", -5), ("n", 2), ("stop", ["a", "b", "c", "d", "e"]), ("stop", 7),
-    ("presence_penalty", 3), ("seed", "x"), ("stream", "yes"), ("logprobs", True), ("tools", [{"type": "function"}]),
+    ("temperature", 3), ("temperature", -0.1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5),
+    ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", True), ("max_completion_tokens", -5), ("n", 2),
+    ("n", "1"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", 7), ("stop", [1]), ("presence_penalty", 3),
+    ("frequency_penalty", -2.5), ("seed", "x"), ("stream", "yes"), ("stream_options", "x"), ("logprobs", True),
+    ("tools", [{"type": "function"}]),
 ])
 def test_out_of_range_or_unsupported_parameters(app_client, field, value):
     c, cfg = app_client
-    assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: value})), 400, field)
+    err = assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: value})), 400, field)
+    if (field, value) == ("n", 2):
+        assert "n=1" in err["message"]
+    if field in ("logprobs", "tools"):
+        assert "not supported" in err["message"]
+
+
+def test_stream_options_need_stream(app_client):
+    c, cfg = app_client
+    opts = {"include_usage": True}
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, stream_options=opts)), 400, "stream_options")
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, stream=True, stream_options={"include_usage": 1})),
+                 400, "stream_options")
 
 
 def test_prompt_longer_than_context(app_client):
     c, cfg = app_client
-    long = "word " * (cfg.model(cfg.default_model).max_model_len + 10)
+    max_len = cfg.model(cfg.default_model).max_model_len
+    long = "word " * (max_len + 10)
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "user", "content": long}])),
                  400, "messages", "context_length_exceeded")
     assert_error(post(c, "/v1/chat/completions", chat(cfg, max_tokens=10**6)), 400, "max_tokens",
                  "context_length_exceeded")
-    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": long}), 400, None,
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": long}), 400, "prompt",
                  "context_length_exceeded")
+    # exactly max_model_len prompt tokens leaves no room for one more
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1] * max_len}), 400,
+                 "prompt", "context_length_exceeded")
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1] * (max_len - 4),
+                                             "max_tokens": 5}), 400, "max_tokens", "context_length_exceeded")
 
 
 def test_oversized_body_is_413_json(app_client):
     c, cfg = app_client
     big = "x" * (cfg.api.max_body_bytes + 10)
-    assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "user", "content": big}])), 413)
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "user", "content": big}])), 413,
+                 code="request_too_large")
 
 
 def test_unknown_route_and_wrong_method(app_client):
     c, _ = app_client
-    assert_error(c.get("/v1/nope"), 404)
-    assert_error(c.get("/v1/chat/completions"), 405)
+    assert_error(c.get("/v1/nope"), 404, code="not_found")
+    assert_error(c.post("/", data="x"), 404)
+    resp = c.get("/v1/chat/completions")
+    assert_error(resp, 405, code="method_not_allowed")
+    assert "POST" in resp.headers["Allow"]
+    assert_error(c.delete("/v1/models"), 405)
 
 
 def test_completion_specific_errors(app_client):
     c, cfg = app_client
     m = cfg.default_model
-    assert_error(post(c, "/v1/completions", {"model": m}), 400, "prompt")
+    assert_error(post(c, "/v1/completions", {"model": m}), 400, "prompt", "missing_required_parameter")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": ""}), 400, "prompt")
     assert_error(post(c, "/v1/completions", {"model": m, "prompt": ["a", "b"]}), 400, "prompt")
     assert_error(post(c, "/v1/completions", {"model": m, "prompt": [1, -4]}), 400, "prompt")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": [1, 10**9]}), 400, "prompt")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": {"text": "x"}}), 400, "prompt")
     assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "echo": True}), 400, "echo")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "suffix": "y"}), 400, "suffix")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "best_of": 2}), 400, "best_of")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "logprobs": 0}), 400, "logprobs")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "n": 3}), 400, "n")
 
 
 def test_no_live_workers_is_503_with_retry_after(app_client):
     c, cfg = app_client
-    resp = post(c, "/v1/chat/completions", chat(cfg))
-    assert_error(resp, 503, code="no_workers")
-    assert int(resp.headers["Retry-After"]) > 0
+    for stream in (False, True):
+        resp = post(c, "/v1/chat/completions", chat(cfg, stream=stream))
+        assert_error(resp, 503, code="no_workers")
+        assert int(resp.headers["Retry-After"]) > 0
 
 
-def test_valid_request_is_queued_and_invalid_ones_are_not(app_client, with_worker, redis_client):
-    """Validation happens before anything reaches a queue."""
+def test_valid_request_is_queued_and_invalid_ones_are_not(app_client, with_worker, redis_client, monkeypatch):
+    """Validation happens before anything reaches a queue; silence from the worker is a 504."""
     c, cfg = app_client
-    from farm.router.keys import direct_queue
-
-    q = direct_queue("ghost@test")
+    q = direct_queue(GHOST)
     post(c, "/v1/chat/completions", chat(cfg, temperature=9))
     assert redis_client.llen(q) == 0
     # a valid request is placed on the (never consuming) worker's queue, then times out as 504
-    cfg.api.first_event_timeout_s = 1
+    monkeypatch.setattr(cfg.api, "first_event_timeout_s", 1)
     resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
     assert redis_client.llen(q) == 1
     assert_error(resp, 504, code="timeout")
-
-
-def test_models_and_health(app_client):
-    c, cfg = app_client
-    data = c.get("/v1/models").get_json()
-    assert data["object"] == "list" and cfg.default_model in [m["id"] for m in data["data"]]
-    assert c.get(f"/v1/models/{cfg.default_model}").get_json()["id"] == cfg.default_model
-    assert_error(c.get("/v1/models/nope"), 404, "model")
-    h = c.get("/health")
-    assert h.status_code == 200 and h.get_json()["redis"] == "ok"
-    assert h.get_json()["workers"][cfg.default_model] == {"prefill": 0, "decode": 0, "both": 0}
+    assert redis_client.keys("farm:cancel:*"), "a timed-out request is cancelled so no worker runs it later"
 
 
 def test_every_worker_busy_is_shed_with_503_and_retry_after(app_client, with_worker, redis_client):
     """Busy shedding: the API answers at once instead of queueing without bound."""
-    from farm.router.keys import direct_queue
     from farm.router.load import LoadTracker
 
     c, cfg = app_client
-    LoadTracker(redis_client).begin("d", "ghost@test", "someone-else", 990)  # 99% of its 1000 blocks
+    LoadTracker(redis_client).begin("d", GHOST, "someone-else", 990)  # 99% of its 1000 blocks
     resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
     assert_error(resp, 503, code="overloaded")
     assert int(resp.headers["Retry-After"]) == cfg.router.retry_after_s
-    assert redis_client.llen(direct_queue("ghost@test")) == 0
+    assert redis_client.llen(direct_queue(GHOST)) == 0
+
+
+def test_unexpected_exceptions_are_json_500_without_traceback(app, app_client, monkeypatch):
+    from farm.models import ModelNotFoundError
+
+    c, cfg = app_client
+    farm = app.extensions["farm"]
+
+    def boom(model):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(farm, "tokenizer", boom)
+    resp = post(c, "/v1/chat/completions", chat(cfg))
+    err = assert_error(resp, 500, code="internal_error")
+    assert "secret" not in err["message"] and b"Traceback" not in resp.data
+
+    def missing(model):
+        raise ModelNotFoundError(f"model {model!r} is not prepared")
+
+    monkeypatch.setattr(farm, "tokenizer", missing)
+    assert_error(post(c, "/v1/chat/completions", chat(cfg)), 503, code="model_unavailable")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import redis
-from flask import Blueprint, current_app, jsonify
+from flask import Blueprint, Response, current_app, jsonify
 
 from farm import registry
 
@@ -11,7 +11,8 @@ bp = Blueprint("health", __name__)
 
 
 @bp.get("/health")
-def health():
+def health() -> Response:
+    """200 with live worker counts per model and role; 503 when Redis (the farm's backbone) is down."""
     farm = current_app.extensions["farm"]
     try:
         workers = registry.live_workers(farm.redis)

@@ -1,20 +1,28 @@
-"""OpenAI routes: /v1/chat/completions, /v1/completions (stream and not), /v1/models."""
+"""OpenAI routes: /v1/chat/completions, /v1/completions (stream and not), /v1/models.
+
+A generation request is validated and tokenized here, handed to the Gateway, and answered from the
+request's event stream. Whatever way a request ends before its `done` event (client gone, timeout,
+Redis error), the submission is cancelled so the worker stops generating for nobody.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from api.errors import APIError, bad_request
+from api.errors import APIError, bad_request, to_api_error
 from api.responses import ChunkWriter, full_response
 from api.schemas import ParsedRequest, parse_chat, parse_completion, require_model
 from farm import metrics
-from farm.gateway import BusyError, GatewayTimeout, NoWorkersError, Submission
+from farm.config import ModelConfig
+from farm.gateway import BusyError, NoWorkersError, Submission
 from farm.protocol import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -25,43 +33,72 @@ def _farm():
     return current_app.extensions["farm"]
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _json_body() -> Any:
-    if not request.data:
+    """The request body as strict JSON (no NaN/Infinity); 413 when over api.max_body_bytes."""
+    data = request.get_data(cache=True)  # raises RequestEntityTooLarge (413) past MAX_CONTENT_LENGTH
+    if not data.strip():
         raise bad_request("the request body must be a JSON object")
     try:
-        return request.get_json(force=True, silent=False)
-    except Exception:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError):
         raise bad_request("the request body is not valid JSON") from None
 
 
+# --- models -------------------------------------------------------------------------------------
 @bp.get("/models")
-def list_models():
+def list_models() -> Response:
     cfg = _farm().cfg
     return jsonify({"object": "list", "data": [_model_card(m) for m in cfg.models]})
 
 
 @bp.get("/models/<path:model_id>")
-def get_model(model_id: str):
-    cfg = _farm().cfg
-    for m in cfg.models:
+def get_model(model_id: str) -> Response:
+    for m in _farm().cfg.models:
         if m.name == model_id:
             return jsonify(_model_card(m))
-    raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+    raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
 
 
-def _model_card(m) -> dict[str, Any]:
+def _model_card(m: ModelConfig) -> dict[str, Any]:
     return {"id": m.name, "object": "model", "created": _farm().started, "owned_by": "inference-farm",
             "max_model_len": m.max_model_len}
 
 
+# --- generation -----------------------------------------------------------------------------------
 @bp.post("/chat/completions")
-def chat_completions():
+def chat_completions() -> Response:
     return _generate("chat")
 
 
 @bp.post("/completions")
-def completions():
+def completions() -> Response:
     return _generate("completion")
+
+
+def _safe_cancel(sub: Submission) -> None:
+    """Cancel unless finished; never raises (a cancel that cannot reach Redis is logged)."""
+    if sub.finished:
+        return
+    try:
+        sub.cancel()
+    except redis.RedisError as e:
+        log.warning("request %s: could not cancel: %s", sub.request_id, e)
+
+
+def _worker_headers(rid: str, sub: Submission, ev: dict[str, Any]) -> dict[str, str]:
+    """x-farm-* headers from the decode/both start event or the done event (both name the workers)."""
+    return {
+        "x-request-id": rid,
+        "x-farm-prefill-worker": str(ev.get("prefill_worker") or ""),
+        "x-farm-decode-worker": str(ev.get("decode_worker") or ev.get("worker") or ""),
+        "x-farm-prefill": str(ev.get("prefill") or ""),
+        "x-farm-router-mode": sub.router_mode,
+        "x-farm-router-overlap-tokens": str(sub.predicted_overlap_tokens),
+    }
 
 
 def _generate(kind: str) -> Response:
@@ -75,74 +112,46 @@ def _generate(kind: str) -> Response:
     req = GenerationRequest(rid, model, parsed.prompt_ids, parsed.sampling, created=time.time())
     try:
         sub = farm.gateway.submit(req)
-    except NoWorkersError as e:
+    except (NoWorkersError, BusyError):
         metrics.REQUESTS.labels(model=model, status="503").inc()
-        raise APIError(503, str(e), code="no_workers", headers={"Retry-After": "5"}) from None
-    except BusyError as e:
-        metrics.REQUESTS.labels(model=model, status="503").inc()
-        raise APIError(503, f"The farm is at capacity: {e}", code="overloaded",
-                       headers={"Retry-After": str(e.retry_after_s)}) from None
+        raise
     events = sub.events()
+    if parsed.stream:
+        return _stream_response(kind, rid, model, sub, events, parsed.include_usage)
     try:
         head, buffered = _until_decode_starts(events)
-    except BaseException:
-        sub.cancel()
+        text, done = _collect(buffered, events)
+    except BaseException as e:
+        metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         raise
-    headers = {
-        "x-request-id": rid,
-        "x-farm-prefill-worker": head.get("prefill_worker", ""),
-        "x-farm-decode-worker": head.get("decode_worker") or head.get("worker", ""),
-        "x-farm-prefill": head.get("prefill", ""),
-        "x-farm-router-mode": sub.router_mode,
-        "x-farm-router-overlap-tokens": str(sub.predicted_overlap_tokens),
-    }
-    if parsed.stream:
-        gen = _stream(kind, rid, model, sub, buffered, events, parsed.include_usage)
-        resp = Response(gen, mimetype="text/event-stream", headers=headers)
-        resp.headers["Cache-Control"] = "no-cache"
-        resp.headers["X-Accel-Buffering"] = "no"
-        return resp
-    text, done = _collect(sub, buffered, events)
+    finally:
+        _safe_cancel(sub)  # no-op after done/error; stops the worker on timeout or Redis failure
     metrics.REQUESTS.labels(model=model, status="200").inc()
-    resp = jsonify(full_response(kind, rid, model, text, done["finish_reason"], done.get("usage", {})))
-    resp.headers.update(headers)
+    resp = jsonify(full_response(kind, rid, model, text, done.get("finish_reason", "stop"), done.get("usage", {})))
+    resp.headers.update(_worker_headers(rid, sub, {**head, **done}))
     return resp
 
 
+def _worker_error(ev: dict[str, Any]) -> APIError:
+    return APIError(500, f"generation failed: {ev.get('message')}", code=ev.get("code") or "engine_error")
+
+
 def _until_decode_starts(events: Iterator[dict]) -> tuple[dict, list[dict]]:
-    """Read events until the worker that will decode has started (so headers can name it)."""
+    """Read events until the worker that will decode has started (so headers can name both workers).
+
+    Returns that start event and the non-start events read before it (replayed to the response).
+    """
     buffered: list[dict] = []
-    try:
-        for ev in events:
-            t = ev.get("type")
-            if t == "start" and ev.get("role") in ("decode", "both"):
-                return ev, buffered
-            if t == "error":
-                raise APIError(500, f"generation failed: {ev.get('message')}", code=ev.get("code", "engine_error"))
-            if t == "done":  # finished before any decode start (e.g. cancelled): answer what we have
-                return ev, [ev]
-            if t != "start":
-                buffered.append(ev)
-    except GatewayTimeout as e:
-        raise APIError(504, str(e), code="timeout") from None
-    raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
-
-
-def _collect(sub: Submission, buffered: list[dict], events: Iterator[dict]) -> tuple[str, dict]:
-    parts: list[str] = []
-    try:
-        for ev in _chain(buffered, events):
-            t = ev.get("type")
-            if t == "delta":
-                parts.append(ev.get("text", ""))
-            elif t == "done":
-                return "".join(parts), ev
-            elif t == "error":
-                raise APIError(500, f"generation failed: {ev.get('message')}", code=ev.get("code", "engine_error"))
-    except GatewayTimeout as e:
-        sub.cancel()
-        raise APIError(504, str(e), code="timeout") from None
-    sub.cancel()
+    for ev in events:
+        t = ev.get("type")
+        if t == "start" and ev.get("role") in ("decode", "both"):
+            return ev, buffered
+        if t == "error":
+            raise _worker_error(ev)
+        if t == "done":  # finished before any decode start (e.g. aborted): answer what we have
+            return ev, [*buffered, ev]
+        if t != "start":
+            buffered.append(ev)
     raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
 
 
@@ -152,10 +161,43 @@ def _chain(buffered: list[dict], events: Iterator[dict]) -> Iterator[dict]:
         yield from events
 
 
+def _collect(buffered: list[dict], events: Iterator[dict]) -> tuple[str, dict]:
+    """The whole completion text and the done event; a worker error becomes a 500."""
+    parts: list[str] = []
+    for ev in _chain(buffered, events):
+        t = ev.get("type")
+        if t == "delta":
+            parts.append(ev.get("text", ""))
+        elif t == "done":
+            return "".join(parts), ev
+        elif t == "error":
+            raise _worker_error(ev)
+    raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
+
+
+def _stream_response(kind: str, rid: str, model: str, sub: Submission, events: Iterator[dict],
+                     include_usage: bool) -> Response:
+    """SSE response; errors before the decode worker starts are still plain JSON errors."""
+    try:
+        head, buffered = _until_decode_starts(events)
+    except BaseException as e:
+        metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        _safe_cancel(sub)
+        raise
+    gen = _stream(kind, rid, model, sub, buffered, events, include_usage)
+    resp = Response(gen, mimetype="text/event-stream", headers=_worker_headers(rid, sub, head))
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    # The server closes the response even when the generator never ran (client gone at once); the
+    # generator's own `finally` covers everything after its first step.
+    resp.call_on_close(lambda: _safe_cancel(sub))
+    return resp
+
+
 def _stream(kind: str, rid: str, model: str, sub: Submission, buffered: list[dict], events: Iterator[dict],
             include_usage: bool) -> Iterator[str]:
+    """OpenAI SSE chunks; a failure mid-stream ends with an error line and [DONE]."""
     w = ChunkWriter(kind, rid, model)
-    finished = False
     try:
         first = w.role()
         if first:
@@ -165,22 +207,24 @@ def _stream(kind: str, rid: str, model: str, sub: Submission, buffered: list[dic
             if t == "delta" and ev.get("text"):
                 yield w.delta(ev["text"])
             elif t == "done":
-                finished = True
+                metrics.REQUESTS.labels(model=model, status="200").inc()
                 yield w.finish(ev.get("finish_reason", "stop"))
                 if include_usage:
                     yield w.usage(ev.get("usage", {}))
-                metrics.REQUESTS.labels(model=model, status="200").inc()
                 break
             elif t == "error":
-                finished = True
                 metrics.REQUESTS.labels(model=model, status="500").inc()
-                yield w.error(f"generation failed: {ev.get('message')}", ev.get("code", "engine_error"))
+                yield w.error(f"generation failed: {ev.get('message')}", ev.get("code") or "engine_error")
                 break
+        else:
+            raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
         yield w.done()
-    except GatewayTimeout as e:
-        metrics.REQUESTS.labels(model=model, status="504").inc()
-        yield w.error(str(e), "timeout")
+    except Exception as e:  # headers are sent: report in-band (GeneratorExit is not an Exception)
+        err = to_api_error(e)
+        if err.status == 500 and not isinstance(e, APIError):
+            log.exception("request %s: stream failed", rid)
+        metrics.REQUESTS.labels(model=model, status=str(err.status)).inc()
+        yield w.error(err.message, err.code or "server_error")
         yield w.done()
     finally:
-        if not finished:  # client went away (GeneratorExit) or the stream broke: stop the worker
-            sub.cancel()
+        _safe_cancel(sub)  # client went away (GeneratorExit) or the stream broke: stop the worker

@@ -1,7 +1,8 @@
 """The planner's settings: pydantic models with defaults, loadable from an optional YAML file.
 
-Kept apart from farm/config.py so the planner can be configured (and tested) on its own; FarmConfig can
-embed `PlannerConfig` as its `planner` section, and `planner_config()` prefers that section when present.
+FarmConfig holds `PlannerConfig` as its `planner` section (config/default.yaml); this module imports
+nothing from farm.config so that farm.config can import it. `farm planner run --planner-config F` reads
+a separate file instead (how the Helm chart's planner pod gets its settings).
 """
 
 from __future__ import annotations
@@ -130,14 +131,8 @@ def load_planner_config(path: str | Path | None = None, data: dict[str, Any] | N
         raise ValueError(f"invalid planner configuration{where}:\n" + "\n".join(lines)) from None
 
 
-def planner_config(farm_cfg: Any = None, path: str | Path | None = None) -> PlannerConfig:
-    """The planner section of the farm's configuration when it has one, else the file, else defaults."""
+def planner_config(farm_cfg: Any, path: str | Path | None = None) -> PlannerConfig:
+    """The planner settings: from `path` when given, else the farm configuration's `planner` section."""
     if path is not None:
         return load_planner_config(path)
-    section = getattr(farm_cfg, "planner", None)
-    if isinstance(section, PlannerConfig):
-        return section
-    if isinstance(section, dict | BaseModel):
-        data = section.model_dump() if isinstance(section, BaseModel) else section
-        return load_planner_config(data=data)
-    return PlannerConfig()
+    return farm_cfg.planner

@@ -1,0 +1,121 @@
+"""OpenAI Files API, for batch input and output: POST /v1/files (multipart, purpose=batch), GET /v1/files,
+GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}.
+
+Bodies are stored on disk under `<state_dir>/files/`, metadata in Redis (farm.batch.store), so every API
+replica on the host and the batch drivers see the same files, and they survive restarts. Each file
+carries an `owner` (for now "anonymous"; the API key once keys exist) and is only visible to its owner.
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, current_app, jsonify, request, send_file
+
+from api.errors import APIError, bad_request
+from farm.batch.config import files_path
+from farm.batch.store import OWNER_ANONYMOUS, BatchStore, FileStore, public_file
+
+bp = Blueprint("files", __name__, url_prefix="/v1")
+
+UPLOAD_PURPOSES = {"batch"}
+
+
+class BatchContext:
+    """What the Files and Batches routes share in one API process."""
+
+    def __init__(self, farm):
+        self.farm = farm
+        self.cfg = farm.cfg.batch
+        self.files = FileStore(farm.redis, files_path(farm.cfg))
+        self.batches = BatchStore(farm.redis)
+
+
+def batch_ctx() -> BatchContext:
+    ctx = current_app.extensions.get("farm_batch")
+    if ctx is None:
+        ctx = current_app.extensions["farm_batch"] = BatchContext(current_app.extensions["farm"])
+    return ctx
+
+
+def request_owner() -> str:
+    """Who is asking: the owner recorded on what they create and required on what they read."""
+    return OWNER_ANONYMOUS
+
+
+def not_found(file_id: str) -> APIError:
+    return APIError(404, f"No such File object: {file_id}", param="id", code="file_not_found")
+
+
+@bp.before_request
+def _upload_limit() -> None:
+    request.max_content_length = batch_ctx().cfg.max_file_bytes  # batch files are larger than API bodies
+
+
+@bp.post("/files")
+def upload():
+    ctx = batch_ctx()
+    purpose = request.form.get("purpose")
+    if not purpose:
+        raise bad_request("'purpose' is required", "purpose", "missing_required_parameter")
+    if purpose not in UPLOAD_PURPOSES:
+        raise bad_request(f"purpose {purpose!r} is not supported here; use 'batch'", "purpose", "unsupported_value")
+    up = request.files.get("file")
+    if up is None:
+        raise bad_request("'file' is required (multipart/form-data)", "file", "missing_required_parameter")
+    meta = ctx.files.create(up.stream, up.filename or "upload.jsonl", purpose, request_owner())
+    if meta["bytes"] == 0:
+        ctx.files.delete(meta["id"])
+        raise bad_request("the file is empty", "file", "invalid_value")
+    return jsonify(public_file(meta))
+
+
+@bp.get("/files")
+def list_files():
+    ctx = batch_ctx()
+    limit = limit_arg(10_000, 10_000)
+    page, has_more = ctx.files.list(request_owner(), request.args.get("purpose"), request.args.get("after"), limit)
+    data = [public_file(m) for m in page]
+    return jsonify({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+@bp.get("/files/<file_id>")
+def get_file(file_id: str):
+    meta = batch_ctx().files.get(file_id, request_owner())
+    if meta is None:
+        raise not_found(file_id)
+    return jsonify(public_file(meta))
+
+
+@bp.get("/files/<file_id>/content")
+def file_content(file_id: str):
+    ctx = batch_ctx()
+    meta = ctx.files.get(file_id, request_owner())
+    if meta is None:
+        raise not_found(file_id)
+    try:
+        f = ctx.files.open(file_id)
+    except FileNotFoundError:
+        raise APIError(404, f"The content of {file_id} is no longer stored", param="id", code="file_not_found") from None
+    return send_file(f, mimetype="application/octet-stream", as_attachment=True, download_name=meta["filename"])
+
+
+@bp.delete("/files/<file_id>")
+def delete_file(file_id: str):
+    ctx = batch_ctx()
+    if ctx.files.get(file_id, request_owner()) is None:
+        raise not_found(file_id)
+    ctx.files.delete(file_id)
+    return jsonify({"id": file_id, "object": "file", "deleted": True})
+
+
+def limit_arg(default: int, most: int) -> int:
+    raw = request.args.get("limit")
+    if raw is None:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        raise bad_request("'limit' must be an integer", "limit") from None
+    if not 1 <= n <= most:
+        raise bad_request(f"'limit' must be between 1 and {most}", "limit", "invalid_value")
+    return n

@@ -1,0 +1,66 @@
+"""Settings of the OpenAI Batch API (files, batches, the batch driver): the `batch` section of the config.
+
+`farm.config.FarmConfig` holds it as `batch`; this module imports nothing from `farm.config`, so
+`farm.config` can import it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class BatchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # -- files ----------------------------------------------------------------------------------------
+    files_dir: str = ""  # where file bodies live; "" = <state_dir>/files (relative = under state_dir)
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)  # POST /v1/files upload limit (OpenAI: 200 MB)
+    # -- validation -------------------------------------------------------------------------------------
+    max_lines: int = Field(50_000, ge=1)  # requests per batch (OpenAI: 50,000)
+    max_reported_errors: int = Field(100, ge=1)  # line errors listed on a batch that failed validation
+    completion_window_s: int = Field(24 * 3600, ge=60)  # the one accepted window, "24h"
+    # -- scheduling -------------------------------------------------------------------------------------
+    # prefix: lines sorted by the block hashes of their tokenized prompt, so lines sharing a prefix run
+    # together and the KV-aware router sends them where the prefix is cached; input: file order.
+    schedule: Literal["prefix", "input"] = "prefix"
+    # with `prefix`: a line whose prompt shares at least this many more blocks with a line still in
+    # prefill than with what is already computed waits for that prefill (then reuses its KV blocks).
+    warm_prefix_min_blocks: int = Field(2, ge=0)  # 0 disables the wait
+    # -- priority against interactive traffic -------------------------------------------------------------
+    max_inflight: int = Field(32, ge=1)  # batch lines in flight per driver process, farm idle
+    min_inflight: int = Field(2, ge=1)  # ... while interactive requests are in flight
+    interactive_threshold: int = Field(1, ge=1)  # in-flight non-batch requests that count as "interactive load"
+    interactive_hold_s: float = Field(5.0, ge=0)  # keep the small window this long after the last sighting
+    load_check_s: float = Field(0.5, gt=0)  # how often the farm's load is read
+    priority: int = Field(9, ge=0, le=9)  # Celery priority of line tasks (Redis transport: 0 first, 9 last)
+    # -- robustness -----------------------------------------------------------------------------------
+    max_attempts: int = Field(3, ge=1)  # runs of one line when its worker dies or it times out
+    poll_s: float = Field(1.0, gt=0)  # a running line checks its workers' liveness this often
+    lease_ttl_s: float = Field(10.0, ge=2)  # a driver's hold on a batch; a dead driver's lapses after this
+    reaper_interval_s: float = Field(2.0, gt=0)  # how often a driver process looks for unowned batches
+    kick_ttl_s: float = Field(60.0, gt=0)  # a batch re-sent to the driver queue is not re-sent again for this long
+    driver_concurrency: int = Field(8, ge=1)  # batches driven at once by one driver process
+    shutdown_grace_s: float = Field(10.0, ge=0)  # warm shutdown: in-flight lines get this long to finish
+
+    @model_validator(mode="after")
+    def _window(self) -> BatchConfig:
+        if self.min_inflight > self.max_inflight:
+            raise ValueError("batch.min_inflight must not exceed batch.max_inflight")
+        return self
+
+
+def files_path(cfg: Any) -> Path:
+    """The folder of file bodies: batch.files_dir, by default <state_dir>/files."""
+    d = cfg.batch.files_dir
+    if not d:
+        return cfg.state_path / "files"
+    p = Path(d)
+    return p if p.is_absolute() else cfg.state_path / p
+
+
+def prepared_path(cfg: Any) -> Path:
+    """Validated, tokenized lines of running batches (internal; re-derivable from the input file)."""
+    return files_path(cfg) / "prepared"

@@ -1,0 +1,373 @@
+"""Durable state of files and batches: metadata and progress in Redis, file bodies on disk.
+
+Keys (all under `farm:file:` / `farm:batch:`):
+- `farm:file:<id>` hash: the file's metadata (body at `<files_dir>/<id>`); `farm:files` zset lists them.
+- `farm:batch:<id>` hash: every field of the batch object, JSON-encoded, plus counters (total,
+  completed, failed, token usage) updated with HINCRBY; `farm:batches` zset lists them (score = a
+  creation sequence number, so the order is total); `farm:batch:active` is the set not yet final.
+- `farm:batch:<id>:results` hash custom_id -> the line's result. Written once per custom_id (HSETNX,
+  in the same Lua script that bumps the counters), so a line that runs twice (a redelivered driver, a
+  retried line) is recorded and counted once: the output and error files are built from this hash.
+- `farm:batch:<id>:lease`: the driver that owns the batch (token, TTL refreshed while it runs).
+- `farm:batch:<id>:kick`: set when the batch was (re-)sent to the driver queue, to send it once.
+- `farm:batch:inflight` zset request id -> deadline: batch lines in flight, farm-wide (the driver
+  subtracts them from the farm's load to see interactive load).
+
+Status changes are compare-and-set scripts, so the API (cancel) and a driver never overwrite each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+OWNER_ANONYMOUS = "anonymous"
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+COUNTERS = ("total", "completed", "failed", "input_tokens", "cached_tokens", "output_tokens")
+
+FILES_KEY = "farm:files"
+BATCHES_KEY = "farm:batches"
+ACTIVE_KEY = "farm:batch:active"
+SEQ_KEY = "farm:batch:seq"
+INFLIGHT_KEY = "farm:batch:inflight"
+
+
+def file_key(file_id: str) -> str:
+    return f"farm:file:{file_id}"
+
+
+def batch_key(batch_id: str) -> str:
+    return f"farm:batch:{batch_id}"
+
+
+def results_key(batch_id: str) -> str:
+    return f"farm:batch:{batch_id}:results"
+
+
+def lease_key(batch_id: str) -> str:
+    return f"farm:batch:{batch_id}:lease"
+
+
+def kick_key(batch_id: str) -> str:
+    return f"farm:batch:{batch_id}:kick"
+
+
+def new_file_id() -> str:
+    return "file-" + uuid.uuid4().hex[:24]
+
+
+def new_batch_id() -> str:
+    return "batch_" + uuid.uuid4().hex
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+# KEYS: batch hash, active set. ARGV: allowed from-states (JSON list), new status, batch id, n, then
+# n field/JSON-value pairs. Returns {1, new} when changed, {0, current} otherwise ({0, false} if missing).
+_TRANSITION = """
+local raw = redis.call('HGET', KEYS[1], 'status')
+if not raw then return {0, false} end
+local cur = cjson.decode(raw)
+local allowed = false
+for _, s in ipairs(cjson.decode(ARGV[1])) do
+  if s == cur then allowed = true end
+end
+if not allowed then return {0, cur} end
+redis.call('HSET', KEYS[1], 'status', cjson.encode(ARGV[2]))
+local n = tonumber(ARGV[4])
+for i = 1, n do
+  redis.call('HSET', KEYS[1], ARGV[3 + 2 * i], ARGV[4 + 2 * i])
+end
+local terminal = {completed = true, failed = true, expired = true, cancelled = true}
+if terminal[ARGV[2]] then redis.call('SREM', KEYS[2], ARGV[3]) end
+return {1, ARGV[2]}
+"""
+
+# KEYS: results hash, batch hash. ARGV: custom_id, result JSON, ok (1/0), input, cached, output tokens.
+# Only while the batch runs (in_progress or cancelling, not yet sealed for its files); returns 1 recorded,
+# 0 already there, -1 not running.
+_RECORD = """
+local raw = redis.call('HGET', KEYS[2], 'status')
+if not raw then return -1 end
+local st = cjson.decode(raw)
+if st ~= 'in_progress' and st ~= 'cancelling' then return -1 end
+if redis.call('HGET', KEYS[2], 'sealed') == 'true' then return -1 end
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if ARGV[3] == '1' then
+  redis.call('HINCRBY', KEYS[2], 'completed', 1)
+else
+  redis.call('HINCRBY', KEYS[2], 'failed', 1)
+end
+redis.call('HINCRBY', KEYS[2], 'input_tokens', tonumber(ARGV[4]))
+redis.call('HINCRBY', KEYS[2], 'cached_tokens', tonumber(ARGV[5]))
+redis.call('HINCRBY', KEYS[2], 'output_tokens', tonumber(ARGV[6]))
+return 1
+"""
+
+_REFRESH = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+# -- files ------------------------------------------------------------------------------------------------
+class FileStore:
+    """Files: bodies under `root` (written to a temp name, then renamed), metadata in Redis."""
+
+    def __init__(self, r: redis.Redis, root: Path):
+        self.r = r
+        self.root = Path(root)
+
+    def path(self, file_id: str) -> Path:
+        if "/" in file_id or file_id.startswith("."):
+            raise ValueError(f"bad file id {file_id!r}")
+        return self.root / file_id
+
+    def create(self, src: IO[bytes] | bytes | Iterable[bytes], filename: str, purpose: str,
+               owner: str = OWNER_ANONYMOUS, file_id: str | None = None) -> dict[str, Any]:
+        """Store a body (bytes, a binary stream, or chunks) and its metadata; returns the metadata.
+        With `file_id` given the file is replaced (a finalizing batch rewriting its output)."""
+        file_id = file_id or new_file_id()
+        self.root.mkdir(parents=True, exist_ok=True)
+        dest = self.path(file_id)
+        tmp = dest.with_name(f".{file_id}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                if isinstance(src, bytes):
+                    chunks: Iterable[bytes] = [src]
+                elif hasattr(src, "read"):
+                    chunks = iter(lambda: src.read(1 << 20), b"")  # type: ignore[union-attr]
+                else:
+                    chunks = src
+                for chunk in chunks:
+                    f.write(chunk)
+                    size += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                "filename": filename, "purpose": purpose, "owner": owner, "status": "processed",
+                "expires_at": None, "status_details": None}
+        pipe = self.r.pipeline()
+        pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
+        pipe.zadd(FILES_KEY, {file_id: self.r.incr(SEQ_KEY)})
+        pipe.execute()
+        return meta
+
+    def get(self, file_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        raw = self.r.hgetall(file_key(file_id))
+        if not raw:
+            return None
+        meta = {_s(k): json.loads(v) for k, v in raw.items()}
+        if owner is not None and meta.get("owner") != owner:
+            return None
+        return meta
+
+    def open(self, file_id: str) -> IO[bytes]:
+        return open(self.path(file_id), "rb")
+
+    def read(self, file_id: str) -> bytes:
+        return self.path(file_id).read_bytes()
+
+    def delete(self, file_id: str) -> bool:
+        pipe = self.r.pipeline()
+        pipe.delete(file_key(file_id))
+        pipe.zrem(FILES_KEY, file_id)
+        existed = bool(pipe.execute()[0])
+        try:
+            self.path(file_id).unlink()
+        except FileNotFoundError:
+            pass
+        return existed
+
+    def list(self, owner: str, purpose: str | None = None, after: str | None = None,
+             limit: int = 100) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first; returns (page, has_more)."""
+        metas = [m for m in (self.get(_s(i)) for i in _after(self.r, FILES_KEY, after))
+                 if m and m.get("owner") == owner and (purpose is None or m.get("purpose") == purpose)]
+        return metas[:limit], len(metas) > limit
+
+
+def _after(r: redis.Redis, zkey: str, after: str | None) -> list[bytes]:
+    """Members of a sequence zset, newest first, starting after `after` (all when it is unknown)."""
+    start = 0
+    if after:
+        rank = r.zrevrank(zkey, after)
+        if rank is not None:
+            start = rank + 1
+    return r.zrevrange(zkey, start, -1)
+
+
+# -- batches ----------------------------------------------------------------------------------------------
+class BatchStore:
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self._transition = r.register_script(_TRANSITION)
+        self._record = r.register_script(_RECORD)
+        self._refresh = r.register_script(_REFRESH)
+        self._release = r.register_script(_RELEASE)
+
+    # creation and reading
+    def create(self, input_file_id: str, endpoint: str, completion_window: str, window_s: int,
+               metadata: dict[str, Any] | None, owner: str = OWNER_ANONYMOUS,
+               schedule: str | None = None) -> dict[str, Any]:
+        now = int(time.time())
+        bid = new_batch_id()
+        fields: dict[str, Any] = {
+            "id": bid, "object": "batch", "endpoint": endpoint, "errors": None, "input_file_id": input_file_id,
+            "completion_window": completion_window, "status": "validating", "output_file_id": None,
+            "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + window_s,
+            "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+            "cancelling_at": None, "cancelled_at": None, "metadata": metadata, "model": None, "owner": owner,
+            "schedule": schedule, "final_status": None,
+        }
+        fields.update({c: 0 for c in COUNTERS})
+        pipe = self.r.pipeline()
+        pipe.hset(batch_key(bid), mapping={k: json.dumps(v) for k, v in fields.items()})
+        pipe.zadd(BATCHES_KEY, {bid: self.r.incr(SEQ_KEY)})
+        pipe.sadd(ACTIVE_KEY, bid)
+        pipe.execute()
+        return self.get(bid)  # type: ignore[return-value]
+
+    def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The stored fields (decoded), or None; `owner` given: None unless it owns the batch."""
+        raw = self.r.hgetall(batch_key(batch_id))
+        if not raw:
+            return None
+        d = {_s(k): json.loads(v) for k, v in raw.items()}
+        if owner is not None and d.get("owner") != owner:
+            return None
+        return d
+
+    def status(self, batch_id: str) -> str | None:
+        raw = self.r.hget(batch_key(batch_id), "status")
+        return json.loads(raw) if raw else None
+
+    def list(self, owner: str, after: str | None = None, limit: int = 20) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first, after the batch id `after`; returns (page, has_more)."""
+        out: list[dict[str, Any]] = []
+        ids = _after(self.r, BATCHES_KEY, after)
+        i = 0
+        while i < len(ids) and len(out) <= limit:  # one more than asked tells whether there are more
+            chunk = ids[i:i + 64]
+            i += len(chunk)
+            pipe = self.r.pipeline()
+            for bid in chunk:
+                pipe.hgetall(batch_key(_s(bid)))
+            for raw in pipe.execute():
+                if raw:
+                    d = {_s(k): json.loads(v) for k, v in raw.items()}
+                    if d.get("owner") == owner:
+                        out.append(d)
+        return out[:limit], len(out) > limit
+
+    def active_ids(self) -> list[str]:
+        return [_s(b) for b in self.r.smembers(ACTIVE_KEY)]
+
+    # status changes
+    def transition(self, batch_id: str, from_states: Iterable[str], to: str,
+                   **fields: Any) -> tuple[bool, str | None]:
+        """Compare-and-set the status (and set `fields`); returns (changed, status now)."""
+        args: list[Any] = [json.dumps(list(from_states)), to, batch_id, len(fields)]
+        for k, v in fields.items():
+            args += [k, json.dumps(v)]
+        ok, st = self._transition(keys=[batch_key(batch_id), ACTIVE_KEY], args=args)
+        return bool(ok), (_s(st) if st else None)
+
+    def set_fields(self, batch_id: str, **fields: Any) -> None:
+        self.r.hset(batch_key(batch_id), mapping={k: json.dumps(v) for k, v in fields.items()})
+
+    # line results
+    def record(self, batch_id: str, custom_id: str, result: dict[str, Any], ok: bool,
+               usage: dict[str, int] | None = None) -> int:
+        """Record one line's result once; 1 recorded, 0 already recorded, -1 the batch is not running."""
+        u = usage or {}
+        return int(self._record(keys=[results_key(batch_id), batch_key(batch_id)], args=[
+            custom_id, json.dumps(result, separators=(",", ":")), "1" if ok else "0",
+            int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0)), int(u.get("completion_tokens", 0))]))
+
+    def recorded_ids(self, batch_id: str) -> set[str]:
+        return {_s(k) for k in self.r.hkeys(results_key(batch_id))}
+
+    def results(self, batch_id: str) -> Iterator[dict[str, Any]]:
+        for _k, v in self.r.hscan_iter(results_key(batch_id), count=1000):
+            yield json.loads(v)
+
+    # driver lease
+    def acquire_lease(self, batch_id: str, token: str, ttl_s: float) -> bool:
+        return bool(self.r.set(lease_key(batch_id), token, nx=True, px=int(ttl_s * 1000)))
+
+    def refresh_lease(self, batch_id: str, token: str, ttl_s: float) -> bool:
+        return bool(self._refresh(keys=[lease_key(batch_id)], args=[token, int(ttl_s * 1000)]))
+
+    def release_lease(self, batch_id: str, token: str) -> None:
+        self._release(keys=[lease_key(batch_id)], args=[token])
+
+    def leased(self, batch_id: str) -> bool:
+        return bool(self.r.exists(lease_key(batch_id)))
+
+    def mark_kicked(self, batch_id: str, ttl_s: float, force: bool = False) -> bool:
+        """True when the batch should be (re-)sent to the driver queue now."""
+        if force:
+            self.r.set(kick_key(batch_id), "1", px=int(ttl_s * 1000))
+            return True
+        return bool(self.r.set(kick_key(batch_id), "1", nx=True, px=int(ttl_s * 1000)))
+
+    # farm-wide in-flight batch lines
+    def inflight_add(self, request_id: str, deadline: float) -> None:
+        self.r.zadd(INFLIGHT_KEY, {request_id: deadline})
+
+    def inflight_remove(self, request_id: str) -> None:
+        self.r.zrem(INFLIGHT_KEY, request_id)
+
+    def inflight_count(self) -> int:
+        now = time.time()
+        pipe = self.r.pipeline()
+        pipe.zremrangebyscore(INFLIGHT_KEY, "-inf", now)
+        pipe.zcard(INFLIGHT_KEY)
+        return int(pipe.execute()[1])
+
+
+# -- the public objects -----------------------------------------------------------------------------------
+_BATCH_FIELDS = ("id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status",
+                 "output_file_id", "error_file_id", "created_at", "in_progress_at", "expires_at",
+                 "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+
+
+def public_batch(d: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI batch object from the stored fields."""
+    out = {k: d.get(k) for k in _BATCH_FIELDS}
+    out["request_counts"] = {"total": int(d.get("total", 0)), "completed": int(d.get("completed", 0)),
+                             "failed": int(d.get("failed", 0))}
+    out["metadata"] = d.get("metadata")
+    out["model"] = d.get("model")
+    i, c, o = int(d.get("input_tokens", 0)), int(d.get("cached_tokens", 0)), int(d.get("output_tokens", 0))
+    out["usage"] = {"input_tokens": i, "input_tokens_details": {"cached_tokens": c}, "output_tokens": o,
+                    "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}
+    return out
+
+
+_FILE_FIELDS = ("id", "object", "bytes", "created_at", "filename", "purpose", "status", "expires_at",
+                "status_details")
+
+
+def public_file(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: meta.get(k) for k in _FILE_FIELDS}

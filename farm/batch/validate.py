@@ -1,0 +1,117 @@
+"""Up-front validation of a batch input file: every line is checked before any line runs.
+
+A line must be a JSON object `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>,
+"body": {...}}` with a custom_id unique in the file, and its body must pass exactly the validation of
+the live endpoint (api.schemas: `require_model`, then `parse_chat` or `parse_completion`, which also
+tokenizes the prompt). Any failure fails the whole batch with line-numbered errors
+`{code, message, param, line}` (1-based line numbers, blank lines count but are skipped), so a batch
+never runs half-way into a bad line. What passes becomes a `PreparedLine`: the token ids and sampling
+parameters the driver sends through the Gateway.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+@dataclass
+class PreparedLine:
+    index: int  # position among the file's requests (0-based, input order)
+    line: int  # line number in the file (1-based)
+    custom_id: str
+    kind: str  # chat | completion
+    model: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> PreparedLine:
+        return cls(**json.loads(raw))
+
+
+def _err(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for: Callable[[str], Any],
+                   max_model_len: Callable[[str], int], max_lines: int = 50_000,
+                   max_errors: int = 100) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
+    """(prepared lines, errors); the batch may run only when `errors` is empty."""
+    from api.errors import APIError
+    from api.schemas import parse_chat, parse_completion, require_model
+
+    kind = ENDPOINT_KINDS.get(endpoint)
+    if kind is None:
+        return [], [_err("invalid_endpoint", f"unsupported endpoint {endpoint!r}", None, "endpoint")]
+    parse = parse_chat if kind == "chat" else parse_completion
+    lines: list[PreparedLine] = []
+    errors: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    n_requests = 0
+    for no, raw in enumerate(data.split(b"\n"), start=1):
+        if len(errors) >= max_errors:
+            break
+        if not raw.strip():
+            continue
+        n_requests += 1
+        if n_requests > max_lines:
+            errors.append(_err("too_many_requests", f"a batch may hold at most {max_lines} requests", no))
+            break
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            errors.append(_err("invalid_json_line", "This line is not valid UTF-8.", no))
+            continue
+        except ValueError:
+            errors.append(_err("invalid_json_line", "This line is not parseable as valid JSON.", no))
+            continue
+        if not isinstance(obj, dict):
+            errors.append(_err("invalid_json_line", "Each line must be a JSON object.", no))
+            continue
+        cid = obj.get("custom_id")
+        if cid is None:
+            errors.append(_err("missing_required_parameter", "'custom_id' is required", no, "custom_id"))
+            continue
+        if not isinstance(cid, str) or not cid:
+            errors.append(_err("invalid_custom_id", "'custom_id' must be a non-empty string", no, "custom_id"))
+            continue
+        if cid in seen:
+            errors.append(_err("duplicate_custom_id", f"The custom_id {cid!r} is already used on line "
+                                                      f"{seen[cid]}; each custom_id must be unique.", no,
+                               "custom_id"))
+            continue
+        seen[cid] = no
+        method = obj.get("method")
+        if method != "POST":
+            errors.append(_err("invalid_method", f"'method' must be POST, got {method!r}", no, "method"))
+            continue
+        url = obj.get("url")
+        if url != endpoint:
+            errors.append(_err("mismatched_url", f"'url' must be the batch's endpoint {endpoint!r}, got {url!r}",
+                               no, "url"))
+            continue
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            errors.append(_err("invalid_body", "'body' must be a JSON object", no, "body"))
+            continue
+        if body.get("stream"):
+            errors.append(_err("unsupported_value", "'stream' is not supported in a batch", no, "body.stream"))
+            continue
+        try:
+            model = require_model(body, models)
+            parsed = parse(body, tokenizer_for(model), max_model_len(model))
+        except APIError as e:
+            errors.append(_err(e.code or "invalid_request", e.message, no, f"body.{e.param}" if e.param else "body"))
+            continue
+        lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict()))
+    if not errors and not lines:
+        errors.append(_err("empty_file", "The input file holds no requests.", None, "input_file_id"))
+    return lines, errors

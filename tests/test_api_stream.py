@@ -1,0 +1,207 @@
+"""Response shapes, worker headers, SSE streaming and cancellation, against a scripted worker.
+
+The worker is played by a thread on the real Redis: it takes the task from the worker's queue as
+Celery would (kombu's list, JSON body) and writes the scripted events to the request's stream, so the
+API runs exactly its production path (gateway, XREAD, cancel keys) without loading a model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from flask import Flask
+
+from farm import registry
+from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, stream_key
+from farm.router.keys import direct_queue
+from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post
+
+USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "cached_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
+    with farm_app(redis_url, tmp_path_factory.mktemp("api-stream")) as app:
+        yield app
+
+
+@pytest.fixture
+def client(app, redis_client):
+    """A test client, the config, and one live worker (GHOST) whose tasks the scripted worker takes."""
+    cfg = app.extensions["farm"].cfg
+    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
+                                                        cfg.engine.block_size, num_blocks=1000))
+    return app.test_client(), cfg
+
+
+class ScriptedWorker(threading.Thread):
+    """Takes one task from GHOST's queue and writes `events` to that request's stream."""
+
+    def __init__(self, r: redis.Redis, events: list[dict[str, Any]]):
+        super().__init__(daemon=True)
+        self.r, self.events = r, events
+        self.request: GenerationRequest | None = None
+        self.start()
+
+    def run(self) -> None:
+        popped = self.r.brpop([direct_queue(GHOST)], timeout=10)
+        assert popped, "no task was queued"
+        msg = json.loads(popped[1])
+        args = json.loads(base64.b64decode(msg["body"]))[0]
+        self.request = GenerationRequest.from_dict(args[0])
+        for ev in self.events:
+            self.r.xadd(stream_key(self.request.request_id), {EVENT_FIELD: json.dumps(ev)})
+
+    @property
+    def request_id(self) -> str:
+        self.join(10)
+        assert self.request is not None
+        return self.request.request_id
+
+
+def both_start(worker: str = GHOST) -> dict[str, Any]:
+    return {"type": "start", "role": "both", "worker": worker, "prefill_worker": worker, "prefill": "local"}
+
+
+def deltas(*texts: str) -> list[dict[str, Any]]:
+    return [{"type": "delta", "text": t, "n": 1} for t in texts]
+
+
+def done(reason: str = "stop", prefill_worker: str = GHOST, prefill: str = "local") -> dict[str, Any]:
+    return {"type": "done", "finish_reason": reason, "usage": USAGE, "prefill_worker": prefill_worker,
+            "decode_worker": GHOST, "prefill": prefill}
+
+
+def sse(resp) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final [DONE]."""
+    out = []
+    for block in resp.get_data(as_text=True).split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_chat_completion(client, redis_client):
+    c, cfg = client
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("Hel", "lo"), done("length")])
+    resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=2, temperature=0, seed=5, stop=["x"]))
+    assert resp.status_code == 200, resp.data
+    body = resp.get_json()
+    assert body["id"] == w.request_id and body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion" and body["model"] == cfg.default_model
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    assert resp.headers["x-request-id"] == body["id"]
+    assert (resp.headers["x-farm-prefill-worker"], resp.headers["x-farm-decode-worker"],
+            resp.headers["x-farm-prefill"]) == (GHOST, GHOST, "local")
+    s = w.request.sampling
+    assert (s.max_tokens, s.temperature, s.seed, s.stop) == (2, 0.0, 5, ["x"])
+    assert w.request.model == cfg.default_model and w.request.prompt_token_ids
+
+
+def test_text_completion_and_default_max_tokens(client, redis_client):
+    c, cfg = client
+    w = ScriptedWorker(redis_client, [both_start(), *deltas(" world"), done()])
+    resp = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 2, 3]})
+    assert resp.status_code == 200, resp.data
+    body = resp.get_json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["choices"] == [{"index": 0, "text": " world", "logprobs": None, "finish_reason": "stop"}]
+    assert w.request.prompt_token_ids == [1, 2, 3]
+    assert w.request.sampling.max_tokens == cfg.model(cfg.default_model).max_model_len - 3
+
+
+def test_disaggregated_headers_name_both_workers(client, redis_client):
+    """Stream: headers come from the decode start event; non-stream: from the done event."""
+    c, cfg = client
+    prefill_start = {"type": "start", "role": "prefill", "worker": "pre@x"}
+    decode_start = {"type": "start", "role": "decode", "worker": GHOST, "prefill_worker": "pre@x",
+                    "prefill": "remote"}
+    finish = done(prefill_worker="pre@x", prefill="remote")
+    ScriptedWorker(redis_client, [prefill_start, decode_start, *deltas("a"), finish])
+    streamed = post(c, "/v1/chat/completions", chat(cfg, stream=True))
+    ScriptedWorker(redis_client, [prefill_start, *deltas("a"), finish])
+    whole = post(c, "/v1/chat/completions", chat(cfg))
+    for resp in (streamed, whole):
+        assert resp.status_code == 200
+        assert (resp.headers["x-farm-prefill-worker"], resp.headers["x-farm-decode-worker"],
+                resp.headers["x-farm-prefill"]) == ("pre@x", GHOST, "remote")
+
+
+def test_chat_stream_with_usage(client, redis_client):
+    c, cfg = client
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("Hel", "lo"), done()])
+    resp = post(c, "/v1/chat/completions", chat(cfg, stream=True, stream_options={"include_usage": True}))
+    assert resp.status_code == 200
+    assert resp.mimetype == "text/event-stream"
+    assert resp.headers["Cache-Control"] == "no-cache" and resp.headers["X-Accel-Buffering"] == "no"
+    assert resp.headers["x-request-id"] == w.request_id and resp.headers["x-farm-decode-worker"] == GHOST
+    chunks = sse(resp)
+    assert chunks[-1] == "[DONE]"
+    objs = chunks[:-1]
+    for ch in objs:
+        assert ch["id"] == w.request_id and ch["object"] == "chat.completion.chunk"
+        assert ch["model"] == cfg.default_model and isinstance(ch["created"], int)
+    assert objs[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in objs[:-1]) == "Hello"
+    assert [ch["choices"][0]["finish_reason"] for ch in objs[:-2]] == [None, None, None]
+    assert objs[-2]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["total_tokens"] == 11
+    assert not redis_client.exists(cancel_key(w.request_id)), "a finished request is not cancelled"
+
+
+def test_completion_stream_without_usage(client, redis_client):
+    c, cfg = client
+    ScriptedWorker(redis_client, [both_start(), *deltas("a", "b"), done("length")])
+    resp = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", "stream": True})
+    chunks = sse(resp)
+    assert chunks[-1] == "[DONE]"
+    assert all(ch["object"] == "text_completion" and "usage" not in ch for ch in chunks[:-1])
+    assert [ch["choices"][0]["text"] for ch in chunks[:-1]] == ["a", "b", ""]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_worker_error_is_json_500_before_the_stream_and_in_band_after(client, redis_client):
+    c, cfg = client
+    oom = {"type": "error", "message": "out of KV blocks", "code": "kv_exhausted"}
+    ScriptedWorker(redis_client, [both_start(), *deltas("a"), oom])
+    err = assert_error(post(c, "/v1/chat/completions", chat(cfg)), 500, code="kv_exhausted")
+    assert "out of KV blocks" in err["message"]
+    ScriptedWorker(redis_client, [oom])
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, stream=True)), 500, code="kv_exhausted")
+    ScriptedWorker(redis_client, [both_start(), *deltas("a"), oom])
+    chunks = sse(post(c, "/v1/chat/completions", chat(cfg, stream=True)))
+    assert chunks[-1] == "[DONE]"
+    assert chunks[-2] == {"error": {"message": "generation failed: out of KV blocks", "type": "server_error",
+                                    "param": None, "code": "kv_exhausted"}}
+
+
+def test_client_disconnect_cancels_the_request(client, redis_client):
+    """Closing the response mid-stream (what the server does when the client goes) sets the cancel key."""
+    c, cfg = client
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("a")])  # never finishes
+    resp = post(c, "/v1/chat/completions", chat(cfg, stream=True), buffered=False)
+    assert resp.status_code == 200
+    assert b"assistant" in next(iter(resp.response))
+    assert not redis_client.exists(cancel_key(w.request_id))
+    resp.close()
+    assert redis_client.get(cancel_key(w.request_id)) == b"1"
+
+
+def test_silence_mid_stream_ends_with_timeout_error_and_cancels(client, redis_client, monkeypatch):
+    c, cfg = client
+    monkeypatch.setattr(cfg.api, "request_timeout_s", 0.5)
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("a")])  # then silence
+    chunks = sse(post(c, "/v1/chat/completions", chat(cfg, stream=True)))
+    assert chunks[-1] == "[DONE]" and chunks[-2]["error"]["code"] == "timeout"
+    assert redis_client.get(cancel_key(w.request_id)) == b"1"

@@ -1,0 +1,182 @@
+"""Files and Batches routes on a real Redis (no workers needed): file round trip and delete, create
+checks, pagination, cancel; and the batch driver in-process for what needs no generation (validation
+failure, cancel before running, expiry), plus the idempotent result store."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+
+from api.app import create_app
+from farm.batch.driver import BatchDriver
+from farm.batch.store import BatchStore
+from farm.config import get_config
+from farm.protocol import BATCH_QUEUE
+
+
+@pytest.fixture
+def api(farm_env, redis_client):
+    app = create_app(get_config())
+    yield app.test_client(), get_config(), redis_client
+    app.extensions["farm"].gateway.router.stop()
+
+
+def upload(c, data: bytes, purpose="batch", name="in.jsonl"):
+    return c.post("/v1/files", data={"purpose": purpose, "file": (io.BytesIO(data), name)},
+                  content_type="multipart/form-data")
+
+
+def chat_line(cfg, cid, content="Hi", **body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": cfg.default_model, "messages": [{"role": "user", "content": content}],
+                                **body}})
+
+
+def create(c, file_id, **kw):
+    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kw}
+    return c.post("/v1/batches", json=body)
+
+
+def test_file_upload_read_list_delete(api):
+    c, cfg, r = api
+    data = (chat_line(cfg, "a") + "\n").encode()
+    resp = upload(c, data)
+    assert resp.status_code == 200, resp.data
+    f = resp.get_json()
+    assert f["object"] == "file" and f["purpose"] == "batch" and f["bytes"] == len(data)
+    assert f["filename"] == "in.jsonl" and f["status"] == "processed" and f["id"].startswith("file-")
+    assert c.get(f"/v1/files/{f['id']}").get_json() == f
+    content = c.get(f"/v1/files/{f['id']}/content")
+    assert content.status_code == 200 and content.data == data
+    assert [x["id"] for x in c.get("/v1/files").get_json()["data"]] == [f["id"]]
+    stored = json.loads(r.hget(f"farm:file:{f['id']}", "owner"))
+    assert stored == "anonymous"
+    path = cfg.state_path / "files" / f["id"]
+    assert path.read_bytes() == data
+    deleted = c.delete(f"/v1/files/{f['id']}")
+    assert deleted.get_json() == {"id": f["id"], "object": "file", "deleted": True}
+    assert not path.exists()
+    for resp in (c.get(f"/v1/files/{f['id']}"), c.get(f"/v1/files/{f['id']}/content"),
+                 c.delete(f"/v1/files/{f['id']}")):
+        assert resp.status_code == 404 and resp.get_json()["error"]["code"] == "file_not_found"
+
+
+def test_upload_errors(api):
+    c, _, _ = api
+    assert upload(c, b"x", purpose="fine-tune").status_code == 400
+    assert upload(c, b"").get_json()["error"]["param"] == "file"
+    resp = c.post("/v1/files", data={"purpose": "batch"}, content_type="multipart/form-data")
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "file"
+    resp = c.post("/v1/files", data={"file": (io.BytesIO(b"x"), "a.jsonl")}, content_type="multipart/form-data")
+    assert resp.get_json()["error"]["param"] == "purpose"
+
+
+def test_create_checks_and_batch_object(api):
+    c, cfg, r = api
+    fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]
+    assert create(c, "file-nope").status_code == 404
+    assert create(c, fid, endpoint="/v1/embeddings").get_json()["error"]["param"] == "endpoint"
+    assert create(c, fid, completion_window="1h").get_json()["error"]["param"] == "completion_window"
+    assert create(c, fid, metadata={"k": 1}).get_json()["error"]["param"] == "metadata"
+    assert c.post("/v1/batches", json={"endpoint": "/v1/chat/completions"}).status_code == 400
+    assert r.llen(BATCH_QUEUE) == 0
+    resp = create(c, fid, metadata={"job": "nightly"})
+    assert resp.status_code == 200, resp.data
+    b = resp.get_json()
+    assert b["object"] == "batch" and b["id"].startswith("batch_") and b["status"] == "validating"
+    assert b["input_file_id"] == fid and b["endpoint"] == "/v1/chat/completions" and b["metadata"] == {"job": "nightly"}
+    assert b["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert b["expires_at"] - b["created_at"] == 24 * 3600
+    for k in ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at", "cancelled_at",
+              "output_file_id", "error_file_id", "errors"):
+        assert b[k] is None
+    assert r.llen(BATCH_QUEUE) == 1  # one driver task queued
+    assert c.get(f"/v1/batches/{b['id']}").get_json() == b
+    assert c.get("/v1/batches/batch_nope").status_code == 404
+
+
+def test_list_pagination_newest_first(api):
+    c, cfg, _ = api
+    fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]
+    ids = [create(c, fid).get_json()["id"] for _ in range(5)][::-1]  # newest first
+    page = c.get("/v1/batches?limit=2").get_json()
+    assert [b["id"] for b in page["data"]] == ids[:2] and page["has_more"] is True
+    assert page["first_id"] == ids[0] and page["last_id"] == ids[1] and page["object"] == "list"
+    page = c.get(f"/v1/batches?limit=2&after={page['last_id']}").get_json()
+    assert [b["id"] for b in page["data"]] == ids[2:4] and page["has_more"] is True
+    page = c.get(f"/v1/batches?limit=2&after={page['last_id']}").get_json()
+    assert [b["id"] for b in page["data"]] == ids[4:] and page["has_more"] is False
+    assert [b["id"] for b in c.get("/v1/batches").get_json()["data"]] == ids
+    assert c.get("/v1/batches?limit=0").status_code == 400
+
+
+def test_driver_fails_a_malformed_file_with_line_numbers_and_runs_nothing(api):
+    c, cfg, r = api
+    text = "\n".join([chat_line(cfg, "a"), "{oops", chat_line(cfg, "a"), chat_line(cfg, "b", max_tokens=0)])
+    fid = upload(c, text.encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    driver = BatchDriver(cfg, r=r)
+    assert driver.drive(bid) == "failed"
+    b = c.get(f"/v1/batches/{bid}").get_json()
+    assert b["status"] == "failed" and b["failed_at"] and b["in_progress_at"] is None
+    errs = b["errors"]["data"]
+    assert [(e["line"], e["code"]) for e in errs] == [(2, "invalid_json_line"), (3, "duplicate_custom_id"),
+                                                      (4, "invalid_value")]
+    assert b["request_counts"]["completed"] == b["request_counts"]["failed"] == 0
+    assert driver.drive(bid) == "failed"  # a redelivered task changes nothing
+    assert r.scard("farm:batch:active") == 0
+
+
+def test_cancel_before_it_runs_and_cancel_conflicts(api):
+    c, cfg, r = api
+    fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    resp = c.post(f"/v1/batches/{bid}/cancel")
+    assert resp.status_code == 200 and resp.get_json()["status"] == "cancelling"
+    assert resp.get_json()["cancelling_at"]
+    assert c.post(f"/v1/batches/{bid}/cancel").get_json()["status"] == "cancelling"  # idempotent
+    assert BatchDriver(cfg, r=r).drive(bid) == "cancelled"
+    b = c.get(f"/v1/batches/{bid}").get_json()
+    assert b["status"] == "cancelled" and b["cancelled_at"] and b["output_file_id"] is None
+    assert c.post(f"/v1/batches/{bid}/cancel").get_json()["status"] == "cancelled"
+    failed = create(c, "file-missing")
+    assert failed.status_code == 404
+    other = create(c, fid).get_json()["id"]
+    BatchStore(r).transition(other, ("validating",), "failed")
+    resp = c.post(f"/v1/batches/{other}/cancel")
+    assert resp.status_code == 409 and resp.get_json()["error"]["code"] == "batch_not_cancellable"
+
+
+def test_a_batch_never_picked_up_expires(api):
+    c, cfg, r = api
+    fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    BatchStore(r).set_fields(bid, expires_at=int(time.time()) - 1)
+    assert BatchDriver(cfg, r=r).drive(bid) == "expired"
+    assert c.get(f"/v1/batches/{bid}").get_json()["expired_at"]
+
+
+def test_results_are_recorded_once_and_not_after_sealing(api):
+    _, _, r = api
+    store = BatchStore(r)
+    b = store.create("file-x", "/v1/chat/completions", "24h", 3600, None)
+    bid = b["id"]
+    assert store.record(bid, "a", {"line": 1, "ok": True, "out": {}}, True) == -1  # not running yet
+    store.transition(bid, ("validating",), "in_progress", total=2)
+    u = {"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 3}
+    assert store.record(bid, "a", {"line": 1, "ok": True, "out": {}}, True, u) == 1
+    assert store.record(bid, "a", {"line": 1, "ok": False, "out": {}}, False, u) == 0
+    assert store.record(bid, "b", {"line": 2, "ok": False, "out": {}}, False) == 1
+    got = store.get(bid)
+    assert (got["completed"], got["failed"], got["input_tokens"], got["cached_tokens"]) == (1, 1, 10, 4)
+    store.set_fields(bid, sealed=True)
+    assert store.record(bid, "c", {"line": 3, "ok": True, "out": {}}, True) == -1
+    assert store.acquire_lease(bid, "t1", 5) and not store.acquire_lease(bid, "t2", 5)
+    assert not store.refresh_lease(bid, "t2", 5) and store.refresh_lease(bid, "t1", 5)
+    store.release_lease(bid, "t2")
+    assert store.leased(bid)
+    store.release_lease(bid, "t1")
+    assert not store.leased(bid)

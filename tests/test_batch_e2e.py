@@ -1,0 +1,229 @@
+"""The Batch API end to end with the openai SDK: a real farm (gunicorn API, two aggregated workers with the
+real default model, a managed redis-server) and real batch-driver processes (`python -m tasks.batch`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from farm import registry
+from farm.batch.store import lease_key
+from farm.config import load_config
+from farm.supervisor import Farm
+from tests.conftest import free_port, make_farm_env
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class DriverProc:
+    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.batch", "--name", name, "--loglevel", "INFO"],
+                                     cwd=ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batch-e2e")
+    env = make_farm_env(f"redis://127.0.0.1:{free_port()}/0", tmp)
+    env["FARM_ENGINE__TORCH_THREADS"] = "1"  # two workers share this machine's cores
+    cfg = load_config(environ=env)
+    f = Farm(cfg, prefill=0, decode=0, both=2, port=free_port(), flower=False, env=env, grace_s=10)
+    drivers: list[DriverProc] = []
+    try:
+        f.start()
+        drivers += [DriverProc(f.child_env(), f"batch-{i}", tmp) for i in (1, 2)]
+        f.wait_healthy(240)
+        f.drivers = drivers
+        yield f
+    finally:
+        for d in drivers:
+            d.stop()
+        f.stop()
+
+
+@pytest.fixture
+def client(farm):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{farm.api_port}/v1", api_key="unused", max_retries=0)
+
+
+def chat_line(model, cid, content, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": content}], **body}}
+
+
+def upload(client, rows) -> str:
+    data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+    return client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def wait_status(client, bid, statuses, timeout=120.0, until=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        b = client.batches.retrieve(bid)
+        if b.status in statuses or (until and until(b)):
+            return b
+        time.sleep(0.3)
+    raise AssertionError(f"batch {bid} still {b.status} ({b.request_counts}) after {timeout}s")
+
+
+def outputs(client, b) -> tuple[list[dict], list[dict]]:
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()] if b.output_file_id else []
+    err = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()] if b.error_file_id else []
+    return out, err
+
+
+def test_sdk_round_trip(farm, client):
+    model = farm.cfg.default_model
+    questions = ["What is 2+2?", "Name a color.", "What is the capital of France?", "Say hello.",
+                 "What is 3+3?", "Name a fruit."]
+    rows = [chat_line(model, f"q-{i}", q, max_tokens=8, temperature=0) for i, q in enumerate(questions)]
+    fid = upload(client, rows)
+    assert client.files.retrieve(fid).purpose == "batch"
+    b = client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"suite": "e2e"})
+    assert b.status == "validating" and b.metadata == {"suite": "e2e"}
+    b = wait_status(client, b.id, {"completed", "failed"})
+    assert b.status == "completed", b
+    assert b.request_counts.total == b.request_counts.completed == 6 and b.request_counts.failed == 0
+    assert b.created_at <= b.in_progress_at <= b.finalizing_at <= b.completed_at
+    assert b.error_file_id is None and b.model == model
+    out, _ = outputs(client, b)
+    assert sorted(o["custom_id"] for o in out) == sorted(r["custom_id"] for r in rows)
+    by_id = {o["custom_id"]: o for o in out}
+    for o in out:
+        assert o["error"] is None and o["id"].startswith("batch_req_")
+        resp = o["response"]
+        assert resp["status_code"] == 200 and resp["request_id"] == resp["body"]["id"]
+        body = resp["body"]
+        assert body["object"] == "chat.completion" and body["model"] == model
+        assert body["choices"][0]["message"]["role"] == "assistant" and body["choices"][0]["finish_reason"]
+        assert 0 < body["usage"]["completion_tokens"] <= 8
+    assert b.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in out)
+    assert b.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
+    # the same answer as the live endpoint (greedy)
+    live = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": questions[0]}])
+    assert live.choices[0].message.content == by_id["q-0"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert client.files.retrieve(b.output_file_id).purpose == "batch_output"
+    assert b.id in [x.id for x in client.batches.list(limit=5).data]
+    # /v1/completions batches too
+    comp = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": model, "prompt": p, "max_tokens": 4, "temperature": 0}}
+            for i, p in enumerate(["The capital of France is", "One, two, three,"])]
+    b2 = client.batches.create(input_file_id=upload(client, comp), endpoint="/v1/completions",
+                               completion_window="24h")
+    b2 = wait_status(client, b2.id, {"completed", "failed"})
+    out2, _ = outputs(client, b2)
+    assert b2.status == "completed" and sorted(o["custom_id"] for o in out2) == ["c-0", "c-1"]
+    assert all(o["response"]["body"]["object"] == "text_completion" for o in out2)
+    client.files.delete(fid)
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(fid)
+
+
+def test_malformed_input_fails_with_line_numbers(farm, client):
+    model = farm.cfg.default_model
+    rows = [chat_line(model, "a", "Hi", max_tokens=4), "not json at all", chat_line(model, "a", "dup"),
+            {**chat_line(model, "u", "Hi"), "url": "/v1/completions"},
+            chat_line(model, "t", "Hi", temperature=9)]
+    b = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    b = wait_status(client, b.id, {"failed", "completed", "in_progress"})
+    assert b.status == "failed" and b.failed_at and b.in_progress_at is None
+    assert [(e.line, e.code) for e in b.errors.data] == [(2, "invalid_json_line"), (3, "duplicate_custom_id"),
+                                                          (4, "mismatched_url"), (5, "invalid_value")]
+    assert b.request_counts.completed == 0 and b.output_file_id is None
+
+
+def worker_running(farm) -> int:
+    r = redis.Redis.from_url(farm.cfg.redis.url)
+    return sum(json.loads(r.get(registry.alive_key(w.worker_id)) or "{}").get("running", 0)
+               for w in registry.live_workers(r))
+
+
+def test_cancel_mid_run(farm, client):
+    model = farm.cfg.default_model
+    n = 72  # more than the driver's window (32): lines still waiting when the cancel comes never run
+    rows = [chat_line(model, f"c-{i}", f"Tell me a long story about the number {i}.", max_tokens=32,
+                      ignore_eos=True, temperature=0) for i in range(n)]
+    b = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    wait_status(client, b.id, set(), until=lambda x: x.request_counts.completed >= 2)
+    c = client.batches.cancel(b.id)
+    assert c.status == "cancelling" and c.cancelling_at
+    b = wait_status(client, b.id, {"cancelled"}, timeout=60)
+    assert b.cancelled_at >= b.cancelling_at
+    out, err = outputs(client, b)
+    counts = b.request_counts
+    assert counts.total == n and 2 <= counts.completed < n
+    assert counts.completed == len(out) and counts.failed == len(err)
+    ids = [o["custom_id"] for o in out + err]
+    assert len(ids) == len(set(ids))
+    time.sleep(3)  # nothing runs any more: counts frozen, workers idle
+    assert client.batches.retrieve(b.id).request_counts == counts
+    deadline = time.time() + 10
+    while worker_running(farm) and time.time() < deadline:
+        time.sleep(0.25)
+    assert worker_running(farm) == 0
+
+
+def test_survives_killing_a_worker_and_the_driver_mid_run(farm, client):
+    """kill -9 one of the two workers and the driver holding the batch while lines run: the other driver
+    takes over from Redis, lost lines run again, and every custom_id is in the output exactly once."""
+    model = farm.cfg.default_model
+    n = 24
+    rows = [chat_line(model, f"k-{i}", f"Write a poem about the number {i}.", max_tokens=40,
+                      ignore_eos=True, temperature=0) for i in range(n)]
+    b = client.batches.create(input_file_id=upload(client, rows), endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    wait_status(client, b.id, set(), until=lambda x: x.request_counts.completed >= 3)
+    r = redis.Redis.from_url(farm.cfg.redis.url)
+    holder = (r.get(lease_key(b.id)) or b"").decode()  # "<host>:<pid>:<token>"
+    victim_driver = next(d for d in farm.drivers if f":{d.proc.pid}:" in holder)
+    worker = next(p for p in farm.procs if p.role == "both" and p.alive())
+    os.kill(worker.pid, signal.SIGKILL)
+    victim_driver.kill()
+    at_kill = client.batches.retrieve(b.id).request_counts.completed
+    assert at_kill < n
+    b = wait_status(client, b.id, {"completed", "failed"}, timeout=150)
+    assert b.status == "completed"
+    out, err = outputs(client, b)
+    ids = [o["custom_id"] for o in out + err]
+    assert sorted(ids) == sorted(r_["custom_id"] for r_ in rows)  # each exactly once
+    assert b.request_counts.completed + b.request_counts.failed == n
+    assert b.request_counts.completed == len(out) and b.request_counts.failed == len(err)
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 40 for o in out)
+    # the batch finished under the surviving driver (the dead one's lease lapsed and was taken over)
+    assert victim_driver.proc.poll() is not None

@@ -1,0 +1,128 @@
+"""Batch input validation (line-numbered errors, same rules as the live endpoints) and prefix-grouped
+scheduling, with the real default model's tokenizer; no farm needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from farm.batch.schedule import Plan, prefix_order
+from farm.batch.validate import PreparedLine, validate_input
+from farm.config import load_config
+from farm.engine.hashing import block_hashes
+from farm.tokenization import get_tokenizer
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def env():
+    cfg = load_config(environ={})
+    tok = get_tokenizer(cfg, cfg.default_model)
+    models = [m.name for m in cfg.models]
+
+    def run(text: str, endpoint: str = CHAT, **kw):
+        return validate_input(text.encode(), endpoint, models, lambda m: tok,
+                              lambda m: cfg.model(m).max_model_len, **kw)
+
+    return cfg, run
+
+
+def line(cfg, cid, content="Hi", url=CHAT, method="POST", **body):
+    b = {"model": cfg.default_model, "messages": [{"role": "user", "content": content}], **body}
+    return json.dumps({"custom_id": cid, "method": method, "url": url, "body": b})
+
+
+def test_valid_file_prepares_every_line_in_order(env):
+    cfg, run = env
+    text = "\n".join(line(cfg, f"r{i}", f"Question {i}?", max_tokens=5, temperature=0) for i in range(3)) + "\n\n"
+    lines, errors = run(text)
+    assert errors == []
+    assert [ln.custom_id for ln in lines] == ["r0", "r1", "r2"] and [ln.line for ln in lines] == [1, 2, 3]
+    assert lines[0].sampling["max_tokens"] == 5 and lines[0].sampling["temperature"] == 0.0
+    assert lines[0].prompt_ids and lines[0].kind == "chat"
+    assert PreparedLine.from_json(lines[1].to_json()) == lines[1]
+
+
+def test_every_bad_line_is_reported_with_its_line_number(env):
+    cfg, run = env
+    rows = [
+        line(cfg, "ok-1"),                                          # 1 fine
+        "{not json",                                                # 2
+        line(cfg, "ok-1"),                                          # 3 duplicate custom_id
+        line(cfg, "m", method="GET"),                               # 4 wrong method
+        line(cfg, "u", url="/v1/completions"),                      # 5 URL is not the batch endpoint
+        line(cfg, "t", temperature=5),                              # 6 fails the live validation
+        json.dumps({"method": "POST", "url": CHAT, "body": {}}),    # 7 no custom_id
+        "",                                                         # 8 blank: skipped
+        json.dumps({"custom_id": "x", "method": "POST", "url": CHAT, "body": {"model": "nope", "messages": []}}),
+        line(cfg, "big", max_tokens=10**6),                         # 10 context length
+        "[1, 2]",                                                   # 11 not an object
+        line(cfg, "s", stream=True),                                # 12 streaming in a batch
+    ]
+    lines, errors = run("\n".join(rows))
+    by_line = {e["line"]: e for e in errors}
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 9, 10, 11, 12]
+    assert by_line[2]["code"] == "invalid_json_line"
+    assert by_line[3]["code"] == "duplicate_custom_id" and "line 1" in by_line[3]["message"]
+    assert by_line[4]["code"] == "invalid_method" and by_line[4]["param"] == "method"
+    assert by_line[5]["code"] == "mismatched_url"
+    assert by_line[6]["code"] == "invalid_value" and by_line[6]["param"] == "body.temperature"
+    assert by_line[7]["param"] == "custom_id"
+    assert by_line[9]["code"] == "model_not_found"
+    assert by_line[10]["code"] == "context_length_exceeded"
+    assert by_line[12]["param"] == "body.stream"
+    assert all(set(e) == {"code", "message", "param", "line"} for e in errors)
+
+
+def test_completions_endpoint_and_limits(env):
+    cfg, run = env
+    comp = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": cfg.default_model, "prompt": "Once upon", "max_tokens": 3}})
+    lines, errors = run(comp, "/v1/completions")
+    assert not errors and lines[0].kind == "completion"
+    _, errors = run("\n".join([comp.replace('"c"', f'"c{i}"') for i in range(3)]), "/v1/completions", max_lines=2)
+    assert errors[-1]["code"] == "too_many_requests" and errors[-1]["line"] == 3
+    _, errors = run("\n\n")
+    assert errors[0]["code"] == "empty_file"
+    bad = "\n".join("{" for _ in range(20))
+    _, errors = run(bad, max_errors=5)
+    assert len(errors) == 5
+
+
+def _pl(i, ids, model="m"):
+    return PreparedLine(i, i + 1, f"c{i}", "chat", model, ids, {})
+
+
+def test_prefix_order_groups_shared_prefixes():
+    bs = 4
+    a, b = list(range(100, 116)), list(range(200, 216))  # two 4-block prefixes
+    lines = [_pl(i, (a if i % 2 == 0 else b) + [i, i, i, i, i]) for i in range(8)]
+    ordered, hashes = prefix_order(lines, bs)
+    groups = [ln.prompt_ids[0] for ln in ordered]
+    assert groups in ([100] * 4 + [200] * 4, [200] * 4 + [100] * 4)
+    assert hashes[0] == block_hashes(lines[0].prompt_ids, bs)
+    assert Plan(lines, "input", bs).order() == list(range(8))
+
+
+def test_plan_waits_for_a_shared_prefix_to_be_computed_once():
+    bs = 4
+    a, b = list(range(100, 116)), list(range(200, 216))
+    lines = [_pl(i, (a if i < 3 else b) + [i] * 4) for i in range(6)]
+    plan = Plan(lines, "prefix", bs, warm_min_blocks=2)
+    first = plan.next(0)
+    second = plan.next(0)  # the other prefix's leader; the followers wait for their leaders' prefill
+    assert {first.prompt_ids[0], second.prompt_ids[0]} == {100, 200}
+    assert plan.next(0) is None
+    plan.prefilled(first)
+    followers = [plan.next(0), plan.next(0)]
+    assert all(f.prompt_ids[0] == first.prompt_ids[0] for f in followers)
+    assert plan.next(0) is None
+    plan.finished(second)  # a leader that failed: the next line of its prefix leads instead
+    lead2 = plan.next(0)
+    assert lead2.prompt_ids[0] == second.prompt_ids[0] and plan.next(0) is None
+    plan.prefilled(lead2)
+    assert plan.next(0).prompt_ids[0] == second.prompt_ids[0] and len(plan) == 0
+    plan.again(first, at=5.0)
+    assert len(plan) == 1 and plan.next(1.0) is None and plan.next(6.0) is first
