@@ -31,7 +31,7 @@ def _deep(d: dict[str, Any], u: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def bench_farm(prefill: int = 0, decode: int = 0, both: int = 0, api: bool = False,
+def bench_farm(prefill: int = 0, decode: int = 0, both: int = 0, api: bool = False, batch_drivers: int = 0,
                overrides: dict[str, Any] | None = None, timeout: float = 300) -> Iterator[Farm]:
     """A running farm (started, healthy) that is stopped on exit; `farm.cfg` is its configuration."""
     base = load_config(environ={})
@@ -51,7 +51,8 @@ def bench_farm(prefill: int = 0, decode: int = 0, both: int = 0, api: bool = Fal
     os.environ["FARM_CONFIG"] = str(cfg_path)
     get_config.cache_clear()
     cfg = load_config()
-    farm = Farm(cfg, prefill=prefill, decode=decode, both=both, api=api, flower=False, grace_s=20)
+    farm = Farm(cfg, prefill=prefill, decode=decode, both=both, api=api, flower=False, grace_s=20,
+                batch_drivers=batch_drivers)
     try:
         farm.start()
         farm.wait_healthy(timeout)

@@ -7,13 +7,12 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from farm import registry
 from farm.batch.store import lease_key
@@ -25,47 +24,19 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class DriverProc:
-    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.batch", "--name", name, "--loglevel", "INFO"],
-                                     cwd=ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batch-e2e")
     env = make_farm_env(f"redis://127.0.0.1:{free_port()}/0", tmp)
     env["FARM_ENGINE__TORCH_THREADS"] = "1"  # two workers share this machine's cores
     cfg = load_config(environ=env)
-    f = Farm(cfg, prefill=0, decode=0, both=2, port=free_port(), flower=False, env=env, grace_s=10)
-    drivers: list[DriverProc] = []
+    f = Farm(cfg, prefill=0, decode=0, both=2, batch_drivers=2, port=free_port(), flower=False, env=env,
+             grace_s=10)
     try:
         f.start()
-        drivers += [DriverProc(f.child_env(), f"batch-{i}", tmp) for i in (1, 2)]
         f.wait_healthy(240)
-        f.drivers = drivers
         yield f
     finally:
-        for d in drivers:
-            d.stop()
         f.stop()
 
 
@@ -211,10 +182,10 @@ def test_survives_killing_a_worker_and_the_driver_mid_run(farm, client):
     wait_status(client, b.id, set(), until=lambda x: x.request_counts.completed >= 3)
     r = redis.Redis.from_url(farm.cfg.redis.url)
     holder = (r.get(lease_key(b.id)) or b"").decode()  # "<host>:<pid>:<token>"
-    victim_driver = next(d for d in farm.drivers if f":{d.proc.pid}:" in holder)
+    victim_driver = next(p for p in farm.procs if p.role == "batch" and f":{p.pid}:" in holder)
     worker = next(p for p in farm.procs if p.role == "both" and p.alive())
     os.kill(worker.pid, signal.SIGKILL)
-    victim_driver.kill()
+    os.kill(victim_driver.pid, signal.SIGKILL)
     at_kill = client.batches.retrieve(b.id).request_counts.completed
     assert at_kill < n
     b = wait_status(client, b.id, {"completed", "failed"}, timeout=150)
@@ -226,4 +197,38 @@ def test_survives_killing_a_worker_and_the_driver_mid_run(farm, client):
     assert b.request_counts.completed == len(out) and b.request_counts.failed == len(err)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 40 for o in out)
     # the batch finished under the surviving driver (the dead one's lease lapsed and was taken over)
-    assert victim_driver.proc.poll() is not None
+    assert not victim_driver.alive()
+
+
+def test_cli_round_trip_and_batch_metrics(farm, tmp_path):
+    """`farm batch submit --wait` then `farm batch results -o`, and /metrics counts the lines farm-wide."""
+    import subprocess
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = farm.cfg.default_model
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(chat_line(model, f"cli-{i}", f"Count to {i}.", max_tokens=6)) + "\n"
+                           for i in range(3)))
+    url = f"http://127.0.0.1:{farm.api_port}"
+    farm_cli = [sys.executable, "-m", "farm.cli", "batch", "--url", url]
+    sub = subprocess.run([*farm_cli, "submit", str(src), "--wait"], env=farm.child_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    batch_id = sub.stdout.splitlines()[0]
+    assert batch_id.startswith("batch_") and "3/3 done, 0 failed  completed" in sub.stdout
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([*farm_cli, "results", batch_id, "-o", str(out)], env=farm.child_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == ["cli-0", "cli-1", "cli-2"]
+    bad = subprocess.run([*farm_cli, "status", "batch_nope", "--once"], env=farm.child_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "HTTP 404" in bad.stderr
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("farm_batch_lines_total", (("state", "completed"),))] >= 3
+    assert samples[("farm_batches_total", (("status", "completed"),))] >= 1
