@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from farm.config import ConfigError, FarmConfig, load_config
+from farm.config import ConfigError, FarmConfig, load_config, redact_url
 from farm.protocol import ROLES, queue_name
 
 PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport: `<queue>\x06\x16<priority>` holds priority N
@@ -93,7 +93,7 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
     state = read_state(cfg) or {}
     out: dict[str, Any] = {
         "workers": {}, "queues": {}, "processes": [], "models": [],
-        "redis": {"url": cfg.redis.url, "ok": False, "error": None},
+        "redis": {"url": redact_url(cfg.redis.url), "ok": False, "error": None},
         "state_dir": str(cfg.state_path), "urls": state.get("urls", {}),
     }
     for m in cfg.models:
@@ -108,6 +108,7 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
     for name in models:
         out["workers"][name] = {role: [] for role in ROLES}
     out["planner"] = None
+    out["batches"] = []
     r = redis_server.client(cfg.redis.url, timeout=3)
     try:
         workers = registry.live_workers(r)
@@ -126,10 +127,25 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
         from farm.planner.cli import status_section
 
         out["planner"] = status_section(r)
+        out["batches"] = batch_section(r)
     except Exception as e:  # noqa: BLE001 - any Redis trouble is reported, not raised
         out["redis"]["error"] = f"{type(e).__name__}: {e}"
     finally:
         r.close()
+    return out
+
+
+def batch_section(r) -> list[dict[str, Any]]:
+    """The batches not yet final: id, status, endpoint, request counts (from farm.batch.store)."""
+    from farm.batch.store import BatchStore
+
+    store = BatchStore(r)
+    out = []
+    for bid in sorted(store.active_ids()):
+        b = store.get(bid)
+        if b:
+            out.append({"id": bid, "status": b.get("status"), "endpoint": b.get("endpoint"),
+                        "request_counts": b.get("request_counts") or {}})
     return out
 
 
@@ -166,8 +182,14 @@ def print_status(st: dict[str, Any]) -> None:
             state = "running" if p["alive"] else "DEAD"
             print(f"  {p['name']:<{width}}  {p['role']:<7} pid {p['pid']:<8} {state:<8} {p['log']}")
     if red["ok"]:
+        from farm.batch.cli import progress_line
         from farm.planner.cli import print_status_section
 
+        print("\nBatches (not yet final)")
+        for b in st.get("batches") or []:
+            print(f"  {b['id']}  {b['endpoint']}  {progress_line(b)}")
+        if not st.get("batches"):
+            print("  (none)")
         print_status_section(st.get("planner"))
 
 

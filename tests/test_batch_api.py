@@ -180,3 +180,20 @@ def test_results_are_recorded_once_and_not_after_sealing(api):
     assert store.leased(bid)
     store.release_lease(bid, "t1")
     assert not store.leased(bid)
+
+
+def test_farm_status_lists_active_batches(api):
+    """`farm status` shows batches not yet final with their counts, and drops them once final."""
+    from farm.batch.cli import progress_line
+    from farm.cli import collect_status
+
+    c, cfg, r = api
+    fid = upload(c, (chat_line(cfg, "a") + "\n" + chat_line(cfg, "b") + "\n").encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    st = collect_status(cfg)
+    assert [(b["id"], b["status"], b["endpoint"]) for b in st["batches"]] == [
+        (bid, "validating", "/v1/chat/completions")]
+    assert progress_line(st["batches"][0]).endswith("validating")
+    assert c.post(f"/v1/batches/{bid}/cancel").status_code == 200
+    BatchStore(r).transition(bid, ("cancelling",), "cancelled")
+    assert collect_status(cfg)["batches"] == []
