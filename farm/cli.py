@@ -21,9 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from farm.config import ConfigError, FarmConfig, load_config, redact_url
-from farm.protocol import ROLES, queue_name
-
-PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport: `<queue>\x06\x16<priority>` holds priority N
+from farm.protocol import ROLES, queue_depths, queue_name
 
 
 # -- farm up ----------------------------------------------------------------------------------------
@@ -75,15 +73,6 @@ def cmd_down(cfg: FarmConfig, args: argparse.Namespace) -> int:
 
 
 # -- farm status ------------------------------------------------------------------------------------
-def queue_depth(r, queue: str) -> int:
-    """Messages waiting in a Celery queue on Redis, summed over its priority lists."""
-    pipe = r.pipeline(transaction=False)
-    pipe.llen(queue)
-    for pri in range(1, 10):
-        pipe.llen(f"{queue}{PRIORITY_SEP}{pri}")
-    return int(sum(pipe.execute()))
-
-
 def collect_status(cfg: FarmConfig) -> dict[str, Any]:
     """Everything `farm status` shows, as one JSON-able object."""
     from farm import redis_server, registry
@@ -122,8 +111,8 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
             queues += w.queues
         for name in models:
             queues += [queue_name(name, kind) for kind in ("prefill", "decode", "generate")]
-        for q in dict.fromkeys(queues):
-            out["queues"][q] = queue_depth(r, q)
+        queues = list(dict.fromkeys(queues))
+        out["queues"] = dict(zip(queues, queue_depths(r, queues), strict=True))
         from farm.planner.cli import status_section
 
         out["planner"] = status_section(r)

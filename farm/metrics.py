@@ -126,16 +126,15 @@ class FarmCollector:
         import json
 
         from farm import registry
-        from farm.protocol import queue_name
+        from farm.protocol import BATCH_QUEUE, queue_depths, queue_name
         from farm.router.keys import direct_queue
 
         try:
             workers = registry.live_workers(self.r)
             queues = [queue_name(m.name, k) for m in self.cfg.models for k in ("prefill", "decode", "generate")]
-            queues += [direct_queue(w.worker_id) for w in workers]
+            queues += [direct_queue(w.worker_id) for w in workers] + [BATCH_QUEUE]
+            depths = queue_depths(self.r, queues)
             pipe = self.r.pipeline()
-            for q in queues:
-                pipe.llen(q)
             for w in workers:
                 pipe.get(registry.alive_key(w.worker_id))
             for name in FARM_COUNTERS:
@@ -147,7 +146,7 @@ class FarmCollector:
         res, counter_values = res[: len(res) - n_counters], res[len(res) - n_counters:]
         self.counters.values = {name: {k.decode(): float(v) for k, v in raw.items()}
                                 for name, raw in zip(FARM_COUNTERS, counter_values, strict=True)}
-        for q, n in zip(queues, res[: len(queues)], strict=True):
+        for q, n in zip(queues, depths, strict=True):
             QUEUE_DEPTH.labels(queue=q).set(n)
         WORKERS.clear()
         counts: dict[tuple[str, str], int] = {}
@@ -157,7 +156,7 @@ class FarmCollector:
             WORKERS.labels(model=model, role=role).set(n)
         KV_BLOCKS.clear()
         KV_HIT_RATIO.clear()
-        for w, raw in zip(workers, res[len(queues):], strict=True):
+        for w, raw in zip(workers, res, strict=True):
             stats = json.loads(raw) if raw else {}
             total, free = stats.get("blocks_total", 0), stats.get("blocks_free", 0)
             KV_BLOCKS.labels(worker=w.worker_id, tier="device", state="used").set(total - free)

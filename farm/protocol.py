@@ -21,6 +21,21 @@ TASK_BATCH_DRIVE = "farm.batch.drive"  # drives one batch (farm.batch.driver)
 BATCH_QUEUE = "farm.batch"  # consumed only by batch-driver processes (`python -m tasks.batch`)
 
 
+# kombu's Redis transport keeps priority N (1-9) of queue Q in the list `Q\x06\x16N`, priority 0 in Q itself.
+PRIORITY_SEP = "\x06\x16"
+
+
+def queue_depths(r, queues: list[str]) -> list[int]:
+    """Messages waiting in each Celery queue on Redis, summed over its priority lists (one round trip)."""
+    pipe = r.pipeline(transaction=False)
+    for q in queues:
+        pipe.llen(q)
+        for pri in range(1, 10):
+            pipe.llen(f"{q}{PRIORITY_SEP}{pri}")
+    res = pipe.execute()
+    return [int(sum(res[i * 10:(i + 1) * 10])) for i in range(len(queues))]
+
+
 def model_slug(model: str) -> str:
     """A queue-safe form of a model name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", model)

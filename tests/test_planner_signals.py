@@ -8,13 +8,13 @@ import time
 import pytest
 
 from farm import registry
-from farm.cli import PRIORITY_SEP, collect_status, main
+from farm.cli import collect_status, main
 from farm.config import load_config
 from farm.gateway import OBS_STREAM
 from farm.planner.config import Bounds, LoadPolicyConfig, PlannerConfig
 from farm.planner.planner import EVENTS_KEY, Planner, read_state
 from farm.planner.signals import RedisSignals
-from farm.protocol import queue_name
+from farm.protocol import PRIORITY_SEP, queue_name
 from farm.router.keys import direct_queue
 from farm.router.load import LoadTracker
 

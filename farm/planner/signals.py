@@ -20,12 +20,10 @@ import redis
 
 from farm import registry
 from farm.gateway import OBS_STREAM
-from farm.protocol import queue_name
+from farm.protocol import queue_depths, queue_name
 from farm.router.keys import direct_queue
 from farm.router.load import LoadTracker
 
-PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport keeps priority N of queue Q in the list `Q\x06\x16N`
-PRIORITIES = range(1, 10)
 ROLE_QUEUES = {"prefill": ("prefill",), "decode": ("decode",), "both": ("generate",)}
 
 
@@ -163,14 +161,7 @@ class RedisSignals:
         self._history: dict[str, InflightHistory] = {}
 
     def queue_depths(self, queues: list[str]) -> list[int]:
-        pipe = self.r.pipeline(transaction=False)
-        for q in queues:
-            pipe.llen(q)
-            for pri in PRIORITIES:
-                pipe.llen(f"{q}{PRIORITY_SEP}{pri}")
-        res = pipe.execute()
-        k = 1 + len(PRIORITIES)
-        return [int(sum(res[i * k:(i + 1) * k])) for i in range(len(queues))]
+        return queue_depths(self.r, queues)
 
     def collect(self, model: str) -> ModelSignals:
         now = self.clock()
