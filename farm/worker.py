@@ -17,8 +17,9 @@ from typing import Any
 import redis
 
 from farm import registry
+from farm.backends import connector_import, make_engine
 from farm.config import FarmConfig, farm_secret
-from farm.engine.engine import Engine, RequestOutput
+from farm.engine.engine import RequestOutput
 from farm.engine.scheduler import KVImport
 from farm.models import require_model_dir
 from farm.protocol import TASK_DECODE, GenerationRequest, Role, cancel_key, queue_name, queues_for_role
@@ -46,8 +47,7 @@ class WorkerRuntime:
         self.r = redis.Redis.from_url(cfg.redis.url, health_check_interval=10)
         self._check_block_size()
         self.kv_events = KVEventPublisher(self.r, worker_id)
-        self.engine = Engine(mdir, cfg.engine, mcfg.max_model_len, on_kv_event=self.kv_events,
-                             handle_ttl_s=cfg.transfer.handle_ttl_s, kv_tier_dir=cfg.state_path / "kvcache")
+        self.engine = make_engine(cfg, mcfg, mdir, self.kv_events, worker_id=worker_id, role=role)  # builtin | vllm
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
                                     self.engine.abort)
         self.staging = StagingPool()
@@ -180,7 +180,9 @@ class WorkerRuntime:
         t0 = time.monotonic()
         out = self._run(req, lambda o: None, prefill_only=True)
         handle = None
-        if out.finish_reason == "prefilled" and out.held_blocks is not None:
+        if getattr(out, "kv_transfer_params", None) is not None:  # vLLM: its KV connector holds the blocks
+            handle = self.engine.connector_handle(req, out, self.info.transfer_endpoint, shm_host_id(), self.secret)
+        elif out.finish_reason == "prefilled" and out.held_blocks is not None:
             data = self.engine.runner.read_blocks(out.held_blocks)
             handle = sign_handle({
                 "request_id": req.request_id, "worker_id": self.worker_id,
@@ -213,7 +215,11 @@ class WorkerRuntime:
         kv_import = None
         prefill_worker, mode, cached = self.worker_id, "local", None
         pull: dict[str, Any] = {}
-        if handle:
+        if handle and handle.get("kv_transfer_params") is not None:  # vLLM prefill: its connector pulls
+            kv_import = connector_import(self.engine, handle, self.secret)
+            if kv_import is not None:
+                prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
+        elif handle:
             try:
                 data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports,
                                     nixl_name=f"{self.worker_id}-pull" if self.nixl else None,

@@ -17,6 +17,10 @@ SIGNED_FIELDS = (
     "request_id", "worker_id", "endpoint", "host_id", "transport", "block_ids", "block_hashes", "num_tokens",
     "first_token", "cached_tokens", "layout", "checksum", "expires_at",
 )
+# Signed too when present: a handle whose KV moves through vLLM's KV connector names the connector and
+# carries its transfer parameters (opaque to the farm, passed back into the decode side's vLLM request).
+# Left out of handles that lack them, so handles of the built-in engine keep their exact signed bytes.
+OPTIONAL_SIGNED_FIELDS = ("connector", "kv_transfer_params")
 
 
 class HandleError(ValueError):
@@ -24,11 +28,14 @@ class HandleError(ValueError):
 
 
 def _canonical(h: dict[str, Any]) -> bytes:
-    return json.dumps({k: h.get(k) for k in SIGNED_FIELDS}, sort_keys=True, separators=(",", ":")).encode()
+    body = {k: h.get(k) for k in SIGNED_FIELDS}
+    body.update({k: h[k] for k in OPTIONAL_SIGNED_FIELDS if k in h})
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def sign_handle(h: dict[str, Any], secret: bytes) -> dict[str, Any]:
     out = {k: h.get(k) for k in SIGNED_FIELDS}
+    out.update({k: h[k] for k in OPTIONAL_SIGNED_FIELDS if h.get(k) is not None})
     out["sig"] = hmac.new(secret, _canonical(out), hashlib.sha256).hexdigest()
     return out
 

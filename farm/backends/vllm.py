@@ -1,0 +1,446 @@
+"""The vLLM backend: vLLM's async engine (AsyncLLM) in the worker process, behind the Engine interface.
+
+WorkerRuntime talks to an engine through a few methods (submit, abort, release_held, stats,
+active_request_ids, start, stop) and attributes (held, runner, pool); `VllmEngine` provides them, so
+the Celery tasks, streams, claims and registry work unchanged. vLLM is imported lazily: a farm without
+GPUs never needs it, and a worker configured for it without the `vllm` extra fails with a clear error.
+
+- Prefix caching is always on, and vLLM's KV events are translated into the farm's (vllm_events.py).
+- Disaggregation goes through vLLM's KV connector (NixlConnector, or LMCacheConnectorV1): a prefill-only
+  request runs with max_tokens=1 and the connector's `kv_transfer_params`; vLLM holds the blocks and
+  returns the parameters a decode instance needs to pull them. They travel in our signed KV handle
+  (`connector`, `kv_transfer_params`), and the decode worker passes them back into its vLLM request
+  (SamplingParams.extra_args["kv_transfer_params"], as vLLM's own OpenAI server does).
+- One asyncio loop in a thread runs every request as a task; `abort` cancels the task, which makes
+  vLLM's `generate` abort the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from farm.backends.vllm_events import (
+    KVEventFn,
+    VllmKVEventSubscriber,
+    VllmKVEventTranslator,
+    VllmNotInstalled,
+)
+from farm.config import FarmConfig, ModelConfig, VllmOptions
+from farm.engine.engine import RequestOutput
+from farm.engine.hashing import block_hashes
+from farm.protocol import SamplingParams
+from farm.transfer.handle import HandleError, sign_handle, verify_handle
+
+log = logging.getLogger(__name__)
+
+# What a prefill-only request asks of each connector. NixlConnector: "keep the blocks for a remote
+# decode and tell me where they are" (vLLM's disaggregation proxy sends exactly this). LMCache pushes
+# the KV into its store by token hashes, so its prefill needs no per-request parameters.
+PREFILL_PARAMS: dict[str, dict[str, Any]] = {
+    "NixlConnector": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                      "remote_block_ids": None, "remote_host": None, "remote_port": None},
+    "LMCacheConnectorV1": {},
+}
+
+
+def import_vllm(model: str = "") -> SimpleNamespace:
+    """The parts of vLLM's public API the backend uses; VllmNotInstalled with the fix if it is missing."""
+    try:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+    except ImportError as e:
+        who = f"model {model!r} is configured with `backend: vllm`, but " if model else ""
+        raise VllmNotInstalled(
+            f"{who}vLLM is not installed in this environment ({e}). On a GPU host install the extra: "
+            "`.venv/bin/pip install -e '.[vllm]'` (see README, 'GPU workers with vLLM')"
+        ) from e
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:  # older layout: the documented alias
+        from vllm import AsyncLLMEngine as AsyncLLM
+    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=VSamplingParams,
+                           RequestOutputKind=RequestOutputKind, KVEventsConfig=KVEventsConfig,
+                           KVTransferConfig=KVTransferConfig)
+
+
+# -- mapping our request onto vLLM's -------------------------------------------------------------------
+def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, prefill_only: bool = False,
+                    kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for vllm.SamplingParams that reproduce the farm's sampling semantics.
+
+    max_tokens is capped by the room left in max_model_len (the built-in engine stops there with
+    `length`; vLLM would reject the request instead). A prefill-only request samples one token.
+    """
+    room = max(1, max_model_len - prompt_len)
+    kw: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": 1 if prefill_only else max(1, min(int(p.max_tokens), room)),
+        "temperature": max(0.0, float(p.temperature)),
+        "top_p": float(p.top_p) if 0.0 < p.top_p <= 1.0 else 1.0,
+        "seed": p.seed,
+        "stop": list(p.stop) or None,
+        "ignore_eos": bool(p.ignore_eos),
+        "skip_special_tokens": True,
+    }
+    if kv_transfer_params is not None:
+        kw["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
+    return kw
+
+
+def build_engine_args(cfg: FarmConfig, model: ModelConfig, model_dir: Path, kv_events_endpoint: str,
+                      kv_events_replay: str | None, known_fields: set[str] | None = None,
+                      vllm: SimpleNamespace | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments: the farm's settings, then the model's `vllm.engine_args`.
+
+    With `known_fields` (the dataclass fields of the installed AsyncEngineArgs), unknown passthrough keys
+    are refused by name here instead of deep inside vLLM. `vllm` (import_vllm()) builds the config
+    objects; without it they stay plain dicts (for inspection and tests).
+    """
+    opts = model.vllm or VllmOptions()
+    if known_fields is not None:
+        unknown = sorted(set(opts.engine_args) - known_fields)
+        if unknown:
+            raise ValueError(f"model {model.name!r}: vllm.engine_args {unknown} are not fields of this vLLM's "
+                             "AsyncEngineArgs (check the spelling against `vllm serve --help`)")
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_endpoint,
+              "replay_endpoint": kv_events_replay, "topic": ""}
+    args: dict[str, Any] = {
+        "model": str(model_dir), "tokenizer": str(model_dir), "max_model_len": model.max_model_len,
+        "block_size": cfg.engine.block_size, "enable_prefix_caching": True,
+        "kv_events_config": vllm.KVEventsConfig(**events) if vllm else events,
+    }
+    if opts.kv_connector:
+        transfer = {"kv_connector": opts.kv_connector, "kv_role": opts.kv_role}
+        if opts.kv_connector_extra_config:
+            transfer["kv_connector_extra_config"] = dict(opts.kv_connector_extra_config)
+        args["kv_transfer_config"] = vllm.KVTransferConfig(**transfer) if vllm else transfer
+    args.update(opts.engine_args)
+    return args
+
+
+# -- handles ------------------------------------------------------------------------------------------
+@dataclass
+class ConnectorImport:
+    """The decode side of a vLLM handle: what engine.submit(kv_import=...) gets instead of KV tensors."""
+
+    kv_transfer_params: dict[str, Any]
+    connector: str
+    num_tokens: int
+    first_token: int | None
+    cached_tokens: int = 0
+
+
+@dataclass
+class VllmRequestOutput(RequestOutput):
+    """RequestOutput plus what a vLLM prefill returns for the decode side."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+    connector: str | None = None
+
+
+def make_connector_handle(*, request_id: str, worker_id: str, endpoint: str, host_id: str,
+                          out: VllmRequestOutput, num_tokens: int, block_size: int, ttl_s: float,
+                          secret: bytes, now: float | None = None) -> dict[str, Any]:
+    """A signed KV handle for blocks vLLM's connector holds: the usual fields (so routing, logs and
+    expiry work as for the built-in engine) plus `connector` and `kv_transfer_params` (signed)."""
+    params = out.kv_transfer_params or {}
+    return sign_handle({
+        "request_id": request_id, "worker_id": worker_id, "endpoint": endpoint, "host_id": host_id,
+        "transport": f"vllm:{out.connector}", "block_ids": list(params.get("remote_block_ids") or []),
+        "block_hashes": [str(h) for h in (out.block_hashes or [])], "num_tokens": num_tokens,
+        "first_token": out.first_token, "cached_tokens": out.cached_tokens,
+        "layout": {"block_size": block_size, "backend": "vllm"}, "checksum": "",
+        "expires_at": (now if now is not None else time.time()) + ttl_s,
+        "connector": out.connector, "kv_transfer_params": params,
+    }, secret)
+
+
+def import_from_handle(handle: dict[str, Any], secret: bytes, connector: str | None,
+                       now: float | None = None) -> ConnectorImport:
+    """Verify a vLLM handle and turn it into the decode request's connector parameters.
+
+    Raises HandleError when the signature or expiry is wrong, or when this worker's connector is not
+    the one that holds the blocks (a NIXL decode cannot pull from LMCache, and the reverse).
+    """
+    h = verify_handle(handle, secret, now=now)
+    params = h.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise HandleError("KV handle carries no kv_transfer_params")
+    if connector is None or h.get("connector") != connector:
+        raise HandleError(f"KV handle is for connector {h.get('connector')!r}; this worker has {connector!r}")
+    return ConnectorImport(dict(params), connector, int(h["num_tokens"]),
+                           None if h["first_token"] is None else int(h["first_token"]),
+                           int(h.get("cached_tokens") or 0))
+
+
+# -- the engine adapter -------------------------------------------------------------------------------
+class _Runner:
+    """What WorkerRuntime reads from `engine.runner`: vLLM's connector moves the KV, not our transfer
+    server, so there are no blocks to read here (a built-in decode worker asking gets a refusal and
+    prefills locally)."""
+
+    def __init__(self, block_size: int, device: str = "cuda"):
+        self.device = device
+        self.kv = None
+        self.layout = SimpleNamespace(to_dict=lambda: {"block_size": block_size, "backend": "vllm"})
+
+    def read_blocks(self, block_ids: list[int]) -> Any:
+        from farm.transfer.tcp import TransferError
+
+        raise TransferError("this is a vLLM worker: its KV moves through vLLM's KV connector")
+
+
+@dataclass
+class _Stats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VllmEngine:
+    """Engine's interface over vLLM's AsyncLLM (see the module docstring)."""
+
+    def __init__(self, cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_event: KVEventFn | None,
+                 worker_id: str = "", role: str = "both", vllm: SimpleNamespace | None = None):
+        self.vllm = vllm or import_vllm(model.name)
+        self.cfg = cfg
+        self.model = model
+        self.opts = model.vllm or VllmOptions()
+        self.worker_id = worker_id
+        self.block_size = cfg.engine.block_size
+        self.max_model_len = model.max_model_len
+        self.connector = self.opts.kv_connector
+        if role == "prefill" and not self.connector:
+            raise ValueError(f"model {model.name!r}: a vLLM prefill worker needs models[].vllm.kv_connector "
+                             "(NixlConnector or LMCacheConnectorV1) to hand its KV to decode workers")
+        if self.connector == "NixlConnector":  # where decode workers reach this worker's NIXL side channel
+            os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", cfg.transfer.advertise_host)
+        self.handle_ttl_s = cfg.transfer.handle_ttl_s
+        self.held: dict[str, Any] = {}  # vLLM's connector holds prefilled blocks, not us
+        self.runner = _Runner(self.block_size)
+        self.translator = VllmKVEventTranslator(on_kv_event or (lambda *a, **k: None), self.block_size)
+        self.events = VllmKVEventSubscriber(self.translator, replay_endpoint=_free_tcp_endpoint())
+        known = {f.name for f in dataclasses.fields(self.vllm.AsyncEngineArgs)} \
+            if dataclasses.is_dataclass(self.vllm.AsyncEngineArgs) else None
+        self.engine_args = build_engine_args(cfg, model, model_dir, self.events.endpoint,
+                                             self.events.replay_endpoint, known, self.vllm)
+        self._stats = _Stats()
+        self._tasks: dict[str, Any] = {}  # request id -> concurrent Future of its task on the loop
+        self._tasks_lock = threading.Lock()
+        self.tokens_generated = 0
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.llm = asyncio.run_coroutine_threadsafe(self._create(), self.loop).result()
+        except BaseException:
+            self._stop_loop()
+            self.events.stop()
+            raise
+        cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
+        self.pool = SimpleNamespace(num_blocks=int(getattr(cache, "num_gpu_blocks", 0) or 0))
+
+    async def _create(self) -> Any:
+        args = self.vllm.AsyncEngineArgs(**self.engine_args)
+        try:
+            return self.vllm.AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        except TypeError:  # a vLLM without stat_loggers: stats fall back to our own counts
+            return self.vllm.AsyncLLM.from_engine_args(args)
+
+    def _stat_logger_factory(self) -> Callable[..., Any]:
+        """vLLM calls each stat logger with its scheduler stats every step: keep what the heartbeat shows."""
+        stats = self._stats
+        try:
+            from vllm.v1.metrics.loggers import StatLoggerBase
+        except ImportError:
+            StatLoggerBase = object  # noqa: N806 - vLLM's base class when it has one
+
+        class FarmStatLogger(StatLoggerBase):  # type: ignore[misc, valid-type]
+            def __init__(self, *_a: Any, **_k: Any) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any = None, *_a: Any, **_k: Any) -> None:
+                if scheduler_stats is None:
+                    return
+                stats.running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+                stats.waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+                usage = getattr(scheduler_stats, "kv_cache_usage", None)
+                stats.kv_usage = float(usage if usage is not None else getattr(scheduler_stats, "gpu_cache_usage", 0.0))
+                pc = getattr(scheduler_stats, "prefix_cache_stats", None)
+                if pc is not None:
+                    stats.prefix_queries += int(getattr(pc, "queries", 0))
+                    stats.prefix_hits += int(getattr(pc, "hits", 0))
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+            def log(self) -> None:
+                pass
+
+        return FarmStatLogger
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> VllmEngine:
+        self.events.start()
+        return self
+
+    def stop(self) -> None:
+        for fut in list(self._tasks.values()):
+            fut.cancel()
+
+        async def shutdown() -> None:  # on the loop thread: vLLM cancels its own asyncio tasks there
+            self.llm.shutdown()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=60)
+        except Exception:  # shutting down anyway
+            log.warning("vLLM shutdown failed", exc_info=True)
+        self._stop_loop()
+        self.events.stop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+    # -- Engine's thread-safe API ------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None], *, prefill_only: bool = False,
+               kv_import: Any = None, max_request_s: float | None = None) -> None:
+        """Start the request on vLLM; outputs arrive through `on_output` (from the loop thread)."""
+        kv_params: dict[str, Any] | None = None
+        if prefill_only and self.connector:
+            kv_params = dict(PREFILL_PARAMS.get(self.connector, {}))
+        elif isinstance(kv_import, ConnectorImport):
+            kv_params = kv_import.kv_transfer_params
+        elif kv_import is not None:  # raw tensors from a built-in prefill worker: vLLM cannot take them
+            log.warning("request %s: vLLM cannot import KV tensors pulled from a built-in worker; "
+                        "prefilling locally", request_id)
+            if getattr(kv_import, "release", None):
+                kv_import.release(kv_import.data)
+        sp = self.vllm.SamplingParams(
+            **sampling_kwargs(params, len(prompt_ids), self.max_model_len, prefill_only=prefill_only,
+                              kv_transfer_params=kv_params),
+            output_kind=self.vllm.RequestOutputKind.DELTA,
+        )
+        coro = self._generate(request_id, list(prompt_ids), sp, on_output, prefill_only, max_request_s)
+        with self._tasks_lock:  # the task removes itself under the same lock, even if it ends at once
+            self._tasks[request_id] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel the request's task: vLLM's generate aborts it in the engine on cancellation."""
+        fut = self._tasks.get(request_id)
+        if fut is not None:
+            fut.cancel()
+
+    def release_held(self, request_id: str) -> None:
+        """Nothing to release: vLLM's connector frees prefilled blocks once pulled (or on its timeout)."""
+        self.held.pop(request_id, None)
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._tasks)
+
+    def connector_handle(self, req: Any, out: VllmRequestOutput, endpoint: str, host_id: str,
+                         secret: bytes) -> dict[str, Any]:
+        """The signed handle a prefill passes to the decode task (WorkerRuntime.prefill)."""
+        return make_connector_handle(request_id=req.request_id, worker_id=self.worker_id, endpoint=endpoint,
+                                     host_id=host_id, out=out, num_tokens=len(req.prompt_token_ids),
+                                     block_size=self.block_size, ttl_s=self.handle_ttl_s, secret=secret)
+
+    def stats(self) -> dict[str, Any]:
+        s, total = self._stats, self.pool.num_blocks
+        return {
+            "backend": "vllm",
+            "running": max(0, len(self._tasks) - s.waiting),
+            "waiting": s.waiting,
+            "held": 0,
+            "blocks_total": total,
+            "blocks_free": int(total * (1.0 - s.kv_usage)),
+            "cached_blocks": len(self.translator),
+            "prefix_hit_tokens": s.prefix_hits,
+            "prefix_query_tokens": s.prefix_queries,
+            "tokens_generated": self.tokens_generated,
+            "kv_events": {"batches": self.events.batches, "gaps": self.events.gaps,
+                          "stored": self.translator.stored, "removed": self.translator.removed,
+                          "skipped": self.translator.skipped},
+        }
+
+    # -- the loop thread -------------------------------------------------------------------------------
+    async def _generate(self, rid: str, prompt_ids: list[int], sp: Any, on_output: Callable[[RequestOutput], None],
+                        prefill_only: bool, max_request_s: float | None) -> None:
+        n_out, cached, first = 0, 0, None
+        done = False
+
+        def finish(reason: str, text: str = "", tokens: list[int] | None = None, params: Any = None) -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            out = VllmRequestOutput(rid, text=text, token_ids=tokens or [], finished=True, finish_reason=reason,
+                                    prompt_tokens=len(prompt_ids), completion_tokens=n_out, cached_tokens=cached)
+            if reason == "prefilled":
+                out.first_token = first
+                out.block_hashes = block_hashes(prompt_ids, self.block_size)
+                out.connector = self.connector
+                # NIXL returns the parameters when it holds the blocks; LMCache needs none (keyed by
+                # tokens). Without them the worker sends no handle and the decode side prefills.
+                if self.connector == "NixlConnector":
+                    out.kv_transfer_params = dict(params) if params else None
+                elif self.connector:
+                    out.kv_transfer_params = dict(params or {})
+            on_output(out)
+
+        try:
+            async with asyncio.timeout(max_request_s):
+                async for ro in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, rid):
+                    comp = ro.outputs[0] if ro.outputs else None
+                    tokens = [int(t) for t in (comp.token_ids if comp else [])]
+                    text = comp.text if comp else ""
+                    n_out += len(tokens)
+                    self.tokens_generated += len(tokens)
+                    cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
+                    if first is None and tokens:
+                        first = tokens[0]
+                    if ro.finished:
+                        if prefill_only:
+                            finish("prefilled", params=getattr(ro, "kv_transfer_params", None))
+                        else:
+                            reason = (comp.finish_reason if comp else None) or "stop"
+                            finish("abort" if reason == "abort" else reason, text, tokens)
+                        break
+                    if text or tokens:
+                        on_output(VllmRequestOutput(rid, text=text, token_ids=tokens))
+        except TimeoutError:
+            finish("length")  # the farm's cap on one request, as the built-in engine ends it
+        except asyncio.CancelledError:
+            finish("abort")
+        except Exception as e:  # a request vLLM refused (too long, bad params) fails alone
+            log.warning("vLLM request %s failed: %s", rid, e)
+            finish("error:" + str(e))
+        finally:
+            finish("abort")
+            with self._tasks_lock:
+                self._tasks.pop(rid, None)
+
+
+def _free_tcp_endpoint() -> str:
+    """A local endpoint for vLLM's replay ROUTER socket (vLLM binds it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
