@@ -12,7 +12,7 @@ STAMP       := $(VENV)/.install-stamp
 TORCH       := torch==2.13.0
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean lock audit
 
 install: $(STAMP)
 	$(BIN)/farm prepare
@@ -38,7 +38,16 @@ run: install
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/python .ci/audit_deps.py requirements.lock
 	$(BIN)/pytest -q
+
+# The exact versions of the venv (what `make test` ran with), audited by `make audit` / `make test`.
+lock: $(STAMP)
+	$(BIN)/pip list --format=freeze --exclude-editable 2>/dev/null | grep -iv '^inference-farm==' > requirements.lock
+
+# Known vulnerabilities in requirements.lock (pip-audit); offline it warns instead of failing (.ci/audit_deps.py).
+audit: $(STAMP)
+	$(BIN)/python .ci/audit_deps.py requirements.lock
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

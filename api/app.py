@@ -44,8 +44,11 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None) ->
     app.json.sort_keys = False
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
+    from api import auth, openapi
     from api.routes import batches, files, health, metrics, openai
 
+    auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
+    app.register_blueprint(openapi.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)

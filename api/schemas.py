@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import APIError, bad_request
+from api.openapi_models import ChatCompletionRequest, CompletionRequest, reject_unknown_fields
 from farm.protocol import SamplingParams
 from farm.tokenization import chat_prompt_ids, text_prompt_ids
 
@@ -145,6 +146,7 @@ def normalize_messages(body: dict) -> list[dict[str, str]]:
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
     """Validate a /v1/chat/completions body (model already checked) and apply the chat template."""
+    reject_unknown_fields(body, ChatCompletionRequest)
     messages = normalize_messages(body)
     try:
         ids = chat_prompt_ids(tokenizer, messages)
@@ -156,6 +158,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
 
 def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
     """Validate a /v1/completions body (model already checked): one prompt, as text or token ids."""
+    reject_unknown_fields(body, CompletionRequest)
     for key in ("echo", "suffix"):
         if body.get(key):
             raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")

@@ -1,19 +1,21 @@
 """The farm's own redis-server: when to manage one, how to start it, ping it and stop it.
 
 `farm up` starts a local redis-server only when `redis.managed` is true, the URL names this machine
-and nothing answers there. Its data (the append-only file) lives in `<state_dir>/redis`, so queued
+and nothing answers there; when the URL carries a password (or FARM_REDIS_PASSWORD put one there) the
+server starts with `requirepass` from a 0600 config file. Its data (the append-only file) lives in `<state_dir>/redis`, so queued
 requests and the worker registry survive a restart of the farm.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import redis
 
@@ -68,23 +70,49 @@ def executable() -> str:
     return exe
 
 
-def command(port: int, data_dir: Path | str, appendonly: bool = True, exe: str | None = None) -> list[str]:
-    """The redis-server command line of a managed Redis (also what the Procfile runs)."""
+def url_password(url: str) -> str | None:
+    """The password in a redis:// URL (percent-decoded), or None."""
+    pw = urlparse(url).password
+    return unquote(pw) if pw else None
+
+
+AUTH_CONF = "redis-auth.conf"
+
+
+def write_auth_conf(data_dir: Path | str, password: str) -> Path:
+    """A config file (mode 0600) holding `requirepass`, so the password is never on a command line
+    (which `ps` and farm.json would show)."""
+    path = Path(data_dir) / AUTH_CONF
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if any(c in password for c in '"\\\r\n'):
+        raise RedisServerError("the Redis password must not contain quotes, backslashes or newlines")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'requirepass "{password}"\n')
+    os.chmod(path, 0o600)
+    return path
+
+
+def command(port: int, data_dir: Path | str, appendonly: bool = True, exe: str | None = None,
+            password: str | None = None) -> list[str]:
+    """The redis-server command line of a managed Redis (also what the Procfile runs); with a password,
+    a 0600 config file under `data_dir` sets requirepass."""
+    conf = [str(write_auth_conf(data_dir, password))] if password else []
     return [
-        exe or executable(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+        exe or executable(), *conf, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
         "--appendonly", "yes" if appendonly else "no", "--daemonize", "no",
     ]
 
 
 def start(port: int, data_dir: Path | str, log_path: Path | str, appendonly: bool = True,
-          env: dict[str, str] | None = None) -> subprocess.Popen:
+          env: dict[str, str] | None = None, password: str | None = None) -> subprocess.Popen:
     """Start redis-server in its own session, logging to `log_path`; does not wait for it."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            command(port, data_dir, appendonly), stdout=log, stderr=subprocess.STDOUT,
+            command(port, data_dir, appendonly, password=password), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )
 
@@ -107,7 +135,7 @@ def start_managed(url: str, data_dir: Path | str, log_path: Path | str, appendon
     if not is_local(url):
         raise RedisServerError(f"cannot start a redis-server for {url}: it is not on this machine")
     _host, port, _db = parse_url(url)
-    proc = start(port, data_dir, log_path, appendonly, env=env)
+    proc = start(port, data_dir, log_path, appendonly, env=env, password=url_password(url))
     try:
         wait_ready(url, proc, timeout)
     except RedisServerError:

@@ -37,7 +37,7 @@ import requests
 import yaml
 
 from farm import redis_server
-from farm.config import PROJECT_ROOT, ConfigError, FarmConfig, farm_secret
+from farm.config import PROJECT_ROOT, ConfigError, FarmConfig, farm_secret, redact_url
 
 STATE_FILE = "farm.json"
 RESOLVED_CONFIG = "config.resolved.yaml"
@@ -352,6 +352,15 @@ class Farm:
                     f"flower.host is {self.flower_host!r} (reachable from other machines): set "
                     "FARM_FLOWER_AUTH=user:password for Flower's basic auth, or use --no-flower"
                 )
+        if api and self.api_host not in LOCAL_HOSTS:
+            from farm.apikeys import keys_configured
+
+            if not keys_configured(cfg) and not cfg.api.allow_unauthenticated:
+                raise ConfigError(
+                    f"api.host is {self.api_host!r} (reachable from other machines) and no API key is set: "
+                    "set FARM_API_KEYS=key1,key2 (or api.api_keys), or api.allow_unauthenticated: true "
+                    "behind your own authenticating proxy"
+                )
         self.grace_s = grace_s
         self.prepare = prepare
         self.extra_env = dict(env or {})
@@ -388,7 +397,7 @@ class Farm:
             "api": f"http://{_hostport(_display_host(self.api_host), self.api_port)}/v1" if self.api_enabled else None,
             "flower": f"http://{_hostport(_display_host(self.flower_host), self.flower_port)}"
             if self.flower_enabled else None,
-            "redis": self.cfg.redis.url,
+            "redis": redact_url(self.cfg.redis.url),
         }
 
     def processes(self) -> list[dict[str, Any]]:
@@ -406,6 +415,9 @@ class Farm:
         data["api"]["port"] = self.api_port
         data["flower"]["port"] = self.flower_port
         path = self.state_dir / RESOLVED_CONFIG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        os.chmod(path, 0o600)  # it may hold the Redis password and API key hashes
         path.write_text("# written by `farm up` for its processes; edit config/ or FARM_* instead\n"
                         + yaml.safe_dump(data, sort_keys=False))
         return path
@@ -488,7 +500,8 @@ class Farm:
                             "cannot start one; check FARM_REDIS__URL")
         _host, port, _db = redis_server.parse_url(url)
         try:
-            cmd = redis_server.command(port, self.state_dir / "redis", self.cfg.redis.appendonly)
+            cmd = redis_server.command(port, self.state_dir / "redis", self.cfg.redis.appendonly,
+                                       password=redis_server.url_password(url))
         except redis_server.RedisServerError as e:
             raise FarmError(str(e)) from None
         (self.state_dir / "redis").mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
+from celery.signals import before_task_publish
 
 from farm.config import FarmConfig, get_config
+from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL
+
+_PROMPT_TASKS = frozenset({TASK_PREFILL, TASK_DECODE, TASK_GENERATE})
+
+
+@before_task_publish.connect
+def _redact_prompt_args(sender: str | None = None, headers: dict[str, Any] | None = None, body: Any = None,
+                        **_: Any) -> None:
+    """Generation tasks carry the prompt's token ids; Celery copies `argsrepr` into worker logs
+    ("received", failures) and task events (Flower). Only the request id goes there instead."""
+    if sender not in _PROMPT_TASKS or headers is None:
+        return
+    try:
+        rid = body[0][0]["request_id"]
+    except (TypeError, KeyError, IndexError):
+        rid = "?"
+    headers["argsrepr"] = f"(<request {rid}: prompt not shown>)"
+    headers["kwargsrepr"] = "{}"
 
 
 def make_celery(cfg: FarmConfig | None = None) -> Celery:

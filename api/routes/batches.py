@@ -15,7 +15,9 @@ from typing import Any
 
 from flask import Blueprint, current_app, jsonify, request
 
+from api.bodies import json_body
 from api.errors import APIError, bad_request
+from api.openapi_models import BatchCreateRequest, reject_unknown_fields
 from api.routes.files import batch_ctx, limit_arg, request_owner
 from farm.batch.driver import send_to_driver
 from farm.batch.store import public_batch
@@ -31,14 +33,10 @@ def _not_found(batch_id: str) -> APIError:
 
 
 def _json_object() -> dict[str, Any]:
-    if not request.data:
-        raise bad_request("the request body must be a JSON object")
-    try:
-        body = request.get_json(force=True, silent=False)
-    except Exception:
-        raise bad_request("the request body is not valid JSON") from None
+    body = json_body()
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    reject_unknown_fields(body, BatchCreateRequest)
     return body
 
 

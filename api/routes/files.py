@@ -3,16 +3,18 @@ GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}.
 
 Bodies are stored on disk under `<state_dir>/files/`, metadata in Redis (farm.batch.store), so every API
 replica on the host and the batch drivers see the same files, and they survive restarts. Each file
-carries an `owner` (for now "anonymous"; the API key once keys exist) and is only visible to its owner.
+carries an `owner` (the API key's owner id, api.auth; "anonymous" without keys) and is only visible to
+its owner: another key gets 404, as from OpenAI.
 """
 
 from __future__ import annotations
 
 from flask import Blueprint, current_app, jsonify, request, send_file
 
+from api.auth import current_owner
 from api.errors import APIError, bad_request
 from farm.batch.config import files_path
-from farm.batch.store import OWNER_ANONYMOUS, BatchStore, FileStore, public_file
+from farm.batch.store import BatchStore, FileStore, public_file
 
 bp = Blueprint("files", __name__, url_prefix="/v1")
 
@@ -37,8 +39,9 @@ def batch_ctx() -> BatchContext:
 
 
 def request_owner() -> str:
-    """Who is asking: the owner recorded on what they create and required on what they read."""
-    return OWNER_ANONYMOUS
+    """Who is asking: the owner recorded on what they create and required on what they read (the API
+    key's owner id from api.auth; anonymous when the farm has no keys)."""
+    return current_owner()
 
 
 def not_found(file_id: str) -> APIError:

@@ -7,7 +7,6 @@ Redis error), the submission is cancelled so the worker stops generating for nob
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -15,9 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, jsonify
 
-from api.errors import APIError, bad_request, to_api_error
+from api.auth import metered
+from api.bodies import json_body
+from api.errors import APIError, to_api_error
 from api.responses import ChunkWriter, full_response
 from api.schemas import ParsedRequest, parse_chat, parse_completion, require_model
 from farm import metrics
@@ -33,19 +34,10 @@ def _farm():
     return current_app.extensions["farm"]
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _json_body() -> Any:
-    """The request body as strict JSON (no NaN/Infinity); 413 when over api.max_body_bytes."""
-    data = request.get_data(cache=True)  # raises RequestEntityTooLarge (413) past MAX_CONTENT_LENGTH
-    if not data.strip():
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON") from None
+    """The request body as strict JSON (UTF-8, no NaN/Infinity, bounded depth: api.bodies); 413 when over
+    api.max_body_bytes."""
+    return json_body()
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -115,7 +107,7 @@ def _generate(kind: str) -> Response:
     except (NoWorkersError, BusyError):
         metrics.REQUESTS.labels(model=model, status="503").inc()
         raise
-    events = sub.events()
+    events = metered(sub.events())  # charges the usage to the caller's token quota (api.auth)
     if parsed.stream:
         return _stream_response(kind, rid, model, sub, events, parsed.include_usage)
     try:

@@ -1,0 +1,125 @@
+"""Who is asking, and may they: Bearer API keys, the no-key loopback rule, per-key limits.
+
+Rules (checked before every request, in this order):
+- `/health` and `/openapi.json` are public (probes, clients' code generators).
+- With API keys configured, every other route needs `Authorization: Bearer <key>`; else 401
+  `invalid_api_key`. `/metrics` also takes `FARM_METRICS_TOKEN` (a scrape token that is not an
+  API key), or nothing when `api.metrics_public` is true.
+- With no key configured the farm is a local tool: only loopback clients are served, anyone else
+  gets 401, unless `api.allow_unauthenticated` is true (an authenticating proxy in front).
+  `farm up` also refuses a non-local `api.host` without keys, so this is a second line.
+- Per-key request-rate limit and token quota (farm.quota) on `/v1/*`: 429 `rate_limit_exceeded` /
+  `insufficient_quota` with `Retry-After`. The token quota is checked only by routes that generate.
+
+The owner id (farm.apikeys.owner_of) is what files and batches are recorded under.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+
+from flask import Flask, current_app, g, request
+
+from api.errors import APIError
+from farm.apikeys import KeyRing
+from farm.batch.store import OWNER_ANONYMOUS
+from farm.quota import Limiter
+
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+METRICS_PATH = "/metrics"
+# endpoints whose requests spend tokens: the token quota is checked before them
+GENERATING_ENDPOINTS = frozenset({"openai.chat_completions", "openai.completions", "batches.create_batch"})
+
+
+class Auth:
+    """The key ring and limiter of one API process."""
+
+    def __init__(self, app: Flask):
+        farm = app.extensions["farm"]
+        self.cfg = farm.cfg
+        self.keys = KeyRing.from_config(farm.cfg)
+        self.limiter = Limiter(farm.redis, farm.cfg.api.limits)
+
+
+def _auth() -> Auth:
+    return current_app.extensions["farm_auth"]
+
+
+def current_owner() -> str:
+    """The owner id of this request's key (anonymous when the farm has no keys)."""
+    return g.get("farm_owner", OWNER_ANONYMOUS)
+
+
+def metered(events: Iterator[dict]) -> Iterator[dict]:
+    """A generation's events, charging its usage to the caller's token quota when it finishes.
+    Called inside the request (the owner is read now; the stream may be consumed after it)."""
+    auth = _auth()
+    if not auth.limiter.limits.token_quota:
+        return events
+    return auth.limiter.metered(current_owner(), events)
+
+
+def _bearer() -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _is_loopback(addr: str | None) -> bool:
+    try:
+        ip = ipaddress.ip_address((addr or "").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def unauthorized(message: str) -> APIError:
+    """401 as OpenAI sends it (type invalid_request_error, code invalid_api_key)."""
+    return APIError(401, message, type="invalid_request_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": 'Bearer realm="inference-farm"'})
+
+
+def _check() -> None:
+    path = request.path
+    if path in PUBLIC_PATHS:
+        return
+    auth = _auth()
+    token = _bearer()
+    if path == METRICS_PATH and (auth.cfg.api.metrics_public or auth.keys.is_metrics_token(token)):
+        return
+    if len(auth.keys):
+        owner = auth.keys.owner(token)
+        if owner is None:
+            if not token:
+                raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+            raise unauthorized("Incorrect API key provided.")
+        g.farm_owner = owner
+    elif not auth.cfg.api.allow_unauthenticated and not _is_loopback(request.remote_addr):
+        raise unauthorized("This farm has no API keys configured and serves only local clients: set "
+                           "FARM_API_KEYS on the server (or api.allow_unauthenticated behind a proxy).")
+    if path.startswith("/v1/"):
+        _limit(auth, current_owner())
+
+
+def _limit(auth: Auth, owner: str) -> None:
+    refusal = auth.limiter.admit(owner, check_quota=request.endpoint in GENERATING_ENDPOINTS)
+    if refusal is None:
+        return
+    headers = {"Retry-After": str(refusal.retry_after_s)}
+    if refusal.kind == "rate":
+        raise APIError(429, f"Rate limit reached for requests per minute (RPM): Limit {refusal.limit}, Used "
+                       f"{refusal.used}. Please try again in {refusal.retry_after_s}s.", type="requests",
+                       code="rate_limit_exceeded", headers=headers)
+    raise APIError(429, f"You exceeded your token quota: Limit {refusal.limit}, Used {refusal.used} (prompt + "
+                   f"completion tokens per {auth.limiter.limits.token_quota_window_s}s). The quota renews in "
+                   f"{refusal.retry_after_s}s.", type="insufficient_quota", code="insufficient_quota",
+                   headers=headers)
+
+
+def install(app: Flask) -> None:
+    """Check every request of `app` (keys are read once, at app creation)."""
+    app.extensions["farm_auth"] = Auth(app)
+    app.before_request(_check)

@@ -1,0 +1,138 @@
+"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from api/openapi_models.py.
+
+The operation table below names, per route, its request model and response models; the schemas
+themselves are the pydantic models' JSON Schema (draft 2020-12, which OpenAPI 3.1 uses as is).
+tests/test_openapi.py checks that every Flask route is in this table, so a new route without a
+description fails the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from api import openapi_models as m
+
+bp = Blueprint("openapi", __name__)
+
+REF = "#/components/schemas/{model}"
+PUBLIC = ("/health", "/openapi.json")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation: method, path (OpenAPI template), what it takes and answers."""
+
+    method: str
+    path: str
+    summary: str
+    body: type[BaseModel] | None = None
+    body_type: str = "application/json"
+    ok: type[BaseModel] | str | None = None  # a model, or a media type with a string body
+    stream: bool = False  # also answers text/event-stream
+    errors: tuple[int, ...] = (400, 401, 404, 429)
+    query: tuple[tuple[str, dict[str, Any]], ...] = ()
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+_PAGE = (("limit", {"type": "integer", "minimum": 1}), ("after", {"type": "string"}))
+
+OPERATIONS: tuple[Op, ...] = (
+    Op("post", "/v1/chat/completions", "Chat completion (stream or not)", m.ChatCompletionRequest,
+       ok=m.ChatCompletion, stream=True, errors=(400, 401, 404, 413, 429, 503, 504), tags=("openai",)),
+    Op("post", "/v1/completions", "Text completion (stream or not)", m.CompletionRequest, ok=m.TextCompletion,
+       stream=True, errors=(400, 401, 404, 413, 429, 503, 504), tags=("openai",)),
+    Op("get", "/v1/models", "The configured models", ok=m.ModelList, errors=(401, 429), tags=("openai",)),
+    Op("get", "/v1/models/{model_id}", "One model", ok=m.ModelCard, errors=(401, 404, 429), tags=("openai",)),
+    Op("post", "/v1/files", "Upload a batch input file", m.FileUploadRequest, "multipart/form-data",
+       ok=m.FileObject, errors=(400, 401, 413, 429), tags=("files",)),
+    Op("get", "/v1/files", "The caller's files", ok=m.FileList, errors=(400, 401, 429),
+       query=(("purpose", {"type": "string"}), *_PAGE), tags=("files",)),
+    Op("get", "/v1/files/{file_id}", "One file", ok=m.FileObject, errors=(401, 404, 429), tags=("files",)),
+    Op("get", "/v1/files/{file_id}/content", "A file's bytes", ok="application/octet-stream",
+       errors=(401, 404, 429), tags=("files",)),
+    Op("delete", "/v1/files/{file_id}", "Delete a file", ok=m.FileDeleted, errors=(401, 404, 429), tags=("files",)),
+    Op("post", "/v1/batches", "Create a batch", m.BatchCreateRequest, ok=m.Batch,
+       errors=(400, 401, 404, 413, 429, 503), tags=("batches",)),
+    Op("get", "/v1/batches", "The caller's batches", ok=m.BatchList, errors=(400, 401, 429), query=_PAGE,
+       tags=("batches",)),
+    Op("get", "/v1/batches/{batch_id}", "One batch", ok=m.Batch, errors=(401, 404, 429), tags=("batches",)),
+    Op("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", ok=m.Batch, errors=(401, 404, 409, 429, 503),
+       tags=("batches",)),
+    Op("get", "/health", "Redis reachable; live workers per model and role", ok=m.Health, errors=(503,),
+       tags=("operations",)),
+    Op("get", "/metrics", "Prometheus metrics (a key or FARM_METRICS_TOKEN unless api.metrics_public)",
+       ok="text/plain", errors=(401,), tags=("operations",)),
+    Op("get", "/openapi.json", "This document", ok="application/json", errors=(), tags=("operations",)),
+)
+
+
+def _path_params(path: str) -> list[dict[str, Any]]:
+    names = [seg[1:-1] for seg in path.split("/") if seg.startswith("{") and seg.endswith("}")]
+    return [{"name": n, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}} for n in names]
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _operation(op: Op) -> dict[str, Any]:
+    out: dict[str, Any] = {"summary": op.summary, "operationId": f"{op.method}_{op.path}", "tags": list(op.tags)}
+    params = _path_params(op.path) + [{"name": n, "in": "query", "required": False, "schema": s}
+                                      for n, s in op.query]
+    if params:
+        out["parameters"] = params
+    if op.body is not None:
+        out["requestBody"] = {"required": True, "content": {op.body_type: {"schema": _ref(op.body)}}}
+    if isinstance(op.ok, str):
+        ok_content = {op.ok: {"schema": {"type": "string"} if op.ok != "application/json" else {"type": "object"}}}
+    elif op.ok is not None:
+        ok_content = {"application/json": {"schema": _ref(op.ok)}}
+        if op.stream:
+            ok_content["text/event-stream"] = {"schema": {"type": "string", "description": "SSE: data: <chunk>"}}
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": ok_content}}
+    for status in op.errors:
+        responses[str(status)] = {"description": _ERROR_TEXT.get(status, "error"),
+                                  "content": {"application/json": {"schema": _ref(m.ErrorResponse)}}}
+    out["responses"] = responses
+    if op.path in PUBLIC:
+        out["security"] = []
+    return out
+
+
+_ERROR_TEXT = {400: "invalid request (param names the field)", 401: "missing or invalid API key",
+               404: "no such object (or not the caller's)", 409: "conflict", 413: "body too large",
+               429: "rate limit or token quota reached (Retry-After)", 503: "no worker / overloaded / Redis down "
+               "(Retry-After)", 504: "no worker progress"}
+
+
+def build_document(version: str = "0.1.0") -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    _, schemas = models_json_schema([(model, "validation") for model in (*m.REQUEST_MODELS, *m.RESPONSE_MODELS)],
+                                    ref_template=REF)
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Inference Farm API", "version": version,
+                 "description": "OpenAI-compatible API of the farm; errors are {error: {message, type, param, "
+                                "code}}."},
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": {"schemas": schemas.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
+
+
+@bp.get("/openapi.json")
+def openapi_json() -> Response:
+    doc = current_app.extensions.get("farm_openapi")
+    if doc is None:
+        doc = current_app.extensions["farm_openapi"] = build_document()
+    return jsonify(doc)

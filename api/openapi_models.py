@@ -1,0 +1,229 @@
+"""Pydantic models of the API's request and response bodies: the one source of `/openapi.json`
+(api/openapi.py) and of the set of fields each request accepts (an unknown field is a 400
+`unknown_parameter`, as OpenAI answers).
+
+Validation itself stays hand-written in api/schemas.py (its errors name the exact parameter and
+code); these models describe the same rules. A new request field goes here first, or the API rejects
+it. Response models are loose (extra fields allowed): they document what clients can rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import bad_request
+
+Role = Literal["system", "user", "assistant", "developer"]
+UNSUPPORTED_NOTE = "Not supported by this server: accepted only when absent, null, false or empty."
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- requests ------------------------------------------------------------------------------------
+class TextPart(_Loose):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Loose):
+    role: Role = Field(description="developer is handed to the chat template as system")
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str = Field(description="a configured model (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens must fit max_model_len")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: Literal[1] | None = Field(None, description="only 1")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, not applied")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, not applied")
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="at most 4 sequences")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    user: str | None = None
+    ignore_eos: bool | None = Field(None, description="vLLM extension: generate max_tokens tokens")
+    logit_bias: dict[str, float] | None = Field(None, description=UNSUPPORTED_NOTE)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    logprobs: bool | None = Field(None, description=UNSUPPORTED_NOTE)
+    top_logprobs: int | None = Field(None, description=UNSUPPORTED_NOTE)
+    tools: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
+    tool_choice: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
+    functions: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
+    function_call: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str | list[int]] = Field(
+        description="a string, a list of token ids, or a list holding one of those")
+    echo: bool | None = Field(None, description=UNSUPPORTED_NOTE)
+    suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
+    best_of: Literal[1] | None = None
+    logprobs: int | None = Field(None, description=UNSUPPORTED_NOTE)
+
+
+class BatchCreateRequest(_Request):
+    """POST /v1/batches."""
+
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    schedule: Literal["prefix", "input"] | None = Field(None, description="extension: line order of this batch")
+
+
+class FileUploadRequest(_Request):
+    """POST /v1/files (multipart/form-data)."""
+
+    purpose: Literal["batch"]
+    file: bytes = Field(json_schema_extra={"format": "binary"})
+
+
+# -- responses -----------------------------------------------------------------------------------
+class ErrorDetail(_Loose):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Loose):
+    """Every 4xx/5xx body."""
+
+    error: ErrorDetail
+
+
+class ModelCard(_Loose):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Loose):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Usage(_Loose):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Loose):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Loose):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatCompletion(_Loose):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(_Loose):
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class TextCompletion(_Loose):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class FileObject(_Loose):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+class _Page(_Loose):
+    object: Literal["list"]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileList(_Page):
+    data: list[FileObject]
+
+
+class FileDeleted(_Loose):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class Batch(_Loose):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    request_counts: dict[str, int]
+
+
+class BatchList(_Page):
+    data: list[Batch]
+
+
+class Health(_Loose):
+    status: str
+    redis: str
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, BatchCreateRequest,
+                                               FileUploadRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (ErrorResponse, ModelCard, ModelList, ChatCompletion,
+                                                TextCompletion, FileObject, FileList, FileDeleted, Batch,
+                                                BatchList, Health)
+
+
+def reject_unknown_fields(body: dict[str, Any], model: type[BaseModel]) -> None:
+    """400 `unknown_parameter` naming the first field `model` does not declare (OpenAI's answer)."""
+    for name in body:
+        if name not in model.model_fields:
+            raise bad_request(f"Unknown parameter: '{name}'.", str(name), "unknown_parameter")

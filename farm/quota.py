@@ -1,0 +1,117 @@
+"""Per-key request-rate limits and token quotas, counted in Redis so every API replica shares them.
+
+Both are FIXED windows aligned to multiples of their length since the epoch (requests: 60 s; tokens:
+`api.limits.token_quota_window_s`), one counter key per owner and window that expires with it. Fixed
+windows cost one key and one round trip per request (a Lua script: check the token quota, then count
+the request) at the price of allowing up to 2x the rate across a window boundary; that is the usual
+trade for an admission limit. A request refused by the limit is not counted.
+
+Tokens (prompt + completion, from the worker's `usage`) are charged when a generation finishes, so the
+quota is checked at admission against what was already used: a key can overshoot its quota by the
+requests it had in flight when it ran out, never more.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import redis
+
+from farm.config import ApiLimitsConfig
+
+RATE_WINDOW_S = 60
+KEY_PREFIX = "farm:rl"
+
+# KEYS[1] request counter, KEYS[2] token counter
+# ARGV: request limit, request-window ttl, token quota (0 = none)
+# -> {0} admitted | {1} rate limited | {2} quota spent
+_ADMIT = """
+local quota = tonumber(ARGV[3])
+if quota > 0 then
+  local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+  if used >= quota then return {2, used} end
+end
+local limit = tonumber(ARGV[1])
+if limit > 0 then
+  local n = redis.call('INCR', KEYS[1])
+  if n == 1 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+  if n > limit then
+    redis.call('DECR', KEYS[1])
+    return {1, n - 1}
+  end
+end
+return {0, 0}
+"""
+
+
+@dataclass
+class Refusal:
+    """Why a request was refused: `kind` is "rate" (requests per minute) or "quota" (tokens)."""
+
+    kind: str
+    limit: int
+    used: int
+    retry_after_s: int
+
+
+class Limiter:
+    """Admission (`admit`) and charging (`charge`) against one farm's limits."""
+
+    def __init__(self, r: redis.Redis, limits: ApiLimitsConfig):
+        self.r = r
+        self.limits = limits
+        self._admit = r.register_script(_ADMIT)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.limits.requests_per_minute or self.limits.token_quota)
+
+    def _keys(self, owner: str, now: float) -> tuple[str, str, float, float]:
+        tw = self.limits.token_quota_window_s
+        rate_idx, tok_idx = int(now // RATE_WINDOW_S), int(now // tw)
+        rate_end, tok_end = (rate_idx + 1) * RATE_WINDOW_S, (tok_idx + 1) * tw
+        return (f"{KEY_PREFIX}:req:{owner}:{rate_idx}", f"{KEY_PREFIX}:tok:{owner}:{tok_idx}", rate_end, tok_end)
+
+    def admit(self, owner: str, check_quota: bool = True, now: float | None = None) -> Refusal | None:
+        """Count one request of `owner`; a Refusal (nothing counted) when a limit is reached."""
+        if not self.enabled:
+            return None
+        now = time.time() if now is None else now
+        req_key, tok_key, rate_end, tok_end = self._keys(owner, now)
+        quota = self.limits.token_quota if check_quota else 0
+        code, used = self._admit(keys=[req_key, tok_key],
+                                 args=[self.limits.requests_per_minute, RATE_WINDOW_S + 1, quota])
+        if code == 1:
+            return Refusal("rate", self.limits.requests_per_minute, int(used), max(1, math.ceil(rate_end - now)))
+        if code == 2:
+            return Refusal("quota", self.limits.token_quota, int(used), max(1, math.ceil(tok_end - now)))
+        return None
+
+    def charge(self, owner: str, tokens: int, now: float | None = None) -> None:
+        """Add `tokens` to the owner's usage in the current token window."""
+        if not self.limits.token_quota or tokens <= 0:
+            return
+        now = time.time() if now is None else now
+        _, tok_key, _, tok_end = self._keys(owner, now)
+        p = self.r.pipeline()
+        p.incrby(tok_key, int(tokens))
+        p.expireat(tok_key, int(tok_end) + 1)
+        p.execute()
+
+    def used_tokens(self, owner: str, now: float | None = None) -> int:
+        _, tok_key, _, _ = self._keys(owner, time.time() if now is None else now)
+        return int(self.r.get(tok_key) or 0)
+
+    def metered(self, owner: str, events: Iterator[dict]) -> Iterator[dict]:
+        """`events` passed through; the usage of the `done` event is charged to `owner`."""
+        for ev in events:
+            if ev.get("type") == "done" and self.limits.token_quota:
+                u = ev.get("usage") or {}
+                try:
+                    self.charge(owner, int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0)))
+                except redis.RedisError:
+                    pass  # the answer is ready; losing one charge beats failing the request
+            yield ev
