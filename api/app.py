@@ -29,6 +29,31 @@ class FarmContext:
         self.farm_collector = FarmCollector(self.redis, cfg)
         self.started = int(time.time())
         self._lock = threading.Lock()
+        self._semantic_lock = threading.Lock()
+        self._semantic = None
+        self._served: tuple[float, set[str]] = (0.0, set())
+
+    def semantic(self):
+        """The semantic layer (farm.semantic), built on first use and shared by the process's threads;
+        None when `semantic.enabled` is false."""
+        if not self.cfg.semantic.enabled:
+            return None
+        with self._semantic_lock:
+            if self._semantic is None:
+                from farm.semantic.layer import SemanticLayer
+
+                self._semantic = SemanticLayer.from_config(self.cfg, self.redis, served=self.served_models)
+            return self._semantic
+
+    def served_models(self) -> set[str]:
+        """Models with a live worker now (cached for a second): MoM only picks a model that can answer."""
+        at, names = self._served
+        if time.monotonic() - at > 1.0:
+            from farm import registry
+
+            names = {w.model for w in registry.live_workers(self.redis)}
+            self._served = (time.monotonic(), names)
+        return names
 
     def tokenizer(self, model: str):
         """The model's tokenizer, loaded on first use and cached per process (farm.tokenization)."""
@@ -36,7 +61,7 @@ class FarmContext:
             return get_tokenizer(self.cfg, model)
 
 
-def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None) -> Flask:
+def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, warm_semantic: bool = True) -> Flask:
     """One app per API process: its own Redis client and Gateway; config from get_config() by default."""
     cfg = cfg or get_config()
     app = Flask("inference-farm")
@@ -55,4 +80,14 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None) ->
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
     logging.getLogger("farm").setLevel(logging.INFO)
+    if cfg.semantic.enabled and warm_semantic:
+        # load the embedder and heads in the background, so the first MoM request does not pay for it
+        threading.Thread(target=_warm, args=(app.extensions["farm"],), name="semantic-warmup", daemon=True).start()
     return app
+
+
+def _warm(ctx: FarmContext) -> None:
+    try:
+        ctx.semantic()
+    except Exception:  # noqa: BLE001 - the first request builds it again and reports the error
+        logging.getLogger(__name__).exception("semantic layer warm-up failed")

@@ -8,6 +8,7 @@ from typing import Any
 
 from api.errors import APIError, bad_request
 from api.openapi_models import ChatCompletionRequest, CompletionRequest, reject_unknown_fields
+from farm.config import SamplingDefaults
 from farm.protocol import SamplingParams
 from farm.tokenization import chat_prompt_ids, text_prompt_ids
 
@@ -53,9 +54,11 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
     return float(v)
 
 
-def _common(body: dict, prompt_len: int, max_model_len: int,
-            prompt_param: str) -> tuple[SamplingParams, bool, bool]:
-    """Sampling parameters and stream flags shared by chat and completions, checked like OpenAI's."""
+def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
+            defaults: SamplingDefaults | None = None) -> tuple[SamplingParams, bool, bool]:
+    """Sampling parameters and stream flags shared by chat and completions, checked like OpenAI's;
+    parameters the body leaves out come from the model entry's `defaults`."""
+    defaults = defaults or SamplingDefaults()
     for key, what in UNSUPPORTED.items():
         if body.get(key) not in (None, False, [], {}) and not (key == "response_format"
                                                           and body[key] == {"type": "text"}):
@@ -63,8 +66,8 @@ def _common(body: dict, prompt_len: int, max_model_len: int,
     n = _type_check(body, "n", (int,), "an integer")
     if n is not None and n != 1:
         raise bad_request("only n=1 is supported", "n", "unsupported_value")
-    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
+    temperature = _number(body, "temperature", 0.0, 2.0, defaults.temperature)
+    top_p = _number(body, "top_p", 0.0, 1.0, defaults.top_p, lo_open=True)
     for pen in ("presence_penalty", "frequency_penalty"):
         _number(body, pen, -2.0, 2.0, 0.0)  # accepted for compatibility, not applied
     seed = _type_check(body, "seed", (int,), "an integer")
@@ -92,6 +95,8 @@ def _common(body: dict, prompt_len: int, max_model_len: int,
                           f"{prompt_len} tokens.", prompt_param, "context_length_exceeded")
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
+        if defaults.max_tokens is not None:
+            max_tokens = min(max_tokens, defaults.max_tokens)
     elif prompt_len + max_tokens > max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; you requested "
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
@@ -144,19 +149,35 @@ def normalize_messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
-    """Validate a /v1/chat/completions body (model already checked) and apply the chat template."""
+def validate_chat(body: dict) -> list[dict[str, str]]:
+    """The checks of a chat body that need no model: declared fields, then the messages (normalized)."""
     reject_unknown_fields(body, ChatCompletionRequest)
-    messages = normalize_messages(body)
+    return normalize_messages(body)
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request answered without a model (semantic block or cache hit),
+    after the same checks of every parameter as a generated answer gets."""
+    _, stream, include_usage = _common(body, 0, 1 << 30, "messages")
+    return stream, include_usage
+
+
+def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, str]] | None = None,
+               defaults: SamplingDefaults | None = None) -> ParsedRequest:
+    """Validate a /v1/chat/completions body (model already checked) and apply the chat template to
+    `messages` (the body's, normalized, unless the semantic layer rewrote them)."""
+    if messages is None:
+        messages = validate_chat(body)
     try:
         ids = chat_prompt_ids(tokenizer, messages)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
-    params, stream, include_usage = _common(body, len(ids), max_model_len, "messages")
+    params, stream, include_usage = _common(body, len(ids), max_model_len, "messages", defaults)
     return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages})
 
 
-def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
+def parse_completion(body: dict, tokenizer, max_model_len: int,
+                     defaults: SamplingDefaults | None = None) -> ParsedRequest:
     """Validate a /v1/completions body (model already checked): one prompt, as text or token ids."""
     reject_unknown_fields(body, CompletionRequest)
     for key in ("echo", "suffix"):
@@ -184,7 +205,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest
     else:
         raise bad_request("'prompt' must be a string, a list of token ids, or a list with one of those "
                           "(batched prompts are not supported)", "prompt")
-    params, stream, include_usage = _common(body, len(ids), max_model_len, "prompt")
+    params, stream, include_usage = _common(body, len(ids), max_model_len, "prompt", defaults)
     return ParsedRequest(body["model"], ids, params, stream, include_usage)
 
 

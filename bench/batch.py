@@ -4,7 +4,7 @@ input order (`batch.schedule: input`), on the same farm shape, in one command.
     python -m bench.batch                 # 1,000 lines: 25 documents x 40 questions, shuffled in the file
     python -m bench.batch --lines 200     # a quicker look
 
-Each line asks a question about one of the documents (a shared ~400-token prefix: system prompt plus the
+Each line asks a question about one of the documents (a shared ~250-token prefix: system prompt plus the
 document), the lines interleaved in the file as a real export would be. Per mode, a fresh farm (two
 aggregated workers, a KV cache that holds a few documents, no host/disk tiers so the comparison is about
 scheduling alone), the real batch driver and the official `openai` SDK: completion time (create ->
@@ -33,17 +33,17 @@ FACTS = ["was built {n} years ago", "has {n} windows facing east", "is visited b
          "employs {n} workers in the summer", "is {n} kilometres from the nearest city"]
 
 
-def document(i: int, rng: random.Random) -> str:
+def document(i: int, rng: random.Random, args_words: int) -> str:
     topic = TOPICS[i % len(TOPICS)]
     sentences = [f"Report {i} about {topic}."]
-    while len(" ".join(sentences).split()) < 300:
+    while len(" ".join(sentences).split()) < args_words:
         sentences.append(f"{topic.capitalize()} {rng.choice(FACTS).format(n=rng.randint(2, 900))}.")
     return " ".join(sentences)
 
 
-def make_lines(model: str, n_lines: int, n_docs: int, seed: int = 0) -> list[dict[str, Any]]:
+def make_lines(model: str, n_lines: int, n_docs: int, words: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    docs = [document(i, rng) for i in range(n_docs)]
+    docs = [document(i, rng, words) for i in range(n_docs)]
     rows = []
     for j in range(n_lines):
         d = j % n_docs
@@ -61,6 +61,7 @@ def run_mode(mode: str, rows: list[dict[str, Any]], args: argparse.Namespace) ->
     overrides = {
         "engine": {"kv_cache_mb": args.kv_cache_mb, "kv_tiers": {"host_mb": 0, "disk_mb": 0}, "torch_threads": 1},
         "batch": {"schedule": mode, "max_inflight": args.inflight},
+        "router": {"overlap_weight": args.overlap_weight},
     }
     with bench_farm(both=2, api=True, batch_drivers=1, overrides=overrides) as farm:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{farm.api_port}/v1", api_key="unused", max_retries=2)
@@ -88,14 +89,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lines", type=int, default=1000)
     ap.add_argument("--docs", type=int, default=25)
-    ap.add_argument("--kv-cache-mb", type=int, default=160, help="per worker: a few documents' worth")
+    ap.add_argument("--words", type=int, default=150, help="document length (~1.4 tokens per word)")
+    ap.add_argument("--overlap-weight", type=float, default=4.0,
+                    help="router.overlap_weight in both runs (see RESULTS.md: 4 suits prefill-heavy work)")
+    ap.add_argument("--kv-cache-mb", type=int, default=96, help="per worker: a few documents' worth")
     ap.add_argument("--inflight", type=int, default=16, help="batch.max_inflight, the same in both modes")
     ap.add_argument("--out", default="bench/out/batch.json")
     args = ap.parse_args()
     from farm.config import load_config
 
     model = load_config(environ={}).default_model
-    rows = make_lines(model, args.lines, args.docs)
+    rows = make_lines(model, args.lines, args.docs, args.words)
     results = {mode: run_mode(mode, rows, args) for mode in ("prefix", "input")}
     print(table(["schedule", "lines", "completed", "failed", "completion s", "prompt tokens", "cached tokens",
                  "hit ratio"],

@@ -53,7 +53,7 @@ def cmd_up(cfg: FarmConfig, args: argparse.Namespace) -> int:
             raise ConfigError("--router-mode: this farm has no router settings")
         # The resolved configuration (with this mode) is what every child process loads.
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"mode": args.router_mode})})
-    models = [m.name for m in cfg.models] if args.all_models else None
+    models = [cfg.default_model] if args.default_only else [m.name for m in cfg.models]
     farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
                 flower=cfg.flower.enabled and not args.no_flower, models=models, grace_s=args.grace,
                 batch_drivers=cfg.workers.batch_drivers)
@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-workers", type=int, metavar="N", help="decode workers (default: workers.decode)")
     up.add_argument("--workers", type=int, metavar="N",
                     help="aggregated (prefill+decode) workers; alone, runs only these")
-    up.add_argument("--all-models", action="store_true", help="workers for every configured model "
-                    "(default: only default_model)")
+    up.add_argument("--default-only", action="store_true", help="workers for default_model only "
+                    "(default: every configured model, each with its models[].workers or the counts above)")
     up.add_argument("--port", type=int, metavar="P", help="API port (default: api.port)")
     up.add_argument("--router-mode", choices=("kv", "round-robin", "random"),
                     help="how the API places requests on workers (default: router.mode)")

@@ -8,16 +8,19 @@ Validation errors name the key and the source so a typo never starts a half-conf
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from farm.batch.config import BatchConfig
 from farm.planner.config import PlannerConfig
+from farm.semantic.config import SemanticConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "config" / "default.yaml"
@@ -36,6 +39,16 @@ class RedisConfig(_Section):
     url: str = "redis://127.0.0.1:6379/0"
     managed: bool = True
     appendonly: bool = True
+    # A Redis off this machine must have a password (in the URL or FARM_REDIS_PASSWORD); true waives it.
+    allow_no_password: bool = False
+
+
+class ApiLimitsConfig(_Section):
+    """Per API key (each key on its own), held in Redis so every API replica enforces the same count."""
+
+    requests_per_minute: int = Field(0, ge=0)  # fixed 60 s windows; 0 = unlimited
+    token_quota: int = Field(0, ge=0)  # prompt + completion tokens per key per window; 0 = unlimited
+    token_quota_window_s: int = Field(86400, ge=1)
 
 
 class ApiConfig(_Section):
@@ -45,6 +58,13 @@ class ApiConfig(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600, gt=0)
     first_event_timeout_s: float = Field(300, gt=0)
+    # API keys (Bearer): plain keys or "sha256:<hex>"; FARM_API_KEYS (comma-separated) adds more (api/auth.py).
+    api_keys: list[str] = Field(default_factory=list)
+    # Without keys only loopback clients are served (and `farm up` refuses a non-local api.host);
+    # true serves everyone without a key (only behind your own authenticating proxy).
+    allow_unauthenticated: bool = False
+    metrics_public: bool = False  # /metrics without a key or FARM_METRICS_TOKEN from other hosts
+    limits: ApiLimitsConfig = ApiLimitsConfig()
 
 
 class FlowerConfig(_Section):
@@ -59,6 +79,18 @@ class KVTiersConfig(_Section):
     disk_min_reuse: int = Field(1, ge=0)  # only blocks reused this often are worth a disk write
 
 
+def validate_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:
+    """Decode batch sizes for static buffers / CUDA graphs: sorted, distinct, positive, at least one."""
+    out = sorted(int(s) for s in sizes)
+    if not out:
+        raise ValueError("engine.cuda_graph_batch_sizes needs at least one batch size")
+    if out[0] < 1:
+        raise ValueError(f"engine.cuda_graph_batch_sizes must be >= 1, got {out[0]}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"engine.cuda_graph_batch_sizes has duplicates: {list(sizes)}")
+    return out
+
+
 class EngineConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_mb: int = Field(768, ge=1)
@@ -69,11 +101,22 @@ class EngineConfig(_Section):
     torch_threads: int = Field(0, ge=0)
     stream_flush_ms: float = Field(20, ge=0)
     kv_tiers: KVTiersConfig = KVTiersConfig()
+    # decode step on static buffers, padded to these batch sizes (CUDA graphs on CUDA, graph-less on CPU)
+    cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], min_length=1)
+    enforce_eager: bool = False  # true: dynamic decode shapes, no static buffers, no CUDA graphs
+    decode_attention: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA when installed
+
+    @model_validator(mode="after")
+    def _graph_sizes(self) -> EngineConfig:
+        self.cuda_graph_batch_sizes = validate_batch_sizes(self.cuda_graph_batch_sizes)
+        if self.cuda_graph_batch_sizes[-1] > 1024:
+            raise ValueError("engine.cuda_graph_batch_sizes: at most 1024 (each size is one captured graph)")
+        return self
 
 
 class TransferConfig(_Section):
     advertise_host: str = "127.0.0.1"
-    bind_host: str = "0.0.0.0"
+    bind_host: str = "127.0.0.1"  # 0.0.0.0 (or this host's address) for workers on other machines
     handle_ttl_s: float = Field(120, gt=0)
     transports: list[Literal["nixl", "shm", "tcp"]] = Field(default_factory=lambda: ["shm", "tcp"], min_length=1)
 
@@ -117,6 +160,19 @@ class DisaggregationConfig(_Section):
     max_prefill_queue: int = Field(2, ge=1)
 
 
+class ReliabilityConfig(_Section):
+    """How the gateway and workers survive faults (docs/ARCHITECTURE.md, "Faults")."""
+
+    max_migrations: int = Field(2, ge=0)  # a request moves to another worker at most this often, then errors
+    check_interval_s: float = Field(1.0, gt=0)  # how often a reading gateway checks its workers are alive
+    migration_wait_s: float = Field(30, ge=0)  # wait this long for a worker to take a migrated request
+    lease_ttl_s: float = Field(10, ge=2)  # the reader's lease on a request; workers abort it when it lapses
+    sweep_interval_s: float = Field(3, gt=0)  # workers re-send work queued for workers that vanished
+    probe_interval_s: float = Field(10, gt=0)  # consumer watchdog: a ping through the worker's own queue
+    probe_timeout_s: float = Field(15, gt=0)
+    probe_failures: int = Field(3, ge=1)  # unanswered pings in a row before the worker exits to be restarted
+
+
 class WorkersConfig(_Section):
     prefill: int = Field(1, ge=0)
     decode: int = Field(1, ge=0)
@@ -124,11 +180,63 @@ class WorkersConfig(_Section):
     batch_drivers: int = Field(1, ge=0)  # processes that run OpenAI batches (tasks.batch); 0 = no Batch API runs
 
 
+# vLLM engine args the farm sets itself (so router, API and workers agree): where each comes from.
+VLLM_RESERVED_ARGS = {
+    "model": "models[].path / source", "tokenizer": "models[].path / source",
+    "max_model_len": "models[].max_model_len", "block_size": "engine.block_size",
+    "enable_prefix_caching": "(always on: the router's KV index needs it)",
+    "kv_events_config": "(set by the farm: vLLM's KV events feed the router)",
+    "kv_transfer_config": "models[].vllm.kv_connector / kv_role / kv_connector_extra_config",
+}
+VLLM_BLOCK_SIZES = frozenset({8, 16, 32, 64, 128})  # the paged-attention block sizes vLLM's CUDA kernels take
+
+
+class VllmOptions(_Section):
+    """Options of a model served by vLLM (`backend: vllm`); `engine_args` go to vllm's AsyncEngineArgs."""
+
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Disaggregation through vLLM's KV connector; None: no remote prefill (aggregated workers only).
+    kv_connector: Literal["NixlConnector", "LMCacheConnectorV1"] | None = None
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _args_ok(self) -> VllmOptions:
+        for key in self.engine_args:
+            if key in VLLM_RESERVED_ARGS:
+                raise ValueError(f"vllm.engine_args.{key} is set by the farm; use {VLLM_RESERVED_ARGS[key]}")
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", str(key)):
+                raise ValueError(f"vllm.engine_args.{key}: use the snake_case field names of vllm's "
+                                 "AsyncEngineArgs (e.g. gpu_memory_utilization, tensor_parallel_size)")
+        return self
+
+
+class SamplingDefaults(_Section):
+    """A model entry's sampling defaults: what a request gets for a parameter it does not send."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the context length
+
+
+class ModelWorkers(_Section):
+    """Worker processes `farm up` starts for one model (instead of the `workers` section's counts)."""
+
+    prefill: int = Field(0, ge=0)
+    decode: int = Field(0, ge=0)
+    both: int = Field(0, ge=0)
+
+
 class ModelConfig(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:\-/]+$")
     source: str | None = None
     path: str | None = None
     max_model_len: int = Field(4096, ge=16)
+    # Two entries may share weights and differ here (e.g. a greedy "precise" entry for the semantic layer).
+    defaults: SamplingDefaults = SamplingDefaults()
+    workers: ModelWorkers | None = None  # None: the `workers` section (or farm up's flags)
+    backend: Literal["builtin", "vllm"] = "builtin"  # which engine the workers of this model run
+    vllm: VllmOptions | None = None  # only with backend: vllm
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -136,6 +244,10 @@ class ModelConfig(_Section):
             raise ValueError(f"model {self.name!r}: give exactly one of `source` (builtin:...) or `path`")
         if self.source and not self.source.startswith("builtin:"):
             raise ValueError(f"model {self.name!r}: source must be builtin:<name>, got {self.source!r}")
+        if self.vllm is not None and self.backend != "vllm":
+            raise ValueError(f"model {self.name!r}: a `vllm` section needs `backend: vllm` (got {self.backend!r})")
+        if self.backend == "vllm" and self.vllm is None:
+            self.vllm = VllmOptions()
         return self
 
 
@@ -149,9 +261,11 @@ class FarmConfig(_Section):
     celery: CeleryConfig = CeleryConfig()
     router: RouterConfig = RouterConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    reliability: ReliabilityConfig = ReliabilityConfig()
     workers: WorkersConfig = WorkersConfig()
     batch: BatchConfig = BatchConfig()
     planner: PlannerConfig = PlannerConfig()
+    semantic: SemanticConfig = SemanticConfig()
     default_model: str
     models: list[ModelConfig] = Field(min_length=1)
 
@@ -162,10 +276,24 @@ class FarmConfig(_Section):
             raise ValueError(f"duplicate model names: {names}")
         if self.default_model not in names:
             raise ValueError(f"default_model {self.default_model!r} is not one of the models {names}")
+        self.semantic.check_models(names, self.default_model)
         if self.celery.max_request_s >= self.celery.visibility_timeout_s:
             raise ValueError(
                 "celery.max_request_s must be smaller than celery.visibility_timeout_s, "
                 "or a running request would be redelivered to a second worker"
+            )
+        if not self.redis.allow_no_password and not _redis_has_password(self.redis.url):
+            from farm.redis_server import is_local
+
+            if not is_local(self.redis.url) and not self.redis.url.startswith("unix:"):
+                raise ValueError(
+                    f"redis.url {redact_url(self.redis.url)} is not on this machine and has no password: set "
+                    "FARM_REDIS_PASSWORD (or redis://:PASSWORD@host/...), or redis.allow_no_password: true")
+        vllm_models = [m.name for m in self.models if m.backend == "vllm"]
+        if vllm_models and self.engine.block_size not in VLLM_BLOCK_SIZES:
+            raise ValueError(  # vLLM runs with the farm's block size, or the router's hashes would not match
+                f"engine.block_size {self.engine.block_size} is not a block size vLLM supports "
+                f"{sorted(VLLM_BLOCK_SIZES)} (models {vllm_models} use backend: vllm)"
             )
         return self
 
@@ -180,6 +308,13 @@ class FarmConfig(_Section):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+
+def _redis_has_password(url: str) -> bool:
+    try:
+        return bool(urlsplit(url).password)
+    except ValueError:
+        return False
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -229,9 +364,13 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     env = dict(os.environ if environ is None else environ)
     data = _read_yaml(DEFAULT_CONFIG_PATH)
     override_path = path or env.get("FARM_CONFIG")
-    if override_path:
-        data = _deep_merge(data, _read_yaml(Path(override_path)))
+    override = _read_yaml(Path(override_path)) if override_path else {}
+    data = _deep_merge(data, override)
     data = _deep_merge(data, _env_overrides(env))
+    _apply_redis_password(data, env.get("FARM_REDIS_PASSWORD", ""))
+    sem = override.get("semantic")
+    if not (isinstance(sem, dict) and "categories" in sem):
+        _prune_default_scores(data)
     try:
         return FarmConfig.model_validate(data)
     except ValidationError as e:
@@ -241,6 +380,48 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             lines.append(f"  {where}: {err['msg']}")
         src = f"{DEFAULT_CONFIG_PATH}" + (f" + {override_path}" if override_path else "") + " + FARM_* env"
         raise ConfigError(f"invalid farm configuration ({src}):\n" + "\n".join(lines)) from None
+
+
+def _prune_default_scores(data: dict[str, Any]) -> None:
+    """The embedded categories score the embedded models; an override that serves other models keeps
+    the categories (and their system prompts) but drops scores for models it no longer has. Categories
+    written in an override file are checked strictly instead (FarmConfig: unknown models are errors)."""
+    models = data.get("models")
+    cats = (data.get("semantic") or {}).get("categories")
+    if not isinstance(models, list) or not isinstance(cats, list):
+        return
+    names = {m.get("name") for m in models if isinstance(m, dict)}
+    for c in cats:
+        if isinstance(c, dict) and isinstance(c.get("model_scores"), dict):
+            c["model_scores"] = {k: v for k, v in c["model_scores"].items() if k in names}
+
+
+def _apply_redis_password(data: dict[str, Any], password: str) -> None:
+    """FARM_REDIS_PASSWORD goes into redis.url (a password already in the URL wins), so every client
+    of the farm (API, Celery, workers, CLI) authenticates without the secret living in a config file."""
+    redis_cfg = data.get("redis")
+    if not password or not isinstance(redis_cfg, dict) or not isinstance(redis_cfg.get("url"), str):
+        return
+    redis_cfg["url"] = redis_url_with_password(redis_cfg["url"], password)
+
+
+def redis_url_with_password(url: str, password: str) -> str:
+    """`url` with `password` in its userinfo, unless it already has one."""
+    u = urlsplit(url)
+    if u.password or u.scheme not in ("redis", "rediss") or not u.hostname:
+        return url
+    user = quote(u.username or "", safe="")
+    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+    netloc = f"{user}:{quote(password, safe='')}@{host}" + (f":{u.port}" if u.port else "")
+    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+def redact_url(url: str) -> str:
+    """A URL safe to print: its password replaced by ***."""
+    u = urlsplit(url)
+    if not u.password:
+        return url
+    return url.replace(f":{u.password}@", ":***@", 1)
 
 
 @lru_cache(maxsize=1)

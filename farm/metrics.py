@@ -58,6 +58,16 @@ def observe_latency(model: str, ttft_s: float | None, itl_s: float | None, e2e_s
         ITL_SECONDS.labels(model=model).observe(itl_s)
 
 REQUESTS = Counter("farm_requests_total", "Generation requests answered by the API", ["model", "status"])
+# the semantic layer (farm.semantic, in the API before anything is queued)
+SEMANTIC_CACHE = Counter("farm_semantic_cache_requests_total", "Semantic cache lookups by result (hit | miss)",
+                         ["result"])
+SEMANTIC_BLOCKS = Counter("farm_semantic_blocks_total", "Requests refused by a semantic guard", ["guard"])
+SEMANTIC_ROUTES = Counter("farm_semantic_routes_total", "MoM/auto requests by category and chosen model",
+                          ["category", "model"])
+SEMANTIC_SECONDS = Histogram("farm_semantic_layer_seconds", "Time in the semantic layer per request",
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1))
+MIGRATIONS = Counter("farm_migrations_total", "Requests moved off a worker that died mid-request, by outcome "
+                     "(migrated | finished | limit | no_worker)", ["outcome"])
 QUEUE_DEPTH = Gauge("farm_queue_depth", "Messages waiting in a Celery queue", ["queue"])
 KV_BLOCKS = Gauge("farm_kv_blocks", "KV blocks per worker, tier and state", ["worker", "tier", "state"])
 WORKERS = Gauge("farm_workers", "Live workers", ["model", "role"])

@@ -30,7 +30,9 @@ def model_dir(cfg: FarmConfig, model: ModelConfig) -> Path:
     """The Hugging Face-format directory a model is loaded from (prepared or given)."""
     if model.path:
         return Path(model.path).expanduser()
-    return cfg.state_path / "models" / model.name
+    # entries that share a builtin source (one model under two configurations) share one directory
+    first = next((m for m in cfg.models if m.source == model.source), model)
+    return cfg.state_path / "models" / first.name
 
 
 def is_prepared(cfg: FarmConfig, model: ModelConfig) -> bool:

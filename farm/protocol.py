@@ -17,6 +17,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 TASK_PREFILL = "farm.prefill"
 TASK_DECODE = "farm.decode"
 TASK_GENERATE = "farm.generate"
+TASK_PING = "farm.ping"  # the consumer watchdog's probe through a worker's own queue (farm.reliability)
 TASK_BATCH_DRIVE = "farm.batch.drive"  # drives one batch (farm.batch.driver)
 BATCH_QUEUE = "farm.batch"  # consumed only by batch-driver processes (`python -m tasks.batch`)
 
@@ -65,6 +66,17 @@ def cancel_key(request_id: str) -> str:
     return f"farm:cancel:{request_id}"
 
 
+def lease_key(request_id: str) -> str:
+    """Kept alive by the API reading the request's stream; a worker aborts a leased request whose lease
+    lapsed (the API died: nobody reads), and skips a redelivered one."""
+    return f"farm:lease:{request_id}"
+
+
+def migration_id(request_id: str, attempt: int) -> str:
+    """The request id of the `attempt`-th migration of a request (own stream, claims, lease)."""
+    return f"{request_id}.m{attempt}"
+
+
 STREAM_TTL_S = 600
 CANCEL_TTL_S = 600
 
@@ -101,6 +113,8 @@ class GenerationRequest:
     sampling: SamplingParams
     decode_queue: str = ""  # where the prefill worker sends the decode task
     created: float = 0.0
+    lease_s: float = 0.0  # > 0: the API holds lease_key(request_id) for it (0: no lease, never orphaned)
+    origin: str = ""  # a migrated request: the original request id (its prompt ends with tokens generated)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,12 +130,14 @@ class GenerationRequest:
             sampling=SamplingParams.from_dict(d.get("sampling", {})),
             decode_queue=str(d.get("decode_queue", "")),
             created=float(d.get("created", 0.0)),
+            lease_s=float(d.get("lease_s", 0.0)),
+            origin=str(d.get("origin", "")),
         )
 
 
 # --- stream events (worker -> API), one JSON object per Redis Stream entry field "e" ---------------
 # {"type": "start",  "role": "prefill"|"decode"|"both", "worker": id}
-# {"type": "delta",  "text": str, "n": int}                        token text, batched
+# {"type": "delta",  "text": str, "n": int, "ids": [int]}          token text and ids, batched
 # {"type": "done",   "finish_reason": "stop"|"length"|"abort", "usage": {...},
 #                    "prefill_worker": id, "decode_worker": id, "prefill": "remote"|"local",
 #                    "handle_used": bool}

@@ -93,11 +93,17 @@ class Heartbeat(threading.Thread):
         super().__init__(name=f"heartbeat-{info.worker_id}", daemon=True)
         self.r, self.info, self.stats_fn = r, info, stats_fn
         self._stop_evt = threading.Event()
+        self.draining = False  # warm shutdown: stay alive (requests in flight are not migrated), leave routing
+
+    def drain(self) -> None:
+        """Leave routing (no new placements) but keep the alive key fresh while requests finish."""
+        self.draining = True
+        self.r.hdel(WORKERS_KEY, self.info.worker_id)
 
     def run(self) -> None:
         while not self._stop_evt.is_set():
             try:
-                if not self.r.hexists(WORKERS_KEY, self.info.worker_id):
+                if not self.draining and not self.r.hexists(WORKERS_KEY, self.info.worker_id):
                     register(self.r, self.info)  # re-register after a Redis restart / prune
                 heartbeat(self.r, self.info.worker_id, self.stats_fn() if self.stats_fn else None)
             except redis.RedisError:

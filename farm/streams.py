@@ -4,7 +4,9 @@ Workers call `emit(request_id, event)` from any thread; a pump thread flushes ev
 pipeline for all requests (XADD + EXPIRE), merging consecutive text deltas of a request. Redis Streams
 keep order and never drop entries, and the API reads them with XREAD from its last seen id, so tokens
 are neither lost nor reordered, and Redis round trips do not scale with tokens. The same thread polls
-the cancel keys of the worker's active requests and aborts those whose client went away.
+the cancel keys of the worker's active requests and aborts those whose client went away, and the
+leases of leased requests (farm.protocol.lease_key): a lease that stays missing for its grace period
+means the API that read the request died, so nobody will ever read the tokens (no orphan work).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import redis
 
-from farm.protocol import EVENT_FIELD, STREAM_TTL_S, cancel_key, stream_key
+from farm.protocol import EVENT_FIELD, STREAM_TTL_S, cancel_key, lease_key, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class StreamWriter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
         self._last_cancel_poll = 0.0
+        self._leases: dict[str, float] = {}  # request id -> grace (s) a missing lease is tolerated
+        self._lease_missing: dict[str, float] = {}  # request id -> when its lease was first seen missing
 
     def start(self) -> StreamWriter:
         self._thread.start()
@@ -50,6 +54,16 @@ class StreamWriter:
         self._thread.join(timeout=5)
         self.flush()
 
+    def watch_lease(self, request_id: str, grace_s: float) -> None:
+        """Abort `request_id` once its lease has been missing for `grace_s` (its reader died)."""
+        with self._lock:
+            self._leases[request_id] = grace_s
+
+    def unwatch_lease(self, request_id: str) -> None:
+        with self._lock:
+            self._leases.pop(request_id, None)
+            self._lease_missing.pop(request_id, None)
+
     def emit(self, request_id: str, event: dict[str, Any], urgent: bool = False) -> None:
         kind = event.get("type")
         with self._lock:
@@ -57,8 +71,12 @@ class StreamWriter:
             if kind == "delta" and q and q[-1].get("type") == "delta":
                 q[-1]["text"] += event["text"]
                 q[-1]["n"] += event["n"]
+                if "ids" in event:
+                    q[-1].setdefault("ids", []).extend(event["ids"])
             else:
                 q.append(event)
+            if kind == "delta" and "ids" in event and q[-1] is event:
+                event["ids"] = list(event["ids"])  # merged into later: never alias the caller's list
             if kind == "delta" and request_id not in self._streaming:
                 self._streaming.add(request_id)
                 urgent = True  # the first token goes out at once: batching must not add to TTFT
@@ -96,9 +114,20 @@ class StreamWriter:
         ids = self.active_ids()
         if not ids:
             return
-        flags = self.r.mget([cancel_key(i) for i in ids])
-        for rid, flag in zip(ids, flags, strict=True):
+        with self._lock:
+            leased = [(i, self._leases[i]) for i in ids if i in self._leases]
+        flags = self.r.mget([cancel_key(i) for i in ids] + [lease_key(i) for i, _ in leased])
+        for rid, flag in zip(ids, flags[:len(ids)], strict=True):
             if flag is not None:
+                self.on_cancel(rid)
+        for (rid, grace), lease in zip(leased, flags[len(ids):], strict=True):
+            if lease is not None:
+                self._lease_missing.pop(rid, None)
+                continue
+            since = self._lease_missing.setdefault(rid, now)
+            if now - since >= grace:
+                log.warning("request %s: its reader's lease lapsed (the API died?); aborting it", rid)
+                self.unwatch_lease(rid)
                 self.on_cancel(rid)
 
     def _run(self) -> None:

@@ -313,7 +313,7 @@ class Farm:
     """The processes of one farm on this machine.
 
     Workers run `cfg.default_model` unless `models` names others; `prefill`, `decode` and `both` are
-    counts per model; `batch_drivers` processes run OpenAI batches (tasks.batch). `port` overrides
+    counts per model (a model with its own `models[].workers` uses those instead); `batch_drivers` processes run OpenAI batches (tasks.batch). `port` overrides
     `api.port`, `flower_port` overrides `flower.port`. Extra
     keyword arguments exist for tests: `api=False` starts no API, `api_app` replaces the gunicorn app,
     `env` adds environment variables for the children, `grace_s` is the workers' shutdown grace.
@@ -384,10 +384,15 @@ class Farm:
         for role in WORKER_ROLES:
             i = 0
             for model in self.models:
-                for _ in range(self.counts[role]):
+                for _ in range(self.model_counts(model)[role]):
                     i += 1
                     out.append((f"{role}-{i}", role, model))
         return out
+
+    def model_counts(self, model: str) -> dict[str, int]:
+        """Workers per role for `model`: its own `models[].workers` when set, else the farm's counts."""
+        own = self.cfg.model(model).workers
+        return own.model_dump() if own is not None else self.counts
 
     def worker_id(self, name: str) -> str:
         return f"{name}@{self.hostname}"
@@ -449,7 +454,7 @@ class Farm:
             "urls": self.urls(),
             "redis_managed": self.redis_managed,
             "models": self.models,
-            "workers": self.counts,
+            "workers": {m: self.model_counts(m) for m in self.models},
             "processes": [p.to_json() for p in self.procs],
         })
 
@@ -668,7 +673,7 @@ class Farm:
             for model in self.models:
                 got = counts.get(model) or {}
                 for role in WORKER_ROLES:
-                    if int(got.get(role, 0) or 0) < self.counts[role]:
+                    if int(got.get(role, 0) or 0) < self.model_counts(model)[role]:
                         return False
         return True
 

@@ -22,7 +22,17 @@ from farm.config import FarmConfig, farm_secret
 from farm.engine.engine import RequestOutput
 from farm.engine.scheduler import KVImport
 from farm.models import require_model_dir
-from farm.protocol import TASK_DECODE, GenerationRequest, Role, cancel_key, queue_name, queues_for_role
+from farm.protocol import (
+    TASK_DECODE,
+    TASK_PING,
+    GenerationRequest,
+    Role,
+    cancel_key,
+    lease_key,
+    queue_name,
+    queues_for_role,
+)
+from farm.reliability import WorkerGuard, ping_key
 from farm.router.events import KVEventPublisher
 from farm.router.keys import BLOCK_SIZE_KEY, claim_key, direct_queue
 from farm.streams import StreamWriter
@@ -69,6 +79,10 @@ class WorkerRuntime:
             num_blocks=self.engine.pool.num_blocks,
         )
         self.heartbeat = registry.Heartbeat(self.r, self.info, self.engine.stats)
+        self.concurrency = cfg.celery.worker_threads  # tasks.worker sets the real --concurrency
+        self.inflight = 0  # generation tasks running now (the watchdog tells a stall from a full pool)
+        self._inflight_lock = threading.Lock()
+        self.guard = WorkerGuard(self)
 
     def _check_block_size(self) -> None:
         """Router and workers must agree on the KV block size: the first registrant fixes it."""
@@ -88,6 +102,7 @@ class WorkerRuntime:
         self.transfer.start()
         registry.register(self.r, self.info)
         self.heartbeat.start()
+        self.guard.start()
         log.info("worker %s (%s, %s) ready; KV transfer on %s", self.worker_id, self.role, self.model,
                  self.info.transfer_endpoint)
         return self
@@ -96,6 +111,7 @@ class WorkerRuntime:
         if not self.heartbeat.is_alive():
             return  # never started (Celery stopped before it was ready)
         self.heartbeat.stop()
+        self.guard.stop()
         try:
             registry.deregister(self.r, self.worker_id)
         except redis.RedisError:
@@ -104,6 +120,25 @@ class WorkerRuntime:
         self.engine.stop()
         self.streams.stop()
         self.kv_events.stop()
+
+    def drain(self) -> None:
+        """Warm shutdown began: leave routing now, stay alive until the requests in flight finish."""
+        try:
+            self.heartbeat.drain()
+        except redis.RedisError:
+            pass
+        log.info("worker %s draining: %d requests in flight", self.worker_id, self.inflight)
+
+    def busy(self) -> bool:
+        return self.inflight >= self.concurrency - 1
+
+    def send_ping(self, token: str) -> None:
+        """The consumer watchdog's probe (farm.reliability.WorkerGuard): a task through our own queue."""
+        if self.celery is not None:
+            self.celery.send_task(TASK_PING, args=[self.worker_id, token], queue=direct_queue(self.worker_id))
+
+    def pong(self, token: str) -> None:
+        self.r.set(ping_key(self.worker_id), token, ex=300)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _check_held(self, handle: dict[str, Any]) -> None:
@@ -119,17 +154,27 @@ class WorkerRuntime:
 
         def on_output(out: RequestOutput) -> None:
             if out.text or (out.token_ids and not out.finished):
-                self.streams.emit(req.request_id, {"type": "delta", "text": out.text, "n": len(out.token_ids)})
+                self.streams.emit(req.request_id, {"type": "delta", "text": out.text, "n": len(out.token_ids),
+                                                   "ids": out.token_ids})
             if out.finished:
                 result["out"] = out
                 on_done(out)
                 done.set()
 
-        self.engine.submit(req.request_id, req.prompt_token_ids, req.sampling, on_output,
-                           max_request_s=self.cfg.celery.max_request_s, **submit_kw)
-        if not done.wait(self.cfg.celery.max_request_s + 30):
-            self.engine.abort(req.request_id)
-            done.wait(10)
+        if req.lease_s > 0:  # the API that reads this request died -> abort it (no orphan work)
+            self.streams.watch_lease(req.request_id, req.lease_s)
+        with self._inflight_lock:
+            self.inflight += 1
+        try:
+            self.engine.submit(req.request_id, req.prompt_token_ids, req.sampling, on_output,
+                               max_request_s=self.cfg.celery.max_request_s, **submit_kw)
+            if not done.wait(self.cfg.celery.max_request_s + 30):
+                self.engine.abort(req.request_id)
+                done.wait(10)
+        finally:
+            with self._inflight_lock:
+                self.inflight -= 1
+            self.streams.unwatch_lease(req.request_id)
         return result.get("out") or RequestOutput(req.request_id, finished=True, finish_reason="error:timeout")
 
     def _finish_event(self, req: GenerationRequest, out: RequestOutput, prefill_worker: str, mode: str,
@@ -145,11 +190,15 @@ class WorkerRuntime:
             "prefill_worker": prefill_worker, "decode_worker": self.worker_id, "prefill": mode,
         })
 
-    def _should_skip(self, request_id: str, stage: str) -> bool:
-        """Skip a request whose client is gone, or whose stage another worker already claimed (a task
+    def _should_skip(self, request_id: str, stage: str, lease_s: float = 0.0) -> bool:
+        """Skip a request whose client is gone, whose reader's lease lapsed (a redelivered message of a
+        request migrated or abandoned long ago), or whose stage another worker already claimed (a task
         re-sent after its first worker vanished must not run twice)."""
         try:
             if self.r.exists(cancel_key(request_id)):
+                return True
+            if lease_s > 0 and not self.r.exists(lease_key(request_id)):
+                log.warning("request %s: nobody reads it any more (lease gone); skipping", request_id)
                 return True
             key, ttl = claim_key(request_id, stage), int(self.cfg.celery.visibility_timeout_s)
             if self.r.set(key, self.worker_id, nx=True, ex=ttl):
@@ -165,7 +214,7 @@ class WorkerRuntime:
     # -- tasks --------------------------------------------------------------------------------------
     def generate(self, req: GenerationRequest) -> dict[str, Any]:
         """Aggregated: prefill and decode here."""
-        if self._should_skip(req.request_id, "generate"):
+        if self._should_skip(req.request_id, "generate", req.lease_s):
             return {"finish_reason": "skipped"}
         self.streams.emit(req.request_id, {"type": "start", "role": self.role, "worker": self.worker_id,
                                            "prefill_worker": self.worker_id, "prefill": "local"})
@@ -174,7 +223,7 @@ class WorkerRuntime:
 
     def prefill(self, req: GenerationRequest) -> dict[str, Any] | None:
         """Compute the prompt's KV, hold it, and pass a signed handle on to the decode queue."""
-        if self._should_skip(req.request_id, "prefill"):
+        if self._should_skip(req.request_id, "prefill", req.lease_s):
             return None
         self.streams.emit(req.request_id, {"type": "start", "role": "prefill", "worker": self.worker_id})
         t0 = time.monotonic()
@@ -210,7 +259,7 @@ class WorkerRuntime:
 
     def decode(self, req: GenerationRequest, handle: dict[str, Any] | None) -> dict[str, Any]:
         """Pull the handle's blocks (or prefill locally if that fails) and decode in the batch."""
-        if self._should_skip(req.request_id, "decode"):
+        if self._should_skip(req.request_id, "decode", req.lease_s):
             return {"finish_reason": "skipped"}
         kv_import = None
         prefill_worker, mode, cached = self.worker_id, "local", None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
+from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PING, TASK_PREFILL, GenerationRequest
 from farm.worker import get_runtime
 from tasks.celery_app import app
 
@@ -22,3 +22,11 @@ def decode(request: dict[str, Any], handle: dict[str, Any] | None) -> None:
 @app.task(name=TASK_GENERATE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def generate(request: dict[str, Any]) -> None:
     get_runtime().generate(GenerationRequest.from_dict(request))
+
+
+@app.task(name=TASK_PING, ignore_result=True)
+def ping(worker_id: str, token: str) -> None:
+    """The consumer watchdog's probe (farm.reliability): answering proves this worker still consumes."""
+    rt = get_runtime()
+    if rt.worker_id == worker_id:
+        rt.pong(token)

@@ -3,7 +3,8 @@
 It is a Celery worker with a thread pool: task threads hand requests to one in-process engine that
 batches them all (continuous batching); the model is loaded once, before the worker consumes anything,
 and the worker registers itself (role, model, KV transfer endpoint) only once it is ready. SIGTERM is
-Celery's warm shutdown: it stops taking tasks and waits for the running requests to finish.
+Celery's warm shutdown: the worker leaves routing at once (no new placements, its heartbeat stays so
+its requests are not migrated), stops taking tasks and waits for the running requests to finish.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"farm worker {name}: cannot start: {e}", file=sys.stderr)
         return 3
     set_runtime(runtime)
+    runtime.concurrency = args.concurrency or cfg.celery.worker_threads
+
+    @signals.worker_shutting_down.connect(weak=False)
+    def _drain(**_kw) -> None:
+        runtime.drain()  # leave routing at once; stay alive until the requests in flight finish
 
     @signals.worker_ready.connect(weak=False)
     def _start_runtime(**_kw) -> None:

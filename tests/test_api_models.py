@@ -28,7 +28,7 @@ def test_models_list_and_card(app):
     assert resp.status_code == 200 and resp.content_type.startswith("application/json")
     data = resp.get_json()
     assert data["object"] == "list"
-    assert [m["id"] for m in data["data"]] == [m.name for m in cfg.models]
+    assert [m["id"] for m in data["data"]] == [m.name for m in cfg.models] + list(cfg.semantic.aliases)
     card = next(m for m in data["data"] if m["id"] == cfg.default_model)
     assert set(card) == {"id", "object", "created", "owned_by", "max_model_len"}
     assert card["object"] == "model" and card["owned_by"] == "inference-farm" and isinstance(card["created"], int)

@@ -62,7 +62,8 @@ def test_non_streaming_answer_comes_from_two_processes_through_a_handle(farm, cl
 def test_streaming_answer_and_usage(farm, client):
     stream = client.chat.completions.create(
         model=farm.cfg.default_model, messages=[{"role": "user", "content": "What is 2+2?"}],
-        max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True})
+        max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_headers={"Cache-Control": "no-cache"})  # the same question again: generated, not the cached answer
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "4" in text
@@ -70,9 +71,28 @@ def test_streaming_answer_and_usage(farm, client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+def test_mom_chooses_a_model_and_a_repeat_is_served_from_the_semantic_cache(farm, client):
+    """The seed's basic request: "MoM" is classified (math), answered by a served model with the category's
+    system prompt; the same request again comes from the semantic cache, streamed, with no worker."""
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    raw = client.chat.completions.with_raw_response.create(model="MoM", messages=msgs, max_tokens=60, temperature=0)
+    resp = raw.parse()
+    assert resp.model == farm.cfg.default_model == raw.headers["x-vsr-selected-model"]  # the only one served
+    assert raw.headers["x-vsr-selected-category"] == "math"
+    assert raw.headers["x-vsr-injected-system-prompt"] == "true" and raw.headers["x-farm-decode-worker"]
+    assert "4" in resp.choices[0].message.content and resp.choices[0].finish_reason == "stop"
+    t0 = time.perf_counter()
+    stream = client.chat.completions.with_raw_response.create(model="MoM", messages=msgs, max_tokens=60,
+                                                              temperature=0, stream=True)
+    chunks = list(stream.parse())
+    assert stream.headers["x-vsr-cache-hit"] == "true" and "x-farm-decode-worker" not in stream.headers
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.choices[0].message.content
+    assert time.perf_counter() - t0 < 5
+
+
 def test_completions_and_models(farm, client):
     models = [m.id for m in client.models.list().data]
-    assert farm.cfg.default_model in models
+    assert farm.cfg.default_model in models and "MoM" in models
     resp = client.completions.create(model=farm.cfg.default_model, prompt="The capital of France is",
                                      max_tokens=5, temperature=0)
     assert resp.choices[0].text and resp.usage.completion_tokens <= 5

@@ -27,7 +27,7 @@ def test_prompts_are_not_logged(app, redis_client, caplog, monkeypatch):
     cfg = app.extensions["farm"].cfg
     c = app.test_client()
     model = cfg.default_model
-    msg = [{"role": "user", "content": f"my secret is {CANARY}"}]
+    msg = [{"role": "user", "content": f"Please summarise the record {CANARY} for me"}]
     tok = app.extensions["farm"].tokenizer(model)
     canary_ids = tok.encode(CANARY, add_special_tokens=False)
     caplog.set_level(logging.INFO)

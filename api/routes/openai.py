@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -20,7 +20,15 @@ from api.auth import metered
 from api.bodies import json_body
 from api.errors import APIError, to_api_error
 from api.responses import ChunkWriter, full_response
-from api.schemas import ParsedRequest, parse_chat, parse_completion, require_model
+from api.schemas import (
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    require_model,
+    stream_flags,
+    validate_chat,
+)
+from api.semantic import answer_locally, decide, no_cache_requested, store
 from farm import metrics
 from farm.config import ModelConfig
 from farm.gateway import BusyError, NoWorkersError, Submission
@@ -43,16 +51,31 @@ def _json_body() -> Any:
 # --- models -------------------------------------------------------------------------------------
 @bp.get("/models")
 def list_models() -> Response:
-    cfg = _farm().cfg
-    return jsonify({"object": "list", "data": [_model_card(m) for m in cfg.models]})
+    return jsonify({"object": "list", "data": _model_cards()})
 
 
 @bp.get("/models/<path:model_id>")
 def get_model(model_id: str) -> Response:
-    for m in _farm().cfg.models:
-        if m.name == model_id:
-            return jsonify(_model_card(m))
+    for card in _model_cards():
+        if card["id"] == model_id:
+            return jsonify(card)
     raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+
+
+def _model_cards() -> list[dict[str, Any]]:
+    """Every configured model, then the semantic layer's aliases ("MoM": the layer chooses)."""
+    cfg = _farm().cfg
+    cards = [_model_card(m) for m in cfg.models]
+    for alias in _aliases():
+        cards.append({"id": alias, "object": "model", "created": _farm().started, "owned_by": "inference-farm",
+                      "max_model_len": max(m.max_model_len for m in cfg.models),
+                      "description": "semantic routing: the farm picks the model per request"})
+    return cards
+
+
+def _aliases() -> list[str]:
+    sem = _farm().cfg.semantic
+    return list(sem.aliases) if sem.enabled else []
 
 
 def _model_card(m: ModelConfig) -> dict[str, Any]:
@@ -96,11 +119,24 @@ def _worker_headers(rid: str, sub: Submission, ev: dict[str, Any]) -> dict[str, 
 def _generate(kind: str) -> Response:
     farm = _farm()
     body = _json_body()
-    model = require_model(body, [m.name for m in farm.cfg.models])
-    tok = farm.tokenizer(model)
-    max_len = farm.cfg.model(model).max_model_len
-    parsed: ParsedRequest = (parse_chat if kind == "chat" else parse_completion)(body, tok, max_len)
+    model = require_model(body, [m.name for m in farm.cfg.models] + _aliases())
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    # the semantic layer (guards, cache, MoM selection) runs before anything is tokenized or queued
+    layer = farm.semantic()
+    if kind == "chat":
+        messages = validate_chat(body)
+        verdict = decide(layer, model, messages, no_cache=no_cache_requested())
+    else:  # text completions: guards and selection on the prompt's text; no cache, no system prompt
+        verdict = decide(layer, model, _completion_messages(body, model), no_cache=True, inject=False)
+    if verdict.action != "forward":
+        return answer_locally(kind, rid, verdict, *stream_flags(body))
+    model = verdict.model
+    mcfg = farm.cfg.model(model)
+    tok = farm.tokenizer(model)
+    if kind == "chat":
+        parsed: ParsedRequest = parse_chat(body, tok, mcfg.max_model_len, verdict.messages, mcfg.defaults)
+    else:
+        parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults)
     req = GenerationRequest(rid, model, parsed.prompt_ids, parsed.sampling, created=time.time())
     try:
         sub = farm.gateway.submit(req)
@@ -109,7 +145,10 @@ def _generate(kind: str) -> Response:
         raise
     events = metered(sub.events())  # charges the usage to the caller's token quota (api.auth)
     if parsed.stream:
-        return _stream_response(kind, rid, model, sub, events, parsed.include_usage)
+        resp = _stream_response(kind, rid, model, sub, events, parsed.include_usage,
+                                on_done=lambda text, reason: store(layer, verdict, text, reason))
+        resp.headers.update(verdict.headers)
+        return resp
     try:
         head, buffered = _until_decode_starts(events)
         text, done = _collect(buffered, events)
@@ -119,9 +158,29 @@ def _generate(kind: str) -> Response:
     finally:
         _safe_cancel(sub)  # no-op after done/error; stops the worker on timeout or Redis failure
     metrics.REQUESTS.labels(model=model, status="200").inc()
+    store(layer, verdict, text, done.get("finish_reason", "stop"))
     resp = jsonify(full_response(kind, rid, model, text, done.get("finish_reason", "stop"), done.get("usage", {})))
     resp.headers.update(_worker_headers(rid, sub, {**head, **done}))
+    resp.headers.update(verdict.headers)
     return resp
+
+
+def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str]]:
+    """A text completion's prompt as one user message, for the guards and the classifier. Token-id
+    prompts are decoded with the tokenizer of the model asked for (the default model's for an alias);
+    a malformed prompt gives no text here and its 400 from parse_completion."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        farm = _farm()
+        name = model if model not in _aliases() else farm.cfg.default_model
+        tok = farm.tokenizer(name)
+        try:
+            prompt = tok.decode([t for t in prompt if 0 <= t < len(tok)], skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
+            prompt = ""
+    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
 
 
 def _worker_error(ev: dict[str, Any]) -> APIError:
@@ -168,7 +227,7 @@ def _collect(buffered: list[dict], events: Iterator[dict]) -> tuple[str, dict]:
 
 
 def _stream_response(kind: str, rid: str, model: str, sub: Submission, events: Iterator[dict],
-                     include_usage: bool) -> Response:
+                     include_usage: bool, on_done: Callable[[str, str], None] | None = None) -> Response:
     """SSE response; errors before the decode worker starts are still plain JSON errors."""
     try:
         head, buffered = _until_decode_starts(events)
@@ -176,7 +235,7 @@ def _stream_response(kind: str, rid: str, model: str, sub: Submission, events: I
         metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         _safe_cancel(sub)
         raise
-    gen = _stream(kind, rid, model, sub, buffered, events, include_usage)
+    gen = _stream(kind, rid, model, sub, buffered, events, include_usage, on_done)
     resp = Response(gen, mimetype="text/event-stream", headers=_worker_headers(rid, sub, head))
     resp.headers["Cache-Control"] = "no-cache"
     resp.headers["X-Accel-Buffering"] = "no"
@@ -187,9 +246,11 @@ def _stream_response(kind: str, rid: str, model: str, sub: Submission, events: I
 
 
 def _stream(kind: str, rid: str, model: str, sub: Submission, buffered: list[dict], events: Iterator[dict],
-            include_usage: bool) -> Iterator[str]:
-    """OpenAI SSE chunks; a failure mid-stream ends with an error line and [DONE]."""
+            include_usage: bool, on_done: Callable[[str, str], None] | None = None) -> Iterator[str]:
+    """OpenAI SSE chunks; a failure mid-stream ends with an error line and [DONE]. `on_done(text,
+    finish_reason)` sees the whole answer once it finished (the semantic cache stores it)."""
     w = ChunkWriter(kind, rid, model)
+    parts: list[str] = []
     try:
         first = w.role()
         if first:
@@ -197,9 +258,12 @@ def _stream(kind: str, rid: str, model: str, sub: Submission, buffered: list[dic
         for ev in _chain(buffered, events):
             t = ev.get("type")
             if t == "delta" and ev.get("text"):
+                parts.append(ev["text"])
                 yield w.delta(ev["text"])
             elif t == "done":
                 metrics.REQUESTS.labels(model=model, status="200").inc()
+                if on_done is not None:
+                    on_done("".join(parts), ev.get("finish_reason", "stop"))
                 yield w.finish(ev.get("finish_reason", "stop"))
                 if include_usage:
                     yield w.usage(ev.get("usage", {}))

@@ -274,7 +274,7 @@ class BatchDriver:
         try:
             return validate_input(data, b["endpoint"], [m.name for m in self.cfg.models], self._tokenizer,
                                   lambda m: self.cfg.model(m).max_model_len, self.bcfg.max_lines,
-                                  self.bcfg.max_reported_errors)
+                                  self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults)
         except redis.RedisError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. the model's tokenizer is missing on this host

@@ -43,7 +43,8 @@ def _err(code: str, message: str, line: int | None, param: str | None = None) ->
 
 def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for: Callable[[str], Any],
                    max_model_len: Callable[[str], int], max_lines: int = 50_000,
-                   max_errors: int = 100) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
+                   max_errors: int = 100, defaults_for: Callable[[str], Any] | None = None
+                   ) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
     """(prepared lines, errors); the batch may run only when `errors` is empty."""
     from api.errors import APIError
     from api.schemas import parse_chat, parse_completion, require_model
@@ -107,7 +108,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             continue
         try:
             model = require_model(body, models)
-            parsed = parse(body, tokenizer_for(model), max_model_len(model))
+            parsed = parse(body, tokenizer_for(model), max_model_len(model),
+                           defaults=defaults_for(model) if defaults_for else None)
         except APIError as e:
             errors.append(_err(e.code or "invalid_request", e.message, no, f"body.{e.param}" if e.param else "body"))
             continue

@@ -69,7 +69,9 @@ class Engine:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model_dir, cfg.block_size, cfg.kv_cache_mb * 1024 * 1024, cfg.device,
-                                  cfg.dtype, max_num_blocks=max_num_blocks)
+                                  cfg.dtype, max_num_blocks=max_num_blocks, max_model_len=max_model_len,
+                                  enforce_eager=cfg.enforce_eager, graph_batch_sizes=cfg.cuda_graph_batch_sizes,
+                                  decode_attention=cfg.decode_attention)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         t = cfg.kv_tiers

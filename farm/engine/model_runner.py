@@ -5,18 +5,29 @@ transformers; only attention is ours, so it reads and writes the paged cache:
 - the KV cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`;
 - every new token's K/V is written to its slot (`block_id * block_size + offset`);
 - prefill attends per sequence over its gathered context (cached prefix + new tokens, causal);
-- decode attends for the whole batch at once over gathered, padded contexts with a mask.
+- decode attends for the whole batch at once, one forward per step. By default it runs on static
+  buffers (farm.engine.static_decode): the batch is padded to a bucket size, block tables to a fixed
+  width, and on CUDA each bucket's step is a captured CUDA graph; on CPU the same buffers and the same
+  forward run without graphs. `enforce_eager` keeps the dynamic path (exact shapes, no padding).
+- decode attention reads the paged cache through farm.engine.paged_attention (torch gather + SDPA,
+  or a Triton paged kernel on CUDA).
+The cache holds one block more than the pool hands out: the scratch block that padded rows write to.
 Llama, Mistral, Qwen2 and Qwen3-style decoders are supported.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from farm.engine.paged_attention import paged_decode, pick_backend
+from farm.engine.static_decode import DEFAULT_BATCH_SIZES, StaticDecode
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +118,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, block_size: int, kv_cache_bytes: int, device: str = "auto",
-                 dtype: str = "auto", max_num_blocks: int | None = None):
+    def __init__(self, model_dir: Path | None, block_size: int, kv_cache_bytes: int, device: str = "auto",
+                 dtype: str = "auto", max_num_blocks: int | None = None, *, max_model_len: int | None = None,
+                 enforce_eager: bool = False, graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                 decode_attention: str = "auto", model: Any = None):
+        """`model`: an already built transformers causal LM in `dtype` (benchmarks with random weights of
+        real shapes); otherwise it is loaded from `model_dir`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
-        config = AutoConfig.from_pretrained(model_dir)
+        config = model.config if model is not None else AutoConfig.from_pretrained(model_dir)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model type {config.model_type!r} is not supported by the built-in engine "
                 f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
             )
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self.model = model.to(self.device).eval()  # not .to(dtype): rotary inv_freq stays float32
         self.config = config
         inner = self.model.model
         self.layers = list(inner.layers)
@@ -131,14 +148,30 @@ class ModelRunner:
         self.block_size = block_size
         self.layout = KVLayout(len(self.layers), self.num_kv_heads, self.head_dim, block_size,
                                str(self.dtype).removeprefix("torch."))
-        num_blocks = max(1, kv_cache_bytes // self.layout.block_bytes())
+        # one block of the budget is the scratch block (padded decode rows write there)
+        num_blocks = max(1, kv_cache_bytes // self.layout.block_bytes() - 1)
         if max_num_blocks:
             num_blocks = min(num_blocks, max_num_blocks)
-        self.num_blocks = int(num_blocks)
-        self.kv = torch.zeros(len(self.layers), 2, self.num_blocks, block_size, self.num_kv_heads,
+        self.num_blocks = int(num_blocks)  # what the block pool may hand out: ids 0 .. num_blocks-1
+        self.scratch_block = self.num_blocks
+        self.kv = torch.zeros(len(self.layers), 2, self.num_blocks + 1, block_size, self.num_kv_heads,
                               self.head_dim, dtype=self.dtype, device=self.device)
-        log.info("model %s on %s/%s: %d layers, KV cache %d blocks x %d tokens", model_dir,
-                 self.device, self.dtype, len(self.layers), self.num_blocks, block_size)
+        self.attention = pick_backend(decode_attention, self.device, block_size)
+        limit = max_model_len or getattr(config, "max_position_embeddings", None) or self.num_blocks * block_size
+        self.max_blocks_per_seq = min(self.num_blocks, -(-(limit + 1) // block_size))
+        self.enforce_eager = enforce_eager
+        self.static: StaticDecode | None = None
+        if not enforce_eager:
+            self.static = StaticDecode(
+                self._static_forward, device=self.device, batch_sizes=graph_batch_sizes,
+                max_blocks=self.max_blocks_per_seq, block_size=block_size, scratch_block=self.scratch_block,
+                fixed_width=self.attention == "triton", use_graphs=self.device.type == "cuda")
+            if self.static.use_graphs and self.static.fixed_width:
+                self.static.capture_all()  # the widths are known: capture every batch size now
+        log.info("model %s on %s/%s: %d layers, KV cache %d blocks x %d tokens; decode %s, attention %s",
+                 model_dir, self.device, self.dtype, len(self.layers), self.num_blocks, block_size,
+                 "eager" if self.static is None else ("CUDA graphs" if self.static.use_graphs else "static buffers"),
+                 self.attention)
 
     # -- KV cache access (used by transfer) ---------------------------------------------------------
     def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,7 +231,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """One token for each sequence at `positions`; returns logits [batch, vocab]."""
+        """One token for each sequence at `positions`; returns logits [batch, vocab].
+
+        Static buffers (CUDA graphs on CUDA) when the batch fits a bucket, else the eager path."""
+        if self.static is not None:
+            need = max(p // self.block_size + 1 for p in positions)
+            if self.static.fits(len(token_ids), need):
+                return self.static.run(token_ids, positions, block_tables)
+        return self.decode_eager(token_ids, positions, block_tables)
+
+    @torch.inference_mode()
+    def decode_eager(self, token_ids: list[int], positions: list[int],
+                     block_tables: list[list[int]]) -> torch.Tensor:
+        """The dynamic decode: exact batch and context shapes, gathered contexts, one SDPA."""
         b = len(token_ids)
         ctx_lens = [p + 1 for p in positions]
         max_ctx = max(ctx_lens)
@@ -221,17 +266,39 @@ class ModelRunner:
         last = torch.arange(b, device=self.device)
         return self._forward(token_ids, positions, slots, attend, None, last)
 
+    def _static_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        block_tables: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step on device tensors only: no host syncs and no shape that depends on the data,
+        so it can be captured in a CUDA graph. Returns logits [rows, vocab] (float32)."""
+        b = input_ids.shape[0]
+
+        def attend(li: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            o = paged_decode(self.attention, q, k_cache, v_cache, block_tables, ctx_lens, self.block_size,
+                             self.scaling)
+            return o.reshape(b, -1)
+
+        h = self._layers(input_ids, positions, slots, attend, None)
+        return self.model.lm_head(self.model.model.norm(h)).float()
+
     def _forward(self, ids, pos, slots, attend, capture, last_idx) -> torch.Tensor:
-        inner = self.model.model
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        h = self._layers(input_ids, positions, slot_t, attend, capture)
+        h = self.model.model.norm(h.index_select(0, last_idx))
+        return self.model.lm_head(h).float()
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_t: torch.Tensor,
+                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                capture: Callable[[torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+        """Embeddings and every decoder layer (our attention, their modules); hidden states [T, hidden]."""
+        inner = self.model.model
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h[None], positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, d]
-        t = len(ids)
-        nbs = self.num_blocks * self.block_size
+        t = input_ids.shape[0]
+        nbs = self.kv.shape[2] * self.block_size
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             residual = h
@@ -252,5 +319,4 @@ class ModelRunner:
             o = attend(li, q, k_cache, v_cache)
             h = residual + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = inner.norm(h.index_select(0, last_idx))
-        return self.model.lm_head(h).float()
+        return h

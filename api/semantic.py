@@ -1,0 +1,93 @@
+"""The semantic layer on the generation routes: run it, answer blocks and cache hits here, count it.
+
+farm.semantic decides (guards, cache, category, model, system prompt); this module turns a decision into
+HTTP: the `x-vsr-*` headers, a local answer (JSON or SSE) with `finish_reason` `content_filter` (a guard)
+or `stop` (a cache hit), and the Prometheus counters. Nothing here reaches a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from flask import Response, jsonify, request
+
+from api.responses import ChunkWriter, full_response
+from farm import metrics
+from farm.semantic.layer import H_INJECTED, SemanticLayer, Verdict
+
+log = logging.getLogger(__name__)
+NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # nothing was generated
+
+
+def no_cache_requested() -> bool:
+    """`Cache-Control: no-cache` (or no-store): skip the semantic cache's lookup and store."""
+    cc = request.headers.get("Cache-Control", "").lower()
+    return "no-cache" in cc or "no-store" in cc
+
+
+def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_cache: bool,
+           inject: bool = True) -> Verdict:
+    """The layer's verdict, counted; without a layer (disabled) the request passes unchanged.
+    `inject=False` (text completions: no system prompt to put anything in) keeps the messages as sent."""
+    if layer is None:
+        return SemanticLayer.passthrough(model, messages)
+    t0 = time.perf_counter()
+    v = layer.before(model, messages, no_cache=no_cache)
+    metrics.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
+    if v.action == "block":
+        metrics.SEMANTIC_BLOCKS.labels(guard="jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else "pii").inc()
+    elif "cache" in v.timings_ms:
+        metrics.SEMANTIC_CACHE.labels(result="hit" if v.action == "cached" else "miss").inc()
+    if layer.is_alias(model) and v.action != "block":
+        metrics.SEMANTIC_ROUTES.labels(category=v.category or "none", model=v.model).inc()
+    if not inject and v.headers.get(H_INJECTED):
+        v.headers.pop(H_INJECTED)
+        v.messages = messages
+    return v
+
+
+def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage: bool) -> Response:
+    """A blocked request or a cache hit, answered by the API: one choice, the verdict's text."""
+    metrics.REQUESTS.labels(model=v.model, status="200").inc()  # blocks are counted by SEMANTIC_BLOCKS too
+    headers = {"x-request-id": rid, **v.headers}
+    if not stream:
+        resp = jsonify(full_response(kind, rid, v.model, v.answer or "", v.finish_reason or "stop", NO_USAGE))
+        resp.headers.update(headers)
+        return resp
+    resp = Response(_chunks(kind, rid, v, include_usage), mimetype="text/event-stream", headers=headers)
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    return resp
+
+
+def _chunks(kind: str, rid: str, v: Verdict, include_usage: bool) -> Iterator[str]:
+    w = ChunkWriter(kind, rid, v.model)
+    first = w.role()
+    if first:
+        yield first
+    for piece in _word_pieces(v.answer or ""):
+        yield w.delta(piece)
+    yield w.finish(v.finish_reason or "stop")
+    if include_usage:
+        yield w.usage(NO_USAGE)
+    yield w.done()
+
+
+def _word_pieces(text: str, words: int = 8) -> Iterator[str]:
+    """The answer in chunks of a few words (whitespace kept), as a generated stream would arrive."""
+    parts = text.split(" ")
+    for i in range(0, len(parts), words):
+        piece = " ".join(parts[i:i + words])
+        yield piece if i + words >= len(parts) else piece + " "
+
+
+def store(layer: SemanticLayer | None, v: Verdict, text: str, finish_reason: str) -> None:
+    """After a complete generated answer: into the semantic cache (the layer decides whether it may)."""
+    if layer is None or v.cache_query is None:
+        return
+    try:
+        layer.after(v, text, finish_reason)
+    except Exception:  # noqa: BLE001 - a cache that cannot store must not fail an answered request
+        log.exception("semantic cache: could not store an answer")

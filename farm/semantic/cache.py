@@ -1,0 +1,328 @@
+"""Semantic cache: one interface, two backends (Redis hashes + numpy by default, Milvus when scaled).
+
+Partitions: every entry lives in a partition named by a hash of (model that answers, effective system
+prompt, earlier turns of the conversation), so an answer is never served across models, system prompts
+or conversations; only the last user message is compared semantically. A hit needs cosine similarity
+at or above the threshold *and* the same "guard signature" (the numbers in the text and its negations:
+"2+2" vs "2+3", "is" vs "is not" embed almost identically but have different answers) *and* no lexical
+conflict (the same words reordered, or one content word swapped: "good"/"bad"). Prompts longer than the
+embedding window are only served on an exact text match.
+
+Redis backend (default): entries are hashes with the vector as float32 bytes, a TTL, a per-partition
+sorted set and a global one (oldest evicted first past `max_entries`, or past `max_partition_entries`
+in one partition), all written by one Lua script so concurrent API processes agree. Each process keeps
+a numpy mirror per partition, reloaded only when the partition's version token in Redis changes, and
+searches it by brute force (bounded by `max_partition_entries`). Shared by every API process; survives
+restarts with Redis's AOF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from farm.semantic.config import CacheConfig
+
+_NUM = re.compile(r"\d+(?:[.,]\d+)?")
+_NEG = re.compile(r"\b(?:not|no|never|none|cannot|without|n't)\b|n't\b", re.I)
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def guard_signature(text: str) -> str:
+    """Numbers (in order) and the count of negations: two texts must agree on both to share an answer."""
+    nums = ",".join(n.replace(",", ".") for n in _NUM.findall(text))
+    return f"{nums}|{len(_NEG.findall(text))}"
+
+
+_FUNCTION_WORDS = frozenset("""a an the is are was were be been am do does did can could would should will shall may might
+must i you we they he she it my your our their me us what which who whom whose how why when where that this
+these those of in on at to for from by with about into as and or so if please just exactly really tell give
+explain show me some any kind way using via""".split())
+
+
+_CONTRACTIONS = {"'s": "is", "n't": "not", "'re": "are", "'m": "am", "'ll": "will", "'ve": "have", "'d": "would"}
+_CONTRACTION = re.compile(r"('s|n't|'re|'m|'ll|'ve|'d)\b")
+
+
+def _norm_word(w: str) -> str:
+    """Spelling variants compare equal: British -ise/-our, plural -s."""
+    w = re.sub(r"is(e|ed|ing|ation)$", r"iz\1", w)
+    w = re.sub(r"our$", "or", w)
+    return w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w
+
+
+def word_sequence(text: str) -> str:
+    """Normalised lower-case words, space-joined: what the lexical guard compares."""
+    text = _CONTRACTION.sub(lambda m: " " + _CONTRACTIONS[m.group(1)], text.lower().replace("\u2019", "'"))
+    return " ".join(_norm_word(w) for w in _WORD.findall(text))
+
+
+def lexical_conflict(a: str, b: str) -> bool:
+    """True when two similar texts differ in a way embeddings blur: the same words reordered ("10 miles to
+    km" / "10 km to miles"), or the same sentence with a content word swapped ("good" / "bad")."""
+    wa, wb = a.split(), b.split()
+    if wa == wb or len(wa) != len(wb):
+        return False
+    if sorted(wa) == sorted(wb):
+        return True
+    diff = [(x, y) for x, y in zip(wa, wb, strict=True) if x != y]
+    return len(diff) <= 2 and any(x not in _FUNCTION_WORDS or y not in _FUNCTION_WORDS for x, y in diff)
+
+
+def text_sha(text: str) -> str:
+    return hashlib.sha256(" ".join(_WORD.findall(text.lower())).encode()).hexdigest()[:32]
+
+
+def partition_key(model: str, system_prompt: str, history: list[dict]) -> str:
+    """sha256 of the answering model, the effective system prompt and the turns before the last user message."""
+    h = hashlib.sha256()
+    h.update(model.encode() + b"\0" + system_prompt.encode() + b"\0")
+    h.update(json.dumps(history, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class CacheQuery:
+    partition: str
+    vector: np.ndarray  # unit length float32
+    sha: str  # text_sha of the compared text
+    signature: str  # guard_signature of the compared text
+    exact_only: bool  # the text was truncated for embedding: only an exact match may hit
+    words: str = ""  # word_sequence of the compared text (the lexical guard)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    answer: str
+    similarity: float
+    entry_id: str
+
+
+class SemanticCache(Protocol):
+    def lookup(self, q: CacheQuery) -> CacheHit | None: ...
+    def store(self, q: CacheQuery, answer: str) -> str: ...
+    def clear(self) -> None: ...
+
+
+def _acceptable(sim: float, q: CacheQuery, sha: str, sig: str, exact: bool, words: str, threshold: float) -> bool:
+    if q.exact_only or exact:
+        return sha == q.sha
+    return sim >= threshold and sig == q.signature and not lexical_conflict(words, q.words)
+
+
+# -- Redis ------------------------------------------------------------------------------------------------
+_STORE_LUA = """
+local prefix, pid, eid = ARGV[1], ARGV[2], ARGV[3]
+local ttl, now = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_all, max_part = tonumber(ARGV[6]), tonumber(ARGV[7])
+local ekey = prefix .. ':e:' .. pid .. ':' .. eid
+local pkey = prefix .. ':p:' .. pid
+local allkey = prefix .. ':all'
+redis.call('HSET', ekey, 'v', ARGV[8], 'a', ARGV[9], 's', ARGV[10], 'g', ARGV[11], 'x', ARGV[12], 't', ARGV[5],
+           'w', ARGV[14])
+redis.call('EXPIRE', ekey, ttl)
+redis.call('ZADD', pkey, now, eid)
+redis.call('EXPIRE', pkey, ttl)
+redis.call('ZADD', allkey, now, pid .. ':' .. eid)
+redis.call('SET', prefix .. ':ver:' .. pid, ARGV[13], 'EX', ttl)
+local function drop(member)
+  local sep = string.find(member, ':', 1, true)
+  local p, e = string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
+  redis.call('DEL', prefix .. ':e:' .. p .. ':' .. e)
+  redis.call('ZREM', prefix .. ':p:' .. p, e)
+  redis.call('ZREM', allkey, member)
+  redis.call('SET', prefix .. ':ver:' .. p, ARGV[13], 'EX', ttl)
+end
+local evicted = 0
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', allkey, '-inf', now - ttl)) do drop(m); evicted = evicted + 1 end
+local over = redis.call('ZCARD', pkey) - max_part
+if over > 0 then
+  for _, e in ipairs(redis.call('ZRANGE', pkey, 0, over - 1)) do drop(pid .. ':' .. e); evicted = evicted + 1 end
+end
+over = redis.call('ZCARD', allkey) - max_all
+if over > 0 then
+  for _, m in ipairs(redis.call('ZRANGE', allkey, 0, over - 1)) do drop(m); evicted = evicted + 1 end
+end
+return evicted
+"""
+
+
+@dataclass
+class _Mirror:
+    version: bytes | None
+    ids: list[str]
+    matrix: np.ndarray
+    shas: list[str]
+    sigs: list[str]
+    exact: np.ndarray
+    created: np.ndarray
+    words: list[str]
+
+
+class RedisSemanticCache:
+    """Entries in Redis, searched through a per-process numpy mirror of each partition."""
+
+    def __init__(self, client, cfg: CacheConfig, dim: int = 384) -> None:
+        self.r = client
+        self.cfg = cfg
+        self.dim = dim
+        self.prefix = cfg.key_prefix
+        self._store = client.register_script(_STORE_LUA)
+        self._mirrors: dict[str, _Mirror] = {}
+        self._lock = threading.Lock()
+        self.last_evicted = 0
+
+    def _load(self, pid: str, version: bytes | None) -> _Mirror:
+        members = self.r.zrange(f"{self.prefix}:p:{pid}", 0, -1)
+        ids = [m.decode() for m in members]
+        pipe = self.r.pipeline(transaction=False)
+        for eid in ids:
+            pipe.hmget(f"{self.prefix}:e:{pid}:{eid}", "v", "s", "g", "x", "t", "w")
+        rows = pipe.execute() if ids else []
+        keep = [(eid, row) for eid, row in zip(ids, rows, strict=True) if row[0] is not None]
+        n = len(keep)
+        mat = np.zeros((n, self.dim), dtype=np.float32)
+        for i, (_, row) in enumerate(keep):
+            mat[i] = np.frombuffer(row[0], dtype=np.float32)
+        return _Mirror(version, [e for e, _ in keep], mat, [row[1].decode() for _, row in keep],
+                       [row[2].decode() for _, row in keep], np.array([row[3] == b"1" for _, row in keep], dtype=bool),
+                       np.array([float(row[4]) for _, row in keep], dtype=np.float64),
+                       [(row[5] or b"").decode() for _, row in keep])
+
+    def _mirror(self, pid: str) -> _Mirror:
+        version = self.r.get(f"{self.prefix}:ver:{pid}")
+        with self._lock:
+            m = self._mirrors.get(pid)
+        if m is None or m.version != version:
+            m = self._load(pid, version) if version is not None else _Mirror(
+                None, [], np.zeros((0, self.dim), np.float32), [], [], np.zeros(0, bool), np.zeros(0), [])
+            with self._lock:
+                if len(self._mirrors) > 4096:  # bound the number of mirrored partitions per process
+                    self._mirrors.clear()
+                self._mirrors[pid] = m
+        return m
+
+    def lookup(self, q: CacheQuery) -> CacheHit | None:
+        m = self._mirror(q.partition)
+        if not m.ids:
+            return None
+        sims = m.matrix @ q.vector
+        sims[m.created < time.time() - self.cfg.ttl_s] = -2.0
+        for i in np.argsort(-sims)[:8]:
+            sim = float(sims[i])
+            if sim < min(self.cfg.similarity_threshold, 0.5) and not q.exact_only:
+                break
+            if not _acceptable(sim, q, m.shas[i], m.sigs[i], bool(m.exact[i]), m.words[i],
+                               self.cfg.similarity_threshold):
+                continue
+            answer = self.r.hget(f"{self.prefix}:e:{q.partition}:{m.ids[i]}", "a")
+            if answer is None:  # expired or evicted since the mirror was loaded
+                continue
+            return CacheHit(answer.decode(), sim, m.ids[i])
+        return None
+
+    def store(self, q: CacheQuery, answer: str) -> str:
+        eid = uuid.uuid4().hex[:16]
+        self.last_evicted = int(self._store(args=[
+            self.prefix, q.partition, eid, self.cfg.ttl_s, f"{time.time():.6f}", self.cfg.max_entries,
+            self.cfg.max_partition_entries, q.vector.astype(np.float32).tobytes(), answer, q.sha, q.signature,
+            "1" if q.exact_only else "0", uuid.uuid4().hex, q.words]))
+        return eid
+
+    def size(self) -> int:
+        return int(self.r.zcard(f"{self.prefix}:all"))
+
+    def clear(self) -> None:
+        keys = list(self.r.scan_iter(match=f"{self.prefix}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            self.r.delete(*keys[i:i + 500])
+        with self._lock:
+            self._mirrors.clear()
+
+
+# -- Milvus ------------------------------------------------------------------------------------------------
+class MilvusSemanticCache:
+    """The same contract on Milvus (pymilvus `MilvusClient`): for a farm whose cache outgrows one Redis.
+
+    One collection with a COSINE index; the partition, signature, text hash and creation time are scalar
+    fields used in the search filter. TTL: entries older than ttl_s are filtered out of searches and
+    deleted every `_SWEEP_EVERY` stores, together with the oldest entries past `max_entries`.
+    """
+
+    _SWEEP_EVERY = 64
+
+    def __init__(self, cfg: CacheConfig, dim: int = 384, client=None) -> None:
+        if client is None:
+            try:
+                from pymilvus import MilvusClient
+            except ImportError as e:
+                raise RuntimeError("semantic.cache.backend is milvus but pymilvus is not installed "
+                                   "(pip install pymilvus)") from e
+            client = MilvusClient(uri=cfg.milvus.uri, token=cfg.milvus.token or "")
+        self.c = client
+        self.cfg = cfg
+        self.name = cfg.milvus.collection
+        self.dim = dim
+        self._stores = 0
+        if not self.c.has_collection(self.name):
+            self.c.create_collection(self.name, dimension=dim, metric_type="COSINE", primary_field_name="id",
+                                     id_type="string", max_length=64, vector_field_name="vector",
+                                     enable_dynamic_field=True, consistency_level="Strong")
+
+    def lookup(self, q: CacheQuery) -> CacheHit | None:
+        cutoff = time.time() - self.cfg.ttl_s
+        res = self.c.search(self.name, data=[q.vector.astype(np.float32).tolist()], limit=8,
+                            filter=f'partition == "{q.partition}" and created >= {cutoff}',
+                            output_fields=["answer", "sha", "sig", "exact", "words"],
+                            search_params={"metric_type": "COSINE"})
+        for hit in res[0] if res else []:
+            ent = hit.get("entity", hit)
+            sim = float(hit.get("distance", 0.0))
+            if _acceptable(sim, q, ent["sha"], ent["sig"], bool(ent["exact"]), ent.get("words", ""),
+                           self.cfg.similarity_threshold):
+                return CacheHit(ent["answer"], sim, str(hit.get("id")))
+        return None
+
+    def store(self, q: CacheQuery, answer: str) -> str:
+        eid = uuid.uuid4().hex
+        self.c.insert(self.name, data=[{"id": eid, "vector": q.vector.astype(np.float32).tolist(),
+                                        "partition": q.partition, "answer": answer, "sha": q.sha,
+                                        "sig": q.signature, "exact": bool(q.exact_only), "words": q.words,
+                                        "created": time.time()}])
+        self._stores += 1
+        if self._stores % self._SWEEP_EVERY == 0:
+            self.sweep()
+        return eid
+
+    def sweep(self) -> None:
+        """Delete expired entries, then the oldest past max_entries."""
+        self.c.delete(self.name, filter=f"created < {time.time() - self.cfg.ttl_s}")
+        rows = [dict(r) for r in self.c.query(self.name, filter="created >= 0", output_fields=["id", "created"],
+                                              limit=self.cfg.max_entries + 1024)]  # materialise the lazy rows
+        over = len(rows) - self.cfg.max_entries
+        if over > 0:
+            rows.sort(key=lambda r: r["created"])
+            self.c.delete(self.name, ids=[r["id"] for r in rows[:over]])
+
+    def clear(self) -> None:
+        self.c.drop_collection(self.name)
+        self.c.create_collection(self.name, dimension=self.dim, metric_type="COSINE", primary_field_name="id",
+                                 id_type="string", max_length=64, vector_field_name="vector",
+                                 enable_dynamic_field=True, consistency_level="Strong")
+
+
+def make_cache(cfg: CacheConfig, redis_client=None) -> SemanticCache:
+    """The configured backend."""
+    if cfg.backend == "milvus":
+        return MilvusSemanticCache(cfg)
+    if redis_client is None:
+        raise ValueError("the redis cache backend needs a Redis client")
+    return RedisSemanticCache(redis_client, cfg)

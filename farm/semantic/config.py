@@ -1,0 +1,153 @@
+"""Settings of the semantic layer: the `semantic` section of the farm configuration.
+
+`farm.config.FarmConfig` holds it as `semantic`; this module imports nothing from `farm.config`, so
+`farm.config` can import it. Cross-checks against the configured models (every model named in scores
+and PII policies must exist; aliases must not shadow a model) run in `check_models`, called from
+`FarmConfig`'s validator so a typo is reported with the rest of the configuration errors.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MMLU_PRO_CATEGORIES = ("biology", "business", "chemistry", "computer science", "economics", "engineering",
+                       "health", "history", "law", "math", "other", "philosophy", "physics", "psychology")
+PII_TYPE_NAMES = ("PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER", "US_SSN", "CREDIT_CARD", "IP_ADDRESS", "IBAN_CODE",
+                  "US_PASSPORT", "US_DRIVER_LICENSE")
+
+
+class _S(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _pii_type(name: str) -> str:
+    n = name.strip().upper()
+    n = n[2:] if n[:2] in ("B-", "I-") else n
+    if n not in PII_TYPE_NAMES:
+        raise ValueError(f"unknown PII type {name!r}; known: {', '.join(PII_TYPE_NAMES)}")
+    return n
+
+
+class PIIPolicy(_S):
+    """allow_by_default false: only `allowed_types` may pass; true: everything but `denied_types`."""
+
+    allow_by_default: bool = False
+    allowed_types: list[str] = Field(default_factory=list)
+    denied_types: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_types", "denied_types")
+    @classmethod
+    def _types(cls, v: list[str]) -> list[str]:
+        return [_pii_type(x) for x in v]
+
+    def violations(self, types: set[str]) -> set[str]:
+        """The detected types this policy does not allow."""
+        if self.allow_by_default:
+            return types & set(self.denied_types)
+        return types - set(self.allowed_types)
+
+
+class PIIConfig(_S):
+    enabled: bool = True
+    default_policy: PIIPolicy = PIIPolicy()  # models without their own policy: no PII at all
+    policies: dict[str, PIIPolicy] = Field(default_factory=dict)  # served model name -> policy
+
+    def policy(self, model: str) -> PIIPolicy:
+        return self.policies.get(model, self.default_policy)
+
+
+class JailbreakConfig(_S):
+    enabled: bool = True
+    threshold: float = Field(0.6, gt=0, lt=1)  # attack probability at or above which a request is blocked
+
+
+class ClassifierConfig(_S):
+    threshold: float = Field(0.35, ge=0, lt=1)  # category confidence below this: default model, no category prompt
+
+
+class MilvusConfig(_S):
+    uri: str = "http://127.0.0.1:19530"  # or a local file path for Milvus Lite
+    collection: str = "farm_semantic_cache"
+    token: str = ""  # "user:password" or an API key; prefer FARM_SEMANTIC__CACHE__MILVUS__TOKEN
+
+
+class CacheConfig(_S):
+    enabled: bool = True
+    backend: Literal["redis", "milvus"] = "redis"
+    similarity_threshold: float = Field(0.9, gt=0, le=1)  # cosine similarity needed for a hit
+    ttl_s: int = Field(3600, ge=1)
+    max_entries: int = Field(10000, ge=1)  # across all partitions; the oldest entries are evicted first
+    max_partition_entries: int = Field(2000, ge=1)  # per model + system prompt: bounds one brute-force search
+    key_prefix: str = "farm:sc"
+    milvus: MilvusConfig = MilvusConfig()
+
+
+class CategoryConfig(_S):
+    name: str = Field(min_length=1)
+    system_prompt: str = ""
+    system_prompt_mode: Literal["replace", "prepend"] | None = None  # None: semantic.system_prompt_mode
+    reasoning: bool = False  # x-vsr-selected-reasoning: on
+    model_scores: dict[str, float] = Field(default_factory=dict)  # served model -> score, highest wins
+
+    @field_validator("model_scores")
+    @classmethod
+    def _scores(cls, v: dict[str, float]) -> dict[str, float]:
+        for m, s in v.items():
+            if not 0 <= s <= 1:
+                raise ValueError(f"model score for {m!r} must be within 0..1, got {s}")
+        return v
+
+
+class SemanticConfig(_S):
+    enabled: bool = True
+    aliases: list[str] = Field(default_factory=lambda: ["MoM", "auto"])  # model names that mean "choose for me"
+    default_model: str = ""  # what MoM uses below the classifier threshold; "" = the farm's default_model
+    embedding_threads: int = Field(2, ge=0)  # torch threads in the API process for the embedder; 0 = torch default
+    max_embed_tokens: int = Field(128, ge=8, le=256)  # longer prompts are embedded truncated (cache: exact match)
+    system_prompt_mode: Literal["replace", "prepend"] = "prepend"
+    inject_system_prompt: bool = True
+    refusal_jailbreak: str = "I cannot help with this request: it was identified as an attempt to bypass the assistant's safety rules."
+    refusal_pii: str = ("I cannot process this request as it contains personally identifiable information "
+                        "({types}). Please remove it and try again.")
+    jailbreak: JailbreakConfig = JailbreakConfig()
+    pii: PIIConfig = PIIConfig()
+    cache: CacheConfig = CacheConfig()
+    classifier: ClassifierConfig = ClassifierConfig()
+    categories: list[CategoryConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _categories_ok(self) -> SemanticConfig:
+        names = [c.name for c in self.categories]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"semantic.categories: duplicate names {dup}")
+        unknown = sorted(set(names) - set(MMLU_PRO_CATEGORIES))
+        if unknown:
+            raise ValueError(f"semantic.categories: {unknown} are not categories the classifier knows "
+                             f"({', '.join(MMLU_PRO_CATEGORIES)})")
+        return self
+
+    def category(self, name: str) -> CategoryConfig | None:
+        for c in self.categories:
+            if c.name == name:
+                return c
+        return None
+
+    def check_models(self, model_names: list[str], farm_default: str) -> None:
+        """Raise ValueError naming the key when a model referenced here is not configured."""
+        known = set(model_names)
+        for alias in self.aliases:
+            if alias in known:
+                raise ValueError(f"semantic.aliases: {alias!r} is also a configured model name")
+        if self.default_model and self.default_model not in known:
+            raise ValueError(f"semantic.default_model {self.default_model!r} is not one of the models {model_names}")
+        for c in self.categories:
+            bad = sorted(set(c.model_scores) - known)
+            if bad:
+                raise ValueError(f"semantic.categories[{c.name}].model_scores names unknown models {bad}; "
+                                 f"configured: {model_names}")
+        bad = sorted(set(self.pii.policies) - known - set(self.aliases))
+        if bad:
+            raise ValueError(f"semantic.pii.policies names unknown models {bad}; configured: {model_names}")

@@ -1,0 +1,328 @@
+"""Source material of the category data set: topics per MMLU-Pro domain, and question templates.
+
+Train and held-out items never share a topic or a template: the held-out split measures whether the
+classifier learnt the domain, not the wording. `held_out_questions` are whole hand-written questions in
+the MMLU-Pro style, also never trained on.
+"""
+
+from __future__ import annotations
+
+TRAIN_TEMPLATES = [
+    "Explain {t}.",
+    "What is the significance of {t}?",
+    "Can you help me understand {t}?",
+    "Write a short summary of {t}.",
+    "Which of the following statements about {t} is correct?",
+    "Describe the key ideas behind {t}.",
+    "I have a question about {t}: how does it work?",
+    "Give me three facts about {t}.",
+    "{t}",
+    "Tell me about {t}.",
+    "Teach me the basics of {t}.",
+    "How would a professor explain {t}?",
+    "What are common misconceptions about {t}?",
+    "I need help with a homework problem on {t}.",
+]
+TEMPLATES_PER_TOPIC = 8  # each training topic gets this many of the templates (chosen deterministically)
+
+HELD_OUT_TEMPLATES = [
+    "I'm studying for an exam. How would you describe {t}?",
+    "Could you give an overview of {t} for a beginner?",
+    "quick question on {t}",
+    "What should every student know about {t}?",
+]
+
+TOPICS: dict[str, tuple[list[str], list[str]]] = {
+    "biology": ([
+        "the immune response to bacterial infection", "the structure of proteins and amino acids", "the human nervous system and neurons", "photosynthetic pigments", "ecological succession", "stem cell differentiation", "the genetic code and codons", "animal behaviour and instinct", "osmosis across cell membranes", "the digestive system of ruminants",
+        "photosynthesis in C4 plants", "the role of mitochondria in cellular respiration", "DNA replication",
+        "natural selection", "the structure of a eukaryotic cell", "meiosis and genetic variation",
+        "enzyme kinetics and the Michaelis constant", "the Krebs cycle", "how ribosomes translate mRNA",
+        "Mendelian inheritance of recessive traits", "the nitrogen cycle in ecosystems", "gene expression in operons",
+        "the function of chloroplasts", "population genetics and the Hardy-Weinberg equilibrium",
+        "the anatomy of flowering plants", "how viruses replicate inside host cells", "symbiosis between fungi and algae",
+        "the evolution of whales from land mammals", "protein folding and chaperones", "the sodium-potassium pump",
+        "the classification of vertebrates", "CRISPR as a bacterial immune system", "cell signalling through G proteins",
+        "speciation on islands",
+    ], [
+        "transcription factors", "the life cycle of ferns", "apoptosis", "food webs in coral reefs",
+        "horizontal gene transfer in bacteria", "the structure of the plasma membrane", "mitosis",
+        "genetic drift in small populations", "hormones that regulate plant growth", "the Calvin cycle",
+    ]),
+    "business": ([
+        "quarterly earnings reports", "outsourcing and offshoring", "customer acquisition cost", "profit and loss statements", "strategic planning for a retail chain", "startup equity and stock options", "risk management in corporations", "team management and delegation", "advertising campaigns", "the cost of goods sold",
+        "a SWOT analysis for a small bakery", "supply chain management", "the marketing mix and the four Ps",
+        "writing a business plan for a startup", "corporate governance and the board of directors",
+        "customer relationship management", "franchising as a growth strategy", "brand positioning",
+        "double-entry bookkeeping", "the balance sheet and income statement", "return on investment for a project",
+        "leadership styles in management", "mergers and acquisitions", "pricing strategy for a new product",
+        "venture capital funding rounds", "human resource management and hiring", "business ethics and whistleblowing",
+        "operations management and lean manufacturing", "market segmentation", "managing cash flow in a small company",
+        "the net present value of an investment", "organizational culture", "key performance indicators for sales teams",
+        "negotiating a contract with a supplier",
+    ], [
+        "depreciation of company assets", "an initial public offering", "product life cycle management",
+        "employee performance reviews", "break-even analysis", "e-commerce strategy for retailers",
+        "stakeholder management", "inventory turnover", "accounts receivable", "a company's mission statement",
+    ]),
+    "chemistry": ([
+        "the pH scale and indicators", "reaction mechanisms in organic synthesis", "crystal lattice structures", "colligative properties of solutions", "combustion of hydrocarbons", "thermochemistry and calorimetry", "atomic orbitals and quantum numbers", "alkanes and their naming", "precipitation reactions", "electrolysis of water",
+        "covalent and ionic bonds", "balancing redox reactions", "the periodic trends in electronegativity",
+        "Le Chatelier's principle", "acid-base titration", "the ideal gas law", "organic functional groups",
+        "reaction rates and activation energy", "electrochemical cells", "hybridization of carbon orbitals",
+        "stoichiometry of combustion", "chemical equilibrium constants", "buffer solutions and pH",
+        "the mole concept", "isomers in organic chemistry", "polymerization reactions", "enthalpy of formation",
+        "intermolecular forces and boiling points", "nucleophilic substitution reactions", "the electron configuration of transition metals",
+        "chromatography", "oxidation states", "catalysts in industrial chemistry", "the solubility product",
+    ], [
+        "Gibbs free energy of a reaction", "VSEPR theory and molecular shapes", "esterification",
+        "the Haber process", "aromatic compounds like benzene", "molarity and dilution",
+        "noble gases", "spectroscopy for identifying compounds", "galvanic corrosion", "alkenes and addition reactions",
+    ]),
+    "computer science": ([
+        "operating system scheduling", "software design patterns", "network protocols like HTTP", "memory management in C", "hash functions", "parallel computing with threads", "machine learning classifiers", "debugging a segmentation fault", "data structures like stacks", "automata and formal languages",
+        "binary search trees", "the time complexity of quicksort", "how a hash table handles collisions",
+        "recursion and the call stack", "Dijkstra's shortest path algorithm", "object-oriented programming",
+        "how TCP guarantees delivery", "database normalization", "the difference between processes and threads",
+        "dynamic programming", "compilers and parsing", "garbage collection in Java",
+        "reversing a linked list in Python", "REST APIs", "how public-key cryptography works",
+        "the halting problem", "virtual memory and paging", "graph traversal with breadth-first search",
+        "writing a SQL query with a join", "version control with git", "big-O notation",
+        "neural networks and backpropagation", "cache coherence in multicore CPUs", "regular expressions",
+    ], [
+        "a heap data structure", "deadlocks in concurrent programs", "the OSI network model",
+        "unit testing a function", "merge sort", "Turing machines", "sorting a dictionary by value in Python",
+        "load balancing web servers", "functional programming with closures", "B-tree indexes in databases",
+    ]),
+    "economics": ([
+        "deflation and falling prices", "market failure", "labor markets and wages", "trade deficits", "interest rates and savings", "the role of competition in markets", "economic recessions", "government debt and deficits", "price ceilings and rent control", "information asymmetry in markets",
+        "supply and demand", "inflation and the consumer price index", "the role of the central bank",
+        "fiscal policy during a recession", "comparative advantage in trade", "price elasticity of demand",
+        "monopoly pricing", "gross domestic product", "the unemployment rate", "opportunity cost",
+        "Keynesian economics", "the Phillips curve", "externalities and carbon taxes", "game theory and the prisoner's dilemma",
+        "exchange rates", "the quantity theory of money", "marginal utility", "perfect competition",
+        "tariffs and trade wars", "income inequality and the Gini coefficient", "monetary policy and interest rates",
+        "public goods and free riders", "economic growth in the Solow model", "the law of diminishing returns",
+    ], [
+        "stagflation", "oligopoly behaviour", "the multiplier effect of government spending",
+        "consumer surplus", "the balance of payments", "moral hazard", "quantitative easing",
+        "a minimum wage increase", "the business cycle", "purchasing power parity",
+    ]),
+    "engineering": ([
+        "structural load calculations", "electrical circuit design", "manufacturing processes like casting", "engine efficiency and fuel consumption", "materials testing and hardness", "robotics actuators", "civil engineering of highways", "semiconductor devices", "heat transfer by conduction", "aerodynamics of a car body",
+        "stress and strain in steel beams", "designing a truss bridge", "control systems and PID controllers",
+        "heat exchangers", "the efficiency of a Carnot engine in practice", "fluid flow in pipes and the Reynolds number",
+        "designing an RC low-pass filter", "finite element analysis", "welding and joint design",
+        "the load on a cantilever beam", "gear ratios in a transmission", "signal processing with the Fourier transform",
+        "reinforced concrete design", "power transmission lines", "the design of a centrifugal pump",
+        "tolerances in mechanical drawings", "operational amplifier circuits", "HVAC system sizing",
+        "soil mechanics for foundations", "the fatigue life of metal parts", "designing a printed circuit board",
+        "turbine blade cooling", "sizing a DC motor", "hydraulic systems",
+    ], [
+        "a suspension bridge cable", "transistor amplifier biasing", "thermal insulation of a building",
+        "a four-stroke engine", "material selection for aircraft parts", "vibration damping",
+        "a three-phase electrical system", "water treatment plant design", "rocket nozzle design", "a gearbox for a wind turbine",
+    ]),
+    "health": ([
+        "vitamin deficiencies", "managing stress for better health", "symptoms of food poisoning", "recovering from the common cold", "healthy weight loss", "the effects of smoking on the lungs", "dental hygiene", "physical symptoms of anxiety", "prescription painkillers", "caring for a wound",
+        "the symptoms of type 2 diabetes", "how vaccines train the immune system", "treating high blood pressure",
+        "the recommended daily intake of vitamin D", "managing asthma", "the side effects of ibuprofen",
+        "how to lower cholesterol", "the early signs of a stroke", "the benefits of regular exercise",
+        "sleep hygiene", "what causes migraines", "first aid for burns", "the stages of cancer",
+        "antibiotic resistance in hospitals", "a healthy diet during pregnancy", "how the flu spreads",
+        "treatment options for osteoporosis", "beta blockers for hypertension", "symptoms of dehydration",
+        "the dosage of acetaminophen for adults", "heart disease risk factors", "managing chronic back pain",
+        "allergies and antihistamines", "kidney stones",
+    ], [
+        "iron deficiency anemia", "physical therapy after knee surgery", "the symptoms of Lyme disease",
+        "how statins work", "preventing skin cancer", "concussions in athletes", "the measles vaccine",
+        "treating a sprained ankle", "celiac disease", "blood pressure readings",
+    ]),
+    "history": ([
+        "World War II in the Pacific", "the history of ancient Greece", "medieval feudalism", "the colonization of the Americas", "the Vietnam War", "the history of the British Empire", "the American Revolution", "ancient Mesopotamia", "the unification of Germany", "the Silk Road trade routes",
+        "the causes of World War I", "the fall of the Roman Empire", "the French Revolution",
+        "the Industrial Revolution in Britain", "the American Civil War", "the Ming dynasty",
+        "the Cold War", "the Renaissance in Florence", "the Meiji Restoration", "the Ottoman Empire",
+        "the Russian Revolution of 1917", "ancient Egyptian pharaohs", "the Crusades", "the civil rights movement",
+        "the partition of India in 1947", "the Treaty of Versailles", "the voyages of Columbus",
+        "the Protestant Reformation", "the Aztec Empire", "the Napoleonic Wars", "the Great Depression",
+        "the Magna Carta", "decolonization in Africa", "the Byzantine Empire",
+    ], [
+        "the Hundred Years' War", "the Opium Wars", "the Mongol conquests", "the Spanish Armada",
+        "the Berlin Wall", "the Glorious Revolution", "the Inca road system", "the Peloponnesian War",
+        "the abolition of slavery in Britain", "the Weimar Republic",
+    ]),
+    "law": ([
+        "criminal procedure and arrests", "property law and ownership", "contract disputes", "constitutional rights", "tenant eviction law", "legal liability for accidents", "the role of the Supreme Court", "copyright fair use", "divorce and child custody law", "legal rules of evidence",
+        "the elements of a valid contract", "negligence in tort law", "the Fourth Amendment and search warrants",
+        "intellectual property and copyright", "the burden of proof in criminal trials", "adverse possession",
+        "the doctrine of precedent", "consideration in contract law", "defamation and libel",
+        "the separation of powers", "habeas corpus", "employment discrimination law", "the hearsay rule",
+        "strict liability", "landlord and tenant rights", "the Miranda warning", "trademark infringement",
+        "the statute of limitations", "self-defense as a legal justification", "international treaties and sovereignty",
+        "wills and probate", "the right to a jury trial", "breach of fiduciary duty", "due process under the Fourteenth Amendment",
+    ], [
+        "promissory estoppel", "the exclusionary rule", "an easement on property", "vicarious liability",
+        "patent eligibility", "mens rea in criminal law", "the First Amendment and free speech",
+        "a prenuptial agreement", "class action lawsuits", "the parol evidence rule",
+    ]),
+    "math": ([
+        "geometry of triangles", "algebraic expressions", "statistics and standard deviation", "calculus and rates of change", "number theory and divisibility", "solving inequalities", "probability distributions", "matrix multiplication", "exponential growth equations", "the mean, median and mode of a data set",
+        "solving quadratic equations", "the derivative of sin(x)", "integration by parts", "prime factorization",
+        "the Pythagorean theorem", "eigenvalues of a matrix", "probability of rolling two sixes",
+        "the limit of a sequence", "proof by induction", "the area of a circle", "logarithm rules",
+        "the value of 17 times 23", "complex numbers", "arithmetic and geometric series",
+        "the binomial theorem", "linear equations with two unknowns", "the volume of a cone",
+        "modular arithmetic", "differential equations", "the greatest common divisor", "Taylor series",
+        "permutations and combinations", "the sum 2 + 2", "vectors and dot products",
+    ], [
+        "the chain rule", "the square root of 144", "conditional probability", "polynomial long division",
+        "the determinant of a 2x2 matrix", "trigonometric identities", "the slope of a line",
+        "fractions and common denominators", "set theory and Venn diagrams", "the fundamental theorem of calculus",
+    ]),
+    "other": ([
+        "choosing a gift for a friend", "tips for moving house", "hosting a dinner party", "learning a new language as an adult", "the best pizza toppings", "planning a wedding", "popular video games", "caring for a cat", "cleaning tips for the kitchen", "what to watch on a rainy day",
+        "a recipe for chocolate chip cookies", "planning a trip to Japan", "the rules of chess",
+        "choosing a good laptop bag", "how to train a puppy", "the best way to clean a cast iron pan",
+        "gardening tips for tomatoes", "what to pack for a camping trip", "a birthday party for a ten-year-old",
+        "the plot of a popular fantasy novel", "learning to play the guitar", "how to tie a tie",
+        "the history of the Olympic Games", "tips for a job interview outfit", "decorating a small apartment",
+        "the best hiking trails in Colorado", "how to make sourdough bread", "writing a wedding toast",
+        "choosing a board game for a family night", "fixing a leaky faucet", "caring for houseplants",
+        "a weekend itinerary in Paris", "knitting a scarf", "the rules of soccer",
+    ], [
+        "brewing pour-over coffee", "organizing a garage", "a movie recommendation for tonight",
+        "how to fold a fitted sheet", "planning a road trip along the coast", "taking better photos with a phone",
+        "the rules of basketball", "a vegetarian lasagna recipe", "painting a bedroom wall", "a gift for my grandmother",
+    ]),
+    "philosophy": ([
+        "ethics of lying and honesty", "the nature of consciousness", "philosophy of science", "justice and fairness", "the meaning of life", "metaphysics and the nature of reality", "ancient Greek philosophers", "logic and valid arguments", "aesthetics and beauty", "rights and moral duties",
+        "Kant's categorical imperative", "utilitarianism", "Descartes' cogito", "the trolley problem",
+        "Plato's allegory of the cave", "existentialism and Sartre", "the mind-body problem",
+        "free will and determinism", "virtue ethics in Aristotle", "the problem of induction",
+        "Nietzsche's will to power", "social contract theory", "the ship of Theseus", "epistemology and justified belief",
+        "moral relativism", "Stoicism", "the philosophy of language of Wittgenstein", "Hume on causation",
+        "the ontological argument for God", "personal identity over time", "Confucian ethics",
+        "the veil of ignorance in Rawls", "phenomenology", "skepticism about the external world",
+    ], [
+        "Spinoza's pantheism", "the problem of evil", "logical positivism", "Hegel's dialectic",
+        "consequentialism versus deontology", "the Chinese room argument", "Epicurus on pleasure",
+        "moral realism", "Kierkegaard's leap of faith", "Zeno's paradoxes",
+    ]),
+    "physics": ([
+        "electric fields and charges", "friction and motion", "energy conservation in collisions", "magnetism", "light and optics", "quantum mechanics basics", "thermodynamics of gases", "sound waves", "the physics of the universe and cosmology", "pressure in fluids",
+        "Newton's second law", "the photoelectric effect", "special relativity and time dilation",
+        "conservation of momentum", "Maxwell's equations", "quantum entanglement", "the Doppler effect",
+        "the second law of thermodynamics", "projectile motion", "the Heisenberg uncertainty principle",
+        "black holes and event horizons", "Ohm's law", "wave-particle duality", "the speed of light in a medium",
+        "gravitational potential energy", "nuclear fission", "the Schrodinger equation", "centripetal force",
+        "electromagnetic induction", "the standard model of particle physics", "simple harmonic motion",
+        "the refraction of light", "superconductivity", "the Bohr model of the atom",
+    ], [
+        "dark matter", "Coulomb's law", "angular momentum of a spinning top", "the Higgs boson",
+        "thermal expansion", "radioactive half-life", "Kepler's laws of planetary motion",
+        "interference in the double-slit experiment", "buoyancy and Archimedes' principle", "entropy in statistical mechanics",
+    ]),
+    "psychology": ([
+        "child development", "personality psychology", "the psychology of habits", "stress and coping", "memory and forgetting", "social psychology experiments", "cognitive biases in decision making", "perception and attention", "behavioural psychology", "mental health and therapy",
+        "classical conditioning", "Maslow's hierarchy of needs", "cognitive dissonance", "the stages of grief",
+        "short-term and long-term memory", "Piaget's stages of cognitive development", "confirmation bias",
+        "the bystander effect", "attachment theory", "operant conditioning", "the Big Five personality traits",
+        "the Stanford prison experiment", "cognitive behavioural therapy", "motivation and reward",
+        "the Milgram obedience study", "social learning theory", "impostor syndrome", "emotional intelligence",
+        "groupthink", "the placebo effect on perception", "Freud's theory of the unconscious",
+        "learned helplessness", "procrastination", "self-esteem in adolescents",
+    ], [
+        "the Dunning-Kruger effect", "sensory perception and illusions", "Erikson's psychosocial stages",
+        "anxiety and avoidance behaviour", "the marshmallow test", "conformity in the Asch experiment",
+        "intrinsic motivation", "the halo effect", "memory reconsolidation", "mindset and growth",
+    ]),
+}
+
+# Whole questions in the MMLU-Pro style, held out (never trained on).
+HELD_OUT_QUESTIONS: dict[str, list[str]] = {
+    "biology": [
+        "Which organelle is responsible for producing ATP in animal cells?",
+        "In pea plants, tall is dominant over short. What fraction of offspring from two heterozygous parents will be short?",
+        "What is the main function of the xylem in vascular plants?",
+        "Why do prokaryotes lack membrane-bound organelles?",
+    ],
+    "business": [
+        "A company has revenue of $2M and costs of $1.5M. What is its profit margin?",
+        "What are the advantages of a sole proprietorship compared with a corporation?",
+        "How should a manager motivate a team that keeps missing deadlines?",
+        "What does a chief financial officer do?",
+    ],
+    "chemistry": [
+        "What is the pH of a 0.01 M solution of hydrochloric acid?",
+        "How many moles of oxygen are needed to burn 2 moles of methane?",
+        "Why does salt lower the freezing point of water?",
+        "Which element has the highest first ionization energy?",
+    ],
+    "computer science": [
+        "What is the worst-case time complexity of inserting into a balanced binary search tree?",
+        "Write a Python function that checks whether a string is a palindrome.",
+        "Why is my JavaScript promise never resolving?",
+        "What is the difference between a stack and a queue?",
+    ],
+    "economics": [
+        "If the price of coffee rises, what happens to the demand for tea?",
+        "Why do central banks raise interest rates when inflation is high?",
+        "What happens to the equilibrium price when supply decreases?",
+        "How does a tariff on imported steel affect domestic consumers?",
+    ],
+    "engineering": [
+        "What size of steel I-beam do I need to span 6 meters with a 10 kN load?",
+        "How do you calculate the cutoff frequency of a first-order RC filter?",
+        "Why are aircraft wings made from aluminium alloys?",
+        "What causes cavitation in a pump impeller?",
+    ],
+    "health": [
+        "What are the common side effects of taking metformin?",
+        "How much water should an adult drink per day?",
+        "My child has a fever of 39 degrees, when should I see a doctor?",
+        "What lifestyle changes help prevent heart attacks?",
+    ],
+    "history": [
+        "Who was the first emperor of the Roman Empire?",
+        "Why did the Soviet Union collapse in 1991?",
+        "What were the main consequences of the Black Death in medieval Europe?",
+        "In what year did the Berlin Wall fall, and why?",
+    ],
+    "law": [
+        "Can my landlord evict me without giving written notice?",
+        "What must a prosecutor prove to convict someone of murder?",
+        "Is a verbal agreement legally binding?",
+        "What is the difference between a misdemeanor and a felony?",
+    ],
+    "math": [
+        "What is 2+2?",
+        "Solve for x: 3x + 7 = 22.",
+        "What is the derivative of x^3 + 2x?",
+        "How many ways can 5 people be arranged in a row?",
+    ],
+    "other": [
+        "What should I cook for dinner tonight with chicken and rice?",
+        "Which is the best season to visit Iceland?",
+        "Can you suggest a name for my new cat?",
+        "How do I remove a red wine stain from a carpet?",
+    ],
+    "philosophy": [
+        "Is it ever morally acceptable to lie?",
+        "What did Socrates mean by 'the unexamined life is not worth living'?",
+        "Can we know anything with absolute certainty?",
+        "What is the meaning of life according to the existentialists?",
+    ],
+    "physics": [
+        "A ball is dropped from 20 meters. How long does it take to hit the ground?",
+        "Why is the sky blue?",
+        "What is the kinetic energy of a 2 kg mass moving at 3 m/s?",
+        "How does a nuclear reactor produce electricity from uranium?",
+    ],
+    "psychology": [
+        "Why do people conform to group opinions even when they know they are wrong?",
+        "What are the symptoms of depression according to psychologists?",
+        "How does childhood trauma affect adult relationships?",
+        "Why do we forget dreams so quickly after waking up?",
+    ],
+}

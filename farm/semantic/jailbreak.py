@@ -1,0 +1,40 @@
+"""Jailbreak / prompt-injection detection with a type and a confidence.
+
+Softmax regression over [MiniLM embedding, hashed word uni/bigrams] with four classes: benign,
+instruction_override, roleplay, prompt_extraction. Confidence = 1 - p(benign); the type is the most
+likely attack class. Trained on attacks and on benign prompts that use the same words ("disregard my
+last paragraph", "explain SQL injection so I can prevent it"), so a keyword alone does not trigger it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from farm.semantic.heads import LinearHead
+
+
+@dataclass(frozen=True)
+class JailbreakResult:
+    is_jailbreak: bool
+    type: str  # "benign" when not an attack
+    confidence: float  # probability that the text is an attack
+
+
+class JailbreakDetector:
+    def __init__(self, head: LinearHead, threshold: float) -> None:
+        if head.labels[0] != "benign":
+            raise ValueError("the jailbreak head's first label must be 'benign'")
+        self.head = head
+        self.threshold = threshold
+
+    def detect(self, emb: np.ndarray, texts: list[str]) -> list[JailbreakResult]:
+        p = self.head.proba(np.atleast_2d(emb), texts)
+        out = []
+        for row in p:
+            attack = float(1.0 - row[0])
+            kind = self.head.labels[1 + int(row[1:].argmax())]
+            flagged = attack >= self.threshold
+            out.append(JailbreakResult(flagged, kind if flagged else "benign", attack))
+        return out

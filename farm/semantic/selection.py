@@ -1,0 +1,79 @@
+"""Model selection for "MoM"/"auto" and per-category system prompt injection.
+
+Per-category model scores in config pick the highest-scoring model that is served right now (the
+caller passes a `served()` callback, e.g. the models with live workers); below the classifier's
+confidence threshold, or with no scored model served, the default model answers. An explicit model
+name is honoured as given: no selection and no category system prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from farm.semantic.config import CategoryConfig, SemanticConfig
+
+
+@dataclass(frozen=True)
+class Route:
+    model: str
+    category: str | None  # the accepted category (confidence at or above the threshold), else None
+    confidence: float
+    reasoning: bool
+    routed: bool  # True when the model was chosen for an alias ("MoM", "auto")
+    category_cfg: CategoryConfig | None
+
+
+class ModelSelector:
+    def __init__(self, cfg: SemanticConfig, default_model: str,
+                 served: Callable[[], set[str]] | None = None) -> None:
+        self.cfg = cfg
+        self.default_model = cfg.default_model or default_model
+        self.aliases = {a.lower() for a in cfg.aliases}
+        self.served = served
+
+    def is_alias(self, model: str) -> bool:
+        return model.lower() in self.aliases
+
+    def select(self, requested: str, category: str, confidence: float) -> Route:
+        accepted = confidence >= self.cfg.classifier.threshold
+        cat_cfg = self.cfg.category(category) if accepted else None
+        if not self.is_alias(requested):
+            return Route(requested, category if accepted else None, confidence, False, False, None)
+        model = self.default_model
+        if cat_cfg and cat_cfg.model_scores:
+            live = self.served() if self.served else None
+            ranked = sorted(cat_cfg.model_scores.items(), key=lambda kv: (-kv[1], kv[0]))
+            for name, _ in ranked:
+                if live is None or name in live:
+                    model = name
+                    break
+        return Route(model, category if accepted else None, confidence,
+                     bool(cat_cfg and cat_cfg.reasoning), True, cat_cfg)
+
+
+def message_text(content) -> str:
+    """A message's text: a string, or the text parts of an OpenAI content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def system_prompt_of(messages: list[dict]) -> str:
+    return "\n\n".join(message_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
+
+
+def inject_system_prompt(messages: list[dict], prompt: str, mode: str) -> list[dict]:
+    """A new message list with `prompt` as the system prompt (replace) or in front of the user's (prepend)."""
+    if not prompt:
+        return list(messages)
+    rest = [dict(m) for m in messages]
+    sys_idx = [i for i, m in enumerate(rest) if m.get("role") == "system"]
+    if mode == "replace" or not sys_idx:
+        rest = [m for m in rest if m.get("role") != "system"]
+        return [{"role": "system", "content": prompt}] + rest
+    first = sys_idx[0]
+    rest[first] = {**rest[first], "content": prompt + "\n\n" + message_text(rest[first].get("content"))}
+    return rest

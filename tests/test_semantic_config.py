@@ -1,0 +1,73 @@
+"""The `semantic` config section: defaults work, mistakes are reported with the key that is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from farm.config import ConfigError, load_config
+from farm.semantic.config import MMLU_PRO_CATEGORIES
+
+
+def _load(tmp_path, override: dict, env: dict | None = None):
+    p = tmp_path / "override.yaml"
+    p.write_text(yaml.safe_dump(override))
+    return load_config(p, environ=env or {})
+
+
+def test_defaults_out_of_the_box():
+    cfg = load_config(environ={})
+    s = cfg.semantic
+    assert s.enabled and s.jailbreak.enabled and s.pii.enabled and s.cache.enabled
+    assert s.cache.backend == "redis"
+    assert sorted(c.name for c in s.categories) == sorted(MMLU_PRO_CATEGORIES)
+    assert {"MoM", "auto"} <= set(s.aliases)
+    # the default policy allows no PII for any model (the seed's SSN request is refused)
+    assert s.pii.policy(cfg.default_model).violations({"US_SSN", "EMAIL_ADDRESS"}) == {"US_SSN", "EMAIL_ADDRESS"}
+    for c in s.categories:
+        assert set(c.model_scores) <= {m.name for m in cfg.models}
+
+
+def test_unknown_model_in_scores(tmp_path):
+    cats = [{"name": "math", "model_scores": {"NoSuchModel": 0.9}}]
+    with pytest.raises(ConfigError, match=r"semantic.categories\[math\].model_scores names unknown models \['NoSuchModel'\]"):
+        _load(tmp_path, {"semantic": {"categories": cats}})
+
+
+def test_unknown_category(tmp_path):
+    with pytest.raises(ConfigError, match="not categories the classifier knows"):
+        _load(tmp_path, {"semantic": {"categories": [{"name": "astrology"}]}})
+
+
+def test_duplicate_category(tmp_path):
+    with pytest.raises(ConfigError, match="duplicate names"):
+        _load(tmp_path, {"semantic": {"categories": [{"name": "math"}, {"name": "math"}]}})
+
+
+def test_bad_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"semantic.jailbreak.threshold"):
+        _load(tmp_path, {"semantic": {"jailbreak": {"threshold": 1.5}}})
+    with pytest.raises(ConfigError, match=r"semantic.cache.backend"):
+        load_config(environ={"FARM_SEMANTIC__CACHE__BACKEND": "memcached"})
+    with pytest.raises(ConfigError, match=r"semantic.cache.similarity_threshold"):
+        load_config(environ={"FARM_SEMANTIC__CACHE__SIMILARITY_THRESHOLD": "0"})
+    with pytest.raises(ConfigError, match=r"semantic.cache.colour"):
+        _load(tmp_path, {"semantic": {"cache": {"colour": "blue"}}})
+    with pytest.raises(ConfigError, match="model score"):
+        _load(tmp_path, {"semantic": {"categories": [{"name": "math", "model_scores": {"SmolLM2-135M-Instruct": 3}}]}})
+
+
+def test_pii_policy_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown PII type 'SHOE_SIZE'"):
+        _load(tmp_path, {"semantic": {"pii": {"policies": {"SmolLM2-135M-Instruct": {"allowed_types": ["SHOE_SIZE"]}}}}})
+    with pytest.raises(ConfigError, match=r"semantic.pii.policies names unknown models \['Ghost'\]"):
+        _load(tmp_path, {"semantic": {"pii": {"policies": {"Ghost": {"allow_by_default": True}}}}})
+    cfg = _load(tmp_path, {"semantic": {"pii": {"policies": {"SmolLM2-135M-Instruct": {"allowed_types": ["B-PERSON"]}}}}})
+    assert cfg.semantic.pii.policy("SmolLM2-135M-Instruct").allowed_types == ["PERSON"]
+
+
+def test_alias_may_not_shadow_a_model(tmp_path):
+    with pytest.raises(ConfigError, match="'SmolLM2-135M-Instruct' is also a configured model name"):
+        _load(tmp_path, {"semantic": {"aliases": ["SmolLM2-135M-Instruct"]}})
+    with pytest.raises(ConfigError, match="semantic.default_model 'Nope'"):
+        _load(tmp_path, {"semantic": {"default_model": "Nope"}})
