@@ -92,6 +92,7 @@ class Submission:
         self.attempt_id = req.request_id  # the request id the workers see now (changes on migration)
         self.migrations = 0
         self._last_id = "0-0"
+        self._seen: dict[str, int] = {}  # stream writer -> last event sequence read
         self.finished = False
         self._started = False
         self._loads: list[tuple[str, str, str]] = []  # (kind, worker, request id) not yet ended
@@ -296,6 +297,11 @@ class Submission:
                 for entry_id, fields in entries:
                     self._last_id = entry_id
                     ev = json.loads(fields.get(EVENT_FIELD.encode()) or fields.get(EVENT_FIELD))
+                    writer, seq = ev.pop("w", None), ev.pop("s", 0)
+                    if writer is not None:  # a writer that retried after a Redis error may repeat events
+                        if seq <= self._seen.get(writer, 0):
+                            continue
+                        self._seen[writer] = seq
                     got_any = self._started = True
                     deadline = time.monotonic() + idle
                     self._on_event(ev)

@@ -11,10 +11,12 @@ means the API that read the request died, so nobody will ever read the tokens (n
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,8 @@ class StreamWriter:
         self._last_cancel_poll = 0.0
         self._leases: dict[str, float] = {}  # request id -> grace (s) a missing lease is tolerated
         self._lease_missing: dict[str, float] = {}  # request id -> when its lease was first seen missing
+        self.writer_id = uuid.uuid4().hex[:12]  # events carry (writer_id, sequence) so repeats are skipped
+        self._seq = itertools.count(1)  # next() is atomic under the GIL: flush may run on two threads
 
     def start(self) -> StreamWriter:
         self._thread.start()
@@ -90,13 +94,21 @@ class StreamWriter:
             pending, self._pending = self._pending, {}
         if not pending:
             return
-        pipe = self.r.pipeline(transaction=False)
+        # Each event carries (writer, sequence): a retry after a connection error may repeat events that
+        # reached Redis before it dropped, and the reader skips what it has seen (Submission). The
+        # pipeline is rebuilt per attempt (a failed execute() clears its commands).
+        batch: list[tuple[str, list[str]]] = []
         for rid, events in pending.items():
-            key = stream_key(rid)
+            payloads = []
             for ev in events:
-                pipe.xadd(key, {EVENT_FIELD: json.dumps(ev)})
-            pipe.expire(key, STREAM_TTL_S)
+                payloads.append(json.dumps({**ev, "w": self.writer_id, "s": next(self._seq)}))
+            batch.append((stream_key(rid), payloads))
         for attempt in range(30):
+            pipe = self.r.pipeline(transaction=False)
+            for key, payloads in batch:
+                for payload in payloads:
+                    pipe.xadd(key, {EVENT_FIELD: payload})
+                pipe.expire(key, STREAM_TTL_S)
             try:
                 pipe.execute()
                 return

@@ -69,3 +69,39 @@ def make_celery(cfg: FarmConfig | None = None) -> Celery:
 
 
 app = make_celery()
+
+
+def _survive_broker_reconnects() -> None:
+    """Celery 5.7's consumer closes the broken connection after a Redis restart; kombu's Redis QoS then
+    restores unacked messages (and acks late tasks finishing later) through a connection whose client is
+    already gone and raises AttributeError ("'NoneType' object has no attribute 'hostname'"), which Celery
+    treats as unrecoverable: the worker stops. Both are logged and dropped here instead: unacked messages
+    stay in kombu's index and are restored after the visibility timeout (by any worker), and the claim a
+    generation task took (farm:claim) makes that redelivery a no-op, so nothing runs twice."""
+    import logging
+
+    import redis as redis_lib
+    from kombu.transport import redis as kombu_redis
+
+    log = logging.getLogger("farm.celery")
+
+    def guarded(name: str):
+        original = getattr(kombu_redis.QoS, name)
+        if getattr(original, "_farm_safe", False):
+            return original
+
+        def method(self, *args, **kwargs):  # noqa: ANN001, ANN202 - kombu's signatures
+            try:
+                return original(self, *args, **kwargs)
+            except (AttributeError, redis_lib.RedisError) as e:
+                log.warning("kombu QoS.%s after a broker reconnect failed (%s); left for redelivery", name, e)
+                return None
+
+        method._farm_safe = True  # type: ignore[attr-defined]
+        return method
+
+    for name in ("ack", "restore_unacked"):
+        setattr(kombu_redis.QoS, name, guarded(name))
+
+
+_survive_broker_reconnects()

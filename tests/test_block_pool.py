@@ -77,3 +77,31 @@ def test_reset_clears_cache_only_when_idle():
     pool.free(a)
     pool.reset()
     assert pool.cached == {} and events[-1][0] == "cleared"
+
+
+def test_requests_sharing_a_prefix_that_arrive_together_compute_it_once():
+    """Admitted in the same step, each would compute the shared blocks; the scheduler lets the later ones
+    wait until the first has registered them, then they start from the cached prefix."""
+    from farm.engine.scheduler import PrefillBatch, Scheduler, Sequence
+    from farm.protocol import SamplingParams
+
+    pool = BlockPool(64, 4)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=256, import_fn=lambda *_: None)
+    prefix = list(range(100, 124))  # 6 full blocks
+    seqs = [Sequence(f"r{i}", prefix + [500 + i, 600 + i], SamplingParams(max_tokens=4), lambda _o: None)
+            for i in range(3)]
+    other = Sequence("x", list(range(900, 926)), SamplingParams(max_tokens=4), lambda _o: None)
+    for s in [*seqs, other]:
+        sched.add(s)
+    first = sched.schedule()
+    assert isinstance(first, PrefillBatch)
+    assert [s.request_id for s in first.seqs] == ["r0", "x"]  # r1, r2 wait; an unrelated request does not
+    assert [s.request_id for s in sched.waiting] == ["r1", "r2"]
+    for s in first.seqs:  # what the engine does after the chunk ran
+        s.num_computed = s.num_tokens
+        sched.register_full_blocks(s)
+        sched.prefilling.remove(s)
+        sched.running.append(s)
+    second = sched.schedule()
+    assert [s.request_id for s in second.seqs] == ["r1", "r2"]
+    assert [s.num_cached_tokens for s in second.seqs] == [24, 24]

@@ -80,13 +80,17 @@ def test_mom_chooses_a_model_and_a_repeat_is_served_from_the_semantic_cache(farm
     assert resp.model == farm.cfg.default_model == raw.headers["x-vsr-selected-model"]  # the only one served
     assert raw.headers["x-vsr-selected-category"] == "math"
     assert raw.headers["x-vsr-injected-system-prompt"] == "true" and raw.headers["x-farm-decode-worker"]
-    assert "4" in resp.choices[0].message.content and resp.choices[0].finish_reason == "stop"
+    assert "4" in resp.choices[0].message.content
+    # a complete answer (finish_reason stop) is stored; the same request again is a hit, streamed here
+    msgs = [{"role": "user", "content": "What is 3 times 5?"}]
+    first = client.chat.completions.create(model="MoM", messages=msgs, max_tokens=200, temperature=0)
+    assert first.choices[0].finish_reason == "stop" and "15" in first.choices[0].message.content
     t0 = time.perf_counter()
-    stream = client.chat.completions.with_raw_response.create(model="MoM", messages=msgs, max_tokens=60,
+    stream = client.chat.completions.with_raw_response.create(model="MoM", messages=msgs, max_tokens=200,
                                                               temperature=0, stream=True)
     chunks = list(stream.parse())
     assert stream.headers["x-vsr-cache-hit"] == "true" and "x-farm-decode-worker" not in stream.headers
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
     assert time.perf_counter() - t0 < 5
 
 

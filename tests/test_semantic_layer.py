@@ -51,7 +51,7 @@ def test_seed_basic_inference_mom(layer):
     assert v.headers["x-vsr-selected-category"] == "math"
     assert v.headers["x-vsr-selected-reasoning"] == "on"
     assert v.headers["x-vsr-injected-system-prompt"] == "true"
-    assert v.messages[0]["role"] == "system" and "mathematics" in v.messages[0]["content"]
+    assert v.messages[0]["role"] == "system" and "math" in v.messages[0]["content"]
     assert v.messages[-1] == {"role": "user", "content": "What is 2+2?"}
     assert "x-vsr-cache-hit" not in v.headers
 

@@ -48,6 +48,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of registered full blocks
+    planned: tuple[int, list[int]] = (-1, [])  # (token count, hashes of all full blocks of all_ids then)
     num_computed: int = 0
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -127,10 +128,26 @@ class Scheduler:
         seq.hashes.extend(new)
 
     # -- admission ---------------------------------------------------------------------------------
+    def _planned(self, seq: Sequence) -> list[int]:
+        """Hashes of every full block of the sequence's tokens (computed once per token count)."""
+        n = seq.num_tokens
+        if seq.planned[0] != n:
+            seq.planned = (n, block_hashes(seq.all_ids, self.bs))
+        return seq.planned[1]
+
+    def _waits_for_inflight(self, seq: Sequence, inflight: set[int]) -> bool:
+        """Whether the first block this sequence would compute is being computed by a sequence in prefill
+        now: then it waits a step and reuses that block instead of computing it a second time (requests
+        that share a prefix and arrive together, e.g. a prefix-grouped batch)."""
+        hashes = self._planned(seq)
+        cached = self.pool.cached_prefix(hashes)
+        return len(cached) < len(hashes) and hashes[len(cached)] in inflight
+
     def _admit(self, seq: Sequence) -> bool:
         ids = seq.all_ids
         # imported KV covers the prompt only: never match a block that includes the first token
-        hashes = block_hashes(ids if seq.kv_import is None else ids[:seq.kv_import.num_tokens], self.bs)
+        hashes = self._planned(seq) if seq.kv_import is None else \
+            block_hashes(ids[:seq.kv_import.num_tokens], self.bs)
         cached = self.pool.cached_prefix(hashes)
         if seq.kv_import is None and len(cached) * self.bs >= len(ids):
             cached = cached[:-1]  # always compute at least one token to get logits
@@ -192,8 +209,14 @@ class Scheduler:
             if budget <= 0:
                 break
             add_chunk(seq)
+        # blocks that sequences in prefill are computing: a waiting sequence that needs one of them next waits
+        inflight = {h for s in self.prefilling for h in self._planned(s)[len(s.hashes):]}
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.prefilling) + len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.kv_import is None and inflight and self._waits_for_inflight(seq, inflight):
+                deferred.append(self.waiting.popleft())
+                continue
             if not self._admit(seq):
                 break
             self.waiting.popleft()
@@ -202,6 +225,8 @@ class Scheduler:
                 continue
             self.prefilling.append(seq)
             add_chunk(seq)
+            inflight.update(self._planned(seq)[len(seq.hashes):])
+        self.waiting.extendleft(reversed(deferred))  # first in line again, in their order
         if chunks:
             return PrefillBatch(seqs, chunks, completes)
         if not self.running:

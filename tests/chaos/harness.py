@@ -94,6 +94,7 @@ class ChaosFarm:
         self.cfg: FarmConfig = load_config(environ=self.env)
         self.r = redis.Redis.from_url(self.redis.url)
         self.workers: dict[str, WorkerProc] = {}
+        self.roles: dict[str, str] = {}
         self._gw: Gateway | None = None
 
     @property
@@ -108,9 +109,33 @@ class ChaosFarm:
         for role, name in specs:
             p = WorkerProc(self.env, role, name, self.tmp)
             self.workers[name] = p
+            self.roles[name] = role
             procs.append(p)
         wait_registered(self.r, procs, timeout)
         return procs
+
+    def restart_exited(self, timeout: float = 180) -> list[str]:
+        """What `farm up`'s supervisor (or Kubernetes) does: a worker process that exited on its own is
+        started again under the same name. Returns the names restarted."""
+        dead = [(self.roles[n], n) for n, p in self.workers.items() if p.proc.poll() is not None
+                and p.proc.returncode != -9]  # not the ones a test killed with SIGKILL
+        if dead:
+            self.start_workers(*dead, timeout=timeout)
+        return [n for _, n in dead]
+
+    def heal(self, timeout: float = 120) -> list[str]:
+        """Until every worker this farm started (and did not SIGKILL) is running and in routing again:
+        restart those that exited (a draining worker leaves routing first, then exits)."""
+        restarted: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            restarted += self.restart_exited()
+            wanted = {p.name for p in self.workers.values() if p.proc.returncode != -9}
+            if wanted <= self.live():
+                return restarted
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not back in routing: {sorted(wanted - self.live())}")
+            time.sleep(0.5)
 
     def worker(self, worker_id: str) -> WorkerProc:
         return next(p for p in self.workers.values() if p.name == worker_id)
