@@ -39,7 +39,7 @@ run: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python .ci/audit_deps.py requirements.lock
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 # The exact versions of the venv (what `make test` ran with), audited by `make audit` / `make test`.
 lock: $(STAMP)

@@ -35,6 +35,7 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
 def client(app, redis_client):
     """A test client, the config, and one live worker (GHOST) whose tasks the scripted worker takes."""
     cfg = app.extensions["farm"].cfg
+    app.extensions["farm"].semantic()  # loaded before the ghost's heartbeat starts ticking
     registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
                                                         cfg.engine.block_size, num_blocks=1000))
     return app.test_client(), cfg

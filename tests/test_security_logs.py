@@ -21,6 +21,9 @@ GHOST = "ghost-logs@test"
 def app(redis_url, tmp_path, redis_client):
     with farm_app(redis_url, tmp_path) as app:
         yield app
+    # the Redis server is shared by the session: later tests must not see the ghost worker or its queue
+    registry.deregister(redis_client, GHOST)
+    redis_client.delete(direct_queue(GHOST))
 
 
 def test_prompts_are_not_logged(app, redis_client, caplog, monkeypatch):

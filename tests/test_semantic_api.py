@@ -62,7 +62,8 @@ def test_bad_parameters_are_still_400_on_a_blocked_request(app):
     assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "temperature"
 
 
-def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app):
+def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app, redis_client):
+    """(`redis_client` empties the shared Redis first: no worker registered by an earlier test is live.)"""
     layer = app.extensions["farm"].semantic()
     question = "Which river flows through Cairo?"
     v = layer.before("MoM", [{"role": "user", "content": question}])

@@ -184,7 +184,10 @@ def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str
 
 
 def _worker_error(ev: dict[str, Any]) -> APIError:
-    return APIError(500, f"generation failed: {ev.get('message')}", code=ev.get("code") or "engine_error")
+    """A worker's error event: a lost worker that no other could replace is 503 (retry later), else 500."""
+    code = ev.get("code") or "engine_error"
+    status = 503 if code == "worker_lost" else 500
+    return APIError(status, f"generation failed: {ev.get('message')}", code=code)
 
 
 def _until_decode_starts(events: Iterator[dict]) -> tuple[dict, list[dict]]:

@@ -191,3 +191,16 @@ def per_request_keys_without_ttl(r: redis.Redis) -> list[str]:
             if r.ttl(k) == -1:
                 out.append(k.decode())
     return out
+
+
+def wait_all_blocks_free(r: redis.Redis, timeout: float = 20) -> tuple[bool, dict[str, dict[str, Any]]]:
+    """Wait until every live worker reports nothing running or held and all its KV blocks free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = {w.worker_id: json.loads(r.get(registry.alive_key(w.worker_id)) or "{}")
+                 for w in registry.live_workers(r)}
+        clean = all(s.get("running") == 0 and s.get("held") == 0 and s.get("blocks_free") == s.get("blocks_total")
+                    for s in stats.values())
+        if clean or time.monotonic() > deadline:
+            return clean, stats
+        time.sleep(0.5)

@@ -11,7 +11,7 @@ import pytest
 from farm.protocol import TASK_DECODE
 from farm.router.keys import direct_queue
 from farm.tokenization import chat_prompt_ids, get_tokenizer
-from tests.chaos.harness import MODEL, ChaosFarm, collect, kill
+from tests.chaos.harness import MODEL, ChaosFarm, collect, kill, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -113,12 +113,5 @@ def test_prefill_worker_killed_before_prefill_the_request_completes(farm, prompt
 
 
 def test_every_kv_block_is_free_after_the_faults(farm):
-    deadline = time.time() + 20
-    while True:
-        stats = {w: farm.stats(w) for w in farm.live()}
-        clean = all(s.get("running") == 0 and s.get("held") == 0 and s.get("blocks_free") == s.get("blocks_total")
-                    for s in stats.values())
-        if clean or time.time() > deadline:
-            break
-        time.sleep(0.5)
+    clean, stats = wait_all_blocks_free(farm.r)
     assert clean, stats
