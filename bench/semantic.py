@@ -125,6 +125,27 @@ def latency(layer: SemanticLayer, n: int) -> dict:
             "stages_p99": {k: percentile(v, 0.99) for k, v in stages.items()}, "miss_ms": miss, "hit_ms": hit}
 
 
+def embed_paths(layer: SemanticLayer, n: int) -> dict:
+    """The per-request embedding, traced+frozen encoder vs the eager model, alternating on the same texts."""
+    emb = layer.embedder
+    texts = [r["text"] for r in read_jsonl("categories_test.jsonl")[:n]]
+    traced, eager = [], []
+    encoder = emb._encoder
+    try:
+        for t in texts:
+            for enc, xs in ((encoder, traced), (None, eager)):
+                emb._encoder = enc
+                s = time.perf_counter()
+                emb.encode_one(t)
+                xs.append((time.perf_counter() - s) * 1000)
+    finally:
+        emb._encoder = encoder
+    return {"traced_p50": percentile(traced, 0.5), "eager_p50": percentile(eager, 0.5),
+            "traced_p99": percentile(traced, 0.99), "eager_p99": percentile(eager, 0.99),
+            "speedup_p50": percentile(eager, 0.5) / percentile(traced, 0.5), "n": len(texts),
+            "traced": encoder is not None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300)
@@ -143,6 +164,7 @@ def main() -> None:
         load_before = load_average()
         acc = accuracy(layer)
         lat = latency(layer, args.requests)
+        paths = embed_paths(layer, min(args.requests, 200))
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -168,6 +190,11 @@ def main() -> None:
     print(table(["path", "n", "p50", "p90", "p99", "mean"],
                 [[k, lat[k]["n"], lat[k]["p50"], lat[k]["p90"], lat[k]["p99"], lat[k]["mean"]] for k in ("miss", "hit")]))
     print(table(["stage", "p50 ms", "p99 ms"], [[k, lat["stages_p50"][k], lat["stages_p99"][k]] for k in lat["stages_p50"]]))
+    print(f"\nper-request embedding, traced+frozen vs eager, alternating on {paths['n']} texts in one run"
+          f" (traced available: {paths['traced']})")
+    print(table(["encoder", "p50 ms", "p99 ms"], [["traced", paths["traced_p50"], paths["traced_p99"]],
+                                                  ["eager", paths["eager_p50"], paths["eager_p99"]]]))
+    print(f"eager / traced at p50: {paths['speedup_p50']:.2f}x")
     if jb["false_positives"] or jb["missed"]:
         print(f"\njailbreak false positives: {jb['false_positives']}\njailbreak missed: {jb['missed']}")
 
@@ -180,7 +207,8 @@ def main() -> None:
               goal("layer p99 ms", lat["miss"]["p99"], 50, higher_is_better=False),
               goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False)]
     finish(args.out, {"config": {"requests": args.requests, "load_s": load_s, "load_average_before": load_before,
-                                 "load_average_after": load_average()}, "accuracy": acc, "latency": lat}, goals,
+                                 "load_average_after": load_average()}, "accuracy": acc, "latency": lat,
+                  "embedding_paths": paths}, goals,
            fmt="{:.3f}")
 
 
