@@ -155,10 +155,15 @@ def validate_chat(body: dict) -> list[dict[str, str]]:
     return normalize_messages(body)
 
 
+def local_params(body: dict) -> tuple[SamplingParams, bool, bool]:
+    """(sampling, stream, include_usage) of a request answered without a model (semantic block or cache
+    hit), after the same checks of every parameter as a generated answer gets. `max_tokens` is only
+    bounded when the body sets it (there is no prompt length to bound it by)."""
+    return _common(body, 0, 1 << 30, "messages")
+
+
 def stream_flags(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage) of a request answered without a model (semantic block or cache hit),
-    after the same checks of every parameter as a generated answer gets."""
-    _, stream, include_usage = _common(body, 0, 1 << 30, "messages")
+    _, stream, include_usage = local_params(body)
     return stream, include_usage
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from flask import Response, jsonify, request
 
 from api.responses import ChunkWriter, full_response
+from api.schemas import local_params
 from farm import metrics
 from farm.semantic.layer import H_INJECTED, SemanticLayer, Verdict
 
@@ -27,14 +28,28 @@ def no_cache_requested() -> bool:
     return "no-cache" in cc or "no-store" in cc
 
 
+def answer_fits(answer: str, body: dict, tokenizer) -> bool:
+    """Whether a cached answer honours this request's own limits: no more tokens than its `max_tokens`
+    (or `max_completion_tokens`) and none of its `stop` sequences inside (a generated answer would have
+    ended there). Sampling settings are not compared: a cached answer is one valid sample."""
+    params, _, _ = local_params(body)
+    if any(s in answer for s in params.stop):
+        return False
+    return len(tokenizer.encode(answer, add_special_tokens=False)) <= params.max_tokens
+
+
 def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_cache: bool,
-           inject: bool = True) -> Verdict:
+           inject: bool = True, fits: Callable[[Verdict], bool] | None = None) -> Verdict:
     """The layer's verdict, counted; without a layer (disabled) the request passes unchanged.
-    `inject=False` (text completions: no system prompt to put anything in) keeps the messages as sent."""
+    `inject=False` (text completions: no system prompt to put anything in) keeps the messages as sent.
+    `fits` vets a cache hit against the request (see `answer_fits`); a hit that does not fit is
+    generated instead, and not stored again."""
     if layer is None:
         return SemanticLayer.passthrough(model, messages)
     t0 = time.perf_counter()
     v = layer.before(model, messages, no_cache=no_cache)
+    if v.action == "cached" and fits is not None and not fits(v):
+        v = v.as_miss()
     metrics.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
     if v.action == "block":
         metrics.SEMANTIC_BLOCKS.labels(guard="jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else "pii").inc()

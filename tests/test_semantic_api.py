@@ -79,6 +79,24 @@ def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app, redis_c
     assert miss.status_code == 503 and "x-vsr-cache-hit" not in miss.headers
 
 
+def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redis_client):
+    """A hit longer than the request's max_tokens, or containing one of its stop sequences, is generated
+    instead (here: 503, no worker); within the limits it is served."""
+    layer = app.extensions["farm"].semantic()
+    question = "Name the largest planet of the solar system."
+    answer = "Jupiter is the largest planet. It is a gas giant."
+    v = layer.before("MoM", [{"role": "user", "content": question}])
+    assert v.action == "forward" and layer.after(v, answer)
+    n_tokens = len(app.extensions["farm"].tokenizer(v.model).encode(answer, add_special_tokens=False))
+    fits = chat(app, question, max_tokens=n_tokens, stop=["Saturn"])
+    assert fits.status_code == 200 and fits.get_json()["choices"][0]["message"]["content"] == answer
+    for extra in ({"max_tokens": n_tokens - 1}, {"max_completion_tokens": 3}, {"stop": "gas"},
+                  {"stop": ["x", " planet."]}):
+        resp = chat(app, question, **extra)
+        assert resp.status_code == 503 and "x-vsr-cache-hit" not in resp.headers, extra
+    assert chat(app, question, max_tokens=0).status_code == 400  # still validated on the cache path
+
+
 def test_mom_is_listed_and_unknown_models_are_404(app):
     c = app.test_client()
     ids = [m["id"] for m in c.get("/v1/models").get_json()["data"]]

@@ -28,7 +28,7 @@ from api.schemas import (
     stream_flags,
     validate_chat,
 )
-from api.semantic import answer_locally, decide, no_cache_requested, store
+from api.semantic import answer_fits, answer_locally, decide, no_cache_requested, store
 from farm import metrics
 from farm.config import ModelConfig
 from farm.gateway import BusyError, NoWorkersError, Submission
@@ -125,7 +125,8 @@ def _generate(kind: str) -> Response:
     layer = farm.semantic()
     if kind == "chat":
         messages = validate_chat(body)
-        verdict = decide(layer, model, messages, no_cache=no_cache_requested())
+        verdict = decide(layer, model, messages, no_cache=no_cache_requested(),
+                         fits=lambda v: answer_fits(v.answer or "", body, farm.tokenizer(v.model)))
     else:  # text completions: guards and selection on the prompt's text; no cache, no system prompt
         verdict = decide(layer, model, _completion_messages(body, model), no_cache=True, inject=False)
     if verdict.action != "forward":

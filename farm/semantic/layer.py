@@ -83,6 +83,12 @@ class Verdict:
     cache_query: CacheQuery | None = None  # set when the answer of a forwarded request may be stored
     timings_ms: dict[str, float] = field(default_factory=dict)
 
+    def as_miss(self) -> Verdict:
+        """A cache hit the request cannot take (e.g. longer than its max_tokens): generate instead."""
+        headers = {k: v for k, v in self.headers.items() if k != H_CACHE_HIT}
+        return Verdict("forward", self.model, self.messages, headers, None, None, self.category, self.confidence,
+                       self.reasoning, None, self.timings_ms)
+
 
 class SemanticLayer:
     def __init__(self, cfg: SemanticConfig, default_model: str, embedder, classifier: CategoryClassifier,
