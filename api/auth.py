@@ -8,8 +8,9 @@ Rules (checked before every request, in this order):
 - With no key configured the farm is a local tool: only loopback clients are served, anyone else
   gets 401, unless `api.allow_unauthenticated` is true (an authenticating proxy in front).
   `farm up` also refuses a non-local `api.host` without keys, so this is a second line.
-- Per-key request-rate limit and token quota (farm.quota) on `/v1/*`: 429 `rate_limit_exceeded` /
-  `insufficient_quota` with `Retry-After`. The token quota is checked only by routes that generate.
+- Per-key request-rate limit and token quota (farm.quota; `api.limits`, or a key's own in its
+  `api.api_keys` entry) on `/v1/*`: 429 `rate_limit_exceeded` / `insufficient_quota` with
+  `Retry-After`. The token quota is checked only by routes that generate.
 
 The owner id (farm.apikeys.owner_of) is what files and batches are recorded under.
 """
@@ -39,7 +40,7 @@ class Auth:
         farm = app.extensions["farm"]
         self.cfg = farm.cfg
         self.keys = KeyRing.from_config(farm.cfg)
-        self.limiter = Limiter(farm.redis, farm.cfg.api.limits)
+        self.limiter = Limiter(farm.redis, farm.cfg.api.limits, self.keys.overrides)
 
 
 def _auth() -> Auth:
@@ -55,9 +56,10 @@ def metered(events: Iterator[dict]) -> Iterator[dict]:
     """A generation's events, charging its usage to the caller's token quota when it finishes.
     Called inside the request (the owner is read now; the stream may be consumed after it)."""
     auth = _auth()
-    if not auth.limiter.limits.token_quota:
+    owner = current_owner()
+    if not auth.limiter.quota_of(owner):
         return events
-    return auth.limiter.metered(current_owner(), events)
+    return auth.limiter.metered(owner, events)
 
 
 def _bearer() -> str:

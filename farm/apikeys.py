@@ -4,7 +4,8 @@ Keys come from `api.api_keys` (config) and `FARM_API_KEYS` (comma-separated: wha
 passes). Only their SHA-256 digests are kept in memory, and a config entry may itself be a digest
 (`sha256:<hex>`), so a config file never needs to hold a usable key. A key's *owner id* is derived
 from its digest, so it is the same in every API replica and across restarts: files and batches are
-recorded under it, and rate-limit counters in Redis are keyed by it.
+recorded under it, and rate-limit counters in Redis are keyed by it. A config entry may also be a
+mapping `{key, requests_per_minute, token_quota}`: that key's own limits (farm.quota).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hmac
 import os
 from collections.abc import Iterable, Mapping
 
-from farm.config import FarmConfig
+from farm.config import ApiKeyEntry, FarmConfig
 
 ENV_KEYS = "FARM_API_KEYS"
 ENV_METRICS_TOKEN = "FARM_METRICS_TOKEN"
@@ -31,21 +32,26 @@ def owner_of(key_digest: str) -> str:
     return OWNER_PREFIX + key_digest[:24]
 
 
-def _entries(cfg: FarmConfig, environ: Mapping[str, str]) -> list[str]:
+def _entries(cfg: FarmConfig, environ: Mapping[str, str]) -> list[str | ApiKeyEntry]:
     raw = [*cfg.api.api_keys, *environ.get(ENV_KEYS, "").replace("\n", ",").split(",")]
-    return [k.strip() for k in raw if k and k.strip()]
+    return [k if isinstance(k, ApiKeyEntry) else k.strip() for k in raw
+            if isinstance(k, ApiKeyEntry) or (k and k.strip())]
 
 
 class KeyRing:
     """The configured keys as digests; `owner(key)` answers who a presented key is, or None."""
 
-    def __init__(self, entries: Iterable[str], metrics_token: str = ""):
+    def __init__(self, entries: Iterable[str | ApiKeyEntry], metrics_token: str = ""):
         self._digests: dict[str, str] = {}
-        for e in entries:
+        self.overrides: dict[str, ApiKeyEntry] = {}  # owner id -> the key's own limits
+        for entry in entries:
+            e = entry.key if isinstance(entry, ApiKeyEntry) else entry
             d = e[len(HASH_PREFIX):].lower() if e.startswith(HASH_PREFIX) else digest(e)
             if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
                 raise ValueError(f"an api key entry starting {e[:12]!r}... is sha256: but not 64 hex digits")
             self._digests[d] = owner_of(d)
+            if isinstance(entry, ApiKeyEntry):
+                self.overrides[owner_of(d)] = entry
         self._metrics = digest(metrics_token) if metrics_token else None
 
     @classmethod

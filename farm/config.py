@@ -51,6 +51,14 @@ class ApiLimitsConfig(_Section):
     token_quota_window_s: int = Field(86400, ge=1)
 
 
+class ApiKeyEntry(_Section):
+    """One API key with its own limits (replacing `api.limits`' for this key; unset ones are inherited)."""
+
+    key: str = Field(min_length=1)  # the key itself, or "sha256:<hex>" of it (keeps the file free of secrets)
+    requests_per_minute: int | None = Field(None, ge=0)
+    token_quota: int | None = Field(None, ge=0)
+
+
 class ApiConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
@@ -58,8 +66,9 @@ class ApiConfig(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600, gt=0)
     first_event_timeout_s: float = Field(300, gt=0)
-    # API keys (Bearer): plain keys or "sha256:<hex>"; FARM_API_KEYS (comma-separated) adds more (api/auth.py).
-    api_keys: list[str] = Field(default_factory=list)
+    # API keys (Bearer): plain keys or "sha256:<hex>", or {key, requests_per_minute, token_quota} for a key
+    # with its own limits; FARM_API_KEYS (comma-separated) adds more, with `limits` (api/auth.py).
+    api_keys: list[str | ApiKeyEntry] = Field(default_factory=list)
     # Without keys only loopback clients are served (and `farm up` refuses a non-local api.host);
     # true serves everyone without a key (only behind your own authenticating proxy).
     allow_unauthenticated: bool = False

@@ -9,18 +9,21 @@ trade for an admission limit. A request refused by the limit is not counted.
 Tokens (prompt + completion, from the worker's `usage`) are charged when a generation finishes, so the
 quota is checked at admission against what was already used: a key can overshoot its quota by the
 requests it had in flight when it ran out, never more.
+
+A key configured with its own `requests_per_minute` / `token_quota` (config.ApiKeyEntry) uses those
+instead of `api.limits`; the windows are the same for every key.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import redis
 
-from farm.config import ApiLimitsConfig
+from farm.config import ApiKeyEntry, ApiLimitsConfig
 
 RATE_WINDOW_S = 60
 KEY_PREFIX = "farm:rl"
@@ -60,14 +63,27 @@ class Refusal:
 class Limiter:
     """Admission (`admit`) and charging (`charge`) against one farm's limits."""
 
-    def __init__(self, r: redis.Redis, limits: ApiLimitsConfig):
+    def __init__(self, r: redis.Redis, limits: ApiLimitsConfig, overrides: Mapping[str, ApiKeyEntry] | None = None):
         self.r = r
         self.limits = limits
+        self.overrides = dict(overrides or {})  # owner id -> that key's own limits
         self._admit = r.register_script(_ADMIT)
+
+    def limits_of(self, owner: str) -> tuple[int, int]:
+        """(requests per minute, token quota) of `owner`; 0 = unlimited."""
+        o = self.overrides.get(owner)
+        rpm = o.requests_per_minute if o is not None and o.requests_per_minute is not None else None
+        quota = o.token_quota if o is not None and o.token_quota is not None else None
+        return (self.limits.requests_per_minute if rpm is None else rpm,
+                self.limits.token_quota if quota is None else quota)
+
+    def quota_of(self, owner: str) -> int:
+        return self.limits_of(owner)[1]
 
     @property
     def enabled(self) -> bool:
-        return bool(self.limits.requests_per_minute or self.limits.token_quota)
+        return any((self.limits.requests_per_minute, self.limits.token_quota,
+                    *(self.limits_of(o) != (0, 0) for o in self.overrides)))
 
     def _keys(self, owner: str, now: float) -> tuple[str, str, float, float]:
         tw = self.limits.token_quota_window_s
@@ -77,22 +93,21 @@ class Limiter:
 
     def admit(self, owner: str, check_quota: bool = True, now: float | None = None) -> Refusal | None:
         """Count one request of `owner`; a Refusal (nothing counted) when a limit is reached."""
-        if not self.enabled:
+        rpm, quota = self.limits_of(owner)
+        if not (rpm or quota):
             return None
         now = time.time() if now is None else now
         req_key, tok_key, rate_end, tok_end = self._keys(owner, now)
-        quota = self.limits.token_quota if check_quota else 0
-        code, used = self._admit(keys=[req_key, tok_key],
-                                 args=[self.limits.requests_per_minute, RATE_WINDOW_S + 1, quota])
+        code, used = self._admit(keys=[req_key, tok_key], args=[rpm, RATE_WINDOW_S + 1, quota if check_quota else 0])
         if code == 1:
-            return Refusal("rate", self.limits.requests_per_minute, int(used), max(1, math.ceil(rate_end - now)))
+            return Refusal("rate", rpm, int(used), max(1, math.ceil(rate_end - now)))
         if code == 2:
-            return Refusal("quota", self.limits.token_quota, int(used), max(1, math.ceil(tok_end - now)))
+            return Refusal("quota", quota, int(used), max(1, math.ceil(tok_end - now)))
         return None
 
     def charge(self, owner: str, tokens: int, now: float | None = None) -> None:
         """Add `tokens` to the owner's usage in the current token window."""
-        if not self.limits.token_quota or tokens <= 0:
+        if not self.quota_of(owner) or tokens <= 0:
             return
         now = time.time() if now is None else now
         _, tok_key, _, tok_end = self._keys(owner, now)
@@ -108,7 +123,7 @@ class Limiter:
     def metered(self, owner: str, events: Iterator[dict]) -> Iterator[dict]:
         """`events` passed through; the usage of the `done` event is charged to `owner`."""
         for ev in events:
-            if ev.get("type") == "done" and self.limits.token_quota:
+            if ev.get("type") == "done" and self.quota_of(owner):
                 u = ev.get("usage") or {}
                 try:
                     self.charge(owner, int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0)))

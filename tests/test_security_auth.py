@@ -161,6 +161,30 @@ def test_token_quota_refuses_generation_once_spent(limited, redis_client):
     assert_openai_error(c.post("/v1/chat/completions", headers=bearer(KEY_B), json=body), 503, "no_workers")
 
 
+def test_a_key_with_its_own_limits(redis_url, tmp_path, redis_client):
+    """`api.api_keys` entries with their own limits: KEY_B gets 1 request a minute (quota inherited),
+    a third key (configured by digest) is unlimited; KEY_A keeps `api.limits`."""
+    key_c = "sk-test-unlimited-partner"
+    entries = (f"[{{key: {KEY_B}, requests_per_minute: 1}}, "
+               f"{{key: 'sha256:{hashlib.sha256(key_c.encode()).hexdigest()}', requests_per_minute: 0, token_quota: 0}}]")
+    env = {"FARM_API_KEYS": KEY_A, "FARM_API__API_KEYS": entries, "FARM_API__LIMITS__REQUESTS_PER_MINUTE": "3",
+           "FARM_API__LIMITS__TOKEN_QUOTA": "100"}
+    with farm_app(redis_url, tmp_path, **env) as app:
+        c = app.test_client()
+        limiter: Limiter = app.extensions["farm_auth"].limiter
+        owner_b, owner_c = (owner_of(hashlib.sha256(k.encode()).hexdigest()) for k in (KEY_B, key_c))
+        assert limiter.limits_of(owner_b) == (1, 100) and limiter.limits_of(owner_c) == (0, 0)
+        assert c.get("/v1/models", headers=bearer(KEY_B)).status_code == 200
+        err = assert_openai_error(c.get("/v1/models", headers=bearer(KEY_B)), 429, "rate_limit_exceeded")
+        assert "Limit 1" in err["message"]
+        assert [c.get("/v1/models", headers=bearer(key_c)).status_code for _ in range(5)] == [200] * 5
+        assert [c.get("/v1/models", headers=bearer(KEY_A)).status_code for _ in range(4)] == [200] * 3 + [429]
+        # no quota for the unlimited key: its usage is not even counted
+        done = [{"type": "done", "usage": {"prompt_tokens": 500, "completion_tokens": 500}}]
+        list(limiter.metered(owner_c, iter(done)))
+        assert limiter.used_tokens(owner_c) == 0
+
+
 def test_farm_up_refuses_a_public_api_without_keys(monkeypatch, tmp_path):
     monkeypatch.delenv("FARM_API_KEYS", raising=False)
     env = {"FARM_API__HOST": "0.0.0.0", "FARM_STATE_DIR": str(tmp_path)}
