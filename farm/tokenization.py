@@ -10,7 +10,11 @@ from typing import Any
 from farm.config import FarmConfig
 from farm.models import require_model_dir
 
-_lock = threading.Lock()
+# One process-wide lock around first-time `transformers` loads (tokenizers here, the semantic layer's
+# embedder): transformers resolves its classes through lazy submodule imports that are not safe to run
+# from two threads at once ("cannot import name 'AutoTokenizer'" while the API's warm-up thread loads
+# the embedder and a request thread loads a tokenizer). Loads happen once per process, so this costs nothing.
+HF_LOAD_LOCK = threading.RLock()
 
 
 @lru_cache(maxsize=16)
@@ -23,7 +27,7 @@ def _load(path: str):
 def get_tokenizer(cfg: FarmConfig, model_name: str):
     """The model's tokenizer (fast, with its chat template); raises ModelNotFoundError if absent."""
     d: Path = require_model_dir(cfg, cfg.model(model_name))
-    with _lock:
+    with HF_LOAD_LOCK:
         return _load(str(d))
 
 

@@ -13,6 +13,7 @@ import pytest
 from api.app import create_app
 from farm.batch.driver import BatchDriver
 from farm.batch.store import BatchStore
+from farm.batch.validate import PreparedLine
 from farm.config import get_config
 from farm.protocol import BATCH_QUEUE
 
@@ -180,6 +181,21 @@ def test_results_are_recorded_once_and_not_after_sealing(api):
     assert store.leased(bid)
     store.release_lease(bid, "t1")
     assert not store.leased(bid)
+
+
+def test_a_recorded_line_is_charged_once_to_the_batch_owners_token_quota(api, monkeypatch):
+    _, cfg, r = api
+    monkeypatch.setattr(cfg.api.limits, "token_quota", 1000)
+    driver = BatchDriver(cfg, r=r)
+    store = BatchStore(r)
+    bid = store.create("file-x", "/v1/chat/completions", "24h", 3600, None, owner="key-owner-a")["id"]
+    store.transition(bid, ("validating",), "in_progress", total=1)
+    line = PreparedLine(0, 1, "a", "chat", cfg.default_model, [1, 2, 3], {"max_tokens": 4})
+    done = {"finish_reason": "stop", "usage": {"prompt_tokens": 30, "completion_tokens": 12, "cached_tokens": 0}}
+    driver._record_success(bid, line, "rid-1", "text", done)
+    driver._record_success(bid, line, "rid-2", "text", done)  # a redelivered line: recorded once, charged once
+    assert driver.limiter.used_tokens("key-owner-a") == 42
+    assert driver.limiter.used_tokens("anonymous") == 0
 
 
 def test_farm_status_lists_active_batches(api):

@@ -51,12 +51,14 @@ from typing import Any
 import redis
 
 from farm import metrics, registry
+from farm.apikeys import KeyRing
 from farm.batch.config import BatchConfig, files_path, prepared_path
 from farm.batch.schedule import Plan
-from farm.batch.store import TERMINAL, BatchStore, FileStore, kick_key
+from farm.batch.store import OWNER_ANONYMOUS, TERMINAL, BatchStore, FileStore, kick_key
 from farm.batch.validate import PreparedLine, validate_input
 from farm.config import FarmConfig
 from farm.protocol import BATCH_QUEUE, TASK_BATCH_DRIVE, GenerationRequest, SamplingParams
+from farm.quota import Limiter
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,10 @@ class BatchDriver:
         self._alive: dict[str, tuple[bool, float]] = {}
         self._reaper: threading.Thread | None = None
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
+        # batch lines spend their owner's token quota like interactive requests (the key ring's own
+        # limits come from config entries only, so FARM_API_KEYS is not needed here)
+        self.limiter = Limiter(self.r, cfg.api.limits, KeyRing.from_config(cfg, environ={}).overrides)
+        self._owners: dict[str, str] = {}
 
     @property
     def gateway(self):
@@ -533,6 +539,18 @@ class BatchDriver:
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
         if self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1:
             metrics.count_farm(self.r, "farm_batch_lines", "completed")
+            self._charge(bid, usage)
+
+    def _charge(self, bid: str, usage: dict[str, Any]) -> None:
+        """A recorded line's tokens go to the batch owner's quota (once: only the first record counts).
+        The quota is checked when a batch is created; a batch admitted runs to its end."""
+        owner = self._owners.get(bid)
+        if owner is None:
+            owner = self._owners[bid] = (self.store.get(bid) or {}).get("owner") or OWNER_ANONYMOUS
+        try:
+            self.limiter.charge(owner, int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0)))
+        except redis.RedisError:
+            log.warning("batch %s: could not charge a line's tokens to its owner's quota", bid)
 
     def _record_failure(self, bid: str, line: PreparedLine, code: str, message: str, rid: str | None = None,
                         status: int | None = None) -> None:
@@ -555,6 +573,7 @@ class BatchDriver:
 
         frm = "cancelling" if final == "cancelled" else "finalizing"
         self.store.set_fields(bid, sealed=True)  # no result is recorded after the files are written
+        self._owners.pop(bid, None)
         b = self.store.get(bid) or {}
         if b.get("status") != frm:
             return b.get("status") or "missing"

@@ -40,15 +40,19 @@ class Embedder:
     def __init__(self, path: Path | None = None, threads: int = 0, max_tokens: int = MAX_TOKENS,
                  traced: bool = True) -> None:
         import torch
-        from transformers import AutoModel, AutoTokenizer
+
+        from farm.tokenization import HF_LOAD_LOCK
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._torch = torch
         if threads > 0:
             torch.set_num_threads(threads)
         path = path or model_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.model = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
+        with HF_LOAD_LOCK:  # not beside another thread's first tokenizer load (see farm.tokenization)
+            from transformers import AutoModel, AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.model = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
         self._encoder = self._trace() if traced else None
