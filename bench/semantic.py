@@ -10,7 +10,8 @@ Latency: `SemanticLayer.before()` per request, in one thread, with the default c
 classification, selection, injection and a cache lookup in a real Redis): misses on held-out prompts, and
 cache hits. A throwaway redis-server is started on a free port. Goals (issue 8): category >= 85%,
 jailbreak TPR >= 90% at FPR <= 5%, PII recall >= 95% and precision >= 90% per type, no wrong-answer cache
-hits, layer p50 <= 15 ms and p99 <= 50 ms, cache hit <= 20 ms p50 (here: the layer's part of it).
+hits, layer p50 <= 15 ms and p99 <= 50 ms, cache hit <= 20 ms p50 (the layer's part, and end to end
+through the API app behind a real HTTP server on loopback).
 """
 
 from __future__ import annotations
@@ -126,24 +127,64 @@ def latency(layer: SemanticLayer, n: int) -> dict:
 
 
 def embed_paths(layer: SemanticLayer, n: int) -> dict:
-    """The per-request embedding, traced+frozen encoder vs the eager model, alternating on the same texts."""
+    """The per-request embedding on ONNX Runtime vs eager torch, alternating on the same texts."""
     emb = layer.embedder
     texts = [r["text"] for r in read_jsonl("categories_test.jsonl")[:n]]
-    traced, eager = [], []
-    encoder = emb._encoder
+    onnx, torch_ = [], []
+    session = emb._session
     try:
         for t in texts:
-            for enc, xs in ((encoder, traced), (None, eager)):
-                emb._encoder = enc
+            for sess, xs in ((session, onnx), (None, torch_)):
+                emb._session = sess
                 s = time.perf_counter()
                 emb.encode_one(t)
                 xs.append((time.perf_counter() - s) * 1000)
     finally:
-        emb._encoder = encoder
-    return {"traced_p50": percentile(traced, 0.5), "eager_p50": percentile(eager, 0.5),
-            "traced_p99": percentile(traced, 0.99), "eager_p99": percentile(eager, 0.99),
-            "speedup_p50": percentile(eager, 0.5) / percentile(traced, 0.5), "n": len(texts),
-            "traced": encoder is not None}
+        emb._session = session
+    return {"onnx_p50": percentile(onnx, 0.5), "torch_p50": percentile(torch_, 0.5),
+            "onnx_p99": percentile(onnx, 0.99), "torch_p99": percentile(torch_, 0.99),
+            "speedup_p50": percentile(torch_, 0.5) / percentile(onnx, 0.5), "n": len(texts),
+            "onnx": session is not None}
+
+
+def http_hits(cfg, n: int) -> dict:
+    """Cache hits end to end: the API app behind a real HTTP server (werkzeug, threaded, loopback), asked
+    with `requests`; from sending the request to the parsed JSON answer."""
+    import threading
+
+    import requests
+    from werkzeug.serving import make_server
+
+    from api.app import create_app
+
+    app = create_app(cfg, warm_semantic=False)
+    layer = app.extensions["farm"].semantic()
+    stored: dict[str, str] = {}  # question -> the answer the cache holds for it
+    for r in read_jsonl("categories_test.jsonl")[:n]:
+        v = layer.before("MoM", [{"role": "user", "content": r["text"]}])
+        if v.action == "cached":  # stored already (by `latency`, or a paraphrase of it)
+            stored[r["text"]] = v.answer or ""
+        elif v.action == "forward" and layer.after(v, f"answer to: {r['text']}"):
+            stored[r["text"]] = f"answer to: {r['text']}"
+    port = _free_port()
+    server = make_server("127.0.0.1", port, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    times, hits = [], 0
+    try:
+        with requests.Session() as http:
+            for i, text in enumerate([*stored, *stored]):
+                s = time.perf_counter()
+                resp = http.post(url, json={"model": "MoM", "messages": [{"role": "user", "content": text}]})
+                body = resp.json()
+                if i >= len(stored):  # the first round warms the connection and the code paths
+                    times.append((time.perf_counter() - s) * 1000)
+                    hits += (resp.headers.get("x-vsr-cache-hit") == "true"
+                             and body["choices"][0]["message"]["content"] == stored[text])
+    finally:
+        server.shutdown()
+        app.extensions["farm"].gateway.router.stop()
+    return {"n": len(times), "hits": hits, "p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
 
 
 def main() -> None:
@@ -165,6 +206,7 @@ def main() -> None:
         acc = accuracy(layer)
         lat = latency(layer, args.requests)
         paths = embed_paths(layer, min(args.requests, 200))
+        e2e = http_hits(cfg, max(20, args.requests // 5))
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -190,11 +232,13 @@ def main() -> None:
     print(table(["path", "n", "p50", "p90", "p99", "mean"],
                 [[k, lat[k]["n"], lat[k]["p50"], lat[k]["p90"], lat[k]["p99"], lat[k]["mean"]] for k in ("miss", "hit")]))
     print(table(["stage", "p50 ms", "p99 ms"], [[k, lat["stages_p50"][k], lat["stages_p99"][k]] for k in lat["stages_p50"]]))
-    print(f"\nper-request embedding, traced+frozen vs eager, alternating on {paths['n']} texts in one run"
-          f" (traced available: {paths['traced']})")
-    print(table(["encoder", "p50 ms", "p99 ms"], [["traced", paths["traced_p50"], paths["traced_p99"]],
-                                                  ["eager", paths["eager_p50"], paths["eager_p99"]]]))
-    print(f"eager / traced at p50: {paths['speedup_p50']:.2f}x")
+    print(f"\nper-request embedding, ONNX Runtime vs eager torch, alternating on {paths['n']} texts in one run"
+          f" (ONNX Runtime available: {paths['onnx']})")
+    print(table(["encoder", "p50 ms", "p99 ms"], [["onnxruntime", paths["onnx_p50"], paths["onnx_p99"]],
+                                                  ["torch", paths["torch_p50"], paths["torch_p99"]]]))
+    print(f"torch / onnxruntime at p50: {paths['speedup_p50']:.2f}x")
+    print(f"\ncache hits end to end over HTTP: {e2e['hits']} of {e2e['n']} served from the cache, "
+          f"p50 {e2e['p50']:.2f} ms, p99 {e2e['p99']:.2f} ms")
     if jb["false_positives"] or jb["missed"]:
         print(f"\njailbreak false positives: {jb['false_positives']}\njailbreak missed: {jb['missed']}")
 
@@ -205,10 +249,12 @@ def main() -> None:
     goals += [goal(f"PII precision {t}", s["precision"], 0.90) for t, s in acc["pii"].items()]
     goals += [goal("layer p50 ms", lat["miss"]["p50"], 15, higher_is_better=False),
               goal("layer p99 ms", lat["miss"]["p99"], 50, higher_is_better=False),
-              goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False)]
+              goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False),
+              goal("cache hit p50 ms (end to end, HTTP)", e2e["p50"] if e2e["hits"] == e2e["n"] else 1e9, 20,
+                   higher_is_better=False)]
     finish(args.out, {"config": {"requests": args.requests, "load_s": load_s, "load_average_before": load_before,
                                  "load_average_after": load_average()}, "accuracy": acc, "latency": lat,
-                  "embedding_paths": paths}, goals,
+                  "embedding_paths": paths, "http_hits": e2e}, goals,
            fmt="{:.3f}")
 
 

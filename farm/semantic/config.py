@@ -104,7 +104,9 @@ class SemanticConfig(_S):
     enabled: bool = True
     aliases: list[str] = Field(default_factory=lambda: ["MoM", "auto"])  # model names that mean "choose for me"
     default_model: str = ""  # what MoM uses below the classifier threshold; "" = the farm's default_model
-    embedding_threads: int = Field(2, ge=0)  # torch threads in the API process for the embedder; 0 = torch default
+    embedding_threads: int = Field(2, ge=0)  # threads of the embedder in each API process; 0 = the library's default
+    # onnx: the per-request embedding on ONNX Runtime (exported in memory at start); torch: eager torch
+    embedding_backend: Literal["onnx", "torch"] = "onnx"
     max_embed_tokens: int = Field(128, ge=8, le=256)  # longer prompts are embedded truncated (cache: exact match)
     system_prompt_mode: Literal["replace", "prepend"] = "prepend"
     inject_system_prompt: bool = True

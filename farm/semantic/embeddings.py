@@ -5,14 +5,17 @@ start path and adds per-call overhead; the model is a plain BERT, so `transforme
 pooling over the attention mask and L2 normalisation give the same vectors (checked in the tests) at
 lower latency. Every classifier and the semantic cache share one embedding per request.
 
-The per-request path (`encode_one`, one text, no padding) runs a TorchScript trace of the encoder, frozen
-and optimised for inference: weights prepacked for oneDNN, linear+GELU fused, no Python per layer. On a
-2-core CPU that is 17 ms instead of 22 ms per request (bench/RESULTS.md). The trace is shape-generic
-(checked against eager at other lengths when it is built); if tracing fails the eager model is used.
+The per-request path (`encode_one`, one text, no padding) runs on ONNX Runtime: the encoder is exported
+from the loaded torch model into memory when the process starts (about 2 s, nothing written to disk) and
+checked against eager torch at two lengths. On a 2-core CPU that is about half the time of the torch
+forward (bench/RESULTS.md), which is most of the semantic layer's latency. `backend="torch"`, a missing
+`onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
+evaluation) stays on torch.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import threading
@@ -38,7 +41,7 @@ class Embedder:
     """Batched, normalised MiniLM embeddings on CPU; thread-safe (one forward at a time)."""
 
     def __init__(self, path: Path | None = None, threads: int = 0, max_tokens: int = MAX_TOKENS,
-                 traced: bool = True) -> None:
+                 backend: str = "onnx") -> None:
         import torch
 
         from farm.tokenization import HF_LOAD_LOCK
@@ -55,10 +58,27 @@ class Embedder:
             self.model = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._encoder = self._trace() if traced else None
+        self._session = self._onnx_session(threads) if backend == "onnx" else None
 
-    def _trace(self):
-        """The encoder (ids -> last hidden state, all-ones mask) traced and frozen; None if that fails."""
+    @property
+    def backend(self) -> str:
+        """What `encode_one` runs on: "onnx" or "torch"."""
+        return "onnx" if self._session is not None else "torch"
+
+    def _hidden_torch(self, ids: list[int]) -> np.ndarray:
+        torch = self._torch
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                              token_type_ids=torch.zeros_like(input_ids)).last_hidden_state.numpy()
+
+    def _onnx_session(self, threads: int):
+        """The encoder (ids -> last hidden state, all-ones mask) on ONNX Runtime; None if unavailable."""
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            log.info("onnxruntime is not installed: embeddings run on torch")
+            return None
         torch = self._torch
 
         class Encoder(torch.nn.Module):
@@ -70,23 +90,32 @@ class Embedder:
                 return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                   token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
 
-        example = torch.tensor([self.tokenizer("a sentence to trace the encoder with")["input_ids"]])
-        other = torch.tensor([self.tokenizer("a longer sentence, of another length, checks that the trace "
-                                             "does not bake in the sequence length")["input_ids"]])
+        samples = [self.tokenizer(t)["input_ids"] for t in (
+            "a sentence to export the encoder with",
+            "a longer sentence, of another length, checks that the export does not bake in the sequence length")]
         try:
+            buf = io.BytesIO()
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
-                traced = torch.jit.optimize_for_inference(
-                    torch.jit.freeze(torch.jit.trace(Encoder(self.model).eval(), example, check_trace=False)))
-                with torch.inference_mode():
-                    ok = all(torch.allclose(traced(x), Encoder(self.model)(x), atol=1e-4) for x in (example, other))
-        except Exception as e:  # noqa: BLE001 - any tracing failure means: stay on the eager model
-            log.warning("embedding model could not be traced (%s); using the eager model", str(e).splitlines()[0])
+                torch.onnx.export(Encoder(self.model).eval(), (torch.tensor([samples[0]]),), buf,
+                                  input_names=["input_ids"], output_names=["hidden"], opset_version=17,
+                                  dynamic_axes={"input_ids": {1: "tokens"}, "hidden": {1: "tokens"}}, dynamo=False)
+            opts = ort.SessionOptions()
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            # no busy-waiting between requests: spinning threads would take the CPU from everything else
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+            ok = all(np.allclose(session.run(None, {"input_ids": np.array([ids], dtype=np.int64)})[0],
+                                 self._hidden_torch(ids), atol=1e-4) for ids in samples)
+        except Exception as e:  # noqa: BLE001 - any export failure means: stay on torch
+            log.warning("embedding model could not run on ONNX Runtime (%s); using torch", str(e).splitlines()[0])
             return None
         if not ok:
-            log.warning("traced embedding model disagrees with the eager one; using the eager model")
+            log.warning("ONNX Runtime embeddings disagree with torch's; using torch")
             return None
-        return traced
+        return session
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         """Unit-length float32 vectors, shape (len(texts), 384)."""
@@ -108,30 +137,27 @@ class Embedder:
 
     def encode_one(self, text: str) -> tuple[np.ndarray, bool]:
         """(unit vector, whether the text was longer than the embedding window) with one tokenization."""
-        torch = self._torch
         ids = self.tokenizer(text, truncation=False)["input_ids"]
         truncated = len(ids) > self.max_tokens
         if truncated:  # keep [CLS] + the first tokens + [SEP], as truncation=True would
             ids = ids[: self.max_tokens - 1] + ids[-1:]
-        input_ids = torch.tensor([ids])
-        with self._lock, torch.inference_mode():
-            if self._encoder is not None:
-                hidden = self._encoder(input_ids)
+        with self._lock:
+            if self._session is not None:
+                hidden = self._session.run(None, {"input_ids": np.array([ids], dtype=np.int64)})[0]
             else:
-                hidden = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
-        vec = torch.nn.functional.normalize(hidden.mean(1), p=2, dim=1)[0]
-        return vec.numpy().astype(np.float32), truncated
+                hidden = self._hidden_torch(ids)
+        vec = hidden[0].mean(0)
+        return (vec / max(float(np.linalg.norm(vec)), 1e-12)).astype(np.float32), truncated
 
 
 _shared: Embedder | None = None
 _shared_lock = threading.Lock()
 
 
-def get_embedder(threads: int = 0) -> Embedder:
-    """The process-wide embedder (the model is loaded once per API process)."""
+def get_embedder(threads: int = 0, backend: str = "onnx") -> Embedder:
+    """The process-wide embedder (the model is loaded once per API process; the first caller's settings)."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = Embedder(threads=threads)
+            _shared = Embedder(threads=threads, backend=backend)
         return _shared

@@ -113,7 +113,7 @@ class SemanticLayer:
         from farm.semantic.train import load_heads
 
         scfg: SemanticConfig = cfg.semantic
-        emb = embedder or get_embedder(threads=scfg.embedding_threads)
+        emb = embedder or get_embedder(threads=scfg.embedding_threads, backend=scfg.embedding_backend)
         emb.max_tokens = scfg.max_embed_tokens
         cat_head, jb_head = load_heads()
         cache = None
@@ -125,7 +125,8 @@ class SemanticLayer:
             cache = make_cache(scfg.cache, redis_client)
         layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(cat_head),
                     JailbreakDetector(jb_head, scfg.jailbreak.threshold), PIIDetector(), cache, served)
-        emb.encode(["warm up the encoder"])  # first call builds kernels: keep it off the first request
+        emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
+        emb.encode_one("warm up the per-request path")
         return layer
 
     def is_alias(self, model: str) -> bool:
