@@ -38,6 +38,21 @@ def answer_fits(answer: str, body: dict, tokenizer) -> bool:
     return len(tokenizer.encode(answer, add_special_tokens=False)) <= params.max_tokens
 
 
+def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
+    """A text completion's prompt as one user message, for the guards and the classifier. Token-id
+    prompts are decoded with `tokenizer`; a malformed prompt gives no text here (and its 400 from
+    parse_completion)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        try:
+            prompt = tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)], skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
+            prompt = ""
+    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+
+
 def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_cache: bool,
            inject: bool = True, fits: Callable[[Verdict], bool] | None = None) -> Verdict:
     """The layer's verdict, counted; without a layer (disabled) the request passes unchanged.

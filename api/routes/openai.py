@@ -28,7 +28,7 @@ from api.schemas import (
     stream_flags,
     validate_chat,
 )
-from api.semantic import answer_fits, answer_locally, decide, no_cache_requested, store
+from api.semantic import answer_fits, answer_locally, completion_messages, decide, no_cache_requested, store
 from farm import metrics
 from farm.config import ModelConfig
 from farm.gateway import BusyError, NoWorkersError, Submission
@@ -167,21 +167,9 @@ def _generate(kind: str) -> Response:
 
 
 def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str]]:
-    """A text completion's prompt as one user message, for the guards and the classifier. Token-id
-    prompts are decoded with the tokenizer of the model asked for (the default model's for an alias);
-    a malformed prompt gives no text here and its 400 from parse_completion."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        farm = _farm()
-        name = model if model not in _aliases() else farm.cfg.default_model
-        tok = farm.tokenizer(name)
-        try:
-            prompt = tok.decode([t for t in prompt if 0 <= t < len(tok)], skip_special_tokens=True)
-        except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
-            prompt = ""
-    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+    """The prompt as a user message; token ids decoded by the asked model's tokenizer (the default's for an alias)."""
+    farm = _farm()
+    return completion_messages(body, farm.tokenizer(model if model not in _aliases() else farm.cfg.default_model))
 
 
 def _worker_error(ev: dict[str, Any]) -> APIError:

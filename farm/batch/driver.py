@@ -178,6 +178,8 @@ class BatchDriver:
         # limits come from config entries only, so FARM_API_KEYS is not needed here)
         self.limiter = Limiter(self.r, cfg.api.limits, KeyRing.from_config(cfg, environ={}).overrides)
         self._owners: dict[str, str] = {}
+        self._semantic = None  # farm.semantic.layer.SemanticLayer, built by the first batch that needs it
+        self._sem_lock = threading.Lock()
 
     @property
     def gateway(self):
@@ -266,7 +268,25 @@ class BatchDriver:
     def _tokenizer(self, model: str):
         from farm.tokenization import get_tokenizer
 
+        if model in self.cfg.semantic.aliases:  # only decoding a token-id prompt for the guards asks this
+            model = self.cfg.default_model
         return get_tokenizer(self.cfg, model)
+
+    def _semantic_layer(self):
+        """The semantic layer of this driver process (built on first use): guards and MoM for batch lines."""
+        with self._sem_lock:
+            if self._semantic is None:
+                from farm.semantic.layer import SemanticLayer
+
+                self._semantic = SemanticLayer.from_config(self.cfg, redis_client=self.r, served=self._served_models)
+            return self._semantic
+
+    def _served_models(self) -> set[str]:
+        return {w.model for w in registry.live_workers(self.r)}
+
+    def _decide(self, model: str, messages: list[dict]):
+        """A batch line's semantic verdict: as the API's, but never answered from (or stored in) the cache."""
+        return self._semantic_layer().before(model, messages, no_cache=True)
 
     def _prepare(self, b: dict[str, Any]) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
         meta = self.files.get(b["input_file_id"])
@@ -278,9 +298,11 @@ class BatchDriver:
             return [], [{"code": "input_file_missing", "message": f"The input file {b['input_file_id']} "
                          "no longer exists.", "param": "input_file_id", "line": None}]
         try:
+            semantic = self.cfg.semantic.enabled
             return validate_input(data, b["endpoint"], [m.name for m in self.cfg.models], self._tokenizer,
                                   lambda m: self.cfg.model(m).max_model_len, self.bcfg.max_lines,
-                                  self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults)
+                                  self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults,
+                                  self._decide if semantic else None, self.cfg.semantic.aliases)
         except redis.RedisError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. the model's tokenizer is missing on this host
@@ -354,6 +376,12 @@ class BatchDriver:
             return self.store.status(bid) or "missing"
         recorded = self.store.recorded_ids(bid)
         todo = [ln for ln in lines if ln.custom_id not in recorded]
+        for ln in todo:  # answered by the semantic layer at validation (a guard's refusal): no worker
+            if ln.answer is not None:
+                rid = ("chatcmpl-" if ln.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+                self._record_success(bid, ln, rid, ln.answer, {"finish_reason": ln.finish_reason, "usage": {
+                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}})
+        todo = [ln for ln in todo if ln.answer is None]
         if recorded:
             log.info("batch %s: resuming, %d of %d lines already recorded", bid, len(recorded), len(lines))
         mode = b.get("schedule") or self.bcfg.schedule

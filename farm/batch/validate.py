@@ -7,6 +7,11 @@ tokenizes the prompt). Any failure fails the whole batch with line-numbered erro
 `{code, message, param, line}` (1-based line numbers, blank lines count but are skipped), so a batch
 never runs half-way into a bad line. What passes becomes a `PreparedLine`: the token ids and sampling
 parameters the driver sends through the Gateway.
+
+With the semantic layer on (`decide` given), every line goes through it as an API request would, but
+without the semantic cache: the jailbreak and PII guards (a blocked line is prepared with its refusal as
+the answer, recorded without any worker seeing it), and for `MoM`/`auto` the model selection and the
+category's system prompt. A line's `model` is the model that answers.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class PreparedLine:
     model: str
     prompt_ids: list[int]
     sampling: dict[str, Any]
+    answer: str | None = None  # set when the semantic layer answered (a guard's refusal): nothing to generate
+    finish_reason: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -43,16 +50,19 @@ def _err(code: str, message: str, line: int | None, param: str | None = None) ->
 
 def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for: Callable[[str], Any],
                    max_model_len: Callable[[str], int], max_lines: int = 50_000,
-                   max_errors: int = 100, defaults_for: Callable[[str], Any] | None = None
+                   max_errors: int = 100, defaults_for: Callable[[str], Any] | None = None,
+                   decide: Callable[[str, list[dict]], Any] | None = None, aliases: list[str] | None = None,
                    ) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
-    """(prepared lines, errors); the batch may run only when `errors` is empty."""
+    """(prepared lines, errors); the batch may run only when `errors` is empty. `decide(model, messages)`
+    is the semantic layer's verdict (farm.semantic.layer.Verdict) without the cache; `aliases` are the
+    model names it resolves (MoM, auto)."""
     from api.errors import APIError
-    from api.schemas import parse_chat, parse_completion, require_model
+    from api.schemas import local_params, parse_chat, parse_completion, require_model, validate_chat
+    from api.semantic import completion_messages
 
     kind = ENDPOINT_KINDS.get(endpoint)
     if kind is None:
         return [], [_err("invalid_endpoint", f"unsupported endpoint {endpoint!r}", None, "endpoint")]
-    parse = parse_chat if kind == "chat" else parse_completion
     lines: list[PreparedLine] = []
     errors: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
@@ -107,9 +117,26 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             errors.append(_err("unsupported_value", "'stream' is not supported in a batch", no, "body.stream"))
             continue
         try:
-            model = require_model(body, models)
-            parsed = parse(body, tokenizer_for(model), max_model_len(model),
-                           defaults=defaults_for(model) if defaults_for else None)
+            model = require_model(body, models + (list(aliases or []) if decide else []))
+            messages = None
+            if decide is not None:
+                if kind == "chat":
+                    asked = validate_chat(body)
+                else:
+                    asked = completion_messages(body, tokenizer_for(model))  # an alias: the default model's
+                v = decide(model, asked)
+                if v.action == "block":
+                    local_params(body)  # its parameters are still checked like the API's
+                    lines.append(PreparedLine(len(lines), no, cid, kind, v.model, [], {}, v.answer or "",
+                                              v.finish_reason or "content_filter"))
+                    continue
+                model = v.model
+                messages = v.messages if kind == "chat" else None
+            defaults = defaults_for(model) if defaults_for else None
+            if kind == "chat":
+                parsed = parse_chat(body, tokenizer_for(model), max_model_len(model), messages, defaults)
+            else:
+                parsed = parse_completion(body, tokenizer_for(model), max_model_len(model), defaults)
         except APIError as e:
             errors.append(_err(e.code or "invalid_request", e.message, no, f"body.{e.param}" if e.param else "body"))
             continue
