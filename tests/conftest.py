@@ -1,7 +1,9 @@
-"""Shared fixtures: a real redis-server on a free port, and the farm's environment pointing at it."""
+"""Shared fixtures: a real redis-server on a free port (a database of its own per test module), and the
+farm's environment pointing at it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -18,6 +20,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FARM_SECRET", "test-secret-not-for-production")
 
 
+REDIS_DATABASES = 64
+FIRST_MODULE_DB = 3  # databases 0-2 stay free for tests that pick one of their own (e.g. ".../2")
+_module_dbs = itertools.count()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,7 +39,7 @@ def start_redis(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, s
     tmp.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp), "--save", "",
-         "--appendonly", "yes", "--daemonize", "no", "--loglevel", "warning"],
+         "--appendonly", "yes", "--daemonize", "no", "--loglevel", "warning", "--databases", str(REDIS_DATABASES)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
@@ -48,12 +55,27 @@ def start_redis(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, s
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A real redis-server for the whole test session, on a free port."""
+def redis_session_url(tmp_path_factory) -> Iterator[str]:
+    """A real redis-server for the whole test session, on a free port (its URL, database 0)."""
     proc, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_session_url) -> str:
+    """A database of this test module's own on the session's redis-server, emptied first.
+
+    No module sees what another left behind: a worker registration left by one module once turned a later
+    module's "no worker" into a migration. Tests within a module share the database (module-scoped farms
+    live there); `redis_client` empties it for a test that needs a clean slate.
+    """
+    db = FIRST_MODULE_DB + next(_module_dbs) % (REDIS_DATABASES - FIRST_MODULE_DB)
+    url = f"{redis_session_url.rsplit('/', 1)[0]}/{db}"
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return url
 
 
 @pytest.fixture

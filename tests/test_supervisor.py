@@ -25,11 +25,12 @@ from tests.conftest import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env(tmp_path: Path, redis_port: int, **extra: str) -> dict[str, str]:
+def _env(tmp_path: Path, redis: int | str, **extra: str) -> dict[str, str]:
+    """A farm's environment: a state dir under tmp_path and Redis (a URL, or a local port's database 0)."""
     env = {k: v for k, v in os.environ.items() if not (k.startswith("FARM_") and k != "FARM_SECRET")}
     env.update({
         "FARM_STATE_DIR": str(tmp_path / "state"),
-        "FARM_REDIS__URL": f"redis://127.0.0.1:{redis_port}/0",
+        "FARM_REDIS__URL": redis if isinstance(redis, str) else f"redis://127.0.0.1:{redis}/0",
         "FARM_SECRET": "test-secret-not-for-production",
         **extra,
     })
@@ -102,8 +103,7 @@ def test_managed_redis_recorded_and_farm_down_stops_it(tmp_path):
 
 
 def test_uses_a_redis_that_already_answers_and_never_stops_it(tmp_path, redis_url):
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    cfg = load_config(environ=_env(tmp_path, port))
+    cfg = load_config(environ=_env(tmp_path, redis_url))
     farm = Farm(cfg, prefill=0, decode=0, both=0, api=False, flower=False)
     farm.start()
     assert not farm.redis_managed and farm.procs == []
@@ -300,8 +300,7 @@ def test_wait_healthy_waits_for_each_worker_in_its_role(tmp_path, redis_url, red
         def worker_command(self, role, model, name):
             return [sys.executable, str(script), role, model, self.worker_id(name), self.cfg.redis.url]
 
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    cfg = load_config(environ=_env(tmp_path, port))
+    cfg = load_config(environ=_env(tmp_path, redis_url))
     farm = FakeWorkersFarm(cfg, prefill=1, decode=2, both=0, api=False, flower=False, hostname="hostB",
                            prepare=False)
     # A record left by an earlier run under the same name must not count as this farm's worker.
@@ -316,7 +315,7 @@ def test_wait_healthy_waits_for_each_worker_in_its_role(tmp_path, redis_url, red
         by_role = {p["name"]: p["role"] for p in farm.processes() if p["alive"]}
         assert by_role == {"prefill-1": "prefill", "decode-1": "decode", "decode-2": "decode"}
 
-        env = _env(tmp_path, port)
+        env = _env(tmp_path, redis_url)
         st = json.loads(_farm_cli(env, "status", "--json").stdout)
         roles = st["workers"][cfg.default_model]
         assert [w["worker_id"] for w in roles["decode"]] == ["decode-1@hostB", "decode-2@hostB"]
