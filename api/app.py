@@ -15,7 +15,9 @@ from farm.gateway import Gateway
 from farm.metrics import FarmCollector
 from farm.tokenization import get_tokenizer
 
-REDIS_CONNECT_TIMEOUT_S = 5  # an unreachable Redis answers 503 in seconds instead of hanging a thread
+REDIS_CONNECT_TIMEOUT_S = 5  # an unreachable Redis answers 503 in seconds instead of hanging a request
+# Redis connections beyond one per open connection: the KV-event follower, metrics, warm-up
+REDIS_SPARE_CONNECTIONS = 64
 
 
 class FarmContext:
@@ -23,8 +25,11 @@ class FarmContext:
 
     def __init__(self, cfg: FarmConfig, gateway: Gateway | None = None):
         self.cfg = cfg
+        # Every open stream blocks in XREAD on a connection of its own: the pool must hold as many as the
+        # server holds connections (redis-py's default caps it at 100 and fails the 101st request).
         self.redis = redis.Redis.from_url(cfg.redis.url, health_check_interval=10, socket_keepalive=True,
-                                          socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+                                          socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+                                          max_connections=cfg.api.worker_connections + REDIS_SPARE_CONNECTIONS)
         self.gateway = gateway or Gateway(cfg, self.redis)
         self.farm_collector = FarmCollector(self.redis, cfg)
         self.started = int(time.time())
@@ -69,9 +74,10 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.json.sort_keys = False
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
-    from api import auth, openapi
+    from api import auth, http_policy, openapi
     from api.routes import batches, files, health, metrics, openai
 
+    http_policy.install(app)  # Host allow-list, Origin check and CORS (before the key check)
     auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(openai.bp)

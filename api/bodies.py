@@ -1,40 +1,60 @@
-"""Reading a JSON request body strictly: valid UTF-8, strict JSON (no NaN/Infinity), bounded nesting.
+"""Reading a JSON request body strictly: JSON media type, within the size limit, valid UTF-8, strict JSON
+(no NaN/Infinity), bounded nesting.
 
-Each failure is its own precise 400 instead of a 500 (json's C parser raises RecursionError on very
-deep input) or a silently accepted oddity. Size is bounded before this by MAX_CONTENT_LENGTH (413).
+Each failure is its own precise 4xx instead of a 500 (json's C parser raises RecursionError on very
+deep input) or a silently accepted oddity:
+- 415 unless `Content-Type` is JSON: a browser can send `text/plain` (or a form) cross-site without a
+  CORS preflight, so a JSON endpoint that parsed those would be reachable from any web page.
+- 413 past the route's limit (`api.max_body_bytes`), also for chunked bodies: werkzeug stops reading a
+  body without Content-Length at the limit without saying so, which would run a truncated request.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from flask import request
+from werkzeug.exceptions import RequestEntityTooLarge
 
-from api.errors import bad_request
+from api.errors import APIError, bad_request
+from farm.jsonsafe import JSONTooDeep, loads_bounded
 
 MAX_JSON_DEPTH = 32  # an OpenAI request nests about 5 deep; anything far past that is an attack or a bug
+_READ_CHUNK = 64 * 1024
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+def is_json_media_type(content_type: str | None) -> bool:
+    """application/json, or any application/*+json, with or without parameters (charset)."""
+    mime = (content_type or "").split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
-def _depth_ok(obj: Any, limit: int) -> bool:
-    """Whether `obj` nests at most `limit` containers deep (iterative: no recursion on hostile input)."""
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            return False
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return True
+def require_json_media_type() -> None:
+    if not is_json_media_type(request.content_type):
+        got = request.content_type or "none"
+        raise APIError(415, f"Unsupported Content-Type {got!r}: send the body as application/json.",
+                       param="Content-Type", code="unsupported_media_type")
+
+
+def read_body() -> bytes:
+    """The whole body, or 413 when it exceeds the route's limit, whether or not it came with a
+    Content-Length (a chunked body over the limit is refused, never truncated)."""
+    limit = request.max_content_length
+    if limit is None or request.content_length is not None:  # werkzeug checks Content-Length itself
+        return request.get_data(cache=True)
+    stream = request.environ.get("wsgi.input")
+    if stream is None or not request.environ.get("wsgi.input_terminated"):
+        return request.get_data(cache=True)  # werkzeug's safe fallback: no length, no stream
+    parts, size = [], 0
+    while True:
+        chunk = stream.read(min(_READ_CHUNK, limit + 1 - size))
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise RequestEntityTooLarge()
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def parse_json(data: bytes) -> Any:
@@ -45,19 +65,17 @@ def parse_json(data: bytes) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
-    too_deep = False
-    obj: Any = None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        too_deep = True
+        return loads_bounded(text, MAX_JSON_DEPTH)
+    except JSONTooDeep:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                          code="json_too_deep") from None
     except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if too_deep or not _depth_ok(obj, MAX_JSON_DEPTH):
-        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="json_too_deep")
-    return obj
 
 
 def json_body() -> Any:
-    """This request's body as strict JSON; 413 past the app's or blueprint's content length limit."""
-    return parse_json(request.get_data(cache=True))
+    """This request's body as strict JSON: 415 unless sent as JSON, 413 when over the app's or
+    blueprint's content length limit."""
+    require_json_media_type()
+    return parse_json(read_body())

@@ -14,7 +14,7 @@ import redis
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
-from farm.gateway import BusyError, GatewayTimeout, NoWorkersError
+from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError
 from farm.models import ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ def to_api_error(err: BaseException) -> APIError:
                         headers={"Retry-After": str(err.retry_after_s)})
     if isinstance(err, GatewayTimeout):
         return APIError(504, str(err), code="timeout")
+    if isinstance(err, ClientGone):  # nobody reads the answer; 499 as nginx logs it, for logs and metrics
+        return APIError(499, str(err), code="client_disconnected")
     if isinstance(err, ModelNotFoundError):  # configured but not on disk: the operator's problem, not the client's
         return APIError(503, str(err), code="model_unavailable")
     if isinstance(err, redis.RedisError):

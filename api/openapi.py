@@ -43,9 +43,9 @@ _PAGE = (("limit", {"type": "integer", "minimum": 1}), ("after", {"type": "strin
 
 OPERATIONS: tuple[Op, ...] = (
     Op("post", "/v1/chat/completions", "Chat completion (stream or not)", m.ChatCompletionRequest,
-       ok=m.ChatCompletion, stream=True, errors=(400, 401, 404, 413, 429, 503, 504), tags=("openai",)),
+       ok=m.ChatCompletion, stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
     Op("post", "/v1/completions", "Text completion (stream or not)", m.CompletionRequest, ok=m.TextCompletion,
-       stream=True, errors=(400, 401, 404, 413, 429, 503, 504), tags=("openai",)),
+       stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
     Op("get", "/v1/models", "The configured models", ok=m.ModelList, errors=(401, 429), tags=("openai",)),
     Op("get", "/v1/models/{model_id}", "One model", ok=m.ModelCard, errors=(401, 404, 429), tags=("openai",)),
     Op("post", "/v1/files", "Upload a batch input file", m.FileUploadRequest, "multipart/form-data",
@@ -57,7 +57,7 @@ OPERATIONS: tuple[Op, ...] = (
        errors=(401, 404, 429), tags=("files",)),
     Op("delete", "/v1/files/{file_id}", "Delete a file", ok=m.FileDeleted, errors=(401, 404, 429), tags=("files",)),
     Op("post", "/v1/batches", "Create a batch", m.BatchCreateRequest, ok=m.Batch,
-       errors=(400, 401, 404, 413, 429, 503), tags=("batches",)),
+       errors=(400, 401, 404, 413, 415, 429, 503), tags=("batches",)),
     Op("get", "/v1/batches", "The caller's batches", ok=m.BatchList, errors=(400, 401, 429), query=_PAGE,
        tags=("batches",)),
     Op("get", "/v1/batches/{batch_id}", "One batch", ok=m.Batch, errors=(401, 404, 429), tags=("batches",)),
@@ -106,6 +106,7 @@ def _operation(op: Op) -> dict[str, Any]:
 
 _ERROR_TEXT = {400: "invalid request (param names the field)", 401: "missing or invalid API key",
                404: "no such object (or not the caller's)", 409: "conflict", 413: "body too large",
+               415: "the body is not sent as application/json",
                429: "rate limit or token quota reached (Retry-After)", 503: "no worker / overloaded / Redis down "
                "(Retry-After)", 504: "no worker progress"}
 

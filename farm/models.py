@@ -117,3 +117,16 @@ def prepare_model(cfg: FarmConfig, model: ModelConfig, progress: bool = True) ->
 
 def prepare_all(cfg: FarmConfig, progress: bool = True) -> dict[str, Path]:
     return {m.name: prepare_model(cfg, m, progress=progress) for m in cfg.models}
+
+
+def model_vocab_size(model_dir: Path) -> int | None:
+    """Rows of the model's token embedding (config.json's vocab_size, or its text_config's): every token id
+    a worker is given must be below it. None when the directory's config does not say."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None

@@ -1,23 +1,28 @@
 """The farm's own redis-server: when to manage one, how to start it, ping it and stop it.
 
 `farm up` starts a local redis-server only when `redis.managed` is true, the URL names this machine
-and nothing answers there; when the URL carries a password (or FARM_REDIS_PASSWORD put one there) the
-server starts with `requirepass` from a 0600 config file. Its data (the append-only file) lives in `<state_dir>/redis`, so queued
-requests and the worker registry survive a restart of the farm.
+and nothing answers there. It always has a password, given to `requirepass` through a 0600 config file:
+the URL's own, else FARM_REDIS_PASSWORD, else one generated once into `<state_dir>/redis.password`
+(0600), which every process reading that state dir's configuration puts into its URL. Its data (the
+append-only file) lives in `<state_dir>/redis`, so queued requests and the worker registry survive a
+restart of the farm.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-import redis
+if TYPE_CHECKING:
+    import redis
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 
@@ -47,11 +52,18 @@ def is_local(url: str) -> bool:
 
 
 def client(url: str, timeout: float = 2.0) -> redis.Redis:
+    # redis is imported here, not at the top: loading the configuration (farm.config reads the managed
+    # Redis's password through this module) must not import it in gunicorn's unpatched master process;
+    # the API's gevent worker imports it after patching (api/gunicorn_conf.py)
+    import redis
+
     return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 def ping(url: str, timeout: float = 1.0) -> bool:
     """True when a Redis server answers PING at `url`."""
+    import redis
+
     c = client(url, timeout)
     try:
         return bool(c.ping())
@@ -77,6 +89,34 @@ def url_password(url: str) -> str | None:
 
 
 AUTH_CONF = "redis-auth.conf"
+PASSWORD_FILE = "redis.password"  # in the state dir: the managed Redis's generated password
+
+
+def password_path(state_dir: Path | str) -> Path:
+    return Path(state_dir) / PASSWORD_FILE
+
+
+def read_password(state_dir: Path | str) -> str | None:
+    """The generated password of this state dir's managed Redis, if one was made."""
+    try:
+        return password_path(state_dir).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def ensure_password(state_dir: Path | str) -> str:
+    """The managed Redis's password, generated once (mode 0600, like the farm secret): every process that
+    reads this state dir's configuration finds it (farm.config.load_config)."""
+    path = password_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return read_password(path.parent) or ""
 
 
 def write_auth_conf(data_dir: Path | str, password: str) -> Path:
@@ -163,3 +203,21 @@ def aof_files(data_dir: Path | str) -> list[Path]:
     out = sorted(d.glob("appendonly*.aof*")) + sorted(d.glob("appendonlydir/*"))
     return [p for p in out if p.is_file()]
 
+
+
+def main() -> None:
+    """`python -m farm.redis_server`: this configuration's managed Redis in the foreground (the Procfile's
+    `redis`), with the same password `farm up` gives it, so the Procfile's other processes find it too."""
+    from farm.config import get_config
+
+    cfg = get_config()
+    _host, port, _db = parse_url(cfg.redis.url)
+    data_dir = cfg.state_path / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    password = url_password(cfg.redis.url) or ensure_password(cfg.state_path)
+    cmd = command(port, data_dir, cfg.redis.appendonly, password=password)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,23 @@ def get_tokenizer(cfg: FarmConfig, model_name: str):
         return _load(str(d))
 
 
+_LONGEST_TOKEN: dict[int, tuple[Any, int]] = {}
+
+
+def max_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry: no token covers more of a text than that, so a text of
+    more than `n * max_token_chars` characters has more than n tokens (for byte-level BPE each entry's
+    characters are its bytes, and a character is at least one byte; for other vocabularies the bound is
+    looser, unless a normalizer deletes characters, which api.max_chars_per_token then overrides).
+    Computed once per tokenizer."""
+    key = id(tokenizer)
+    hit = _LONGEST_TOKEN.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, max((len(t) for t in tokenizer.get_vocab()), default=1))
+        _LONGEST_TOKEN[key] = hit
+    return max(1, hit[1])
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """Apply the model's chat template (with the generation prompt) and return token ids."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

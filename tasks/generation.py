@@ -1,27 +1,34 @@
-"""Generation tasks. Each is a few lines: decode the JSON message and hand it to the worker runtime."""
+"""Generation tasks. Each is a few lines: check the JSON message (untrusted: anything that can write to
+Redis can send one) and hand it to the worker runtime."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PING, TASK_PREFILL, GenerationRequest
+from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PING, TASK_PREFILL
 from farm.worker import get_runtime
 from tasks.celery_app import app
 
 
 @app.task(name=TASK_PREFILL, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def prefill(request: dict[str, Any]) -> None:
-    get_runtime().prefill(GenerationRequest.from_dict(request))
+    rt = get_runtime()
+    if (req := rt.accept(request)) is not None:
+        rt.prefill(req)
 
 
 @app.task(name=TASK_DECODE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def decode(request: dict[str, Any], handle: dict[str, Any] | None) -> None:
-    get_runtime().decode(GenerationRequest.from_dict(request), handle)
+    rt = get_runtime()
+    if (req := rt.accept(request, handle)) is not None:
+        rt.decode(req, handle)
 
 
 @app.task(name=TASK_GENERATE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def generate(request: dict[str, Any]) -> None:
-    get_runtime().generate(GenerationRequest.from_dict(request))
+    rt = get_runtime()
+    if (req := rt.accept(request)) is not None:
+        rt.generate(req)
 
 
 @app.task(name=TASK_PING, ignore_result=True)

@@ -1,10 +1,13 @@
-"""Shared by tests/test_security_*.py and tests/test_openapi.py: a real app on a real Redis with extra env."""
+"""Shared by tests/test_security_*.py, tests/security/ and tests/test_openapi.py: a real app on a real Redis
+with extra env."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flask import Flask
@@ -55,3 +58,33 @@ def assert_openai_error(resp, status: int, code: str | None = None, type_: str |
     if param is not None:
         assert err["param"] == param
     return err
+
+
+def fuzz(strategy, base_url: str, check: Callable[[Any, Any], None], max_examples: int,
+         timeout_s: float) -> list[int]:
+    """Send `max_examples` schemathesis cases drawn from `strategy` to `base_url` with KEY_A, each answered
+    within `timeout_s`, and `check(case, response)` each; returns the statuses seen. Driven through
+    hypothesis directly (deterministic, no example database): schemathesis' pytest plugin does not support
+    this pytest."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    statuses: list[int] = []
+
+    @given(case=strategy)
+    @settings(max_examples=max_examples, deadline=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    def run(case) -> None:
+        started = time.monotonic()
+        resp = case.call(base_url=base_url, headers=bearer(KEY_A), timeout=timeout_s)
+        assert time.monotonic() - started < timeout_s
+        statuses.append(resp.status_code)
+        check(case, resp)
+
+    run()
+    return statuses
+
+
+def schema_operation(schema, method: str, path: str):
+    """The schemathesis operation of `method` `path`."""
+    [op] = [r.ok() for r in schema.get_all_operations() if r.ok().method == method and r.ok().path == path]
+    return op

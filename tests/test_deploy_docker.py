@@ -25,7 +25,7 @@ from compose_spec import PyCompose
 from farm import registry
 from farm.cli import build_parser
 from farm.config import load_config
-from farm.supervisor import API_APP
+from farm.supervisor import API_APP, API_SERVER_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "deploy" / "docker"
@@ -159,10 +159,24 @@ def gunicorn_args(cmd: list[str]):
     return Config().parser().parse_args(cmd[1:])
 
 
-def test_api_image_command_is_the_supervisors():
+def server_settings(cmd: list[str], env: dict[str, str]) -> dict:
+    """What gunicorn runs with for this command in this environment: the API's settings module (the farm
+    config under `env`), which the command must name, with nothing overridden on the command line."""
+    from api.server import settings
+
+    args = gunicorn_args(cmd)
+    assert (args.config, args.args) == (API_SERVER_CONFIG, [API_APP])
+    assert args.worker_class is None and args.bind is None
+    return settings(load_config(environ=env))
+
+
+def test_api_image_command_is_the_supervisors(tmp_path):
     st = stages(parse_dockerfile(DOCKER / "Dockerfile.api"))
-    args = gunicorn_args(yaml.safe_load(dict(st["runtime"])["CMD"]))
-    assert (args.worker_class, args.bind, args.args, args.timeout) == ("gthread", ["0.0.0.0:8080"], [API_APP], 0)
+    env = " ".join(a for n in ("runtime-base", "runtime") for i, a in st.get(n, []) if i == "ENV")
+    assert "FARM_API__HOST=0.0.0.0" in env and "FARM_API__PORT=8080" in env
+    server = server_settings(yaml.safe_load(dict(st["runtime"])["CMD"]), {
+        "FARM_API__HOST": "0.0.0.0", "FARM_API__PORT": "8080", "FARM_STATE_DIR": str(tmp_path)})
+    assert (server["worker_class"], server["bind"], server["timeout"]) == ("gevent", ["0.0.0.0:8080"], 0)
     assert dict(st["runtime"])["EXPOSE"] == "8080"
 
 
@@ -320,8 +334,9 @@ def test_compose_commands_and_environment_are_the_farms(tmp_path):
         assert (args.command, args.role) == ("worker", role)
         assert svc["stop_grace_period"] in ("10m", "600s"), "time for Celery's warm shutdown"
         assert svc["image"].startswith("inference-farm/worker:")
-    api = gunicorn_args(services["api"]["command"])
-    assert (api.worker_class, api.bind, api.args) == ("gthread", ["0.0.0.0:8080"], [API_APP])
+    api_env = {k: str(v) for k, v in services["api"]["environment"].items()}
+    api = server_settings(services["api"]["command"], {"FARM_STATE_DIR": str(tmp_path), **api_env})
+    assert (api["worker_class"], api["bind"]) == ("gevent", ["0.0.0.0:8080"])
     flower = services["flower"]["command"]
     assert flower[:4] == ["celery", "-A", "tasks.celery_app", "flower"] and "--address=0.0.0.0" in flower
     # every FARM_* variable is a real configuration key: the farm loads with each service's environment

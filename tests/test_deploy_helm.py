@@ -406,7 +406,7 @@ def test_worker_deployments(case):
 
 
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
-def test_probes(case):
+def test_probes(case, tmp_path):
     objs = objects(case)
     for name, dep in workers(objs).items():
         c = container(dep["spec"]["template"]["spec"], "worker")
@@ -429,10 +429,18 @@ def test_probes(case):
     assert api["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 35
     from gunicorn.config import Config
 
+    from api.server import settings
+
     assert c["command"][0] == "gunicorn"
     args = Config().parser().parse_args(c["command"][1:])  # as gunicorn parses it
-    assert (args.worker_class, args.bind, args.args) == ("gthread", [f"0.0.0.0:{c['ports'][0]['containerPort']}"],
-                                                         ["api.app:create_app()"])
+    assert (args.config, args.args, args.worker_class, args.bind) == (
+        "python:api.gunicorn_conf", ["api.app:create_app()"], None, None)
+    # the settings module reads the pod's configuration (the ConfigMap): gevent, the port, the limits
+    server = settings(load_config(environ={**resolved_env(c, objs), "FARM_CONFIG": str(farm_cfg_file(objs, tmp_path))}))
+    frontend = VALUE_SETS[case].get("frontend", {})
+    assert (server["worker_class"], server["bind"], server["worker_connections"], server["keepalive"]) == (
+        "gevent", [f"0.0.0.0:{c['ports'][0]['containerPort']}"], frontend.get("workerConnections", 4096),
+        frontend.get("headerTimeoutSeconds", 10))
 
 
 def _probe_code(case: str = "default") -> tuple[list[str], list[str]]:

@@ -12,6 +12,7 @@ import pytest
 from flask import Flask
 from prometheus_client.parser import text_string_to_metric_families
 
+from farm.batch.store import OWNER_ANONYMOUS
 from tests.test_api_errors import farm_app
 
 
@@ -66,7 +67,7 @@ def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app, redis_c
     """(`redis_client` empties the shared Redis first: no worker registered by an earlier test is live.)"""
     layer = app.extensions["farm"].semantic()
     question = "Which river flows through Cairo?"
-    v = layer.before("MoM", [{"role": "user", "content": question}])
+    v = layer.before("MoM", [{"role": "user", "content": question}], tenant=OWNER_ANONYMOUS)  # keyless callers
     assert v.action == "forward" and layer.after(v, "The Nile.")  # as if a worker had answered
     hit = chat(app, question)
     assert hit.status_code == 200 and hit.headers["x-vsr-cache-hit"] == "true"
@@ -85,7 +86,7 @@ def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redi
     layer = app.extensions["farm"].semantic()
     question = "Name the largest planet of the solar system."
     answer = "Jupiter is the largest planet. It is a gas giant."
-    v = layer.before("MoM", [{"role": "user", "content": question}])
+    v = layer.before("MoM", [{"role": "user", "content": question}], tenant=OWNER_ANONYMOUS)  # keyless callers
     assert v.action == "forward" and layer.after(v, answer)
     n_tokens = len(app.extensions["farm"].tokenizer(v.model).encode(answer, add_special_tokens=False))
     fits = chat(app, question, max_tokens=n_tokens, stop=["Saturn"])

@@ -78,7 +78,7 @@ def test_managed_redis_recorded_and_farm_down_stops_it(tmp_path):
         farm.start()
         assert farm.redis_managed
         assert farm.wait_healthy(10)["ready"]
-        url = cfg.redis.url
+        url = farm.cfg.redis.url  # with the password generated for the managed Redis
         redis.Redis.from_url(url).set("farm:k", "v")
         _wait_for(lambda: redis_server.aof_files(cfg.state_path / "redis"))
 
@@ -197,7 +197,10 @@ def test_foreground_supervisor_stops_cleanly(tmp_path, how):
     fg = subprocess.Popen([sys.executable, str(_foreground_script(tmp_path))], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     state = tmp_path / "state" / "farm.json"
-    url = f"redis://127.0.0.1:{port}/0"
+
+    def url() -> str:  # as any later `farm` command sees it: with the managed Redis's generated password
+        return load_config(environ=env).redis.url
+
     head = []
     try:
         # stop it only once it says it is up (a Ctrl-C during start-up is another test's business)
@@ -207,7 +210,7 @@ def test_foreground_supervisor_stops_cleanly(tmp_path, how):
             assert line or fg.poll() is None, "supervisor exited before it was up"
             assert time.time() < deadline, "supervisor did not come up"
             head.append(line)
-        _wait_for(lambda: state.exists() and redis_server.ping(url), 20)
+        _wait_for(lambda: state.exists() and redis_server.ping(url()), 20)
         assert json.loads(state.read_text())["supervisor"]["pid"] == fg.pid
         if how == "ctrl-c":
             fg.send_signal(signal.SIGINT)
@@ -221,7 +224,7 @@ def test_foreground_supervisor_stops_cleanly(tmp_path, how):
             fg.kill()
     assert fg.returncode == 0, err
     assert "farm is up" in out and "stopping" in err
-    assert not redis_server.ping(url)
+    assert not redis_server.ping(url())
     assert not state.exists()
 
 
@@ -240,7 +243,7 @@ def test_flower_on_a_public_address_needs_basic_auth(tmp_path, monkeypatch):
 
 
 def test_worker_names_commands_and_child_config(tmp_path):
-    env = _env(tmp_path, free_port(), FARM_API__THREADS="7")
+    env = _env(tmp_path, free_port(), FARM_API__WORKER_CONNECTIONS="7")
     cfg = load_config(environ=env)
     farm = Farm(cfg, prefill=2, decode=1, both=1, port=18123, flower=False, hostname="hostA")
     assert farm.expected_workers == [
@@ -249,18 +252,22 @@ def test_worker_names_commands_and_child_config(tmp_path):
     ]
     assert farm.worker_command("decode", cfg.default_model, "decode-1")[1:] == [
         "-m", "tasks.worker", "--role", "decode", "--model", cfg.default_model, "--name", "decode-1@hostA"]
-    api = farm.api_command()
-    assert api[1:3] == ["-m", "gunicorn"] and api[-1] == "api.app:create_app()"
-    for flag, value in [("-k", "gthread"), ("--threads", "7"), ("-w", "1"), ("-b", "127.0.0.1:18123"),
-                        ("--timeout", "0"), ("--graceful-timeout", "30")]:
-        assert api[api.index(flag) + 1] == value
+    assert farm.api_command()[1:] == ["-m", "gunicorn", "-c", "python:api.gunicorn_conf", "api.app:create_app()"]
     assert farm.urls()["api"] == "http://127.0.0.1:18123/v1" and farm.urls()["flower"] is None
 
     # Children load exactly this configuration, whatever FARM_* the parent had.
     cfg.state_path.mkdir(parents=True)
     path = farm._write_resolved_config()
     child = load_config(environ={"FARM_CONFIG": str(path)})
-    assert child.api.port == 18123 and child.api.threads == 7
+    assert child.api.port == 18123 and child.api.worker_connections == 7
+    from api.server import settings  # what the API's gunicorn (the child) runs with
+
+    server = settings(child)
+    assert (server["worker_class"], server["workers"], server["bind"], server["worker_connections"],
+            server["keepalive"], server["timeout"], server["graceful_timeout"]) == (
+        "gevent", 1, ["127.0.0.1:18123"], 7, child.api.header_timeout_s, 0, 30)
+    with pytest.raises(ConfigError, match="api.threads was removed.*api.worker_connections"):
+        load_config(environ={**env, "FARM_API__THREADS": "64"})
     assert child.redis.url == cfg.redis.url and child.state_path == cfg.state_path
     with pytest.raises(ConfigError, match="unknown model"):
         Farm(cfg, models=["no-such-model"])

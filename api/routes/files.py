@@ -14,7 +14,7 @@ from flask import Blueprint, current_app, jsonify, request, send_file
 from api.auth import current_owner
 from api.errors import APIError, bad_request
 from farm.batch.config import files_path
-from farm.batch.store import BatchStore, FileStore, public_file
+from farm.batch.store import BatchStore, FileStore, clean_filename, public_file
 
 bp = Blueprint("files", __name__, url_prefix="/v1")
 
@@ -99,7 +99,8 @@ def file_content(file_id: str):
         f = ctx.files.open(file_id)
     except FileNotFoundError:
         raise APIError(404, f"The content of {file_id} is no longer stored", param="id", code="file_not_found") from None
-    return send_file(f, mimetype="application/octet-stream", as_attachment=True, download_name=meta["filename"])
+    return send_file(f, mimetype="application/octet-stream", as_attachment=True,
+                     download_name=clean_filename(meta.get("filename")))  # also names stored before cleaning
 
 
 @bp.delete("/files/<file_id>")

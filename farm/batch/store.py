@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -38,6 +40,32 @@ BATCHES_KEY = "farm:batches"
 ACTIVE_KEY = "farm:batch:active"
 SEQ_KEY = "farm:batch:seq"
 INFLIGHT_KEY = "farm:batch:inflight"
+
+
+# Client-supplied ids address Redis keys and files: only ids of the shapes made here are looked up, so no
+# id reaches an internal key ("seq" would be farm:batch:seq) or another batch's sub-key ("<id>:results").
+FILE_ID = re.compile(r"file-[0-9a-f]{24}(?:out|err)?")  # uploads; a batch's output and error files
+BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
+
+
+def is_file_id(file_id: str) -> bool:
+    return isinstance(file_id, str) and FILE_ID.fullmatch(file_id) is not None
+
+
+def is_batch_id(batch_id: str) -> bool:
+    return isinstance(batch_id, str) and BATCH_ID.fullmatch(batch_id) is not None
+
+
+MAX_FILENAME_CHARS = 255
+_UNSAFE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")  # control and format characters, line and paragraph separators
+
+
+def clean_filename(name: str | None, default: str = "upload.jsonl") -> str:
+    """A client's file name made safe to store and to send back in Content-Disposition: no control
+    characters (CR/LF would break the header, NUL the server's own response), no path, bounded length."""
+    name = "".join(c for c in (name or "") if unicodedata.category(c) not in _UNSAFE_CATEGORIES)
+    name = name.replace("/", "_").replace("\\", "_").strip().lstrip(".")
+    return name[:MAX_FILENAME_CHARS] or default
 
 
 def file_key(file_id: str) -> str:
@@ -134,7 +162,7 @@ class FileStore:
         self.root = Path(root)
 
     def path(self, file_id: str) -> Path:
-        if "/" in file_id or file_id.startswith("."):
+        if not is_file_id(file_id):
             raise ValueError(f"bad file id {file_id!r}")
         return self.root / file_id
 
@@ -164,7 +192,7 @@ class FileStore:
         finally:
             tmp.unlink(missing_ok=True)
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "owner": owner, "status": "processed",
+                "filename": clean_filename(filename), "purpose": purpose, "owner": owner, "status": "processed",
                 "expires_at": None, "status_details": None}
         pipe = self.r.pipeline()
         pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
@@ -173,6 +201,8 @@ class FileStore:
         return meta
 
     def get(self, file_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        if not is_file_id(file_id):
+            return None
         raw = self.r.hgetall(file_key(file_id))
         if not raw:
             return None
@@ -249,6 +279,8 @@ class BatchStore:
 
     def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
         """The stored fields (decoded), or None; `owner` given: None unless it owns the batch."""
+        if not is_batch_id(batch_id):
+            return None
         raw = self.r.hgetall(batch_key(batch_id))
         if not raw:
             return None

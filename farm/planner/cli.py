@@ -90,6 +90,7 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
             farm.supervisor = True
             farm.start()
             farm.wait_healthy(args.timeout)
+            cfg = farm.cfg  # with the managed Redis's password, when start() generated one
             print(f"farm is up: {farm.urls()}; planning it ({pcfg.mode}); Ctrl-C stops both", flush=True)
         actuator = None
         if not pcfg.dry_run:

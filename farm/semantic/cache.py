@@ -1,8 +1,8 @@
 """Semantic cache: one interface, two backends (Redis hashes + numpy by default, Milvus when scaled).
 
-Partitions: every entry lives in a partition named by a hash of (model that answers, effective system
-prompt, earlier turns of the conversation), so an answer is never served across models, system prompts
-or conversations; only the last user message is compared semantically. A hit needs cosine similarity
+Partitions: every entry lives in a partition named by a hash of (tenant, model that answers, effective
+system prompt, earlier turns of the conversation), so an answer is never served across API keys (unless
+`shared_across_tenants`), models, system prompts or conversations; only the last user message is compared semantically. A hit needs cosine similarity
 at or above the threshold *and* the same "guard signature" (the numbers in the text and its negations:
 "2+2" vs "2+3", "is" vs "is not" embed almost identically but have different answers) *and* no lexical
 conflict (the same words reordered, or one content word swapped: "good"/"bad"). Prompts longer than the
@@ -81,9 +81,12 @@ def text_sha(text: str) -> str:
     return hashlib.sha256(" ".join(_WORD.findall(text.lower())).encode()).hexdigest()[:32]
 
 
-def partition_key(model: str, system_prompt: str, history: list[dict]) -> str:
-    """sha256 of the answering model, the effective system prompt and the turns before the last user message."""
+def partition_key(model: str, system_prompt: str, history: list[dict], tenant: str = "") -> str:
+    """sha256 of the tenant ("" = shared by all), the answering model, the effective system prompt and the
+    turns before the last user message."""
     h = hashlib.sha256()
+    if tenant:
+        h.update(b"tenant\0" + tenant.encode() + b"\0")
     h.update(model.encode() + b"\0" + system_prompt.encode() + b"\0")
     h.update(json.dumps(history, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()[:32]

@@ -81,6 +81,9 @@ class CacheConfig(_S):
     max_entries: int = Field(10000, ge=1)  # across all partitions; the oldest entries are evicted first
     max_partition_entries: int = Field(2000, ge=1)  # per model + system prompt: bounds one brute-force search
     key_prefix: str = "farm:sc"
+    # false: each tenant (API key owner; keyless clients are one tenant) has its own cache, so no answer
+    # (nor the fact that someone asked) crosses keys; true: one cache for every tenant (more hits).
+    shared_across_tenants: bool = False
     milvus: MilvusConfig = MilvusConfig()
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from farm.cooperative import offload
+
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 256  # the model's own max_seq_length (sentence_bert_config.json)
@@ -64,6 +66,12 @@ class Embedder:
     def backend(self) -> str:
         """What `encode_one` runs on: "onnx" or "torch"."""
         return "onnx" if self._session is not None else "torch"
+
+    def _hidden(self, ids: list[int]) -> np.ndarray:
+        """Last hidden state of one unpadded sequence, on ONNX Runtime or torch (both release the GIL)."""
+        if self._session is not None:
+            return self._session.run(None, {"input_ids": np.array([ids], dtype=np.int64)})[0]
+        return self._hidden_torch(ids)
 
     def _hidden_torch(self, ids: list[int]) -> np.ndarray:
         torch = self._torch
@@ -141,11 +149,8 @@ class Embedder:
         truncated = len(ids) > self.max_tokens
         if truncated:  # keep [CLS] + the first tokens + [SEP], as truncation=True would
             ids = ids[: self.max_tokens - 1] + ids[-1:]
-        with self._lock:
-            if self._session is not None:
-                hidden = self._session.run(None, {"input_ids": np.array([ids], dtype=np.int64)})[0]
-            else:
-                hidden = self._hidden_torch(ids)
+        with self._lock:  # one forward at a time, off the API's gevent hub (it would stall every stream)
+            hidden = offload(self._hidden, ids)
         vec = hidden[0].mean(0)
         return (vec / max(float(np.linalg.norm(vec)), 1e-12)).astype(np.float32), truncated
 

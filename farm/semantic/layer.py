@@ -137,7 +137,8 @@ class SemanticLayer:
         return Verdict("forward", model, messages)
 
     # -- the request path ------------------------------------------------------------------------------
-    def before(self, model: str, messages: list[dict], no_cache: bool = False) -> Verdict:
+    def before(self, model: str, messages: list[dict], no_cache: bool = False, tenant: str = "") -> Verdict:
+        """`tenant` (the API key's owner id) partitions the cache unless `cache.shared_across_tenants`."""
         cfg = self.cfg
         if not cfg.enabled:
             return self.passthrough(model, messages)
@@ -191,14 +192,15 @@ class SemanticLayer:
             out_messages = inject_system_prompt(messages, cc.system_prompt, cc.system_prompt_mode or cfg.system_prompt_mode)
             headers[H_INJECTED] = "true"
 
-        # 3. semantic cache, partitioned by answering model + effective system prompt + earlier turns
+        # 3. semantic cache, partitioned by tenant + answering model + effective system prompt + earlier turns
         query = None
         if self.cache is not None and not no_cache and last:
             s = time.perf_counter()
             last_user = max(i for i, m in enumerate(out_messages) if m.get("role") == "user")
             history = [{"role": m.get("role"), "content": message_text(m.get("content"))}
                        for m in out_messages[:last_user] if m.get("role") not in ("system", "developer")]
-            query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history), vec,
+            owner = "" if cfg.cache.shared_across_tenants else tenant
+            query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history, owner), vec,
                                text_sha(last), guard_signature(last), truncated, word_sequence(last))
             hit = self.cache.lookup(query)
             t["cache"] = _ms(s)

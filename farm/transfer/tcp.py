@@ -9,10 +9,19 @@ before touching memory, then either
   and waits for the client's `{"done": true}` after it mapped the file;
 or `{"ok": false, "error"}`. The held blocks are released once the pull is over. The receiver checks
 the checksum carried by the (signed) handle.
+
+Both ends treat the other as untrusted: the port is reachable by anything that can reach the worker.
+The server parses the header with bounded nesting and checks its shape (an object with a `handle`
+object and a known `mode`), answers any bad request with `{"ok": false, "error"}` instead of a
+traceback, drops a peer silent for `timeout_s`, and serves at most `max_connections` at once (one
+thread each; the rest are refused at once). The client never allocates more than the signed handle
+implies: a peer announcing other `nbytes` is refused before any buffer is taken, and a trickling peer
+is cut off at a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -25,6 +34,7 @@ from typing import Any
 import torch
 import xxhash
 
+from farm.jsonsafe import loads_bounded
 from farm.transfer import shm
 from farm.transfer.handle import HandleError, verify_handle
 from farm.transfer.staging import StagingPool
@@ -32,6 +42,11 @@ from farm.transfer.staging import StagingPool
 log = logging.getLogger(__name__)
 
 MAX_HEADER = 1 << 20
+MAX_HEADER_DEPTH = 16  # a request is {handle: {layout: {...}, kv_transfer_params: {...}}}: a few levels
+MODES = ("tcp", "shm", "nixl")
+SERVER_TIMEOUT_S = 30.0  # a peer silent this long (header not sent, "done" never comes) is dropped
+MAX_CONNECTIONS = 64  # pulls served at once; decode workers pull a few at a time
+MIN_PULL_BYTES_PER_S = 10 << 20  # a pull slower than this on top of the timeout is cut off
 ReadBlocks = Callable[..., torch.Tensor]  # read_blocks(block_ids, out=None) -> tensor
 
 
@@ -47,11 +62,33 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
 
 
-def _read_line(sock_file) -> dict[str, Any]:
+def parse_header(line: bytes) -> dict[str, Any]:
+    """A peer's header line: a JSON object nesting at most MAX_HEADER_DEPTH deep, else TransferError."""
+    try:
+        obj = loads_bounded(line, MAX_HEADER_DEPTH)
+    except ValueError as e:  # invalid JSON, bad encoding, too deep
+        raise TransferError(f"bad transfer header: {e}") from None
+    if not isinstance(obj, dict):
+        raise TransferError(f"bad transfer header: a JSON object expected, got {type(obj).__name__}")
+    return obj
+
+
+def parse_request(line: bytes) -> tuple[Any, str]:
+    """(handle, mode) of a pull request line; its shape is checked, the handle is verified after."""
+    msg = parse_header(line)
+    handle, mode = msg.get("handle"), msg.get("mode", "tcp")
+    if not isinstance(handle, dict):
+        raise TransferError("bad transfer header: 'handle' must be an object")
+    if mode not in MODES:
+        raise TransferError(f"bad transfer header: 'mode' must be one of {list(MODES)}")
+    return handle, mode
+
+
+def _read_line(sock_file) -> bytes:
     line = sock_file.readline(MAX_HEADER)
     if not line.endswith(b"\n"):
         raise TransferError("truncated transfer header")
-    return json.loads(line)
+    return line
 
 
 def _send(wfile, obj: dict[str, Any]) -> None:
@@ -62,7 +99,18 @@ def _send(wfile, obj: dict[str, Any]) -> None:
 def handle_shape(h: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype]:
     lay = h["layout"]
     shape = (lay["num_layers"], 2, len(h["block_ids"]), lay["block_size"], lay["num_kv_heads"], lay["head_dim"])
-    return shape, getattr(torch, lay["dtype"])
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise TransferError(f"bad KV layout in handle: {shape}")
+    dtype = getattr(torch, str(lay["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"bad KV dtype in handle: {lay['dtype']!r}")
+    return shape, dtype
+
+
+def handle_nbytes(h: dict[str, Any]) -> int:
+    """The exact size of the blocks a handle names: all a pull may ever allocate for it."""
+    shape, dtype = handle_shape(h)
+    return int(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
 
 
 class TransferServer:
@@ -71,16 +119,29 @@ class TransferServer:
 
     def __init__(self, worker_id: str, secret: bytes, check: Callable[[dict], None], read_blocks: ReadBlocks,
                  release: Callable[[str], None], bind_host: str = "0.0.0.0", port: int = 0,
-                 nixl_source: Any = None):
+                 nixl_source: Any = None, timeout_s: float = SERVER_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS):
         self.worker_id = worker_id
         self.staging = StagingPool()
+        self.refused = 0  # connections turned away at the cap
+        slots = threading.BoundedSemaphore(max_connections)
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
+            timeout = timeout_s  # applied to the connection: reads and writes of a silent peer time out
+
             def handle(self) -> None:
                 try:
-                    msg = _read_line(self.rfile)
-                    h = verify_handle(msg.get("handle"), secret)
+                    self._pull()
+                except Exception as e:  # noqa: BLE001 - a peer must never get a traceback, nor kill us
+                    log.warning("KV transfer from %s failed: %s: %s", self.client_address, type(e).__name__, e)
+                    with contextlib.suppress(OSError):
+                        _send(self.wfile, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+            def _pull(self) -> None:
+                try:
+                    handle, mode = parse_request(_read_line(self.rfile))
+                    h = verify_handle(handle, secret)
                     if h["worker_id"] != outer.worker_id:
                         raise HandleError("handle names another worker")
                     check(h)
@@ -88,10 +149,10 @@ class TransferServer:
                     _send(self.wfile, {"ok": False, "error": str(e)})
                     return
                 try:
-                    if msg.get("mode") == "nixl" and nixl_source is not None:
+                    if mode == "nixl" and nixl_source is not None:
                         _send(self.wfile, {"ok": True, "nixl": nixl_source.offer(h["block_ids"])})
                         self.rfile.readline(MAX_HEADER)  # the puller's "done" after its READ completed
-                    elif msg.get("mode") == "shm" and shm.available():
+                    elif mode == "shm" and shm.available():
                         self._serve_shm(h)
                     else:
                         self._serve_tcp(h)
@@ -100,7 +161,7 @@ class TransferServer:
 
             def _serve_tcp(self, h: dict[str, Any]) -> None:
                 shape, dtype = handle_shape(h)
-                nbytes = int(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+                nbytes = handle_nbytes(h)
                 buf = outer.staging.acquire(nbytes)  # gather into touched memory: no page faults
                 try:
                     read_blocks(h["block_ids"], out=buf.view(dtype).view(shape))
@@ -121,6 +182,27 @@ class TransferServer:
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+            request_queue_size = 128  # listen backlog: a burst is accepted (and served or refused) at once
+
+            def process_request(self, request: socket.socket, client_address: Any) -> None:
+                if not slots.acquire(blocking=False):  # at the cap: refuse now, spend no thread on it
+                    outer.refused += 1
+                    with contextlib.suppress(OSError):
+                        request.settimeout(1.0)
+                        request.sendall(b'{"ok": false, "error": "too many connections"}\n')
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    slots.release()
+                    raise
+
+            def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
         self.server = Server((bind_host, port), Handler)
         self.port = self.server.server_address[1]
@@ -149,6 +231,7 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
         raise TransferError(str(e)) from e
     host, _, port = str(h["endpoint"]).rpartition(":")
     shape, dtype = handle_shape(h)
+    expected = handle_nbytes(h)
     offered = str(h["transport"]).split(",")
     use_shm = allow_shm and "shm" in offered and h.get("host_id") == shm.host_id()
     mode = "nixl" if nixl_name and "nixl" in offered else ("shm" if use_shm else "tcp")
@@ -166,12 +249,13 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
                                  h["request_id"].encode(), timeout).cpu()
                 sock.sendall(b'{"done": true}\n')
             elif "shm" in head:
-                data = shm.import_from_shm(head["shm"], int(head["nbytes"]), dtype, shape)
+                data = shm.import_from_shm(str(head["shm"]), _announced(head, expected), dtype, shape)
                 sock.sendall(b'{"done": true}\n')
             else:
-                nbytes = int(head["nbytes"])
+                nbytes = _announced(head, expected)
                 buf = staging.acquire(nbytes) if staging is not None else StagingPool().acquire(nbytes)
-                data = _receive(sock, buf, leftover).view(dtype).reshape(shape)
+                deadline = time.monotonic() + timeout + nbytes / MIN_PULL_BYTES_PER_S
+                data = _receive(sock, buf, leftover, deadline).view(dtype).reshape(shape)
     except OSError as e:
         raise TransferError(f"cannot pull KV from {h['endpoint']}: {e}") from e
     except ValueError as e:
@@ -181,6 +265,15 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
     if info is not None:
         info.update(transport=mode, bytes=data.numel() * data.element_size(), seconds=time.perf_counter() - t0)
     return data
+
+
+def _announced(head: dict[str, Any], expected: int) -> int:
+    """The peer's `nbytes`, which must be exactly what the signed handle implies (checked before any
+    allocation: a rogue peer must not make us reserve gigabytes)."""
+    n = head.get("nbytes")
+    if not isinstance(n, int) or isinstance(n, bool) or n != expected:
+        raise TransferError(f"peer announced {n!r} bytes; the handle's blocks are {expected} bytes")
+    return n
 
 
 def _recv_line(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
@@ -194,16 +287,21 @@ def _recv_line(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
         if len(buf) > MAX_HEADER:
             raise TransferError("transfer header too long")
     line, _, rest = buf.partition(b"\n")
-    return json.loads(line), rest
+    return parse_header(line), rest
 
 
-def _receive(sock: socket.socket, buf: torch.Tensor, leftover: bytes = b"") -> torch.Tensor:
-    """Receive straight into `buf` (recv_into, no intermediate buffers)."""
+def _receive(sock: socket.socket, buf: torch.Tensor, leftover: bytes = b"",
+             deadline: float = float("inf")) -> torch.Tensor:
+    """Receive straight into `buf` (recv_into, no intermediate buffers), by `deadline` (monotonic)."""
     nbytes = buf.numel()
     view = memoryview(buf.numpy()).cast("B")
     got = len(leftover)
+    if got > nbytes:
+        raise TransferError("peer sent more than it announced")
     view[:got] = leftover
     while got < nbytes:
+        if time.monotonic() > deadline:
+            raise TransferError(f"pull too slow: {got} of {nbytes} bytes by the deadline")
         n = sock.recv_into(view[got:], min(nbytes - got, 1 << 20))
         if not n:
             raise TransferError("connection closed mid-transfer")

@@ -94,7 +94,7 @@ def test_200_streaming_clients_for_60_seconds(tmp_path_factory):
         assert outcomes["completed"] >= CLIENTS, outcomes
         assert rss_late < rss_early * 1.25 + 200, (rss_early, rss_late)  # bounded: no growth with requests
 
-        r = redis.Redis.from_url(cfg.redis.url)
+        r = redis.Redis.from_url(farm.cfg.redis.url)  # with the managed Redis's generated password
         clean, stats = wait_all_blocks_free(r, timeout=30)
         assert clean, stats
         assert per_request_keys_without_ttl(r) == []

@@ -341,9 +341,13 @@ FARM_ENGINE__KV_CACHE_MB=4096, FARM_ENGINE__KV_TIERS__HOST_MB=1 (the farm parses
 {{- define "farm.config" -}}
 {{- $models := include "farm.models" . | fromYamlArray }}
 {{- $default := .Values.defaultModel | default (include "farm.wModel" (first .Values.workers)) }}
+{{- /* the names in-cluster clients reach the API Service by: the API refuses other Host headers (DNS
+rebinding); config.api.allowed_hosts replaces them (add an Ingress's host there) */}}
+{{- $svc := printf "%s-api" (include "farm.fullname" .) }}
+{{- $hosts := list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) }}
 {{- $cfg := dict
   "redis" (dict "managed" false)
-  "api" (dict "host" "0.0.0.0" "port" (int .Values.frontend.port) "threads" (int .Values.frontend.threads))
+  "api" (dict "host" "0.0.0.0" "port" (int .Values.frontend.port) "worker_connections" (int .Values.frontend.workerConnections) "header_timeout_s" (int .Values.frontend.headerTimeoutSeconds) "allowed_hosts" $hosts)
   "flower" (dict "enabled" .Values.flower.enabled "host" "0.0.0.0" "port" (int .Values.flower.port))
   "router" (dict "mode" .Values.frontend.routerMode)
   "transfer" (dict "bind_host" "0.0.0.0")

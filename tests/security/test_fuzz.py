@@ -1,0 +1,79 @@
+"""Fuzzing the whole API from /openapi.json with schemathesis, against a farm that can answer: the API as
+`farm up` serves it, one real worker (the tiny random-weight model with the real tokenizer: generation
+is fast, and the API cannot tell), API keys on. Per operation, schema-valid requests, schema-violating
+ones (schemathesis' negative mode) and valid ones naming objects that exist (a file, a batch, a model:
+what a stateful run would reach through links, which the document does not declare) get no 5xx at all
+(tests/test_openapi.py runs the same without workers, where 503 is the documented answer), every error
+is OpenAI-shaped, every stream ends with [DONE] and no generation error, and every answer comes within
+REQUEST_TIMEOUT_S."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from api.openapi import build_document
+from tests.security.farms import base_url, real_farm
+from tests.security_helpers import KEY_A, bearer, fuzz, schema_operation
+
+MAX_EXAMPLES = 20  # per operation (~16 operations); generation answers in well under a second here
+REQUEST_TIMEOUT_S = 30
+MAX_MODEL_LEN = 96  # bounds every generated completion (and the chat template fits)
+
+
+@pytest.fixture(scope="module")
+def server(redis_url, tmp_path_factory, tiny_model_dir) -> Iterator[str]:
+    with real_farm(redis_url, tmp_path_factory.mktemp("fuzz"), tiny_model_dir, both=1, max_model_len=MAX_MODEL_LEN,
+                   env={"FARM_API_KEYS": KEY_A}, config={"batch": {"max_file_bytes": 65536}}) as farm:
+        yield base_url(farm)
+
+
+@pytest.fixture(scope="module")
+def api_schema(server) -> tuple[Any, dict[str, list[str]]]:
+    """The served document, with `model` narrowed to the names this farm serves (otherwise nearly every
+    generated request stops at 404 model_not_found and generation is never reached), and real ids for the
+    path parameters (a file, a batch), so the routes behind them are reached too."""
+    doc = requests.get(server + "/openapi.json", timeout=10).json()
+    names = [m["id"] for m in requests.get(server + "/v1/models", headers=bearer(KEY_A), timeout=10).json()["data"]]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        doc["components"]["schemas"][name]["properties"]["model"] = {"enum": names}
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": names[0], "messages": [{"role": "user", "content": "hi"}]}})
+    files = [requests.post(server + "/v1/files", headers=bearer(KEY_A), data={"purpose": "batch"}, timeout=10,
+                           files={"file": ("in.jsonl", line.encode())}).json()["id"] for _ in range(3)]
+    batch = requests.post(server + "/v1/batches", headers=bearer(KEY_A), timeout=10, json={
+        "input_file_id": files[0], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()["id"]
+    return schemathesis.openapi.from_dict(doc), {"model_id": names, "file_id": files, "batch_id": [batch]}
+
+
+def _operations() -> list[tuple[str, str]]:
+    return [(method, path) for path, ops in build_document()["paths"].items() for method in ops]
+
+
+@pytest.mark.parametrize("method,path", _operations())
+def test_no_request_gets_a_server_error(api_schema, server, method, path):
+    schema, known = api_schema
+    op = schema_operation(schema, method, path)
+    # schema-valid requests, schema-violating ones, and valid ones naming objects that exist
+    strategies = [op.as_strategy(), op.as_strategy(GenerationMode.NEGATIVE)]
+    ids = [name for name in known if "{" + name + "}" in path]
+    if ids:
+        strategies.append(st.one_of(*[op.as_strategy(path_parameters={ids[0]: v}) for v in known[ids[0]]]))
+
+    def check(case, resp) -> None:
+        assert resp.status_code < 500, (case.method, case.path, case.body, resp.text[:500])
+        case.validate_response(resp, checks=[not_a_server_error])
+        if resp.status_code >= 400:
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        elif resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            assert "generation failed" not in resp.text and resp.text.rstrip().endswith("data: [DONE]")
+
+    assert fuzz(st.one_of(*strategies), server, check, MAX_EXAMPLES, REQUEST_TIMEOUT_S), "requests were made"
