@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +44,33 @@ def aiperf_bin() -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(AIPERF_VENV)], check=True)
         subprocess.run([str(AIPERF_VENV / "bin" / "pip"), "install", "-q", "aiperf"], check=True)
     return exe
+
+
+def aiperf_profile(exe: Path, model: str, url: str, tokenizer_dir: Path, art: Path, w, timeout: float
+                   ) -> tuple[dict, Path | None, float]:
+    """aiperf's shared-prefix multi-turn workload against `url`: `w` has requests, concurrency, prefixes,
+    prefix_tokens, output_tokens and turns; seeded, shuffled (aiperf's synthetic default, made explicit).
+    Returns aiperf's summary JSON, its raw records file and the wall time; raises with aiperf's stderr."""
+    cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "chat",
+           "--streaming", "--tokenizer", str(tokenizer_dir), "--concurrency", str(w.concurrency),
+           "--request-count", str(w.requests), "--prefix-prompt-pool-size", str(w.prefixes),
+           "--prefix-prompt-length", str(w.prefix_tokens), "--prompt-input-tokens-mean", "48",
+           "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(w.output_tokens),
+           "--prompt-output-tokens-stddev", "0", "--conversation-turn-mean", str(w.turns),
+           "--conversation-turn-stddev", "0", "--conversation-num", str(w.requests // max(w.turns, 1)),
+           "--extra-inputs", "ignore_eos:true", "--random-seed", "7", "--dataset-sampling-strategy", "shuffle",
+           "--export-level", "raw", "--artifact-dir", str(art), "--ui-type", "none"]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    shutil.rmtree(art, ignore_errors=True)  # a summary left by an earlier run must not be read as this one's
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.time() - t0
+    art.mkdir(parents=True, exist_ok=True)
+    (art / "aiperf.log").write_text(" ".join(cmd) + "\n" + proc.stdout + "\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aiperf failed against {url}:\n{proc.stderr[-3000:]}")
+    summary = json.loads(next(art.rglob("profile_export_aiperf.json")).read_text())
+    return summary, next(art.rglob("*raw.jsonl"), None), wall
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -91,28 +119,10 @@ def run_mode(mode: str, args, exe: Path) -> dict:
         tok_dir = model_dir(cfg, cfg.model(cfg.default_model))
         before = scrape(base + "/metrics")
         art = OUT_DIR / f"aiperf-{mode}"
-        cmd = [str(exe), "profile", "--model", cfg.default_model, "--url", base, "--endpoint-type", "chat",
-               "--streaming", "--tokenizer", str(tok_dir), "--concurrency", str(args.concurrency),
-               "--request-count", str(args.requests), "--prefix-prompt-pool-size", str(args.prefixes),
-               "--prefix-prompt-length", str(args.prefix_tokens), "--prompt-input-tokens-mean", "48",
-               "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(args.output_tokens),
-               "--prompt-output-tokens-stddev", "0", "--conversation-turn-mean", str(args.turns),
-               "--conversation-turn-stddev", "0", "--conversation-num", str(args.requests // max(args.turns, 1)),
-               "--extra-inputs", "ignore_eos:true", "--random-seed", "7", "--export-level", "raw",
-               "--artifact-dir", str(art), "--ui-type", "none"]
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-        t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        wall = time.time() - t0
-        (art / "aiperf.log").parent.mkdir(parents=True, exist_ok=True)
-        (art / "aiperf.log").write_text(proc.stdout + "\n" + proc.stderr)
-        if proc.returncode != 0:
-            raise RuntimeError(f"aiperf failed in mode {mode}:\n{proc.stderr[-3000:]}")
+        summary, raw, wall = aiperf_profile(exe, cfg.default_model, base, tok_dir, art, args, args.timeout)
         after = scrape(base + "/metrics")
         prompt = after.get("farm_prompt_tokens_total", 0) - before.get("farm_prompt_tokens_total", 0)
         cached = after.get("farm_cached_prompt_tokens_total", 0) - before.get("farm_cached_prompt_tokens_total", 0)
-        summary = json.loads(next(art.rglob("profile_export_aiperf.json")).read_text())
-        raw = next(art.rglob("*raw.jsonl"), None)
         tok = get_tokenizer(cfg, cfg.default_model)
         ideal, n_ideal = ideal_hit_ratio(raw, tok, cfg.engine.block_size) if raw else (float("nan"), 0)
     return {"mode": mode, "wall_s": wall, "aiperf": summary, "prompt_tokens": prompt, "cached_tokens": cached,
