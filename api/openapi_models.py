@@ -48,16 +48,24 @@ class _Sampling(_Request):
     max_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens must fit max_model_len")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: Literal[1] | None = Field(None, description="only 1")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, not applied")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, not applied")
+    n: int | None = Field(None, ge=1, le=16, description="choices (each generated as a request of its own)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = None
     stop: str | list[str] | None = Field(None, description="at most 4 sequences")
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
     ignore_eos: bool | None = Field(None, description="vLLM extension: generate max_tokens tokens")
-    logit_bias: dict[str, float] | None = Field(None, description=UNSUPPORTED_NOTE)
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], at most 300")
+    top_k: int | None = Field(None, ge=-1, description="vLLM extension: sample among the k most likely (0, -1: all)")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension: minimum probability relative "
+                                                              "to the most likely token")
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="vLLM extension: > 1 discourages "
+                                                                            "tokens of prompt and completion")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence before this many")
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="vLLM extension: token ids that "
+                                                                             "end the completion")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -65,13 +73,14 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
-    logprobs: bool | None = Field(None, description=UNSUPPORTED_NOTE)
-    top_logprobs: int | None = Field(None, description=UNSUPPORTED_NOTE)
+    logprobs: bool | None = Field(None, description="log-probabilities of the generated tokens")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (with logprobs)")
     tools: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
     tool_choice: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
     functions: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
     function_call: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema (structured output: models with backend vllm)")
 
 
 class CompletionRequest(_Sampling):
@@ -82,7 +91,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = Field(None, description=UNSUPPORTED_NOTE)
     suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
     best_of: Literal[1] | None = None
-    logprobs: int | None = Field(None, description=UNSUPPORTED_NOTE)
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities with this many alternatives")
 
 
 class BatchCreateRequest(_Request):

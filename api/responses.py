@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -19,21 +20,32 @@ def finish_reason(r: str | None) -> str:
     return r if r in ("stop", "length", "content_filter") else "stop"
 
 
-def full_response(kind: str, rid: str, model: str, text: str, reason: str, u: dict[str, int]) -> dict[str, Any]:
+@dataclass
+class Choice:
+    """One choice of a response: its text, why it ended, and its log-probabilities in OpenAI's shape for
+    the response's kind (api.logprobs), when asked for."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dict[str, int]) -> dict[str, Any]:
     """The non-streamed `chat.completion` (kind "chat") or `text_completion` object."""
     created = int(time.time())
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason(reason)}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage(u)}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+        out = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(choices)]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+                "usage": usage(u)}
+    out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": finish_reason(c.finish_reason)}
+           for i, c in enumerate(choices)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage(u)}
 
 
 class ChunkWriter:
-    """Builds the SSE lines of one streamed response."""
+    """Builds the SSE lines of one streamed response (`index`: which choice a chunk belongs to)."""
 
     def __init__(self, kind: str, rid: str, model: str):
         self.kind, self.rid, self.model = kind, rid, model
@@ -47,21 +59,23 @@ class ChunkWriter:
         return self._line({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                            "choices": choices, **extra})
 
-    def role(self) -> str:
+    def role(self, index: int = 0) -> str:
         if self.kind != "chat":
             return ""
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def delta(self, text: str) -> str:
+    def delta(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
         if self.kind == "chat":
-            return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
-        return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                                 "finish_reason": None}])
+        return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
-    def finish(self, reason: str) -> str:
+    def finish(self, reason: str, index: int = 0) -> str:
         if self.kind == "chat":
-            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}])
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}])
+            return self._chunk([{"index": index, "delta": {}, "logprobs": None,
+                                 "finish_reason": finish_reason(reason)}])
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}])
 
     def usage(self, u: dict[str, int]) -> str:
         return self._chunk([], usage=usage(u))

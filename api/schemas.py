@@ -9,13 +9,24 @@ from typing import Any
 from api.errors import APIError, bad_request
 from api.openapi_models import ChatCompletionRequest, CompletionRequest, reject_unknown_fields
 from farm.config import SamplingDefaults
-from farm.protocol import SamplingParams
-from farm.tokenization import chat_prompt_ids, text_prompt_ids
+from farm.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    RESPONSE_FORMATS,
+    SEED_RANGE,
+    SamplingParams,
+)
+from farm.tokenization import chat_prompt_ids, max_token_chars, text_prompt_ids
 
 CHAT_ROLES = {"system", "user", "assistant", "developer"}  # developer is sent to the template as system
-UNSUPPORTED = {"logprobs": "logprobs", "top_logprobs": "logprobs", "tools": "tool calling",
-               "tool_choice": "tool calling", "functions": "function calling", "function_call": "function calling",
-               "response_format": "structured output", "logit_bias": "logit_bias"}
+UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+               "function_call": "function calling"}
+MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
+# Parameters only some engines honour: refused with a 400 naming the model's backend elsewhere.
+BACKEND_ONLY = {"response_format": {"vllm"}}
 
 
 @dataclass
@@ -28,6 +39,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # choices: n requests on the workers (seeds seed, seed+1, ...)
 
 
 def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
@@ -54,35 +66,128 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
     return float(v)
 
 
+def _integer(body: dict, name: str, lo: int, hi: int, default: int) -> int:
+    v = _type_check(body, name, (int,), "an integer")
+    if v is None:
+        return default
+    if not lo <= v <= hi:
+        raise bad_request(f"'{name}' must be >= {lo} and <= {hi}, got {v}", name, "invalid_value")
+    return v
+
+
+def _token_ids(body: dict, name: str, vocab: int | None, most: int) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or len(v) > most or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(f"'{name}' must be a list of at most {most} token ids", name)
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in v):
+        raise bad_request(f"token ids in '{name}' must be in [0, {vocab})", name, "invalid_value")
+    return list(v)
+
+
+def _logit_bias(body: dict, vocab: int | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token id (a JSON key, so a string) -> bias in [-100, 100]."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to numbers", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 12) or (vocab is not None and int(key) >= vocab):
+            raise bad_request(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias",
+                              "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias",
+                              "invalid_value")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _response_format(body: dict) -> dict[str, Any] | None:
+    """None for text; {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}."""
+    v = body.get("response_format")
+    if v is None or v == {"type": "text"}:
+        return None
+    if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMATS | {"text"}:
+        raise bad_request("'response_format.type' must be text, json_object or json_schema", "response_format")
+    if v["type"] == "text":
+        return None
+    if v["type"] == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
+                              "response_format")
+        return {"type": "json_schema", "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
+    return {"type": "json_object"}
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token (None: no log-probabilities). Chat: `logprobs` true and
+    `top_logprobs` 0-20; completions: `logprobs` an integer 0-20."""
+    if kind == "chat":
+        on = _type_check(body, "logprobs", (bool,), "a boolean")
+        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+        if body.get("top_logprobs") is not None and not on:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return top if on else None
+    if body.get("logprobs") is None or body["logprobs"] is False:
+        return None
+    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, 0)
+
+
+def _refuse_for_backend(body: dict, backend: str | None) -> None:
+    """A 400 naming the model's engine for a parameter it cannot honour (never silently ignored)."""
+    asked = {"response_format": _response_format(body) is not None}
+    for key, backends in BACKEND_ONLY.items():
+        if backend is not None and backend not in backends and asked[key]:
+            raise bad_request(f"'{key}' is not supported by model {body.get('model')!r} (backend: {backend}); "
+                              f"models served by {' or '.join(sorted(backends))} support it", key,
+                              "unsupported_parameter")
+
+
 def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
-            defaults: SamplingDefaults | None = None) -> tuple[SamplingParams, bool, bool]:
-    """Sampling parameters and stream flags shared by chat and completions, checked like OpenAI's;
-    parameters the body leaves out come from the model entry's `defaults`."""
+            defaults: SamplingDefaults | None = None, *, kind: str = "chat", vocab: int | None = None,
+            backend: str | None = None) -> tuple[SamplingParams, bool, bool, int]:
+    """Sampling parameters, stream flags and n shared by chat and completions, checked like OpenAI's (and
+    vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos); parameters
+    the body leaves out come from the model entry's `defaults`. `vocab` bounds token ids; `backend` refuses
+    what the model's engine cannot do (None: no model chosen yet, nothing refused for that)."""
     defaults = defaults or SamplingDefaults()
     for key, what in UNSUPPORTED.items():
-        if body.get(key) not in (None, False, [], {}) and not (key == "response_format"
-                                                          and body[key] == {"type": "text"}):
+        if body.get(key) not in (None, False, [], {}):
             raise bad_request(f"'{key}' is not supported by this server ({what})", key, "unsupported_parameter")
-    n = _type_check(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise bad_request("only n=1 is supported", "n", "unsupported_value")
+    _refuse_for_backend(body, backend)
+    n = _integer(body, "n", 1, MAX_N, 1)
     temperature = _number(body, "temperature", 0.0, 2.0, defaults.temperature)
     top_p = _number(body, "top_p", 0.0, 1.0, defaults.top_p, lo_open=True)
-    for pen in ("presence_penalty", "frequency_penalty"):
-        _number(body, pen, -2.0, 2.0, 0.0)  # accepted for compatibility, not applied
+    presence = _number(body, "presence_penalty", -2.0, 2.0, 0.0)
+    frequency = _number(body, "frequency_penalty", -2.0, 2.0, 0.0)
+    repetition = _number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True)
+    top_k = _integer(body, "top_k", -1, 1 << 20, 0)
+    min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
+    stop_token_ids = _token_ids(body, "stop_token_ids", vocab, MAX_STOP_TOKEN_IDS)
+    logit_bias = _logit_bias(body, vocab)
+    response_format = _response_format(body)
+    logprobs = _logprobs(body, kind)
     seed = _type_check(body, "seed", (int,), "an integer")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise bad_request(f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]", "seed", "invalid_value")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
     elif isinstance(stop, str):
         stops = [stop]
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > 4:
-            raise bad_request("'stop' may hold at most 4 sequences", "stop", "invalid_value")
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise bad_request(f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences", "stop", "invalid_value")
         stops = list(stop)
     else:
         raise bad_request("'stop' must be a string or a list of strings", "stop")
     stops = [s for s in stops if s]
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"each 'stop' sequence may be at most {MAX_STOP_CHARS} characters", "stop", "invalid_value")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
         v = _type_check(body, name, (int,), "an integer")
@@ -102,6 +207,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                           "completion). Reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
     ignore_eos = _type_check(body, "ignore_eos", (bool,), "a boolean") or False  # vLLM extension
+    min_tokens = _integer(body, "min_tokens", 0, max_tokens, 0)
     stream = _type_check(body, "stream", (bool,), "a boolean") or False
     opts = _type_check(body, "stream_options", (dict,), "an object") or {}
     include_usage = opts.get("include_usage", False)
@@ -110,8 +216,30 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     if opts and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            stop=stops, ignore_eos=ignore_eos)
-    return params, stream, include_usage
+                            stop=stops, ignore_eos=ignore_eos, presence_penalty=presence,
+                            frequency_penalty=frequency, repetition_penalty=repetition, top_k=max(0, top_k),
+                            min_p=min_p, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                            logit_bias=logit_bias, response_format=response_format)
+    return params, stream, include_usage, n
+
+
+def prompt_char_limit(tokenizer, max_model_len: int, chars_per_token: int = 0) -> int:
+    """The most characters a prompt that fits `max_model_len` tokens can have: `chars_per_token`
+    (api.max_chars_per_token) or, when 0, the tokenizer's longest vocabulary entry per token."""
+    return max_model_len * (chars_per_token or max_token_chars(tokenizer))
+
+
+def check_prompt_chars(n_chars: int, limit: int, max_model_len: int, param: str) -> None:
+    """context_length_exceeded at once for a prompt too long to fit by its characters alone: a
+    multi-megabyte prompt is refused without tokenizing it (seconds of CPU and a memory high-water mark)."""
+    if n_chars > limit:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; your prompt has "
+                          f"{n_chars} characters, more than {max_model_len} tokens can hold.", param,
+                          "context_length_exceeded")
+
+
+def messages_chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"]) for m in messages)
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -155,50 +283,62 @@ def validate_chat(body: dict) -> list[dict[str, str]]:
     return normalize_messages(body)
 
 
-def local_params(body: dict) -> tuple[SamplingParams, bool, bool]:
-    """(sampling, stream, include_usage) of a request answered without a model (semantic block or cache
+def local_params(body: dict, kind: str = "chat") -> tuple[SamplingParams, bool, bool, int]:
+    """(sampling, stream, include_usage, n) of a request answered without a model (semantic block or cache
     hit), after the same checks of every parameter as a generated answer gets. `max_tokens` is only
     bounded when the body sets it (there is no prompt length to bound it by)."""
-    return _common(body, 0, 1 << 30, "messages")
+    return _common(body, 0, 1 << 30, "messages", kind=kind)
 
 
-def stream_flags(body: dict) -> tuple[bool, bool]:
-    _, stream, include_usage = local_params(body)
+def stream_flags(body: dict, kind: str = "chat") -> tuple[bool, bool]:
+    _, stream, include_usage, _ = local_params(body, kind)
     return stream, include_usage
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, str]] | None = None,
-               defaults: SamplingDefaults | None = None) -> ParsedRequest:
+               defaults: SamplingDefaults | None = None, chars_per_token: int = 0,
+               backend: str | None = None) -> ParsedRequest:
     """Validate a /v1/chat/completions body (model already checked) and apply the chat template to
-    `messages` (the body's, normalized, unless the semantic layer rewrote them)."""
+    `messages` (the body's, normalized, unless the semantic layer rewrote them); `backend` is the model's
+    engine (what it cannot do is refused)."""
     if messages is None:
         messages = validate_chat(body)
+    check_prompt_chars(messages_chars(messages), prompt_char_limit(tokenizer, max_model_len, chars_per_token),
+                       max_model_len, "messages")
     try:
         ids = chat_prompt_ids(tokenizer, messages)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
-    params, stream, include_usage = _common(body, len(ids), max_model_len, "messages", defaults)
-    return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages})
+    params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
+                                               vocab=len(tokenizer), backend=backend)
+    return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n)
+
+
+def raw_prompt(body: dict) -> Any:
+    """A completion body's one prompt: a string or a list of token ids (a one-element list unwrapped)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int,
-                     defaults: SamplingDefaults | None = None) -> ParsedRequest:
+                     defaults: SamplingDefaults | None = None, chars_per_token: int = 0,
+                     backend: str | None = None) -> ParsedRequest:
     """Validate a /v1/completions body (model already checked): one prompt, as text or token ids."""
     reject_unknown_fields(body, CompletionRequest)
     for key in ("echo", "suffix"):
         if body.get(key):
             raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
-    if body.get("logprobs") is not None and body["logprobs"] is not False:  # an integer here; even 0 asks
-        raise bad_request("'logprobs' is not supported by this server", "logprobs", "unsupported_parameter")
     best_of = _type_check(body, "best_of", (int,), "an integer")
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompt = raw_prompt(body)
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
+        check_prompt_chars(len(prompt), prompt_char_limit(tokenizer, max_model_len, chars_per_token),
+                           max_model_len, "prompt")
         ids = text_prompt_ids(tokenizer, prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = len(tokenizer)
@@ -210,8 +350,9 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     else:
         raise bad_request("'prompt' must be a string, a list of token ids, or a list with one of those "
                           "(batched prompts are not supported)", "prompt")
-    params, stream, include_usage = _common(body, len(ids), max_model_len, "prompt", defaults)
-    return ParsedRequest(body["model"], ids, params, stream, include_usage)
+    params, stream, include_usage, n = _common(body, len(ids), max_model_len, "prompt", defaults,
+                                               kind="completion", vocab=len(tokenizer), backend=backend)
+    return ParsedRequest(body["model"], ids, params, stream, include_usage, n=n)
 
 
 def require_model(body: Any, known: list[str]) -> str:

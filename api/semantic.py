@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 from flask import Response, jsonify, request
 
-from api.responses import ChunkWriter, full_response
-from api.schemas import local_params
+from api.responses import Choice, ChunkWriter, full_response
+from api.schemas import local_params, raw_prompt
 from farm import metrics
 from farm.semantic.layer import H_INJECTED, SemanticLayer, Verdict
 
@@ -32,7 +32,7 @@ def answer_fits(answer: str, body: dict, tokenizer) -> bool:
     """Whether a cached answer honours this request's own limits: no more tokens than its `max_tokens`
     (or `max_completion_tokens`) and none of its `stop` sequences inside (a generated answer would have
     ended there). Sampling settings are not compared: a cached answer is one valid sample."""
-    params, _, _ = local_params(body)
+    params, _, _, _ = local_params(body)
     if any(s in answer for s in params.stop):
         return False
     return len(tokenizer.encode(answer, add_special_tokens=False)) <= params.max_tokens
@@ -42,9 +42,7 @@ def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
     """A text completion's prompt as one user message, for the guards and the classifier. Token-id
     prompts are decoded with `tokenizer`; a malformed prompt gives no text here (and its 400 from
     parse_completion)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompt = raw_prompt(body)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         try:
             prompt = tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)], skip_special_tokens=True)
@@ -54,15 +52,15 @@ def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
 
 
 def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_cache: bool,
-           inject: bool = True, fits: Callable[[Verdict], bool] | None = None) -> Verdict:
+           inject: bool = True, fits: Callable[[Verdict], bool] | None = None, tenant: str = "") -> Verdict:
     """The layer's verdict, counted; without a layer (disabled) the request passes unchanged.
     `inject=False` (text completions: no system prompt to put anything in) keeps the messages as sent.
     `fits` vets a cache hit against the request (see `answer_fits`); a hit that does not fit is
-    generated instead, and not stored again."""
+    generated instead, and not stored again. `tenant` (the caller's owner id) partitions the cache."""
     if layer is None:
         return SemanticLayer.passthrough(model, messages)
     t0 = time.perf_counter()
-    v = layer.before(model, messages, no_cache=no_cache)
+    v = layer.before(model, messages, no_cache=no_cache, tenant=tenant)
     if v.action == "cached" and fits is not None and not fits(v):
         v = v.as_miss()
     metrics.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
@@ -83,7 +81,8 @@ def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage:
     metrics.REQUESTS.labels(model=v.model, status="200").inc()  # blocks are counted by SEMANTIC_BLOCKS too
     headers = {"x-request-id": rid, **v.headers}
     if not stream:
-        resp = jsonify(full_response(kind, rid, v.model, v.answer or "", v.finish_reason or "stop", NO_USAGE))
+        resp = jsonify(full_response(kind, rid, v.model, [Choice(v.answer or "", v.finish_reason or "stop")],
+                                     NO_USAGE))
         resp.headers.update(headers)
         return resp
     resp = Response(_chunks(kind, rid, v, include_usage), mimetype="text/event-stream", headers=headers)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from farm.batch.config import BatchConfig
 from farm.planner.config import PlannerConfig
@@ -62,7 +62,13 @@ class ApiKeyEntry(_Section):
 class ApiConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
-    threads: int = Field(64, ge=1)
+    # gunicorn's gevent worker: the most connections one API process holds at once (an open stream is a
+    # greenlet and, while it waits for tokens, one Redis connection: keep the sum over API processes under
+    # Redis's maxclients, 10000 by default). Further clients wait in the listen backlog.
+    worker_connections: int = Field(4096, ge=1, le=100_000)
+    # Seconds a client has to send a complete request head (and a keep-alive connection may sit idle);
+    # then the connection is closed: slow-header (slowloris) clients cannot hold connections for long.
+    header_timeout_s: int = Field(10, ge=1, le=3600)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600, gt=0)
     first_event_timeout_s: float = Field(300, gt=0)
@@ -74,6 +80,28 @@ class ApiConfig(_Section):
     allow_unauthenticated: bool = False
     metrics_public: bool = False  # /metrics without a key or FARM_METRICS_TOKEN from other hosts
     limits: ApiLimitsConfig = ApiLimitsConfig()
+    # Host header names served besides loopback and api.host ("*": any); anything else is 400 (DNS rebinding).
+    allowed_hosts: list[str] = Field(default_factory=list)
+    # Browser origins allowed to call the API (CORS), e.g. "https://app.example.com"; none by default.
+    cors_allowed_origins: list[str] = Field(default_factory=list)
+    # A prompt longer than max_model_len x this many characters is refused before it is tokenized;
+    # 0 = the tokenizer's longest vocabulary entry (an exact bound: no prompt that fits is refused).
+    max_chars_per_token: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "threads" in data:
+            raise ValueError("api.threads was removed: the API runs on gunicorn's gevent worker, where an open "
+                             "stream costs memory, not a thread; set api.worker_connections (the most connections "
+                             "one API process holds) instead")
+        return data
+
+    @field_validator("allowed_hosts", "cors_allowed_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        """FARM_API__ALLOWED_HOSTS=a.example,b.example works as well as a YAML list."""
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
 
 class FlowerConfig(_Section):
@@ -192,12 +220,14 @@ class WorkersConfig(_Section):
 # vLLM engine args the farm sets itself (so router, API and workers agree): where each comes from.
 VLLM_RESERVED_ARGS = {
     "model": "models[].path / source", "tokenizer": "models[].path / source",
-    "max_model_len": "models[].max_model_len", "block_size": "engine.block_size",
+    "max_model_len": "models[].max_model_len", "block_size": "models[].block_size",
     "enable_prefix_caching": "(always on: the router's KV index needs it)",
     "kv_events_config": "(set by the farm: vLLM's KV events feed the router)",
     "kv_transfer_config": "models[].vllm.kv_connector / kv_role / kv_connector_extra_config",
 }
-VLLM_BLOCK_SIZES = frozenset({8, 16, 32, 64, 128})  # the paged-attention block sizes vLLM's CUDA kernels take
+VLLM_BLOCK_SIZES = frozenset({16, 32, 64, 128})  # block sizes vLLM's attention backends take (CPU: multiples of 32)
+# A vLLM model's block size when its entry names none: the smallest one vLLM accepts on GPUs and CPUs alike.
+VLLM_DEFAULT_BLOCK_SIZE = 32
 
 
 class VllmOptions(_Section):
@@ -206,7 +236,7 @@ class VllmOptions(_Section):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # Disaggregation through vLLM's KV connector; None: no remote prefill (aggregated workers only).
     kv_connector: Literal["NixlConnector", "LMCacheConnectorV1"] | None = None
-    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] | None = None  # None: from the worker's role
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -241,6 +271,9 @@ class ModelConfig(_Section):
     source: str | None = None
     path: str | None = None
     max_model_len: int = Field(4096, ge=16)
+    # KV block size of this model's workers (the router hashes its prompts with it). None: engine.block_size
+    # for the built-in engine, VLLM_DEFAULT_BLOCK_SIZE for vLLM. Every worker of one model must agree.
+    block_size: int | None = Field(None, ge=1, le=1024)
     # Two entries may share weights and differ here (e.g. a greedy "precise" entry for the semantic layer).
     defaults: SamplingDefaults = SamplingDefaults()
     workers: ModelWorkers | None = None  # None: the `workers` section (or farm up's flags)
@@ -298,13 +331,19 @@ class FarmConfig(_Section):
                 raise ValueError(
                     f"redis.url {redact_url(self.redis.url)} is not on this machine and has no password: set "
                     "FARM_REDIS_PASSWORD (or redis://:PASSWORD@host/...), or redis.allow_no_password: true")
-        vllm_models = [m.name for m in self.models if m.backend == "vllm"]
-        if vllm_models and self.engine.block_size not in VLLM_BLOCK_SIZES:
-            raise ValueError(  # vLLM runs with the farm's block size, or the router's hashes would not match
-                f"engine.block_size {self.engine.block_size} is not a block size vLLM supports "
-                f"{sorted(VLLM_BLOCK_SIZES)} (models {vllm_models} use backend: vllm)"
-            )
+        for m in self.models:
+            if m.backend == "vllm" and self.block_size(m.name) not in VLLM_BLOCK_SIZES:
+                raise ValueError(  # vLLM runs with the model's block size, or the router's hashes would not match
+                    f"model {m.name!r} (backend: vllm): block_size {self.block_size(m.name)} is not a block size "
+                    f"vLLM supports {sorted(VLLM_BLOCK_SIZES)}; set models[].block_size (32 works everywhere)")
         return self
+
+    def block_size(self, model: str) -> int:
+        """The KV block size of `model`'s workers: what the router hashes its prompts with."""
+        m = self.model(model)
+        if m.block_size:
+            return m.block_size
+        return VLLM_DEFAULT_BLOCK_SIZE if m.backend == "vllm" else self.engine.block_size
 
     # -- derived paths ---------------------------------------------------------------------------
     @property
@@ -376,7 +415,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     override = _read_yaml(Path(override_path)) if override_path else {}
     data = _deep_merge(data, override)
     data = _deep_merge(data, _env_overrides(env))
-    _apply_redis_password(data, env.get("FARM_REDIS_PASSWORD", ""))
+    _apply_redis_password(data, env.get("FARM_REDIS_PASSWORD", "") or _managed_redis_password(data))
     sem = override.get("semantic")
     if not (isinstance(sem, dict) and "categories" in sem):
         _prune_default_scores(data)
@@ -406,12 +445,28 @@ def _prune_default_scores(data: dict[str, Any]) -> None:
 
 
 def _apply_redis_password(data: dict[str, Any], password: str) -> None:
-    """FARM_REDIS_PASSWORD goes into redis.url (a password already in the URL wins), so every client
-    of the farm (API, Celery, workers, CLI) authenticates without the secret living in a config file."""
+    """FARM_REDIS_PASSWORD (or the managed Redis's generated one) goes into redis.url (a password already
+    in the URL wins), so every client of the farm (API, Celery, workers, CLI) authenticates without the
+    secret living in a config file."""
     redis_cfg = data.get("redis")
     if not password or not isinstance(redis_cfg, dict) or not isinstance(redis_cfg.get("url"), str):
         return
     redis_cfg["url"] = redis_url_with_password(redis_cfg["url"], password)
+
+
+def _managed_redis_password(data: dict[str, Any]) -> str:
+    """The password `farm up` generated for its managed Redis (`<state_dir>/redis.password`), for a local
+    URL of a managed Redis; "" when there is none (then the URL is used as it is)."""
+    from farm.redis_server import is_local, read_password
+
+    redis_cfg, state = data.get("redis"), data.get("state_dir")
+    if not isinstance(redis_cfg, dict) or not isinstance(state, str) or redis_cfg.get("managed") is False:
+        return ""
+    url = redis_cfg.get("url")
+    if not isinstance(url, str) or not is_local(url):
+        return ""
+    path = Path(state)
+    return read_password(path if path.is_absolute() else PROJECT_ROOT / path) or ""
 
 
 def redis_url_with_password(url: str, password: str) -> str:

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +50,15 @@ log = logging.getLogger(__name__)
 OBS_STREAM = "farm:obs"  # one entry per finished request: ttft, itl, isl, osl (read by the planner)
 OBS_MAXLEN = 20_000
 
-__all__ = ["BusyError", "Gateway", "GatewayTimeout", "NoWorkersError", "Submission"]
+__all__ = ["BusyError", "ClientGone", "Gateway", "GatewayTimeout", "NoWorkersError", "Submission"]
 
 
 class NoWorkersError(RuntimeError):
     """No live worker serves the model: the API answers 503."""
+
+
+class ClientGone(ConnectionError):
+    """The reader's client went away while it waited: the caller cancels the request (Submission.cancel)."""
 
 
 class GatewayTimeout(TimeoutError):
@@ -114,7 +118,7 @@ class Submission:
     @property
     def predicted_overlap_tokens(self) -> int:
         p = self.placements.get("prefill") or self.placements.get("both")
-        return p.overlap_blocks * self.gw.cfg.engine.block_size if p else 0
+        return p.overlap_blocks * self.gw.cfg.block_size(self.req.model) if p else 0
 
     @property
     def router_mode(self) -> str:
@@ -255,11 +259,14 @@ class Submission:
             ev["usage"] = usage
             ev["migrations"] = self.migrations
 
-    def events(self, first_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+    def events(self, first_timeout_s: float | None = None, idle_timeout_s: float | None = None,
+               client_gone: Callable[[], bool] | None = None) -> Iterator[dict[str, Any]]:
         """Yield stream events in order until `done` or `error`; raise GatewayTimeout on silence.
 
         A Redis restart while reading is waited out (the deadline still applies): workers keep their
-        tokens until Redis is back, and XREAD resumes from the last id seen."""
+        tokens until Redis is back, and XREAD resumes from the last id seen. `client_gone` is asked every
+        `reliability.check_interval_s`, also while nothing arrives (queued, or a non-streaming answer
+        being collected); when it says so, ClientGone is raised."""
         cfg = self.gw.cfg
         first = first_timeout_s if first_timeout_s is not None else cfg.api.first_event_timeout_s
         idle = idle_timeout_s if idle_timeout_s is not None else cfg.api.request_timeout_s
@@ -277,6 +284,8 @@ class Submission:
             try:
                 if now >= next_check:
                     next_check = now + cfg.reliability.check_interval_s
+                    if client_gone is not None and client_gone():
+                        raise ClientGone(f"request {self.request_id}: the client closed its connection")
                     self._refresh_lease()
                     lost = self._lost_worker()
                     if lost is not None:
@@ -418,11 +427,11 @@ class Gateway:
         prefill_pool, decode_pool = self._pools(self._workers(req.model, exclude))
         req.created = req.created or time.time()
         t0 = time.perf_counter()
-        hashes = self.router.hashes(req.prompt_token_ids)
+        hashes = self.router.hashes(req.prompt_token_ids, req.model)
         metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
         loads = self.router.loads.loads()
         n = len(req.prompt_token_ids)
-        bs = self.cfg.engine.block_size
+        bs = self.cfg.block_size(req.model)
         dcfg = self.cfg.disaggregation
         placements: dict[str, Placement] = {}
         remote = False

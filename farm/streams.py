@@ -72,15 +72,18 @@ class StreamWriter:
         kind = event.get("type")
         with self._lock:
             q = self._pending.setdefault(request_id, [])
-            if kind == "delta" and q and q[-1].get("type") == "delta":
+            if kind == "delta" and q and q[-1].get("type") == "delta" and ("lp" in q[-1]) == ("lp" in event):
                 q[-1]["text"] += event["text"]
                 q[-1]["n"] += event["n"]
-                if "ids" in event:
-                    q[-1].setdefault("ids", []).extend(event["ids"])
+                for key in ("ids", "lp"):  # token ids and their log-probabilities stay aligned
+                    if key in event:
+                        q[-1].setdefault(key, []).extend(event[key])
             else:
                 q.append(event)
-            if kind == "delta" and "ids" in event and q[-1] is event:
-                event["ids"] = list(event["ids"])  # merged into later: never alias the caller's list
+            if kind == "delta" and q[-1] is event:
+                for key in ("ids", "lp"):  # merged into later: never alias the caller's lists
+                    if key in event:
+                        event[key] = list(event[key])
             if kind == "delta" and request_id not in self._streaming:
                 self._streaming.add(request_id)
                 urgent = True  # the first token goes out at once: batching must not add to TTFT

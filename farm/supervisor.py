@@ -37,12 +37,21 @@ import requests
 import yaml
 
 from farm import redis_server
-from farm.config import PROJECT_ROOT, ConfigError, FarmConfig, farm_secret, redact_url
+from farm.backends.cpu_binding import bind_env
+from farm.config import (
+    PROJECT_ROOT,
+    ConfigError,
+    FarmConfig,
+    farm_secret,
+    redact_url,
+    redis_url_with_password,
+)
 
 STATE_FILE = "farm.json"
 RESOLVED_CONFIG = "config.resolved.yaml"
 WORKER_ROLES = ("prefill", "decode", "both")
 API_APP = "api.app:create_app()"
+API_SERVER_CONFIG = "python:api.gunicorn_conf"  # gunicorn settings from the farm config
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 API_GRACE_S = 40.0  # gunicorn --graceful-timeout 30, plus margin
 FLOWER_GRACE_S = 10.0
@@ -103,6 +112,7 @@ class Proc:
     restarts: int = 0
     started_at: float = 0.0  # wall clock, when spawned
     retiring: bool = False  # being scaled down: warm shutdown in progress, never restarted
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # this child's own additions to child_env()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -293,14 +303,6 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _gunicorn_has_setting(name: str) -> bool:
-    try:
-        from gunicorn.config import KNOWN_SETTINGS
-    except ImportError:
-        return False
-    return any(s.name == name for s in KNOWN_SETTINGS)
-
-
 def _port_in_use(host: str, port: int) -> bool:
     try:
         with socket.create_connection((_connect_host(host), port), timeout=0.3):
@@ -440,6 +442,9 @@ class Farm:
                 # Flower reads FLOWER_<OPTION>: basic auth without the password on a command line.
                 env["FLOWER_BASIC_AUTH"] = self.flower_auth
             env.update(self.extra_env)
+            # the resolved configuration is the one every child reads (it carries this farm's ports and
+            # password), also when the caller's environment names another FARM_CONFIG
+            env["FARM_CONFIG"] = str(self.state_dir / RESOLVED_CONFIG)
             self._env = env
         return self._env
 
@@ -480,7 +485,7 @@ class Farm:
             proc.log_offset = f.tell()
             proc.popen = subprocess.Popen(
                 proc.command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=PROJECT_ROOT, env=self.child_env(), start_new_session=True,
+                cwd=PROJECT_ROOT, env={**self.child_env(), **proc.env}, start_new_session=True,
             )
         proc.pid = proc.popen.pid
         proc.started_at = time.time()
@@ -493,6 +498,19 @@ class Farm:
         rc = proc.returncode
         return FarmStartError(f"{proc.name} exited with status {rc} {during} (log: {proc.log})",
                               proc.name, proc.tail())
+
+    def _protect_managed_redis(self) -> None:
+        """A Redis this farm is about to start never runs without a password: when the URL has none (nor
+        FARM_REDIS_PASSWORD), one is generated once into `<state_dir>/redis.password` (0600) and put into
+        this farm's URL, so every child (through config.resolved.yaml) and every later `farm` command
+        (load_config reads the file) authenticates. A Redis already answering without one is used as it is."""
+        url = self.cfg.redis.url
+        if not self.cfg.redis.managed or not redis_server.is_local(url) or redis_server.url_password(url):
+            return
+        if redis_server.ping(url):
+            return  # someone else's Redis: not ours to protect (redis.managed: false says so explicitly)
+        url = redis_url_with_password(url, redis_server.ensure_password(self.state_dir))
+        self.cfg = self.cfg.model_copy(update={"redis": self.cfg.redis.model_copy(update={"url": url})})
 
     def _start_redis(self) -> None:
         url = self.cfg.redis.url
@@ -522,13 +540,9 @@ class Farm:
                 "--name", self.worker_id(name)]
 
     def api_command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", str(self.cfg.api.threads),
-               "-w", "1", "-b", _hostport(self.api_host, self.api_port), "--timeout", "0",
-               "--graceful-timeout", "30", "--access-logfile", "-"]
-        if _gunicorn_has_setting("control_socket_disable"):
-            # newer gunicorn opens a control socket shared per user (~/.gunicorn); the farm needs none.
-            cmd.append("--no-control-socket")
-        return [*cmd, self.api_app]
+        """gunicorn with the API's settings module (gevent worker, bind, limits: all from the resolved
+        configuration the child reads, which carries this farm's port)."""
+        return [sys.executable, "-m", "gunicorn", "-c", API_SERVER_CONFIG, self.api_app]
 
     def flower_command(self) -> list[str]:
         return [sys.executable, "-m", "celery", "-A", "tasks.celery_app", "flower",
@@ -539,7 +553,19 @@ class Farm:
 
     def _start_worker(self, name: str, role: str, model: str) -> Proc:
         return self._spawn(Proc(name, role, self.worker_command(role, model, name), str(self.log_path(name)),
-                                model=model, worker_id=self.worker_id(name)))
+                                model=model, worker_id=self.worker_id(name), env=self._vllm_bind(name, model)))
+
+    def _vllm_bind(self, name: str, model: str) -> dict[str, str]:
+        """A vLLM worker's share of this machine's cores (farm.backends.cpu_binding), by its place among
+        the farm's vLLM workers (those it starts, then those added by scaling)."""
+        if self.cfg.model(model).backend != "vllm":
+            return {}
+        names = [n for n, _, m in self.expected_workers if self.cfg.model(m).backend == "vllm"]
+        names += sorted({p.name for p in self.procs if p.model and self.cfg.model(p.model).backend == "vllm"}
+                        - set(names))
+        if name not in names:
+            names.append(name)
+        return bind_env(names.index(name), len(names), self.child_env())
 
     def start(self) -> Farm:
         """Prepare the models, then start Redis (if needed), workers, the API and Flower."""
@@ -547,6 +573,7 @@ class Farm:
         self.started_at = time.time()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         farm_secret(self.cfg)  # create the shared secret once, before children race to create it
+        self._protect_managed_redis()
         self._write_resolved_config()
         for host, port, what in ((self.api_host, self.api_port, "API"),
                                  (self.flower_host, self.flower_port, "Flower")):

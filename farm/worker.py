@@ -20,21 +20,24 @@ from farm import registry
 from farm.backends import connector_import, make_engine
 from farm.config import FarmConfig, farm_secret
 from farm.engine.engine import RequestOutput
+from farm.engine.sampling import TokenLogprobs
 from farm.engine.scheduler import KVImport
-from farm.models import require_model_dir
+from farm.models import model_vocab_size, require_model_dir
 from farm.protocol import (
     TASK_DECODE,
     TASK_PING,
     GenerationRequest,
+    InvalidTask,
     Role,
     cancel_key,
+    is_request_id,
     lease_key,
     queue_name,
     queues_for_role,
 )
 from farm.reliability import WorkerGuard, ping_key
 from farm.router.events import KVEventPublisher
-from farm.router.keys import BLOCK_SIZE_KEY, claim_key, direct_queue
+from farm.router.keys import claim_key, direct_queue
 from farm.streams import StreamWriter
 from farm.transfer.handle import sign_handle
 from farm.transfer.shm import host_id as shm_host_id
@@ -54,6 +57,8 @@ class WorkerRuntime:
         self.secret = farm_secret(cfg)
         mcfg = cfg.model(model)
         mdir = require_model_dir(cfg, mcfg)
+        self.block_size = cfg.block_size(model)
+        self.vocab_size = model_vocab_size(mdir)  # task messages are checked against it (accept)
         self.r = redis.Redis.from_url(cfg.redis.url, health_check_interval=10)
         self._check_block_size()
         self.kv_events = KVEventPublisher(self.r, worker_id)
@@ -73,7 +78,7 @@ class WorkerRuntime:
                                        self.engine.release_held, cfg.transfer.bind_host, nixl_source=self.nixl)
         self.info = registry.WorkerInfo(
             worker_id=worker_id, role=role, model=model, hostname=socket.gethostname(), pid=os.getpid(),
-            block_size=cfg.engine.block_size,
+            block_size=self.block_size,
             transfer_endpoint=f"{cfg.transfer.advertise_host}:{self.transfer.port}",
             queues=queues_for_role(model, role) + [direct_queue(worker_id)], device=str(self.engine.runner.device),
             num_blocks=self.engine.pool.num_blocks,
@@ -85,15 +90,14 @@ class WorkerRuntime:
         self.guard = WorkerGuard(self)
 
     def _check_block_size(self) -> None:
-        """Router and workers must agree on the KV block size: the first registrant fixes it."""
-        bs = self.cfg.engine.block_size
-        self.r.set(BLOCK_SIZE_KEY, bs, nx=True)
-        farm_bs = int(self.r.get(BLOCK_SIZE_KEY))
-        if farm_bs != bs:
-            raise RuntimeError(
-                f"KV block size mismatch: this worker uses {bs}, the farm uses {farm_bs} "
-                f"({BLOCK_SIZE_KEY} in Redis); refusing to register, requests would be routed wrongly"
-            )
+        """Every worker of a model must use one KV block size (the router hashes prompts with it): refuse
+        to start beside a live worker of the model that uses another."""
+        for w in registry.live_workers(self.r, model=self.model):
+            if w.worker_id != self.worker_id and w.block_size != self.block_size:
+                raise RuntimeError(
+                    f"KV block size mismatch for model {self.model!r}: this worker uses {self.block_size}, live "
+                    f"worker {w.worker_id} uses {w.block_size}; requests would be routed wrongly. Give every "
+                    f"worker of the model the same configuration (models[].block_size), or stop {w.worker_id}")
 
     def start(self) -> WorkerRuntime:
         self.kv_events.start()
@@ -154,8 +158,10 @@ class WorkerRuntime:
 
         def on_output(out: RequestOutput) -> None:
             if out.text or (out.token_ids and not out.finished):
-                self.streams.emit(req.request_id, {"type": "delta", "text": out.text, "n": len(out.token_ids),
-                                                   "ids": out.token_ids})
+                event = {"type": "delta", "text": out.text, "n": len(out.token_ids), "ids": out.token_ids}
+                if out.logprobs:
+                    event["lp"] = [lp.to_list() for lp in out.logprobs]
+                self.streams.emit(req.request_id, event)
             if out.finished:
                 result["out"] = out
                 on_done(out)
@@ -212,6 +218,25 @@ class WorkerRuntime:
             return False
 
     # -- tasks --------------------------------------------------------------------------------------
+    def accept(self, message: Any, handle: Any = None) -> GenerationRequest | None:
+        """A task's request message as untrusted input (farm.protocol.InvalidTask): the request, or None
+        after failing only that request, with an `invalid_task` error event on its stream when its id is
+        usable. A request for another model, or a handle that is not an object, is refused too."""
+        try:
+            req = GenerationRequest.from_dict(message, vocab_size=self.vocab_size,
+                                              max_model_len=self.cfg.model(self.model).max_model_len)
+            if req.model != self.model:
+                raise InvalidTask(f"this worker serves {self.model!r}, not {req.model[:80]!r}")
+            if handle is not None and not isinstance(handle, dict):
+                raise InvalidTask("the KV handle must be an object")
+            return req
+        except InvalidTask as e:
+            rid = message.get("request_id") if isinstance(message, dict) else None
+            log.warning("refused an invalid task (request %r): %s", str(rid)[:80], e)
+            if is_request_id(rid):
+                self.streams.emit(rid, {"type": "error", "message": f"invalid task: {e}", "code": "invalid_task"})
+            return None
+
     def generate(self, req: GenerationRequest) -> dict[str, Any]:
         """Aggregated: prefill and decode here."""
         if self._should_skip(req.request_id, "generate", req.lease_s):
@@ -241,6 +266,7 @@ class WorkerRuntime:
                 "num_tokens": len(req.prompt_token_ids), "first_token": out.first_token,
                 "cached_tokens": out.cached_tokens, "layout": self.engine.runner.layout.to_dict(),
                 "checksum": checksum(data), "expires_at": time.time() + self.cfg.transfer.handle_ttl_s,
+                "first_logprobs": out.first_logprobs.to_list() if out.first_logprobs else None,
             }, self.secret)
             log.debug("prefill %s: %d tokens in %.3fs", req.request_id, len(req.prompt_token_ids),
                       time.monotonic() - t0)
@@ -273,10 +299,11 @@ class WorkerRuntime:
                 data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports,
                                     nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
                                     device=self.engine.runner.device, info=pull, staging=self.staging)
-                if data.shape[3] != self.cfg.engine.block_size:
+                if data.shape[3] != self.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]),
-                                     release=self.staging.release)
+                                     release=self.staging.release,
+                                     first_logprobs=TokenLogprobs.from_list(handle.get("first_logprobs")))
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
             except TransferError as e:
                 log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)

@@ -88,7 +88,8 @@ def test_malformed_json_and_non_object(app_client):
     assert_error(post(c, "/v1/chat/completions", b"\xff\xfe", raw=True), 400)
     # Python's json would take NaN; strict JSON does not, so no NaN temperature gets through
     assert_error(post(c, "/v1/chat/completions", '{"model": "m", "temperature": NaN}', raw=True), 400)
-    assert_error(c.post("/v1/completions", data="not json", content_type="text/plain"), 400)
+    assert_error(c.post("/v1/completions", data="not json", content_type="text/plain"), 415, "Content-Type",
+                 "unsupported_media_type")  # JSON endpoints take only JSON bodies (tests/security)
 
 
 def test_missing_and_bad_messages(app_client):
@@ -135,18 +136,30 @@ def test_unknown_and_missing_model(app_client):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", 3), ("temperature", -0.1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", True), ("max_completion_tokens", -5), ("n", 2),
-    ("n", "1"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", 7), ("stop", [1]), ("presence_penalty", 3),
-    ("frequency_penalty", -2.5), ("seed", "x"), ("stream", "yes"), ("stream_options", "x"), ("logprobs", True),
+    ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", True), ("max_completion_tokens", -5), ("n", 0),
+    ("n", 17), ("n", "1"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", 7), ("stop", [1]), ("presence_penalty", 3),
+    ("frequency_penalty", -2.5), ("seed", "x"), ("stream", "yes"), ("stream_options", "x"), ("logprobs", 1),
+    ("top_logprobs", 21), ("top_logprobs", 2), ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0),
+    ("min_tokens", -1), ("min_tokens", 10**6), ("stop_token_ids", [10**9]), ("stop_token_ids", "2"),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"99999999": 1}),
+    ("response_format", {"type": "yaml"}), ("response_format", {"type": "json_schema"}),
     ("tools", [{"type": "function"}]),
 ])
 def test_out_of_range_or_unsupported_parameters(app_client, field, value):
     c, cfg = app_client
     err = assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: value})), 400, field)
-    if (field, value) == ("n", 2):
-        assert "n=1" in err["message"]
-    if field in ("logprobs", "tools"):
+    if field == "tools":
         assert "not supported" in err["message"]
+
+
+def test_structured_output_is_refused_naming_the_backend(app_client):
+    """The built-in engine has no grammar-constrained decoding: a 400 that says which backend has it,
+    never a response_format accepted and ignored."""
+    c, cfg = app_client
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        err = assert_error(post(c, "/v1/chat/completions", chat(cfg, response_format=fmt)), 400, "response_format",
+                           "unsupported_parameter")
+        assert "backend: builtin" in err["message"] and "vllm" in err["message"]
 
 
 def test_stream_options_need_stream(app_client):
@@ -203,8 +216,9 @@ def test_completion_specific_errors(app_client):
     assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "echo": True}), 400, "echo")
     assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "suffix": "y"}), 400, "suffix")
     assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "best_of": 2}), 400, "best_of")
-    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "logprobs": 0}), 400, "logprobs")
-    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "n": 3}), 400, "n")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "logprobs": 21}), 400, "logprobs")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "logprobs": True}), 400, "logprobs")
+    assert_error(post(c, "/v1/completions", {"model": m, "prompt": "x", "n": 17}), 400, "n")
 
 
 def test_no_live_workers_is_503_with_retry_after(app_client):

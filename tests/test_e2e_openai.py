@@ -103,6 +103,40 @@ def test_completions_and_models(farm, client):
     assert resp.choices[0].text and resp.usage.completion_tokens <= 5
 
 
+def test_logprobs_and_several_choices_streamed_and_not(farm, client):
+    """OpenAI's logprobs/top_logprobs and n on the built-in engine, through the disaggregated path (the first
+    token is sampled on the prefill worker: its log-probabilities travel in the signed handle)."""
+    m, msgs = farm.cfg.default_model, [{"role": "user", "content": "Name two animals."}]
+    raw = client.chat.completions.with_raw_response.create(model=m, messages=msgs, max_tokens=8, temperature=0,
+                                                           logprobs=True, top_logprobs=2, n=2)
+    resp = raw.parse()
+    assert raw.headers["x-farm-prefill"] == "remote" and len(resp.choices) == 2
+    for i, ch in enumerate(resp.choices):
+        assert ch.index == i and ch.message.content == resp.choices[0].message.content  # greedy: equal choices
+        entries = ch.logprobs.content
+        assert "".join(e.token for e in entries).startswith(ch.message.content)  # (+ the end token on a stop)
+        assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+                   for e in entries)  # greedy: each chosen token is the most likely one
+    assert resp.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in resp.choices)
+    chunks = list(client.chat.completions.create(model=m, messages=msgs, max_tokens=8, temperature=0, n=2,
+                                                 stream=True, logprobs=True, stream_options={"include_usage": True}))
+    by_index: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            by_index[ch.index] = by_index.get(ch.index, "") + (ch.delta.content or "")
+            assert ch.delta.content is None or not ch.delta.content or ch.logprobs.content
+    assert by_index == {0: resp.choices[0].message.content, 1: resp.choices[1].message.content}
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    seeded = [client.chat.completions.create(model=m, messages=msgs, max_tokens=12, temperature=1.0, seed=7, n=3)
+              for _ in range(2)]
+    assert [c.message.content for c in seeded[0].choices] == [c.message.content for c in seeded[1].choices]
+    comp = client.completions.create(model=m, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                     logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and all(len(t) == 1 for t in lp.top_logprobs)
+
+
 def test_repeated_prefix_reports_cached_tokens(farm, client):
     system = "You are a meticulous assistant for a public library. " * 10
     for question in ("When do you open?", "Can I renew a book online?"):

@@ -207,3 +207,43 @@ def test_held_blocks_expire(tiny_engine):
     while held.request_id in eng.held and time.time() < deadline:
         time.sleep(0.05)
     assert held.request_id not in eng.held and eng.pool.num_free == eng.pool.num_blocks
+
+
+# -- vLLM's extra sampling parameters on the built-in engine --------------------------------------------------
+def test_repetition_penalty_matches_transformers(real_engine, hf_model):
+    """The same rule as transformers' (and vLLM's): seen tokens' positive logits divided, negative ones
+    multiplied; greedy output token for token."""
+    ids = chat_prompt_ids(real_engine.tokenizer, [{"role": "user", "content": "List the days of the week."}])
+    c = run(real_engine, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3))
+    with torch.inference_mode():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                repetition_penalty=1.3)[0][len(ids):].tolist()
+    assert c.token_ids == ref
+    assert c.token_ids != run(real_engine, ids, GREEDY).token_ids  # the penalty changed something
+
+
+def test_min_tokens_holds_back_the_end_and_stop_token_ids_end_it(real_engine):
+    ids = chat_prompt_ids(real_engine.tokenizer, [{"role": "user", "content": "What is 2+2?"}])
+    plain = run(real_engine, ids, SamplingParams(max_tokens=60, temperature=0))
+    assert plain.last.finish_reason == "stop" and len(plain.token_ids) < 30
+    held = run(real_engine, ids, SamplingParams(max_tokens=60, temperature=0, min_tokens=30))
+    assert len(held.token_ids) >= 30 and not set(held.token_ids[:30]) & set(real_engine.eos_ids)
+    cut = plain.token_ids[4]
+    first = plain.token_ids.index(cut)
+    stopped = run(real_engine, ids, SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[cut]))
+    assert stopped.last.finish_reason == "stop" and stopped.token_ids[:first] == plain.token_ids[:first]
+    assert stopped.text == real_engine.tokenizer.decode(plain.token_ids[:first])  # the stop token is not shown
+
+
+def test_logprobs_of_each_token_match_the_model(real_engine, hf_model):
+    ids = chat_prompt_ids(real_engine.tokenizer, [{"role": "user", "content": "Name a colour."}])
+    c = run(real_engine, ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))
+    lps = [lp for o in c.outs for lp in (o.logprobs or [])]
+    assert len(lps) == len(c.token_ids) == 6
+    for tok, lp in zip(c.token_ids, lps, strict=True):
+        assert lp.top[0][0] == tok and lp.top[0][1] == lp.logprob and len(lp.top) == 3  # greedy: the best one
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    assert abs(lps[0].logprob - float(ref[c.token_ids[0]])) < 1e-3
+    none = run(real_engine, ids, SamplingParams(max_tokens=3, temperature=0))
+    assert all(o.logprobs is None for o in none.outs)

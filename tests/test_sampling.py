@@ -2,7 +2,7 @@
 
 import torch
 
-from farm.engine.sampling import make_generator, sample
+from farm.engine.sampling import History, TokenLogprobs, logprobs_of, make_generator, process_logits, sample
 from farm.protocol import SamplingParams
 
 
@@ -36,3 +36,58 @@ def test_high_temperature_spreads_low_temperature_concentrates():
     gh, gc = make_generator(hot), make_generator(cold)
     assert len({sample(logits, [hot], [gh])[0] for _ in range(300)}) == 3
     assert {sample(logits, [cold], [gc])[0] for _ in range(300)} == {0}
+
+
+# -- vLLM's extra parameters, as the built-in engine applies them ------------------------------------------
+def test_logit_bias_can_force_or_forbid_a_token():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    assert sample(logits, [SamplingParams(temperature=0, logit_bias={2: 100.0})], [None]) == [2]
+    assert sample(logits, [SamplingParams(temperature=0, logit_bias={0: -100.0})], [None]) == [1]
+
+
+def test_suppressed_tokens_are_never_sampled():
+    logits = torch.tensor([[9.0, 1.0, 0.5]])
+    p = SamplingParams(temperature=1.0, seed=1)
+    g = make_generator(p)
+    assert 0 not in {sample(logits, [p], [g], suppress=[[0]])[0] for _ in range(100)}
+    assert sample(logits, [SamplingParams(temperature=0)], [None], suppress=[[0]]) == [1]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    row = torch.tensor([2.0, -2.0, 3.0, 1.0])
+    out = process_logits(row, SamplingParams(repetition_penalty=2.0), History([0], [1]))
+    assert out.tolist() == [1.0, -4.0, 3.0, 1.0]  # token 2 and 3 were not seen
+
+
+def test_frequency_and_presence_penalties_count_only_completion_tokens():
+    row = torch.zeros(4)
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    out = process_logits(row, p, History(prompt_ids=[3, 3, 3], output_ids=[1, 1, 2]))
+    assert out.tolist() == [0.0, -2.0, -1.5, 0.0]  # 1: 2x0.5+1, 2: 0.5+1, 3: prompt only
+
+
+def test_penalties_change_a_greedy_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    plain = sample(logits, [SamplingParams(temperature=0)], [None], [History([], [0])])
+    penal = sample(logits, [SamplingParams(temperature=0, frequency_penalty=1.0)], [None], [History([], [0])])
+    assert plain == [0] and penal == [1]
+
+
+def test_top_k_and_min_p_restrict_the_candidates():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    k2 = SamplingParams(temperature=1.0, top_k=2, seed=0)
+    g = make_generator(k2)
+    assert {sample(logits, [k2], [g])[0] for _ in range(300)} == {0, 1}
+    mp = SamplingParams(temperature=1.0, min_p=0.6, seed=0)  # keeps p >= 0.6 x 0.4 = 0.24
+    g = make_generator(mp)
+    assert {sample(logits, [mp], [g])[0] for _ in range(300)} == {0, 1}
+
+
+def test_logprobs_are_the_raw_distributions_log_softmax_with_the_top_k():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    (lp,) = logprobs_of(logits, [1], [2])
+    ref = torch.log_softmax(logits[0], -1)
+    assert abs(lp.logprob - float(ref[1])) < 1e-6
+    assert [i for i, _ in lp.top] == [0, 1] and abs(lp.top[0][1] - float(ref[0])) < 1e-6
+    assert TokenLogprobs.from_list(lp.to_list()) == lp
+    assert logprobs_of(logits, [3], [0])[0].top == []

@@ -84,10 +84,10 @@ def test_every_documented_field_is_accepted_as_known(c):
             assert resp.get_json()["error"]["code"] != "unknown_parameter", (path, name)
 
 
-@pytest.mark.parametrize("n", [2, 10**30, -1, 0])
+@pytest.mark.parametrize("n", [17, 10**30, -1, 0, 2.5])
 def test_huge_or_bad_n(c, n):
     err = assert_openai_error(post(c, CHAT, chat(n=n)), 400, param="n")
-    assert "n=1" in err["message"]
+    assert "n" in err["message"] and ("16" in err["message"] or "integer" in err["message"])
 
 
 @pytest.mark.parametrize("max_tokens", [4096, 10**9, 10**30])

@@ -1,23 +1,15 @@
-"""The vLLM backend, tested without vLLM (it needs a GPU and its wheel; it is not installed here).
+"""The vLLM backend's parts that need no running engine: configuration, engine arguments, the decoding of
+KV event payloads encoded exactly as vLLM encodes them (msgspec structs as in vllm/distributed/kv_events.py,
+over real ZMQ sockets) and their translation into the farm's events in a real Redis and the router's real
+KV index, signed handle round trips, the sampling mapping, and the clear error when vllm is missing.
 
-What runs for real: config validation, the decoding of KV event payloads encoded exactly as vLLM
-encodes them (msgspec structs copied from vllm/distributed/kv_events.py, sent over real ZMQ sockets),
-their translation into the farm's events in a real Redis and the router's real KV index, signed handle
-round trips, the sampling mapping, and the clear error when vllm is missing.
-
-One part uses a stand-in: `FakeVllm` below is NOT vLLM. It is a small fake module with vLLM's names
-(AsyncEngineArgs, AsyncLLM, SamplingParams, ...) that lets the adapter's call sequence (engine args,
-generate/abort, kv_transfer_params in and out, KV events published to the configured endpoint) run
-through a real WorkerRuntime on real Redis. It proves the wiring, not vLLM's behaviour.
+The backend on a real vLLM engine (vLLM's CPU build) is tested end to end in tests/vllm/.
 """
 
-import asyncio
-import dataclasses
-import enum
 import hashlib
-import importlib.util
 import json
 import pickle
+import sys
 import threading
 import time
 import uuid
@@ -50,7 +42,7 @@ from farm.backends.vllm_events import (
 )
 from farm.config import ConfigError, ModelConfig, load_config
 from farm.engine.hashing import block_hashes
-from farm.protocol import GenerationRequest, SamplingParams, stream_key
+from farm.protocol import SamplingParams
 from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower
 from farm.router.keys import worker_blocks_key
@@ -174,7 +166,8 @@ def test_vllm_backend_config_loads(tmp_path):
         "engine_args": {"gpu_memory_utilization": 0.8, "tensor_parallel_size": 2},
         "kv_connector": "NixlConnector"}})
     m = cfg.model("llama")
-    assert m.backend == "vllm" and m.vllm.kv_connector == "NixlConnector" and m.vllm.kv_role == "kv_both"
+    assert m.backend == "vllm" and m.vllm.kv_connector == "NixlConnector" and m.vllm.kv_role is None
+    assert cfg.block_size("llama") == 32 and cfg.block_size(cfg.default_model) == cfg.engine.block_size
     # backend: vllm alone gets the default options (no connector: aggregated serving)
     cfg = _load(tmp_path, {"name": "llama", "path": "/models/llama", "backend": "vllm"})
     assert cfg.model("llama").vllm.kv_connector is None
@@ -183,14 +176,14 @@ def test_vllm_backend_config_loads(tmp_path):
 @pytest.mark.parametrize("model, top, message", [
     ({"backend": "builtin", "vllm": {}}, {}, "needs `backend: vllm`"),
     ({"backend": "tensorrt"}, {}, "backend"),
-    ({"backend": "vllm", "vllm": {"engine_args": {"block_size": 32}}}, {}, "engine.block_size"),
+    ({"backend": "vllm", "vllm": {"engine_args": {"block_size": 32}}}, {}, "models[].block_size"),
     ({"backend": "vllm", "vllm": {"engine_args": {"enable_prefix_caching": False}}}, {}, "always on"),
     ({"backend": "vllm", "vllm": {"engine_args": {"max_model_len": 8192}}}, {}, "models[].max_model_len"),
     ({"backend": "vllm", "vllm": {"engine_args": {"gpu-memory-utilization": 0.9}}}, {}, "snake_case"),
     ({"backend": "vllm", "vllm": {"kv_connector": "FooConnector"}}, {}, "kv_connector"),
     ({"backend": "vllm", "vllm": {"kv_role": "producer"}}, {}, "kv_role"),
     ({"backend": "vllm", "vllm": {"engine_arg": {}}}, {}, "engine_arg"),  # a typo of a key
-    ({"backend": "vllm"}, {"engine": {"block_size": 12}}, "block size vLLM supports"),
+    ({"backend": "vllm", "block_size": 12}, {}, "block size vLLM supports"),
 ])
 def test_vllm_option_errors(tmp_path, model, top, message):
     with pytest.raises(ConfigError) as e:
@@ -200,6 +193,9 @@ def test_vllm_option_errors(tmp_path, model, top, message):
 
 def test_block_size_12_is_fine_without_vllm(tmp_path):
     assert _load(tmp_path, {"name": "m", "path": "/models/m"}, engine={"block_size": 12}).engine.block_size == 12
+    # the engine's block size is the built-in engine's default; a vLLM model keeps its own
+    cfg = _load(tmp_path, {"name": "m", "path": "/models/m", "backend": "vllm"}, engine={"block_size": 12})
+    assert cfg.block_size("m") == 32
 
 
 def test_engine_args_farm_settings_and_passthrough(tmp_path):
@@ -209,8 +205,10 @@ def test_engine_args_farm_settings_and_passthrough(tmp_path):
     m = cfg.model("m")
     args = build_engine_args(cfg, m, Path("/models/m"), "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
     assert args["model"] == args["tokenizer"] == "/models/m"
-    assert args["block_size"] == cfg.engine.block_size and args["enable_prefix_caching"] is True
+    assert args["block_size"] == 32 and args["enable_prefix_caching"] is True
     assert args["max_model_len"] == 8192 and args["gpu_memory_utilization"] == 0.7
+    assert "kv_cache_memory_bytes" not in args  # the entry sizes vLLM's cache itself
+    assert "dtype" not in args  # the farm's `auto` on a GPU: vLLM's own choice
     assert args["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "zmq",
                                         "endpoint": "tcp://127.0.0.1:5557",
                                         "replay_endpoint": "tcp://127.0.0.1:5558", "topic": ""}
@@ -220,9 +218,24 @@ def test_engine_args_farm_settings_and_passthrough(tmp_path):
         build_engine_args(cfg, m, Path("/models/m"), "e", None, known_fields={"model", "block_size"})
 
 
+def test_engine_args_size_the_kv_cache_and_pick_roles_on_cpu(tmp_path):
+    """On a CPU: the farm's KV budget (vLLM's own would claim 92% of RAM), fp32 for `auto`, a connector role
+    from the worker's role, and NIXL through the farm's CPU variant of the connector."""
+    cfg = _load(tmp_path, {"name": "m", "path": "/models/m", "backend": "vllm", "block_size": 64,
+                           "vllm": {"kv_connector": "NixlConnector"}}, engine={"kv_cache_mb": 300})
+    args = build_engine_args(cfg, cfg.model("m"), Path("/models/m"), "e", None, device="cpu", role="prefill")
+    assert args["kv_cache_memory_bytes"] == 300 * 2**20 and args["dtype"] == "float32" and args["block_size"] == 64
+    assert args["kv_transfer_config"] == {"kv_connector": "FarmNixlConnector", "kv_role": "kv_producer",
+                                          "kv_connector_module_path": "farm.backends.vllm_nixl"}
+    dec = build_engine_args(cfg, cfg.model("m"), Path("/models/m"), "e", None, device="cuda", role="decode")
+    assert dec["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+
+
 # -- vllm missing -----------------------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
-def test_clear_error_when_vllm_is_missing(tmp_path):
+def test_clear_error_when_vllm_is_missing(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets where it is not installed
     cfg = _load(tmp_path, {"name": "big", "path": str(tmp_path), "backend": "vllm"})
     with pytest.raises(VllmNotInstalled) as e:
         make_engine(cfg, cfg.model("big"), tmp_path, None, worker_id="w", role="both")
@@ -492,193 +505,9 @@ def test_builtin_handles_keep_their_signature():
     assert verify_handle(h, SECRET) is h
 
 
-# -- the adapter through a real WorkerRuntime, with a FAKE vllm module ------------------------------------
-class FakeVllm:
-    """NOT vLLM: a stand-in module with vLLM's public names, so the adapter's call sequence can run here.
-
-    Its AsyncLLM streams a few tokens per request (DELTA outputs), answers a NIXL prefill with
-    kv_transfer_params shaped like NixlConnector's, and publishes BlockStored events for the prompt's
-    full blocks, encoded as vLLM 0.11 encodes them, to the ZMQ endpoint given in kv_events_config.
-    """
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-        v = vllm_structs_v011()
-        fake = self
-
-        @dataclasses.dataclass
-        class AsyncEngineArgs:
-            model: str = ""
-            tokenizer: str | None = None
-            max_model_len: int | None = None
-            block_size: int | None = None
-            enable_prefix_caching: bool | None = None
-            kv_events_config: Any = None
-            kv_transfer_config: Any = None
-            gpu_memory_utilization: float = 0.9
-
-        @dataclasses.dataclass
-        class KVEventsConfig:
-            enable_kv_cache_events: bool = False
-            publisher: str = "null"
-            endpoint: str = "tcp://*:5557"
-            replay_endpoint: str | None = None
-            topic: str = ""
-
-        @dataclasses.dataclass
-        class KVTransferConfig:
-            kv_connector: str | None = None
-            kv_role: str | None = None
-            kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
-
-        class RequestOutputKind(enum.Enum):
-            CUMULATIVE = 0
-            DELTA = 1
-            FINAL_ONLY = 2
-
-        class SamplingParams:
-            def __init__(self, **kw):
-                self.kw = kw
-                self.extra_args = kw.get("extra_args")
-                self.max_tokens = kw["max_tokens"]
-
-        class AsyncLLM:
-            def __init__(self, args):
-                self.args = args
-                self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=1234))
-                self.ctx = zmq.Context()
-                self.pub = self.ctx.socket(zmq.PUB)
-                self.pub.connect(args.kv_events_config.endpoint)
-                self.seq = 0
-                self.cached: set[bytes] = set()
-                time.sleep(0.3)  # let the subscription reach the publisher (ZMQ's slow joiner)
-
-            @classmethod
-            def from_engine_args(cls, args, stat_loggers=None):
-                fake.calls.append(("from_engine_args", args, stat_loggers))
-                return cls(args)
-
-            async def generate(self, prompt, sp, request_id):
-                fake.calls.append(("generate", request_id, prompt, sp))
-                ids = prompt["prompt_token_ids"]
-                hs = vllm_hashes(ids)
-                new = [i for i, h in enumerate(hs) if h not in self.cached]
-                if new:
-                    first = new[0]
-                    ev = v.BlockStored(block_hashes=hs[first:], parent_block_hash=hs[first - 1] if first else None,
-                                       token_ids=ids[first * BS:len(hs) * BS], block_size=BS, lora_id=None,
-                                       medium="GPU")
-                    self.pub.send_multipart((b"", self.seq.to_bytes(8, "big"),
-                                             v.encode(v.KVEventBatch(ts=time.time(), events=[ev]))))
-                    self.seq += 1
-                    self.cached.update(hs)
-                params = (sp.extra_args or {}).get("kv_transfer_params")
-                n = sp.max_tokens
-                for i in range(n):
-                    await asyncio.sleep(0.01 if n < 100 else 0.05)
-                    last = i == n - 1
-                    yield SimpleNamespace(
-                        request_id=request_id, finished=last, num_cached_tokens=0,
-                        outputs=[SimpleNamespace(text=f"t{i} ", token_ids=[100 + i],
-                                                 finish_reason="length" if last else None)],
-                        kv_transfer_params={**NIXL_OUT, "remote_block_ids": list(range(len(hs)))}
-                        if last and params and params.get("do_remote_decode") else None)
-
-            def shutdown(self):
-                fake.calls.append(("shutdown",))
-                self.pub.close(linger=0)
-                self.ctx.term()
-
-        self.module = SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
-                                      SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind,
-                                      KVEventsConfig=KVEventsConfig, KVTransferConfig=KVTransferConfig)
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    fake = FakeVllm()
-    monkeypatch.setattr("farm.backends.vllm.import_vllm", lambda model="": fake.module)
-    return fake
-
-
-def _stream(r, rid):
-    """The request's stream events, once its final event has been flushed to Redis."""
-    def events():
-        return [json.loads(f[b"e"]) for _id, f in r.xrange(stream_key(rid))]
-
-    assert _wait(lambda: events() and events()[-1]["type"] in ("done", "error"))
-    return events()
-
-
-def test_worker_runtime_with_the_vllm_adapter(redis_url, redis_client, tmp_path, fake_vllm, monkeypatch):
-    """prefill (handle with kv_transfer_params) -> decode (params back into vLLM's request), KV events in
-    the router's index, abort; all through WorkerRuntime on real Redis, with the FAKE vllm above."""
-    from farm.worker import WorkerRuntime
-
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
-    monkeypatch.setenv("FARM_SECRET", SECRET.decode())
-    cfg = _load(tmp_path, {"name": "big", "path": str(tmp_path / "m"), "backend": "vllm",
-                           "vllm": {"kv_connector": "NixlConnector"}},
-                redis={"url": redis_url}, state_dir=str(tmp_path / "state"))
-    pre = WorkerRuntime(cfg, "prefill", "big", f"p-{uuid.uuid4().hex[:6]}@t").start()
-    dec = WorkerRuntime(cfg, "decode", "big", f"d-{uuid.uuid4().hex[:6]}@t").start()
-    try:
-        (_, args, loggers) = fake_vllm.calls[0]
-        assert args.block_size == cfg.engine.block_size and args.enable_prefix_caching is True
-        assert args.kv_events_config.endpoint == pre.engine.events.endpoint
-        assert args.kv_transfer_config.kv_connector == "NixlConnector" and len(loggers) == 1
-        assert pre.info.num_blocks == 1234 and pre.info.device == "cuda"
-
-        req = GenerationRequest(uuid.uuid4().hex, "big", PROMPT, SamplingParams(max_tokens=5, temperature=0))
-        handle = pre.prefill(req)
-        assert handle["connector"] == "NixlConnector" and handle["kv_transfer_params"]["do_remote_prefill"]
-        assert handle["first_token"] == 100 and handle["worker_id"] == pre.worker_id
-        gen = [c for c in fake_vllm.calls if c[0] == "generate"]
-        assert gen[-1][3].kw["max_tokens"] == 1
-        assert gen[-1][3].extra_args == {"kv_transfer_params": PREFILL_PARAMS["NixlConnector"]}
-
-        result = dec.decode(req, json.loads(json.dumps(handle)))
-        assert result == {"finish_reason": "length", "completion_tokens": 5}
-        gen = [c for c in fake_vllm.calls if c[0] == "generate"]
-        assert gen[-1][3].extra_args == {"kv_transfer_params": handle["kv_transfer_params"]}
-        assert gen[-1][2] == {"prompt_token_ids": PROMPT}
-        events = _stream(redis_client, req.request_id)
-        done = events[-1]
-        assert done["type"] == "done" and done["prefill"] == "remote" and done["prefill_worker"] == pre.worker_id
-        assert "".join(e.get("text", "") for e in events if e["type"] == "delta") == "t0 t1 t2 t3 t4 "
-
-        # a forged handle is refused and the decode worker prefills locally
-        req2 = GenerationRequest(uuid.uuid4().hex, "big", PROMPT, SamplingParams(max_tokens=2))
-        forged = {**handle, "request_id": req2.request_id}
-        dec.decode(req2, forged)
-        assert "extra_args" not in [c for c in fake_vllm.calls if c[0] == "generate"][-1][3].kw
-        assert _stream(redis_client, req2.request_id)[-1]["prefill"] == "local"
-
-        # the KV events vLLM published reached the router's index, under the farm's hashes
-        _follow(redis_client, pre.worker_id, block_hashes(PROMPT, BS), 3)
-        _follow(redis_client, dec.worker_id, block_hashes(PROMPT, BS), 3)
-
-        # abort: the request's task is cancelled and the worker sees one final `abort`
-        req3 = GenerationRequest(uuid.uuid4().hex, "big", PROMPT, SamplingParams(max_tokens=500))
-        outs = []
-        dec.engine.submit(req3.request_id, PROMPT, req3.sampling, outs.append)
-        assert _wait(lambda: len(outs) >= 2)
-        dec.engine.abort(req3.request_id)
-        assert _wait(lambda: outs and outs[-1].finished)
-        assert outs[-1].finish_reason == "abort" and sum(o.finished for o in outs) == 1
-        assert _wait(lambda: req3.request_id not in dec.engine.active_request_ids())
-        st = dec.engine.stats()
-        assert st["backend"] == "vllm" and st["blocks_total"] == 1234 and st["kv_events"]["stored"] == 3
-    finally:
-        pre.stop()
-        dec.stop()
-    assert ("shutdown",) in fake_vllm.calls
-
-
-def test_vllm_prefill_worker_needs_a_connector(tmp_path, fake_vllm):
+def test_vllm_prefill_worker_needs_a_connector(tmp_path):
     cfg = _load(tmp_path, {"name": "big", "path": str(tmp_path), "backend": "vllm"})
-    with pytest.raises(ValueError, match="kv_connector"):
+    with pytest.raises(ValueError, match="kv_connector"):  # refused before any engine starts
         make_engine(cfg, cfg.model("big"), tmp_path, None, worker_id="p", role="prefill")
 
 

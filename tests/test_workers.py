@@ -167,7 +167,7 @@ def test_block_pools_return_to_their_starting_state(farm):
 
 
 def test_worker_with_another_block_size_refuses_to_start(farm, tmp_path, redis_url):
-    """The farm's block size is fixed by its first worker; a mismatching worker exits loudly."""
+    """Every worker of a model uses one block size: a worker that differs from the live ones exits loudly."""
     env = make_farm_env(redis_url, tmp_path)
     proc = WorkerProc(env, "decode", "odd-block", tmp_path, extra_env={"FARM_ENGINE__BLOCK_SIZE": "32"})
     assert proc.proc.wait(60) == 3

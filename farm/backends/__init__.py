@@ -25,7 +25,8 @@ def make_engine(cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_even
         return VllmEngine(cfg, model, model_dir, on_kv_event, worker_id=worker_id, role=role)
     from farm.engine.engine import Engine
 
-    return Engine(model_dir, cfg.engine, model.max_model_len, on_kv_event=on_kv_event,
+    engine_cfg = cfg.engine.model_copy(update={"block_size": cfg.block_size(model.name)})
+    return Engine(model_dir, engine_cfg, model.max_model_len, on_kv_event=on_kv_event,
                   handle_ttl_s=cfg.transfer.handle_ttl_s, kv_tier_dir=cfg.state_path / "kvcache")
 
 

@@ -24,11 +24,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from farm.backends.reaper import start_reaper
 from farm.backends.vllm_events import (
     KVEventFn,
     VllmKVEventSubscriber,
@@ -38,6 +39,7 @@ from farm.backends.vllm_events import (
 from farm.config import FarmConfig, ModelConfig, VllmOptions
 from farm.engine.engine import RequestOutput
 from farm.engine.hashing import block_hashes
+from farm.engine.sampling import TokenLogprobs
 from farm.protocol import SamplingParams
 from farm.transfer.handle import HandleError, sign_handle, verify_handle
 
@@ -59,7 +61,7 @@ def import_vllm(model: str = "") -> SimpleNamespace:
         from vllm import SamplingParams as VSamplingParams
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     except ImportError as e:
         who = f"model {model!r} is configured with `backend: vllm`, but " if model else ""
         raise VllmNotInstalled(
@@ -72,16 +74,26 @@ def import_vllm(model: str = "") -> SimpleNamespace:
         from vllm import AsyncLLMEngine as AsyncLLM
     return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=VSamplingParams,
                            RequestOutputKind=RequestOutputKind, KVEventsConfig=KVEventsConfig,
-                           KVTransferConfig=KVTransferConfig)
+                           KVTransferConfig=KVTransferConfig, StructuredOutputsParams=StructuredOutputsParams)
+
+
+# A worker's KV role for vLLM's connector, from its farm role (unless models[].vllm.kv_role names one).
+WORKER_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+# engine_args with which a model entry sizes vLLM's KV cache itself (else engine.kv_cache_mb does). Without
+# either, vLLM's CPU backend would claim 92% of the machine's RAM and refuse to start when less is free.
+KV_SIZING_ARGS = frozenset({"kv_cache_memory_bytes", "gpu_memory_utilization"})
 
 
 # -- mapping our request onto vLLM's -------------------------------------------------------------------
 def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, prefill_only: bool = False,
-                    kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    structured: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for vllm.SamplingParams that reproduce the farm's sampling semantics.
 
     max_tokens is capped by the room left in max_model_len (the built-in engine stops there with
-    `length`; vLLM would reject the request instead). A prefill-only request samples one token.
+    `length`; vLLM would reject the request instead). A prefill-only request samples one token. A
+    response_format becomes vLLM's structured outputs (`structured` builds StructuredOutputsParams).
     """
     room = max(1, max_model_len - prompt_len)
     kw: dict[str, Any] = {
@@ -93,15 +105,43 @@ def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, p
         "stop": list(p.stop) or None,
         "ignore_eos": bool(p.ignore_eos),
         "skip_special_tokens": True,
+        "presence_penalty": float(p.presence_penalty),
+        "frequency_penalty": float(p.frequency_penalty),
+        "repetition_penalty": float(p.repetition_penalty),
+        "top_k": int(p.top_k),
+        "min_p": float(p.min_p),
+        "min_tokens": 0 if prefill_only else min(int(p.min_tokens), room),
+        "stop_token_ids": list(p.stop_token_ids) or None,
+        "logprobs": None if prefill_only else p.logprobs,
+        "logit_bias": dict(p.logit_bias) or None,
     }
+    if p.response_format is not None:
+        fmt = p.response_format
+        spec = {"json_object": True} if fmt["type"] == "json_object" else {"json": fmt["json_schema"]["schema"]}
+        kw["structured_outputs"] = structured(**spec) if structured else spec
     if kv_transfer_params is not None:
         kw["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
     return kw
 
 
+def token_logprobs(token_ids: list[int], positions: Any, k: int) -> list[TokenLogprobs]:
+    """vLLM's per-token logprobs (one {token id: Logprob} per generated token, the sampled token always
+    among them) in the farm's form: the sampled token's and the `k` best ranked."""
+    out = []
+    for tok, entries in zip(token_ids, positions or [], strict=False):
+        entries = entries or {}
+        chosen = entries.get(tok)
+        top = sorted(((i, e) for i, e in entries.items() if e.rank is not None and e.rank <= k),
+                     key=lambda ie: ie[1].rank)
+        out.append(TokenLogprobs(float(chosen.logprob) if chosen is not None else float("nan"),
+                                 [(int(i), float(e.logprob)) for i, e in top]))
+    return out
+
+
 def build_engine_args(cfg: FarmConfig, model: ModelConfig, model_dir: Path, kv_events_endpoint: str,
                       kv_events_replay: str | None, known_fields: set[str] | None = None,
-                      vllm: SimpleNamespace | None = None) -> dict[str, Any]:
+                      vllm: SimpleNamespace | None = None, device: str = "cuda", role: str = "both"
+                      ) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments: the farm's settings, then the model's `vllm.engine_args`.
 
     With `known_fields` (the dataclass fields of the installed AsyncEngineArgs), unknown passthrough keys
@@ -118,11 +158,20 @@ def build_engine_args(cfg: FarmConfig, model: ModelConfig, model_dir: Path, kv_e
               "replay_endpoint": kv_events_replay, "topic": ""}
     args: dict[str, Any] = {
         "model": str(model_dir), "tokenizer": str(model_dir), "max_model_len": model.max_model_len,
-        "block_size": cfg.engine.block_size, "enable_prefix_caching": True,
+        "block_size": cfg.block_size(model.name), "enable_prefix_caching": True,
         "kv_events_config": vllm.KVEventsConfig(**events) if vllm else events,
     }
+    if not KV_SIZING_ARGS & set(opts.engine_args):  # the farm's KV budget, unless the entry sizes it itself
+        args["kv_cache_memory_bytes"] = cfg.engine.kv_cache_mb * 2**20
+    dtype = cfg.engine.dtype
+    if dtype == "auto" and device == "cpu":
+        dtype = "float32"  # the farm's `auto` is fp32 on CPUs for every backend (vLLM's own picks bf16)
+    if dtype != "auto":
+        args["dtype"] = dtype
     if opts.kv_connector:
-        transfer = {"kv_connector": opts.kv_connector, "kv_role": opts.kv_role}
+        transfer = {"kv_connector": opts.kv_connector, "kv_role": opts.kv_role or WORKER_KV_ROLES[role]}
+        if opts.kv_connector == "NixlConnector" and device == "cpu":  # NIXL without its busy polling thread
+            transfer.update(kv_connector="FarmNixlConnector", kv_connector_module_path="farm.backends.vllm_nixl")
         if opts.kv_connector_extra_config:
             transfer["kv_connector_extra_config"] = dict(opts.kv_connector_extra_config)
         args["kv_transfer_config"] = vllm.KVTransferConfig(**transfer) if vllm else transfer
@@ -191,7 +240,7 @@ class _Runner:
     server, so there are no blocks to read here (a built-in decode worker asking gets a refusal and
     prefills locally)."""
 
-    def __init__(self, block_size: int, device: str = "cuda"):
+    def __init__(self, block_size: int, device: str):
         self.device = device
         self.kv = None
         self.layout = SimpleNamespace(to_dict=lambda: {"block_size": block_size, "backend": "vllm"})
@@ -204,12 +253,17 @@ class _Runner:
 
 @dataclass
 class _Stats:
+    """What vLLM's scheduler reports, kept for the worker's heartbeat (counters are totals since start)."""
+
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    preemptions: int = 0
+    connector_hits: int = 0  # prompt tokens whose KV the KV connector brought in (a remote prefill's)
+    kv_transfers: int = 0  # KV transfers the connector completed, and their bytes
+    kv_transfer_bytes: int = 0
 
 
 class VllmEngine:
@@ -222,24 +276,37 @@ class VllmEngine:
         self.model = model
         self.opts = model.vllm or VllmOptions()
         self.worker_id = worker_id
-        self.block_size = cfg.engine.block_size
+        self.block_size = cfg.block_size(model.name)
         self.max_model_len = model.max_model_len
+        self.device = _platform_device()
+        if self.device == "cpu" and self.block_size % 32:
+            raise ValueError(f"model {model.name!r}: vLLM's CPU attention needs a KV block size that is a multiple "
+                             f"of 32, this model has {self.block_size}; set models[].block_size: 32")
+        if self.device == "cpu":
+            # vLLM 0.31's AOT compile cache fails to load beside torch 2.13 ("'function' object has no
+            # attribute 'finalize_loading'") and every start compiled again (80-400 s here); its regular
+            # compile cache loads, halving a restart.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         self.connector = self.opts.kv_connector
         if role == "prefill" and not self.connector:
             raise ValueError(f"model {model.name!r}: a vLLM prefill worker needs models[].vllm.kv_connector "
                              "(NixlConnector or LMCacheConnectorV1) to hand its KV to decode workers")
-        if self.connector == "NixlConnector":  # where decode workers reach this worker's NIXL side channel
+        if self.connector == "NixlConnector":  # where decode workers reach this worker's NIXL side channel:
+            # its host, and a port of its own (vLLM's fixed default, 5600, would collide between the workers
+            # of one machine); the port travels to decode workers inside the signed handle.
             os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", cfg.transfer.advertise_host)
+            os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(_free_port(cfg.transfer.bind_host)))
         self.handle_ttl_s = cfg.transfer.handle_ttl_s
         self.held: dict[str, Any] = {}  # vLLM's connector holds prefilled blocks, not us
-        self.runner = _Runner(self.block_size)
+        self.runner = _Runner(self.block_size, self.device)
         self.translator = VllmKVEventTranslator(on_kv_event or (lambda *a, **k: None), self.block_size)
         self.events = VllmKVEventSubscriber(self.translator, replay_endpoint=_free_tcp_endpoint())
         known = {f.name for f in dataclasses.fields(self.vllm.AsyncEngineArgs)} \
             if dataclasses.is_dataclass(self.vllm.AsyncEngineArgs) else None
         self.engine_args = build_engine_args(cfg, model, model_dir, self.events.endpoint,
-                                             self.events.replay_endpoint, known, self.vllm)
+                                             self.events.replay_endpoint, known, self.vllm, self.device, role)
         self._stats = _Stats()
+        self._reaper = start_reaper()  # vLLM's engine processes end with this one, even on kill -9
         self._tasks: dict[str, Any] = {}  # request id -> concurrent Future of its task on the loop
         self._tasks_lock = threading.Lock()
         self.tokens_generated = 0
@@ -251,6 +318,7 @@ class VllmEngine:
         except BaseException:
             self._stop_loop()
             self.events.stop()
+            self._reaper.terminate()
             raise
         cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
         self.pool = SimpleNamespace(num_blocks=int(getattr(cache, "num_gpu_blocks", 0) or 0))
@@ -274,9 +342,18 @@ class VllmEngine:
             def __init__(self, *_a: Any, **_k: Any) -> None:
                 pass
 
-            def record(self, scheduler_stats: Any = None, *_a: Any, **_k: Any) -> None:
+            def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *_a: Any, **_k: Any) -> None:
+                if iteration_stats is not None:
+                    stats.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
                 if scheduler_stats is None:
                     return
+                cpc = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+                if cpc is not None:
+                    stats.connector_hits += int(getattr(cpc, "hits", 0))
+                transfers = (getattr(scheduler_stats, "kv_connector_stats", None) or {}).get("bytes_transferred")
+                if transfers:
+                    stats.kv_transfers += len(transfers)
+                    stats.kv_transfer_bytes += int(sum(transfers))
                 stats.running = int(getattr(scheduler_stats, "num_running_reqs", 0))
                 stats.waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
                 usage = getattr(scheduler_stats, "kv_cache_usage", None)
@@ -312,6 +389,7 @@ class VllmEngine:
             log.warning("vLLM shutdown failed", exc_info=True)
         self._stop_loop()
         self.events.stop()
+        self._reaper.terminate()  # vLLM has stopped its processes itself
 
     def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -334,7 +412,7 @@ class VllmEngine:
                 kv_import.release(kv_import.data)
         sp = self.vllm.SamplingParams(
             **sampling_kwargs(params, len(prompt_ids), self.max_model_len, prefill_only=prefill_only,
-                              kv_transfer_params=kv_params),
+                              kv_transfer_params=kv_params, structured=self.vllm.StructuredOutputsParams),
             output_kind=self.vllm.RequestOutputKind.DELTA,
         )
         coro = self._generate(request_id, list(prompt_ids), sp, on_output, prefill_only, max_request_s)
@@ -374,6 +452,11 @@ class VllmEngine:
             "prefix_hit_tokens": s.prefix_hits,
             "prefix_query_tokens": s.prefix_queries,
             "tokens_generated": self.tokens_generated,
+            "vllm_unfinished": int(self.llm.get_num_unfinished_requests()),  # requests vLLM still holds
+            "preemptions": s.preemptions,
+            "kv_usage": s.kv_usage,
+            "connector": {"hit_tokens": s.connector_hits, "transfers": s.kv_transfers,
+                          "bytes": s.kv_transfer_bytes},
             "kv_events": {"batches": self.events.batches, "gaps": self.events.gaps,
                           "stored": self.translator.stored, "removed": self.translator.removed,
                           "skipped": self.translator.skipped},
@@ -384,14 +467,17 @@ class VllmEngine:
                         prefill_only: bool, max_request_s: float | None) -> None:
         n_out, cached, first = 0, 0, None
         done = False
+        k = sp.logprobs
 
-        def finish(reason: str, text: str = "", tokens: list[int] | None = None, params: Any = None) -> None:
+        def finish(reason: str, text: str = "", tokens: list[int] | None = None, params: Any = None,
+                   logprobs: list[TokenLogprobs] | None = None) -> None:
             nonlocal done
             if done:
                 return
             done = True
             out = VllmRequestOutput(rid, text=text, token_ids=tokens or [], finished=True, finish_reason=reason,
-                                    prompt_tokens=len(prompt_ids), completion_tokens=n_out, cached_tokens=cached)
+                                    prompt_tokens=len(prompt_ids), completion_tokens=n_out, cached_tokens=cached,
+                                    logprobs=logprobs)
             if reason == "prefilled":
                 out.first_token = first
                 out.block_hashes = block_hashes(prompt_ids, self.block_size)
@@ -410,6 +496,7 @@ class VllmEngine:
                     comp = ro.outputs[0] if ro.outputs else None
                     tokens = [int(t) for t in (comp.token_ids if comp else [])]
                     text = comp.text if comp else ""
+                    lps = token_logprobs(tokens, comp.logprobs, k) if k is not None and comp else None
                     n_out += len(tokens)
                     self.tokens_generated += len(tokens)
                     cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
@@ -420,10 +507,10 @@ class VllmEngine:
                             finish("prefilled", params=getattr(ro, "kv_transfer_params", None))
                         else:
                             reason = (comp.finish_reason if comp else None) or "stop"
-                            finish("abort" if reason == "abort" else reason, text, tokens)
+                            finish("abort" if reason == "abort" else reason, text, tokens, logprobs=lps)
                         break
                     if text or tokens:
-                        on_output(VllmRequestOutput(rid, text=text, token_ids=tokens))
+                        on_output(VllmRequestOutput(rid, text=text, token_ids=tokens, logprobs=lps))
         except TimeoutError:
             finish("length")  # the farm's cap on one request, as the built-in engine ends it
         except asyncio.CancelledError:
@@ -437,10 +524,22 @@ class VllmEngine:
                 self._tasks.pop(rid, None)
 
 
-def _free_tcp_endpoint() -> str:
-    """A local endpoint for vLLM's replay ROUTER socket (vLLM binds it)."""
+def _platform_device() -> str:
+    """The device vLLM runs on here ("cuda", "cpu", ...), as its platform detection sees it."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a socket vLLM binds itself."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _free_tcp_endpoint() -> str:
+    """A local endpoint for vLLM's replay ROUTER socket (vLLM binds it)."""
+    return f"tcp://127.0.0.1:{_free_port()}"

@@ -302,7 +302,8 @@ class BatchDriver:
             return validate_input(data, b["endpoint"], [m.name for m in self.cfg.models], self._tokenizer,
                                   lambda m: self.cfg.model(m).max_model_len, self.bcfg.max_lines,
                                   self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults,
-                                  self._decide if semantic else None, self.cfg.semantic.aliases)
+                                  self._decide if semantic else None, self.cfg.semantic.aliases,
+                                  lambda m: self.cfg.model(m).backend)
         except redis.RedisError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. the model's tokenizer is missing on this host
@@ -385,7 +386,7 @@ class BatchDriver:
         if recorded:
             log.info("batch %s: resuming, %d of %d lines already recorded", bid, len(recorded), len(lines))
         mode = b.get("schedule") or self.bcfg.schedule
-        plan = Plan(todo, mode, self.cfg.engine.block_size, self.bcfg.warm_prefix_min_blocks)
+        plan = Plan(todo, mode, self.cfg.block_size, self.bcfg.warm_prefix_min_blocks)
         stop = threading.Event()  # in-flight lines give up (cancel on the worker) when set
         wake = threading.Event()
         inflight: dict[Future, PreparedLine] = {}
@@ -499,6 +500,8 @@ class BatchDriver:
                 return Outcome("retry", delay=float(e.retry_after_s), code="overloaded", reason=str(e))
             workers = {p.worker.worker_id for p in sub.placements.values()}
             parts: list[str] = []
+            ids: list[int] = []
+            lps: list[list] = []  # the tokens' log-probabilities, when the line asks for them
             started = first = False
             last = time.monotonic()
             while True:
@@ -513,6 +516,9 @@ class BatchDriver:
                         elif t == "delta":
                             if ev.get("text"):
                                 parts.append(ev["text"])
+                            if "lp" in ev:
+                                ids.extend(ev.get("ids", []))
+                                lps.extend(ev["lp"])
                             if not first:
                                 first = True
                                 plan.prefilled(line)
@@ -522,7 +528,7 @@ class BatchDriver:
                                 if stop.is_set():
                                     return Outcome("cancelled")
                                 return Outcome("retry", count=True, code="aborted", reason="the request was aborted")
-                            self._record_success(bid, line, rid, "".join(parts), ev)
+                            self._record_success(bid, line, rid, "".join(parts), ev, ids, lps)
                             return Outcome("recorded")
                         elif t == "error":
                             self._record_failure(bid, line, ev.get("code") or "engine_error",
@@ -558,11 +564,17 @@ class BatchDriver:
                 pass
 
     # -- results ----------------------------------------------------------------------------------------------
-    def _record_success(self, bid: str, line: PreparedLine, rid: str, text: str, done: dict[str, Any]) -> None:
-        from api.responses import full_response
+    def _record_success(self, bid: str, line: PreparedLine, rid: str, text: str, done: dict[str, Any],
+                        ids: list[int] | None = None, lps: list[list] | None = None) -> None:
+        from api.logprobs import for_kind
+        from api.responses import Choice, full_response
 
         usage = done.get("usage", {})
-        body = full_response(line.kind, rid, line.model, text, done.get("finish_reason", "stop"), usage)
+        logprobs = None
+        if line.sampling.get("logprobs") is not None:
+            logprobs = for_kind(line.kind, self._tokenizer(line.model), ids or [], lps or [])
+        body = full_response(line.kind, rid, line.model, [Choice(text, done.get("finish_reason", "stop"), logprobs)],
+                             usage)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
         if self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1:

@@ -1,7 +1,7 @@
 """The order a batch's lines are dispatched in.
 
 `input`: file order. `prefix`: lines sorted by the block hashes of their tokenized prompt
-(`farm.engine.hashing.block_hashes` with the farm's block size). The hashes are chained, so equal
+(`farm.engine.hashing.block_hashes` with each model's block size). The hashes are chained, so equal
 leading hashes mean an equal token prefix, and sorting the hash sequences puts lines that share a prefix
 next to each other, the longest shared prefixes closest, at every depth (a trie walk). Dispatched in that
 order, the KV-aware router (which scores workers by the prompt's cached blocks) sends each run of lines
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from farm.batch.validate import PreparedLine
 from farm.engine.hashing import block_hashes
@@ -37,9 +37,14 @@ def _depth(hashes: Sequence[int], present) -> int:
     return lo
 
 
-def prefix_order(lines: Sequence[PreparedLine], block_size: int) -> tuple[list[PreparedLine], dict[int, list[int]]]:
-    """Lines sorted so shared prefixes are adjacent, and each line's block hashes (by line index)."""
-    hashes = {ln.index: block_hashes(ln.prompt_ids, block_size) for ln in lines}
+BlockSize = int | Callable[[str], int]  # one block size, or the block size of each model
+
+
+def prefix_order(lines: Sequence[PreparedLine], block_size: BlockSize) -> tuple[list[PreparedLine], dict[int, list[int]]]:
+    """Lines sorted so shared prefixes are adjacent, and each line's block hashes (by line index), each
+    hashed with its model's block size."""
+    size = block_size if callable(block_size) else (lambda _model: block_size)
+    hashes = {ln.index: block_hashes(ln.prompt_ids, size(ln.model)) for ln in lines}
     ordered = sorted(lines, key=lambda ln: (ln.model, hashes[ln.index], ln.index))
     return ordered, hashes
 
@@ -47,7 +52,7 @@ def prefix_order(lines: Sequence[PreparedLine], block_size: int) -> tuple[list[P
 class Plan:
     """Hands out the next line to run; thread-safe (line threads report prefill completion)."""
 
-    def __init__(self, lines: Sequence[PreparedLine], mode: str, block_size: int, warm_min_blocks: int = 2,
+    def __init__(self, lines: Sequence[PreparedLine], mode: str, block_size: BlockSize, warm_min_blocks: int = 2,
                  lookahead: int = 512):
         self.mode = mode
         self.warm_min_blocks = warm_min_blocks if mode == "prefix" else 0

@@ -5,7 +5,8 @@ A line must be a JSON object `{"custom_id": str, "method": "POST", "url": <the b
 the live endpoint (api.schemas: `require_model`, then `parse_chat` or `parse_completion`, which also
 tokenizes the prompt). Any failure fails the whole batch with line-numbered errors
 `{code, message, param, line}` (1-based line numbers, blank lines count but are skipped), so a batch
-never runs half-way into a bad line. What passes becomes a `PreparedLine`: the token ids and sampling
+never runs half-way into a bad line. Each line is judged on its own: a hostile one (nested 100k deep, say)
+is its own line's error, and the other lines' errors are still reported. What passes becomes a `PreparedLine`: the token ids and sampling
 parameters the driver sends through the Gateway.
 
 With the semantic layer on (`decide` given), every line goes through it as an API request would, but
@@ -21,7 +22,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from farm.jsonsafe import JSONTooDeep, loads_bounded
+
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# A line is {custom_id, method, url, body}: one level above a request body (api.bodies.MAX_JSON_DEPTH, 32).
+# Deeper lines are refused on their own line, before anything walks them recursively.
+MAX_LINE_DEPTH = 33
 
 
 @dataclass
@@ -52,10 +58,11 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                    max_model_len: Callable[[str], int], max_lines: int = 50_000,
                    max_errors: int = 100, defaults_for: Callable[[str], Any] | None = None,
                    decide: Callable[[str, list[dict]], Any] | None = None, aliases: list[str] | None = None,
+                   backend_for: Callable[[str], str] | None = None,
                    ) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
     """(prepared lines, errors); the batch may run only when `errors` is empty. `decide(model, messages)`
     is the semantic layer's verdict (farm.semantic.layer.Verdict) without the cache; `aliases` are the
-    model names it resolves (MoM, auto)."""
+    model names it resolves (MoM, auto); `backend_for(model)` names the engine, whose limits apply."""
     from api.errors import APIError
     from api.schemas import local_params, parse_chat, parse_completion, require_model, validate_chat
     from api.semantic import completion_messages
@@ -77,9 +84,12 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             errors.append(_err("too_many_requests", f"a batch may hold at most {max_lines} requests", no))
             break
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = loads_bounded(raw.decode("utf-8"), MAX_LINE_DEPTH)
         except UnicodeDecodeError:
             errors.append(_err("invalid_json_line", "This line is not valid UTF-8.", no))
+            continue
+        except JSONTooDeep:
+            errors.append(_err("json_too_deep", f"This line nests deeper than {MAX_LINE_DEPTH} levels.", no))
             continue
         except ValueError:
             errors.append(_err("invalid_json_line", "This line is not parseable as valid JSON.", no))
@@ -126,19 +136,26 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                     asked = completion_messages(body, tokenizer_for(model))  # an alias: the default model's
                 v = decide(model, asked)
                 if v.action == "block":
-                    local_params(body)  # its parameters are still checked like the API's
+                    local_params(body, kind)  # its parameters are still checked like the API's
                     lines.append(PreparedLine(len(lines), no, cid, kind, v.model, [], {}, v.answer or "",
                                               v.finish_reason or "content_filter"))
                     continue
                 model = v.model
                 messages = v.messages if kind == "chat" else None
             defaults = defaults_for(model) if defaults_for else None
+            backend = backend_for(model) if backend_for else None
             if kind == "chat":
-                parsed = parse_chat(body, tokenizer_for(model), max_model_len(model), messages, defaults)
+                parsed = parse_chat(body, tokenizer_for(model), max_model_len(model), messages, defaults,
+                                    backend=backend)
             else:
-                parsed = parse_completion(body, tokenizer_for(model), max_model_len(model), defaults)
+                parsed = parse_completion(body, tokenizer_for(model), max_model_len(model), defaults,
+                                          backend=backend)
         except APIError as e:
             errors.append(_err(e.code or "invalid_request", e.message, no, f"body.{e.param}" if e.param else "body"))
+            continue
+        if parsed.n != 1:  # one line, one response body: the Batch API runs each line as one request
+            errors.append(_err("unsupported_value", "'n' greater than 1 is not supported in a batch line; give each "
+                               "sample a line of its own", no, "body.n"))
             continue
         lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict()))
     if not errors and not lines:

@@ -6,6 +6,11 @@ sequence's `on_output` callback (called on the engine thread; it must not block)
 
 A prefill-only sequence stops after its first sampled token and keeps its blocks "held" for a remote
 decode worker to pull; held blocks are released when pulled or when they expire.
+
+One bad request never fails the others: a sequence is checked when it is admitted (token ids within
+the model's vocabulary, length, sampling values) and finished with an error if it fails; a batch whose
+forward or sampling still fails is run again sequence by sequence, and only the sequences that fail on
+their own are finished with an error.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,7 @@ import torch
 from farm.config import EngineConfig
 from farm.engine.block_pool import BlockPool, KVEventFn
 from farm.engine.model_runner import ModelRunner
-from farm.engine.sampling import make_generator, sample
+from farm.engine.sampling import History, TokenLogprobs, logprobs_of, make_generator, sample
 from farm.engine.scheduler import DecodeBatch, KVImport, PrefillBatch, Scheduler, Sequence
 from farm.kvcache.tiers import TieredKV
 from farm.protocol import SamplingParams
@@ -46,10 +52,12 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # per token of token_ids, when the request asks for them
     # prefill-only results
     held_blocks: list[int] | None = None
     block_hashes: list[int] | None = None
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -72,6 +80,7 @@ class Engine:
                                   cfg.dtype, max_num_blocks=max_num_blocks, max_model_len=max_model_len,
                                   enforce_eager=cfg.enforce_eager, graph_batch_sizes=cfg.cuda_graph_batch_sizes,
                                   decode_attention=cfg.decode_attention)
+        self.vocab_size = self.runner.model.get_input_embeddings().num_embeddings
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         t = cfg.kv_tiers
@@ -89,6 +98,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._batch: PrefillBatch | DecodeBatch | None = None  # the step's batch while it runs
         self.steps = 0
         self.tokens_generated = 0
 
@@ -108,13 +118,18 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], *, prefill_only: bool = False,
                kv_import: KVImport | None = None, max_request_s: float | None = None) -> None:
-        seq = Sequence(request_id, list(prompt_ids), params, on_output, prefill_only=prefill_only,
-                       kv_import=kv_import, max_len=self.max_model_len,
-                       deadline=time.monotonic() + max_request_s if max_request_s else math.inf,
-                       generator=make_generator(params))
+        try:
+            seq = Sequence(request_id, list(prompt_ids), params, on_output, prefill_only=prefill_only,
+                           kv_import=kv_import, max_len=self.max_model_len,
+                           deadline=time.monotonic() + max_request_s if max_request_s else math.inf,
+                           generator=make_generator(params))
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # e.g. a seed torch refuses
+            on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
+            return
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if kv_import is not None:
             seq.output_ids = [kv_import.first_token]
+            seq.last_logprobs = kv_import.first_logprobs
         self._post(("add", seq))
 
     def abort(self, request_id: str) -> None:
@@ -166,10 +181,40 @@ class Engine:
                 continue
             try:
                 self.step()
-            except Exception as e:  # never let one bad batch kill the engine: fail its requests
+            except Exception as e:  # never let one bad request kill the engine or fail the others
                 log.exception("engine step failed")
-                for seq in self.scheduler.all_active():
-                    self._finish(seq, "error", error=str(e))
+                self._recover(e)
+            finally:
+                self._batch = None
+
+    def _recover(self, err: Exception) -> None:
+        """After a step failed outside forward and sampling: finish the sequences that are invalid; if none
+        is, the sequences of the failed batch (their state may be half-updated), and only them."""
+        active = self.scheduler.all_active()
+        culprits = [s for s in active if self.problem(s)]
+        if not culprits:
+            culprits = list(self._batch.seqs) if self._batch is not None else active
+        for seq in culprits:
+            self._finish(seq, "error", error=self.problem(seq) or str(err))
+
+    def problem(self, seq: Sequence) -> str | None:
+        """Why this sequence must not run (None: it may): token ids outside the vocabulary, too long,
+        sampling values out of range. Checked at admission; the engine relies on them everywhere."""
+        ids = seq.all_ids
+        if not ids or len(ids) > seq.max_len:
+            return f"invalid request: {len(ids)} tokens (1 to {seq.max_len} allowed)"
+        if not all(isinstance(t, Integral) and 0 <= t < self.vocab_size for t in ids):
+            return f"invalid request: token ids must be integers in [0, {self.vocab_size})"
+        p = seq.params
+        if not (type(p.max_tokens) is int and p.max_tokens >= 1):
+            return "invalid request: max_tokens must be a positive integer"
+        if not (isinstance(p.temperature, (int, float)) and 0.0 <= p.temperature < math.inf):
+            return "invalid request: temperature must be a finite number >= 0"
+        if not (isinstance(p.top_p, (int, float)) and 0.0 < p.top_p <= 1.0):
+            return "invalid request: top_p must be in (0, 1]"
+        if not (isinstance(p.stop, list) and all(isinstance(x, str) for x in p.stop)):
+            return "invalid request: stop must be a list of strings"
+        return None
 
     def _drain_inbox(self) -> None:
         while True:
@@ -181,6 +226,9 @@ class Engine:
             if kind == "add":
                 seq = msg[1]
                 self._by_id[seq.request_id] = seq
+                if (why := self.problem(seq)) is not None:
+                    self._finish(seq, "error", error=why)
+                    continue
                 if seq.output_ids:  # imported KV: its first token was sampled remotely; send it now
                     self.emit_new_text(seq)
                     if seq.finish_reason is not None:
@@ -220,37 +268,95 @@ class Engine:
         if batch is None:
             return
         self.steps += 1
+        self._batch = batch
         if isinstance(batch, PrefillBatch):
             t0 = time.perf_counter()
-            logits = self.runner.prefill(batch.chunks)
+            tokens = self._isolated(batch.seqs, lambda idx: self._prefill_tokens(batch, idx))
             self.tiers.observe_prefill(sum(len(c.token_ids) for c in batch.chunks), time.perf_counter() - t0)
-            done_seqs, done_rows = [], []
             for i, (seq, chunk, complete) in enumerate(zip(batch.seqs, batch.chunks, batch.completes, strict=True)):
+                if i not in tokens:
+                    continue  # finished with an error
                 seq.num_computed = chunk.start + len(chunk.token_ids)
                 self.scheduler.register_full_blocks(seq)
                 if complete:
-                    done_seqs.append(seq)
-                    done_rows.append(i)
-            if done_seqs:
-                rows = logits[torch.tensor(done_rows, device=logits.device)]
-                tokens = sample(rows, [s.params for s in done_seqs], [s.generator for s in done_seqs])
-                for seq, tok in zip(done_seqs, tokens, strict=True):
                     self.scheduler.prefilling.remove(seq)
                     if seq.prefill_only:
-                        self._hold(seq, tok)
+                        self._hold(seq, tokens[i])
                     else:
                         self.scheduler.running.append(seq)
-                        self._append_token(seq, tok)
+                        self._append_token(seq, tokens[i])
         else:
             assert isinstance(batch, DecodeBatch)
             seqs = batch.seqs
-            logits = self.runner.decode([s.all_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
-                                        [s.block_table for s in seqs])
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            for seq, tok in zip(seqs, tokens, strict=True):
+            tokens = self._isolated(seqs, lambda idx: self._decode_tokens(seqs, idx))
+            for i, seq in enumerate(seqs):
+                if i not in tokens:
+                    continue
                 seq.num_computed = seq.num_tokens
                 self.scheduler.register_full_blocks(seq)
-                self._append_token(seq, tok)
+                self._append_token(seq, tokens[i])
+
+    def _prefill_tokens(self, batch: PrefillBatch, idx: list[int]) -> dict[int, int | None]:
+        """Forward the chunks `idx` of a prefill batch; the sampled token of each that completes its prompt."""
+        logits = self.runner.prefill([batch.chunks[i] for i in idx])
+        rows = [j for j, i in enumerate(idx) if batch.completes[i]]
+        out: dict[int, int | None] = dict.fromkeys(idx)
+        if rows:
+            done = [batch.seqs[idx[j]] for j in rows]
+            sampled = self._sample(logits[torch.tensor(rows, device=logits.device)], done)
+            out.update({idx[j]: tok for j, tok in zip(rows, sampled, strict=True)})
+        return out
+
+    def _decode_tokens(self, seqs: list[Sequence], idx: list[int]) -> dict[int, int | None]:
+        """One decode forward for the sequences `idx`; their sampled tokens."""
+        part = [seqs[i] for i in idx]
+        logits = self.runner.decode([s.all_ids[-1] for s in part], [s.num_tokens - 1 for s in part],
+                                    [s.block_table for s in part])
+        return dict(zip(idx, self._sample(logits, part), strict=True))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row for `seqs` (their penalties, min_tokens and logprobs applied); a row that asks
+        for log-probabilities gets them in `seq.last_logprobs`."""
+        params = [s.params for s in seqs]
+        histories = [History(s.prompt_ids, s.output_ids) if s.params.penalized else None for s in seqs]
+        suppress = [self._suppressed(s) for s in seqs]
+        tokens = sample(logits, params, [s.generator for s in seqs], histories, suppress)
+        asks = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if asks:
+            rows = logits[torch.tensor(asks, device=logits.device)]
+            found = logprobs_of(rows, [tokens[i] for i in asks], [int(params[i].logprobs) for i in asks])
+            for i, lp in zip(asks, found, strict=True):
+                seqs[i].last_logprobs = lp
+        return tokens
+
+    def _suppressed(self, seq: Sequence) -> list[int]:
+        """Tokens that would end the sequence, while it is shorter than its min_tokens."""
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            return []
+        return sorted(set(self.eos_ids) | set(p.stop_token_ids))
+
+    def _isolated(self, seqs: list[Sequence], run: Callable[[list[int]], dict[int, int | None]]
+                  ) -> dict[int, int | None]:
+        """`run` over every sequence of a batch (forward + sampling: no sequence state changes there). If it
+        fails, each sequence runs alone and one that fails alone is finished with an error: the batch goes on
+        without it. Returns the results of the sequences that ran."""
+        try:
+            return run(list(range(len(seqs))))
+        except Exception as e:  # noqa: BLE001 - find the culprit below
+            if len(seqs) == 1:
+                self._finish(seqs[0], "error", error=self.problem(seqs[0]) or str(e))
+                return {}
+            log.warning("engine: a batch of %d failed (%s: %s); running its sequences one by one", len(seqs),
+                        type(e).__name__, e)
+        out: dict[int, int | None] = {}
+        for i, seq in enumerate(seqs):
+            try:
+                out.update(run([i]))
+            except Exception as e:  # noqa: BLE001 - this sequence alone fails: it ends, the others go on
+                log.warning("engine: request %s fails on its own (%s: %s)", seq.request_id, type(e).__name__, e)
+                self._finish(seq, "error", error=self.problem(seq) or str(e))
+        return out
 
     def _hold(self, seq: Sequence, first_token: int) -> None:
         """Prefill-only: keep the blocks for a remote decode worker and report them."""
@@ -261,7 +367,7 @@ class Engine:
         seq.on_output(RequestOutput(
             seq.request_id, finished=True, finish_reason="prefilled", prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.num_cached_tokens, held_blocks=list(seq.block_table),
-            block_hashes=list(seq.hashes), first_token=first_token,
+            block_hashes=list(seq.hashes), first_token=first_token, first_logprobs=seq.last_logprobs,
         ))
 
     def _append_token(self, seq: Sequence, tok: int) -> None:
@@ -272,17 +378,19 @@ class Engine:
         self.emit_new_text(seq)
 
     def emit_new_text(self, seq: Sequence) -> None:
-        """Detokenize the newest token, apply stop conditions, and send the delta."""
+        """Detokenize the newest token, apply stop conditions, and send the delta (with the token's
+        log-probabilities when the request asks for them)."""
         tok = seq.output_ids[-1]
         p = seq.params
         reason = None
-        if tok in self.eos_ids and not p.ignore_eos:
+        may_stop = len(seq.output_ids) > p.min_tokens or not p.min_tokens
+        if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = "stop"
             delta = ""
         else:
             delta = seq.detok.add([tok])
             seq.text += delta
-        if reason is None and p.stop and delta:
+        if reason is None and p.stop and delta and may_stop:
             window = seq.text[max(0, len(seq.text) - len(delta) - max(map(len, p.stop)) + 1):]
             base = len(seq.text) - len(window)
             hits = [base + window.find(s) for s in p.stop if s and s in window]
@@ -293,19 +401,21 @@ class Engine:
                 reason = "stop"
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
             reason = "length"
+        lps = [seq.last_logprobs] if p.logprobs is not None and seq.last_logprobs is not None else None
         if reason is not None:
-            self._finish(seq, reason, text=delta, token_ids=[tok])
+            self._finish(seq, reason, text=delta, token_ids=[tok], logprobs=lps)
         else:
-            seq.on_output(RequestOutput(seq.request_id, text=delta, token_ids=[tok]))
+            seq.on_output(RequestOutput(seq.request_id, text=delta, token_ids=[tok], logprobs=lps))
 
     def _finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         self.scheduler.release(seq)
         self._by_id.pop(seq.request_id, None)
         seq.finish_reason = reason
         out = RequestOutput(seq.request_id, text=text, token_ids=token_ids or [], finished=True,
                             finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
-                            completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens)
+                            completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens,
+                            logprobs=logprobs)
         if error:
             out.text = ""
             out.finish_reason = "error:" + error

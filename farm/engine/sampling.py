@@ -1,10 +1,43 @@
-"""Token sampling: greedy, temperature, nucleus (top_p), reproducible per request with a seed."""
+"""Token sampling with vLLM's semantics: logit bias, suppressed tokens (min_tokens), repetition,
+frequency and presence penalties, then greedy or temperature, min_p, top_k and nucleus (top_p) sampling,
+reproducible per request with a seed; and the log-probabilities a request asks for.
+
+Rows that ask for nothing beyond temperature and top_p take the plain path (one argmax over the batch for
+greedy rows), so the common case costs what it did before the extra parameters existed.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from farm.protocol import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and the `k` most likely tokens' (id, log-probability)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def to_list(self) -> list:
+        """The stream event's form: [logprob, [[id, logprob], ...]]."""
+        return [self.logprob, [[i, lp] for i, lp in self.top]]
+
+    @classmethod
+    def from_list(cls, v: list | None) -> TokenLogprobs | None:
+        return None if v is None else cls(float(v[0]), [(int(i), float(lp)) for i, lp in v[1]])
+
+
+@dataclass
+class History:
+    """What a row's penalties look at: its prompt and the tokens generated so far."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -19,21 +52,73 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """Sample one token per row of `logits` [batch, vocab] (float32)."""
+def _plain(p: SamplingParams, suppress: Sequence[int]) -> bool:
+    return not (p.penalized or p.logit_bias or p.top_k or p.min_p or suppress)
+
+
+def process_logits(row: torch.Tensor, p: SamplingParams, history: History | None,
+                   suppress: Sequence[int] = ()) -> torch.Tensor:
+    """Bias, suppression and penalties applied to one row of logits (float32, a new tensor)."""
+    row = row.clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    if suppress:
+        row[torch.tensor(list(suppress), dtype=torch.long)] = -torch.inf
+    if history is not None and p.penalized:
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(history.prompt_ids) | set(history.output_ids)), dtype=torch.long)
+            if len(seen):
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and history.output_ids:
+            ids, counts = torch.tensor(list(history.output_ids), dtype=torch.long).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return row
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from processed logits: argmax when greedy, else temperature, min_p, top_k, top_p."""
+    if p.greedy:
+        return int(row.argmax())
+    probs = torch.softmax(row / p.temperature, dim=-1)
+    if p.min_p > 0.0:
+        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+    if p.top_k and p.top_k < probs.numel():
+        kth = probs.topk(p.top_k).values[-1]
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        sorted_p = sorted_p / sorted_p.sum()
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p * keep)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[History | None] | None = None, suppress: list[Sequence[int]] | None = None) -> list[int]:
+    """Sample one token per row of `logits` [batch, vocab]. `histories` (for penalties) and `suppress`
+    (token ids that must not be sampled now, e.g. EOS before min_tokens) are per row when given."""
     logits = logits.float().cpu()
+    suppress = suppress or [()] * len(params)
+    histories = histories or [None] * len(params)
+    greedy = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else []
     out: list[int] = []
-    greedy = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.greedy:
-            out.append(int(greedy[i]))
-            continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            cum = sorted_p.cumsum(0)
-            keep = cum - sorted_p < p.top_p  # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        if _plain(p, suppress[i]):
+            out.append(int(greedy[i]) if p.greedy else _draw(logits[i], p, generators[i]))
+        else:
+            out.append(_draw(process_logits(logits[i], p, histories[i], suppress[i]), p, generators[i]))
+    return out
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Each row's sampled token's log-probability and its `k` most likely tokens, from the model's raw
+    logits (before penalties and temperature, as vLLM reports them by default)."""
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    out = []
+    for i, (tok, k) in enumerate(zip(tokens, ks, strict=True)):
+        top = logp[i].topk(k) if k else None
+        out.append(TokenLogprobs(float(logp[i, tok]), [] if top is None else
+                                 [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)]))
     return out

@@ -31,6 +31,7 @@ class KVImport:
     num_tokens: int
     first_token: int
     release: Callable[[torch.Tensor], None] | None = None  # gives the receive buffer back once copied
+    first_logprobs: Any = None  # the first token's TokenLogprobs, when the request asks for them
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Sequence:
     # engine-side text state (stop strings work on text)
     detok: Any = None
     text: str = ""
-    sent_chars: int = 0
+    last_logprobs: Any = None  # TokenLogprobs of the newest token, when the request asks for them
 
     @property
     def all_ids(self) -> list[int]:

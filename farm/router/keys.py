@@ -4,7 +4,6 @@ from __future__ import annotations
 
 EVENTS_STREAM = "farm:kv:events"  # every worker's KV events, in batches
 EVENTS_MAXLEN = 200_000  # stream entries kept; a reader that falls further behind resyncs from sets
-BLOCK_SIZE_KEY = "farm:kv:block_size"  # the farm-wide block size, fixed by the first registrant
 LOAD_KEY = "farm:load"  # hash: "<worker>|p" pending prefill tokens, "<worker>|d" active decode blocks
 DEADLINES_KEY = "farm:active:deadlines"  # zset "<kind>|<worker>|<request>" -> expiry time
 

@@ -97,17 +97,26 @@ class Router:
         if self.follower:
             self.follower.stop()
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return block_hashes(token_ids, self.block_size)
+    def block_size_of(self, model: str | None) -> int:
+        """The KV block size of `model` (models[].block_size); the engine default for a model not configured."""
+        try:
+            return self.cfg.block_size(model) if model else self.block_size
+        except KeyError:
+            return self.block_size
+
+    def hashes(self, token_ids: Sequence[int], model: str | None = None) -> list[int]:
+        return block_hashes(token_ids, self.block_size_of(model))
 
     def _compatible(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         ok = []
         for w in workers:
-            if w.block_size != self.block_size:
+            bs = self.block_size_of(w.model)
+            if w.block_size != bs:
                 if w.worker_id not in self._warned:
                     self._warned.add(w.worker_id)
-                    log.error("REFUSING worker %s: its KV block size %d differs from the router's %d; "
-                              "it would be routed wrongly", w.worker_id, w.block_size, self.block_size)
+                    log.error("REFUSING worker %s: its KV block size %d differs from model %s's %d "
+                              "(models[].block_size); it would be routed wrongly", w.worker_id, w.block_size,
+                              w.model, bs)
                 continue
             ok.append(w)
         return ok
@@ -120,7 +129,8 @@ class Router:
         if not workers:
             raise LookupError("no compatible worker")
         mode = self.rc.mode
-        request_blocks = math.ceil(num_tokens / self.block_size)
+        bs = self.block_size_of(workers[0].model)
+        request_blocks = math.ceil(num_tokens / bs)
         t1 = time.perf_counter()
         overlaps: dict[str, float] = {}
         if stage != "decode":
@@ -139,7 +149,7 @@ class Router:
         cands = []
         for w in workers:
             ld = loads.get(w.worker_id) or empty_load()
-            cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / self.block_size,
+            cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs,
                                    ld["d"], w.num_blocks))
         self._shed_if_busy(cands, stage)
         cost = None

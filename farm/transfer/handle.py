@@ -18,9 +18,10 @@ SIGNED_FIELDS = (
     "first_token", "cached_tokens", "layout", "checksum", "expires_at",
 )
 # Signed too when present: a handle whose KV moves through vLLM's KV connector names the connector and
-# carries its transfer parameters (opaque to the farm, passed back into the decode side's vLLM request).
+# carries its transfer parameters (opaque to the farm, passed back into the decode side's vLLM request);
+# a request that asks for log-probabilities carries its first token's (sampled on the prefill worker).
 # Left out of handles that lack them, so handles of the built-in engine keep their exact signed bytes.
-OPTIONAL_SIGNED_FIELDS = ("connector", "kv_transfer_params")
+OPTIONAL_SIGNED_FIELDS = ("connector", "kv_transfer_params", "first_logprobs")
 
 
 class HandleError(ValueError):

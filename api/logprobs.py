@@ -1,0 +1,52 @@
+"""Log-probabilities in OpenAI's shapes, from the workers' form.
+
+Workers send, for each generated token, `[logprob, [[token id, logprob], ...]]` (the sampled token's
+log-probability and the top alternatives, most likely first); the API turns token ids into the token's
+text with the model's tokenizer, as vLLM's OpenAI server does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _token(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer: Any, ids: list[int], lps: list[list]) -> dict[str, Any]:
+    """`choices[].logprobs` of a chat completion (or of one streamed chunk)."""
+    content = []
+    for tid, (lp, top) in zip(ids, lps, strict=False):
+        text = _token(tokenizer, tid)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": v, "bytes": list(t.encode())}
+                                         for i, v in top]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: Any, ids: list[int], lps: list[list], offset: int = 0) -> dict[str, Any]:
+    """`choices[].logprobs` of a text completion: tokens, their log-probabilities, the top alternatives
+    per position and each token's character offset in the completion (starting at `offset`)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, (lp, top) in zip(ids, lps, strict=False):
+        text = _token(tokenizer, tid)
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append({_token(tokenizer, i): v for i, v in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def merge(kind: str, parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The logprobs of a whole completion from those of its pieces (streamed deltas)."""
+    if not parts:
+        return None
+    if kind == "chat":
+        return {"content": [e for p in parts for e in p["content"]]}
+    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def for_kind(kind: str, tokenizer: Any, ids: list[int], lps: list[list], offset: int = 0) -> dict[str, Any]:
+    return chat_logprobs(tokenizer, ids, lps) if kind == "chat" else completion_logprobs(tokenizer, ids, lps, offset)

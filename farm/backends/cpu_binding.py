@@ -1,0 +1,49 @@
+"""Which cores each vLLM worker on a CPU-only machine computes on.
+
+vLLM's CPU backend binds its OpenMP threads itself (`VLLM_CPU_OMP_THREADS_BIND`). Its `auto` setting
+picks the cores of NUMA node 0 and keeps one back for the scheduler process, which suits one engine
+per machine. Several workers on one machine would each take the same cores (measured on 2 cores: both
+engines bound to core 0, the other core idle). So when the farm starts more than one vLLM worker on a
+machine, it gives each its own share of the cores; one worker keeps vLLM's own choice. A bind the user
+sets in the environment always wins. On a GPU, vLLM ignores the variable.
+"""
+
+from __future__ import annotations
+
+import os
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity), in order."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def core_shares(cores: list[int], n: int) -> list[str]:
+    """`n` CPU lists in vLLM's syntax ("0-3", "5"), one per worker: contiguous, equal shares of `cores`
+    when there are enough (the remainder goes to the first workers), otherwise one core each, reused
+    round robin. One worker gets "auto" (vLLM's own binding)."""
+    if n <= 1:
+        return ["auto"] * n
+    if n > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    base, extra = divmod(len(cores), n)
+    shares, at = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        part = cores[at:at + size]
+        at += size
+        shares.append(",".join(str(c) for c in part))
+    return shares
+
+
+def bind_env(index: int, count: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the `index`-th of `count` vLLM workers started on this machine: its core share, or
+    nothing when the user set the bind (or with a single worker, which keeps vLLM's `auto`)."""
+    environ = os.environ if environ is None else environ
+    if BIND_ENV in environ or count <= 1:
+        return {}
+    return {BIND_ENV: core_shares(usable_cores(), count)[index % count]}

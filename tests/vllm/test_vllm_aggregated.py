@@ -1,0 +1,273 @@
+"""The farm's vLLM backend on a real vLLM engine (CPU build): two aggregated `backend: vllm` workers behind
+the farm's API, driven with the official openai SDK, compared with `vllm serve` on the same settings.
+
+The module's farm is shared; its last two tests take the workers down (one killed, one drained), so they
+stay last."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import openai
+import pytest
+import redis
+import requests
+
+from farm import registry
+from farm.gateway import Gateway
+from farm.protocol import GenerationRequest, SamplingParams
+from farm.supervisor import Farm
+from farm.tokenization import chat_prompt_ids, get_tokenizer
+from tests.vllm.conftest import MODEL, vllm_farm
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are a meticulous assistant for a public library. You answer questions about opening hours, "
+          "membership, borrowing rules, late fees, events for children and adults, the reading room, the "
+          "archive of local newspapers, interlibrary loans, printing and scanning, and the study rooms that "
+          "can be booked online. Answer briefly and politely, and say when you do not know.")
+PROMPTS = ["What is 2+2?", "Name three colours of the rainbow.", "Write one sentence about the sea."]
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory, real_model_dir) -> Farm:
+    with vllm_farm(tmp_path_factory.mktemp("vllm-farm"), real_model_dir, both=2,
+                   env={"FARM_RELIABILITY__LEASE_TTL_S": "3"}) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def r(farm) -> redis.Redis:
+    return redis.Redis.from_url(farm.cfg.redis.url)
+
+
+@pytest.fixture(scope="module")
+def gateway(farm, r) -> Gateway:
+    gw = Gateway(farm.cfg, r)
+    yield gw
+    gw.router.stop()
+
+
+@pytest.fixture
+def client(farm) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{farm.api_port}/v1", api_key="unused", max_retries=0)
+
+
+def stats(r: redis.Redis, worker_id: str) -> dict:
+    return json.loads(r.get(registry.alive_key(worker_id)) or "{}")
+
+
+def request(farm, text: str, **sampling) -> GenerationRequest:
+    ids = chat_prompt_ids(get_tokenizer(farm.cfg, MODEL), [{"role": "user", "content": text}])
+    return GenerationRequest(uuid.uuid4().hex, MODEL, ids,
+                             SamplingParams(**{"max_tokens": 64, "temperature": 0.0, **sampling}))
+
+
+def test_workers_are_vllm_engines_with_the_models_block_size(farm, r):
+    workers = registry.live_workers(r, model=MODEL)
+    assert len(workers) == 2 and {w.block_size for w in workers} == {32}
+    for w in workers:
+        s = stats(r, w.worker_id)
+        assert s["backend"] == "vllm" and s["blocks_total"] > 0
+    assert {w.device for w in workers} == {"cpu"}
+
+
+def test_openai_sdk_chat_and_completion_streamed_and_not(farm, client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=24, temperature=0)
+    resp = raw.parse()
+    assert resp.choices[0].message.content.strip() and resp.choices[0].finish_reason in ("stop", "length")
+    assert 0 < resp.usage.completion_tokens <= 24 and resp.usage.prompt_tokens > 0
+    live = {w.worker_id for w in registry.live_workers(redis.Redis.from_url(farm.cfg.redis.url))}
+    assert raw.headers["x-farm-decode-worker"] in live and raw.headers["x-farm-prefill"] == "local"
+    assert raw.headers["x-farm-router-mode"] == "kv" and raw.headers["x-request-id"] == resp.id
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from one to five."}], max_tokens=16,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert chunks[-1].usage.completion_tokens == 16 or [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert done.choices[0].text.strip() and done.usage.completion_tokens <= 8
+
+
+def test_greedy_output_identical_to_vllm_serve(client, vllm_serve):
+    """Same vLLM, model, dtype and block size: the farm's path changes nothing in what is generated."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    for text in PROMPTS:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+        ours = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+        theirs = serve.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+        assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens  # the same chat template, same tokens
+        assert ours.choices[0].message.content == theirs.choices[0].message.content
+        assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+        ours = client.completions.create(model=MODEL, prompt=text, max_tokens=24, temperature=0)
+        theirs = serve.completions.create(model=MODEL, prompt=text, max_tokens=24, temperature=0)
+        assert ours.choices[0].text == theirs.choices[0].text
+
+
+def test_every_sampling_parameter_reaches_vllm_as_vllm_serve_takes_it(client, vllm_serve):
+    """Penalties, top_k, min_p, min_tokens, stop_token_ids, logit_bias and logprobs: the farm's answer is
+    `vllm serve`'s, token for token (greedy, or seeded)."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "List the days of the week, then the months of the year."}]
+    cases = [
+        {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5},
+        {"temperature": 0, "extra_body": {"repetition_penalty": 1.4, "min_tokens": 20}},
+        {"temperature": 0, "logit_bias": {"28": -100, "216": 5}},
+        {"temperature": 0.8, "seed": 11, "extra_body": {"top_k": 5, "min_p": 0.05}},
+        {"temperature": 0, "extra_body": {"stop_token_ids": [30]}},
+    ]
+    for kw in cases:
+        ours = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, **kw)
+        theirs = serve.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, **kw)
+        assert ours.choices[0].message.content == theirs.choices[0].message.content, kw
+        assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason, kw
+    ours = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    theirs = serve.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    for a, b in zip(ours.choices[0].logprobs.content, theirs.choices[0].logprobs.content, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+    two = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 12
+
+
+def test_structured_output_through_vllm(client):
+    """response_format reaches vLLM's structured outputs (xgrammar): the answer is JSON of the schema."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person. Answer in JSON."}], max_tokens=150,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    person = json.loads(resp.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    msgs = [{"role": "user", "content": "Tell me about cats."}]
+    free = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    obj = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert not free.choices[0].message.content.lstrip().startswith("{")  # prose, unless constrained
+    text = obj.choices[0].message.content.lstrip()
+    assert text.startswith("{")  # a JSON object (40 tokens may end it before its closing brace)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_vllm_kv_events_reach_the_router_and_cached_tokens_confirm_them(client):
+    """vLLM's KV events (stored blocks, re-hashed into the farm's hashes) fill the Redis index: a request
+    sharing a prefix is predicted cached on its worker, and vLLM's own cached-token count agrees."""
+    system = f"Reference {uuid.uuid4().hex}. " + SYSTEM  # a prefix no earlier test cached
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hello"}],
+        max_tokens=4, temperature=0)
+    assert first.headers["x-farm-router-overlap-tokens"] == "0"
+    assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
+    worker = first.headers["x-farm-decode-worker"]
+    deadline = time.monotonic() + 15
+    while True:  # the events travel worker -> Redis stream -> the API's index: allow them a moment
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "system", "content": system},
+                                   {"role": "user", "content": f"Hi {uuid.uuid4().hex[:6]}"}],
+            max_tokens=4, temperature=0)
+        predicted = int(raw.headers["x-farm-router-overlap-tokens"])
+        if predicted or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    resp = raw.parse()
+    prompt_tokens = resp.usage.prompt_tokens
+    assert predicted >= 32 * ((prompt_tokens - 16) // 32) - 32 and predicted % 32 == 0
+    assert raw.headers["x-farm-decode-worker"] == worker  # placed where the prefix is
+    assert resp.usage.prompt_tokens_details.cached_tokens == predicted
+
+
+def test_client_disconnect_aborts_the_request_inside_vllm(farm, r):
+    url = f"http://127.0.0.1:{farm.api_port}/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    with requests.post(url, json=body, stream=True, timeout=60) as resp:
+        worker = resp.headers["x-farm-decode-worker"]
+        before = stats(r, worker).get("tokens_generated", 0)
+        got = 0
+        for line in resp.iter_lines():
+            got += line.startswith(b"data:")
+            if got == 10:
+                break
+        assert got == 10
+    # The API notices the closed connection, sets the cancel key; the worker aborts the request in vLLM.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = stats(r, worker)
+        if s.get("running") == 0 and s.get("vllm_unfinished") == 0:
+            break
+        time.sleep(0.5)
+    assert s.get("running") == 0 and s.get("vllm_unfinished") == 0, s
+    settled = stats(r, worker)["tokens_generated"]
+    time.sleep(3)
+    assert stats(r, worker)["tokens_generated"] == settled  # nothing generates any more
+    assert settled - before < 1500
+
+
+def test_killed_vllm_worker_stream_migrates_with_the_same_greedy_output(farm, gateway, r):
+    ref = list(gateway.submit(request(farm, "Tell me a story about a lighthouse.", max_tokens=120,
+                                      ignore_eos=True)).events(first_timeout_s=120, idle_timeout_s=120))
+    ref_ids = [i for e in ref if e["type"] == "delta" for i in e["ids"]]
+    assert ref[-1]["type"] == "done" and len(ref_ids) == 120
+    sub = gateway.submit(request(farm, "Tell me a story about a lighthouse.", max_tokens=120, ignore_eos=True))
+    events, victim, seen = [], None, 0
+    for ev in sub.events(first_timeout_s=120, idle_timeout_s=120):
+        events.append(ev)
+        if ev["type"] == "start" and victim is None:
+            victim = ev["worker"]
+        seen += ev.get("n", 0) if ev["type"] == "delta" else 0
+        if victim and seen >= 20 and farm_proc(farm, victim).alive():
+            engine = _engine_processes(farm_proc(farm, victim).pid)
+            assert engine  # vLLM runs its engine core (and its model worker) in processes of its own
+            os.kill(farm_proc(farm, victim).pid, signal.SIGKILL)
+    done = events[-1]
+    assert done["type"] == "done", events[-3:]
+    assert done.get("migrations") == 1 and done["decode_worker"] != victim
+    assert done["usage"]["completion_tokens"] == 120 and done["finish_reason"] == "length"
+    assert [i for e in events if e["type"] == "delta" for i in e["ids"]] == ref_ids
+    assert _all_gone(engine)  # the killed worker's vLLM processes go with it: no orphan keeps cores or memory
+
+
+def test_warm_shutdown_drains_the_request_in_flight(farm, gateway, r):
+    """SIGTERM (Celery's warm shutdown): the worker leaves routing, finishes its request, then exits."""
+    sub = gateway.submit(request(farm, "Describe a walk through a forest.", max_tokens=100, ignore_eos=True))
+    events, worker = [], None
+    for ev in sub.events(first_timeout_s=120, idle_timeout_s=120):
+        events.append(ev)
+        if ev["type"] == "start" and worker is None:
+            worker = ev["worker"]
+            proc = farm_proc(farm, worker)
+            proc.send(signal.SIGTERM)
+    done = events[-1]
+    assert done["type"] == "done" and done["decode_worker"] == worker and not done.get("migrations")
+    assert done["usage"]["completion_tokens"] == 100
+    assert proc.popen.wait(90) == 0
+    assert worker not in {w.worker_id for w in registry.live_workers(r)}
+
+
+def farm_proc(farm, worker_id: str):
+    return next(p for p in farm.procs if p.worker_id == worker_id)
+
+
+def _engine_processes(pid: int) -> list:
+    """The vLLM engine processes (VLLM::EngineCore, VLLM::Worker) a worker process started."""
+    import psutil
+
+    return [c for c in psutil.Process(pid).children(recursive=True) if "VLLM" in c.name() + " ".join(c.cmdline())]
+
+
+def _all_gone(procs: list, timeout: float = 20) -> bool:
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return not alive
