@@ -182,7 +182,9 @@ def test_prometheus_compose_targets_exist():
                 host, port = target.split(":")
                 assert host in services, target
     assert jobs["farm-api"]["static_configs"][0]["targets"] == ["api:8080"]
-    assert "0.0.0.0:8080" in services["api"]["command"]
+    api = services["api"]
+    assert "python:api.gunicorn_conf" in api["command"]  # binds to FARM_API__HOST:FARM_API__PORT
+    assert (api["environment"]["FARM_API__HOST"], str(api["environment"]["FARM_API__PORT"])) == ("0.0.0.0", "8080")
     assert "--port=5555" in services["flower"]["command"]
     prom = services["prometheus"]
     assert "../prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
