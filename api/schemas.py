@@ -297,16 +297,17 @@ def stream_flags(body: dict, kind: str = "chat") -> tuple[bool, bool]:
 
 def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, str]] | None = None,
                defaults: SamplingDefaults | None = None, chars_per_token: int = 0,
-               backend: str | None = None) -> ParsedRequest:
+               backend: str | None = None, template_kwargs: dict[str, Any] | None = None) -> ParsedRequest:
     """Validate a /v1/chat/completions body (model already checked) and apply the chat template to
     `messages` (the body's, normalized, unless the semantic layer rewrote them); `backend` is the model's
-    engine (what it cannot do is refused)."""
+    engine (what it cannot do is refused); `template_kwargs` reach the template (the semantic layer's
+    reasoning mode: api.semantic.reasoning_template_kwargs)."""
     if messages is None:
         messages = validate_chat(body)
     check_prompt_chars(messages_chars(messages), prompt_char_limit(tokenizer, max_model_len, chars_per_token),
                        max_model_len, "messages")
     try:
-        ids = chat_prompt_ids(tokenizer, messages)
+        ids = chat_prompt_ids(tokenizer, messages, template_kwargs)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",

@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from flask import Response, jsonify, request
 
 from api.responses import Choice, ChunkWriter, full_response
 from api.schemas import local_params, raw_prompt
 from farm import metrics
-from farm.semantic.layer import H_INJECTED, SemanticLayer, Verdict
+from farm.semantic.layer import H_INJECTED, H_REASONING_APPLIED, SemanticLayer, Verdict
+from farm.tokenization import template_reads
 
 log = logging.getLogger(__name__)
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # nothing was generated
+THINKING_FLAG = "enable_thinking"  # the chat-template variable of reasoning models (Qwen3, ...)
 
 
 def no_cache_requested() -> bool:
@@ -74,6 +77,17 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
         v.headers.pop(H_INJECTED)
         v.messages = messages
     return v
+
+
+def reasoning_template_kwargs(v: Verdict, tokenizer) -> dict[str, Any]:
+    """The chat-template variables that carry the category's reasoning mode to the answering model, and
+    `x-vsr-reasoning-applied` on the verdict: true when the model's template reads `enable_thinking`
+    (the farm applies chat templates for every backend, vLLM included), false when it cannot honour it."""
+    if v.reasoning is None:
+        return {}
+    applied = template_reads(tokenizer, THINKING_FLAG)
+    v.headers[H_REASONING_APPLIED] = "true" if applied else "false"
+    return {THINKING_FLAG: v.reasoning} if applied else {}
 
 
 def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage: bool) -> Response:

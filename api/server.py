@@ -11,6 +11,7 @@ import resource
 from typing import Any
 
 from farm.config import FarmConfig
+from farm.logfiles import gunicorn_logconfig
 
 # Descriptors one connection may need: its socket, and a Redis connection while its stream waits.
 FDS_PER_CONNECTION = 2
@@ -31,6 +32,7 @@ def settings(cfg: FarmConfig) -> dict[str, Any]:
         "preload_app": False,  # the app is imported only after the worker monkey-patched the standard library
         "accesslog": "-",
         "control_socket_disable": True,  # newer gunicorn's per-user control socket; older ones ignore the name
+        **({"logconfig_dict": gunicorn_logconfig(True)} if cfg.logs.format == "json" else {}),  # JSON lines
     }
 
 

@@ -45,6 +45,7 @@ from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from bench.stream_load import hold_streams, run_streams, stream_body
 from farm.gateway import OBS_STREAM
+from farm.redis_client import connect
 
 DEFAULT_NS = [500, 1000, 2000, 5000]
 GOAL_STREAMS = 2000
@@ -98,7 +99,7 @@ def run_one(n: int, max_tokens: int, semantic: bool) -> dict[str, Any]:
                  "semantic": {"enabled": semantic}}
     with bench_farm(both=1, api=True, overrides=overrides) as farm:
         cfg, host, port = farm.cfg, "127.0.0.1", farm.api_port
-        r = redis.Redis.from_url(cfg.redis.url)
+        r = connect(cfg.redis)
         model = cfg.default_model
         warm = run_streams(host, port, [stream_body(model, -i, max_tokens) for i in range(1, WARMUP_STREAMS + 1)], 300)
         if not all(o.ok for o in warm):

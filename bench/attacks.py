@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import redis
 import requests
 
 from bench.common import finish, goal, percentile, table
@@ -54,6 +53,7 @@ from farm import registry
 from farm.config import FarmConfig, farm_secret
 from farm.models import model_dir
 from farm.protocol import EVENT_FIELD, TASK_DECODE, GenerationRequest, SamplingParams, queue_name, stream_key
+from farm.redis_client import connect
 from farm.transfer.handle import sign_handle
 
 SLOWLORIS_CONNECTIONS = 300
@@ -265,7 +265,7 @@ def kv_layout(cfg: FarmConfig) -> dict[str, Any]:
 
 def transfer_rogue_server(cfg: FarmConfig, celery, n: int, pause_s: float = 1.0) -> Attack:  # noqa: ANN001
     """Item 10 (rogue server): decode tasks with signed handles pointing at a server announcing 3 GB."""
-    r = redis.Redis.from_url(cfg.redis.url)
+    r = connect(cfg.redis)
     secret = farm_secret(cfg)
     layout = kv_layout(cfg)
     model = cfg.default_model
@@ -374,7 +374,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{farm.api_port}/v1/chat/completions"
         groups = {"api": [p.pid for p in farm.procs if p.role == "api"],
                   "worker": [p.pid for p in farm.procs if p.role == "both"]}
-        [worker] = registry.live_workers(redis.Redis.from_url(cfg.redis.url))
+        [worker] = registry.live_workers(connect(cfg.redis))
         transfer = worker.transfer_endpoint
         for _ in range(3):
             user_request(url, model)  # warm: the semantic layer, the tokenizer, the engine

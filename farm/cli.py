@@ -1,6 +1,8 @@
 """`farm`: run and inspect an Inference Farm.
 
     farm up [--detach] [--prefill-workers N] [--decode-workers N] [--workers N] [--port P] ...
+    farm serve PATH_OR_GGUF [--workers N] [--prefill-workers N --decode-workers N] [--backend B] [--port P] ...
+    farm logs [component] [-f] [-n N]
     farm down
     farm status [--json]
     farm prepare
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -53,11 +56,124 @@ def cmd_up(cfg: FarmConfig, args: argparse.Namespace) -> int:
             raise ConfigError("--router-mode: this farm has no router settings")
         # The resolved configuration (with this mode) is what every child process loads.
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"mode": args.router_mode})})
+    if args.redis_ha:  # the resolved configuration (with HA) is what every child process loads
+        ha = cfg.redis.ha.model_copy(update={"enabled": True})
+        cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"ha": ha})})
     models = [cfg.default_model] if args.default_only else [m.name for m in cfg.models]
     farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
                 flower=cfg.flower.enabled and not args.no_flower, models=models, grace_s=args.grace,
                 batch_drivers=cfg.workers.batch_drivers)
     return farm.serve(timeout=args.timeout, detach=args.detach)
+
+
+# -- farm serve -------------------------------------------------------------------------------------
+def _rename_models(node: Any, names: dict[str, str]) -> Any:
+    """A copy of a configuration subtree with every model name (as a value or a key) renamed."""
+    if isinstance(node, dict):
+        return {names.get(k, k): _rename_models(v, names) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rename_models(v, names) for v in node]
+    return names.get(node, node) if isinstance(node, str) else node
+
+
+def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
+    """The configuration `farm serve MODEL` runs: the farm's defaults (and --config) with MODEL as the one model.
+
+    MODEL is a configured model's name, a Hugging Face model directory (with config.json), or a GGUF file
+    (converted once into <state_dir>/models/<name>). The semantic layer's references to the configured models
+    are pointed at MODEL, so its routes and guards keep working with one model.
+    """
+    from pathlib import Path
+
+    from farm.models import convert_gguf
+
+    target = args.model
+    router: dict[str, Any] = {}
+    for flag, key in (("router_mode", "mode"), ("router_temperature", "temperature"),
+                      ("kv_overlap_score_weight", "overlap_weight")):
+        if getattr(args, flag) is not None:
+            router[key] = getattr(args, flag)
+    if args.kv_overlap_score_weight is not None:
+        router["cost"] = "dynamo"  # Dynamo's flag: its cost formula, where this weight applies
+    data = cfg.model_dump(mode="json")
+    data["router"].update(router)
+    known = {m.name: m for m in cfg.models}
+    if target in known:  # a configured model: its entry as it is
+        entry = data["models"][[m.name for m in cfg.models].index(target)]
+        name = target
+    else:
+        path = Path(target).expanduser().resolve()
+        if path.is_file() and path.suffix == ".gguf":
+            name = args.served_model_name or path.stem
+            out = cfg.state_path / "models" / re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+            convert_gguf(path, out, name)
+            path = out
+        elif path.is_dir() and (path / "config.json").is_file():
+            name = args.served_model_name or path.name
+        else:
+            raise ConfigError(f"farm serve: {target!r} is no configured model ({', '.join(known)}), no Hugging "
+                              "Face model directory (with config.json) and no .gguf file")
+        entry = {"name": name, "path": str(path), "max_model_len": args.max_model_len or 4096}
+    if args.backend:
+        entry["backend"] = args.backend
+        if args.backend != "vllm":
+            entry.pop("vllm", None)
+    if args.max_model_len:
+        entry["max_model_len"] = args.max_model_len
+    entry.pop("workers", None)  # the flags (or the `workers` section) say how many
+    entry["name"] = name
+    names = {m: name for m in known}
+    data["semantic"] = _rename_models(data.get("semantic"), names) if "semantic" in data else None
+    if data["semantic"] is None:
+        data.pop("semantic")
+    data["models"] = [entry]
+    data["default_model"] = name
+    try:
+        return FarmConfig.model_validate(data)
+    except ValueError as e:
+        raise ConfigError(f"farm serve: {e}") from None
+
+
+def cmd_serve(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    from farm.supervisor import Farm
+
+    cfg = serve_config(cfg, args)
+    counts = worker_counts(cfg, args.prefill_workers, args.decode_workers, args.workers)
+    farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
+                flower=cfg.flower.enabled and not args.no_flower, grace_s=args.grace,
+                batch_drivers=cfg.workers.batch_drivers)
+    return farm.serve(timeout=args.timeout, detach=args.detach)
+
+
+# -- farm logs --------------------------------------------------------------------------------------
+def cmd_logs(cfg: FarmConfig, args: argparse.Namespace) -> int:
+    from farm import logfiles
+
+    log_dir = cfg.state_path / "logs"
+    names = logfiles.log_names(log_dir) if log_dir.is_dir() else []
+    if not names:
+        print(f"farm: no logs under {log_dir} (has `farm up` run with this state_dir?)", file=sys.stderr)
+        return 1
+    if args.component is None and not args.follow:
+        for name in names:
+            print(f"==> {name} ({log_dir / (name + '.log')}) <==")
+            for line in logfiles.tail_lines(log_dir / f"{name}.log", args.lines):
+                print(line)
+        return 0
+    component = args.component or "api"
+    if component not in names:
+        print(f"farm: no log named {component!r}; there are: {', '.join(names)}", file=sys.stderr)
+        return 1
+    path = log_dir / f"{component}.log"
+    for line in logfiles.tail_lines(path, args.lines):
+        print(line)
+    if args.follow:
+        try:
+            for line in logfiles.follow(path):
+                print(line, flush=True)
+        except KeyboardInterrupt:
+            return 0
+    return 0
 
 
 # -- farm down --------------------------------------------------------------------------------------
@@ -75,8 +191,9 @@ def cmd_down(cfg: FarmConfig, args: argparse.Namespace) -> int:
 # -- farm status ------------------------------------------------------------------------------------
 def collect_status(cfg: FarmConfig) -> dict[str, Any]:
     """Everything `farm status` shows, as one JSON-able object."""
-    from farm import redis_server, registry
+    from farm import registry
     from farm.models import is_prepared, model_dir
+    from farm.redis_client import connect
     from farm.supervisor import read_state, recorded_processes
 
     state = read_state(cfg) or {}
@@ -98,7 +215,7 @@ def collect_status(cfg: FarmConfig) -> dict[str, Any]:
         out["workers"][name] = {role: [] for role in ROLES}
     out["planner"] = None
     out["batches"] = []
-    r = redis_server.client(cfg.redis.url, timeout=3)
+    r = connect(cfg.redis, timeout=3)
     try:
         workers = registry.live_workers(r)
         out["redis"]["ok"] = True
@@ -241,11 +358,45 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--router-mode", choices=("kv", "round-robin", "random"),
                     help="how the API places requests on workers (default: router.mode)")
     up.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    up.add_argument("--redis-ha", action="store_true",
+                    help="Redis Sentinel (redis.ha.enabled): a primary, a replica and three sentinels, failing over "
+                         "on their own")
     up.add_argument("--timeout", type=float, default=300.0, metavar="S",
                     help="seconds to wait for every component to become healthy (default: 300)")
     up.add_argument("--grace", type=float, default=60.0, metavar="S",
                     help="on stop, seconds workers get to finish their requests (default: 60)")
     up.set_defaults(func=cmd_up)
+
+    sv = sub.add_parser("serve", help="serve one model (a configured name, a Hugging Face directory or a GGUF "
+                        "file) like `vllm serve`: the farm's defaults for everything else")
+    sv.add_argument("model", metavar="PATH_OR_GGUF", help="configured model name, model directory or .gguf file")
+    sv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: the "
+                    "directory's or file's name)")
+    sv.add_argument("--workers", type=int, metavar="N", help="aggregated (prefill+decode) workers; alone, only these")
+    sv.add_argument("--prefill-workers", type=int, metavar="N", help="prefill workers (default: workers.prefill)")
+    sv.add_argument("--decode-workers", type=int, metavar="N", help="decode workers (default: workers.decode)")
+    sv.add_argument("--backend", choices=("builtin", "vllm"), help="engine of the workers (default: builtin)")
+    sv.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: 4096)")
+    sv.add_argument("--port", type=int, metavar="P", help="API port (default: api.port)")
+    sv.add_argument("--router-mode", choices=("kv", "round-robin", "random"), help="default: router.mode")
+    sv.add_argument("--router-temperature", type=float, metavar="T",
+                    help="softmax temperature over the router's cost (router.temperature; 0 = cheapest)")
+    sv.add_argument("--kv-overlap-score-weight", type=float, metavar="W",
+                    help="Dynamo's weight of blocks to prefill against active blocks (router.overlap_weight; "
+                         "selects router.cost: dynamo)")
+    sv.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    sv.add_argument("--detach", action="store_true", help="return once healthy, leaving the farm running")
+    sv.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="seconds to wait for every component to become healthy (default: 300)")
+    sv.add_argument("--grace", type=float, default=60.0, metavar="S",
+                    help="on stop, seconds workers get to finish their requests (default: 60)")
+    sv.set_defaults(func=cmd_serve)
+
+    lg = sub.add_parser("logs", help="the farm's logs (<state_dir>/logs): every component's tail, or one's")
+    lg.add_argument("component", nargs="?", help="api, redis, flower, prefill-1, decode-1, batch-1, ...")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines (default component: api)")
+    lg.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="lines of each tail (default: 20)")
+    lg.set_defaults(func=cmd_logs)
 
     down = sub.add_parser("down", help="stop the farm recorded in <state_dir>/farm.json")
     down.add_argument("--grace", type=float, default=60.0, metavar="S",

@@ -22,8 +22,12 @@ from farm.batch.config import BatchConfig
 from farm.planner.config import PlannerConfig
 from farm.semantic.config import SemanticConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG_PATH = PROJECT_ROOT / "config" / "default.yaml"
+# The defaults ship inside the package (farm/defaults/default.yaml, a link to config/default.yaml in the
+# checkout), so an installed farm finds them anywhere. Relative paths (state_dir, profiles) resolve against
+# the checkout when running from one, else against the working directory.
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "defaults" / "default.yaml"
+_PACKAGE_PARENT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = _PACKAGE_PARENT if (_PACKAGE_PARENT / "config" / "default.yaml").is_file() else Path.cwd()
 ENV_PREFIX = "FARM_"
 
 
@@ -35,12 +39,59 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RedisHAConfig(_Section):
+    """Redis Sentinel. Every farm process asks the sentinels where the primary is (and asks again after a
+    failover); `farm up` with a managed Redis starts the primary (redis.url's port), a replica and the
+    sentinels on this machine. redis.url still gives the password and the database."""
+
+    enabled: bool = False
+    master_name: str = Field("farm", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    sentinels: list[str] = Field(default_factory=lambda: ["127.0.0.1:26379", "127.0.0.1:26380", "127.0.0.1:26381"],
+                                 min_length=1)  # host:port
+    replica_port: int = Field(6380, ge=1, le=65535)  # managed: where the replica listens
+    quorum: int = Field(2, ge=1)  # sentinels that must agree the primary is down
+    down_after_ms: int = Field(2000, ge=100)  # silence after which a sentinel thinks the primary is down
+    failover_timeout_ms: int = Field(10000, ge=1000)
+    # Token stream writes wait up to this long for a replica to hold them (WAIT), so a failover loses none
+    # that a reader may not have seen yet; 0 = do not wait (asynchronous replication only).
+    replica_ack_timeout_ms: int = Field(200, ge=0)
+
+    @field_validator("sentinels", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        """FARM_REDIS__HA__SENTINELS=h1:26379,h2:26379 works as well as a YAML list."""
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
+    @field_validator("sentinels")
+    @classmethod
+    def _host_ports(cls, v: list[str]) -> list[str]:
+        for item in v:
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"a sentinel is host:port, got {item!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _quorum_reachable(self) -> RedisHAConfig:
+        if self.quorum > len(self.sentinels):
+            raise ValueError(f"quorum {self.quorum} is more than the {len(self.sentinels)} sentinels")
+        return self
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        out = []
+        for item in self.sentinels:
+            host, _, port = item.rpartition(":")
+            out.append((host.strip("[]"), int(port)))
+        return out
+
+
 class RedisConfig(_Section):
     url: str = "redis://127.0.0.1:6379/0"
     managed: bool = True
     appendonly: bool = True
     # A Redis off this machine must have a password (in the URL or FARM_REDIS_PASSWORD); true waives it.
     allow_no_password: bool = False
+    ha: RedisHAConfig = RedisHAConfig()
 
 
 class ApiLimitsConfig(_Section):
@@ -170,9 +221,25 @@ class CeleryConfig(_Section):
     max_request_s: int = Field(1800, ge=1)
 
 
+class CostPrior(_Section):
+    """Step costs the router assumes for a worker until it (or a live worker of its model) has measured its
+    own (farm.engine.step_costs); the defaults are SmolLM2-135M on 2 CPU cores (config/profiles/), slow
+    enough to keep a cached prefix worth more than a little load when the hardware is unknown."""
+
+    prefill_ms_per_block: float = Field(36.0, gt=0)
+    prefill_step_ms: float = Field(85.0, ge=0)
+    decode_step_ms: float = Field(32.0, ge=0)
+    decode_ms_per_block: float = Field(0.7, ge=0)
+
+
 class RouterConfig(_Section):
     mode: Literal["kv", "round-robin", "random"] = "kv"
-    overlap_weight: float = Field(1.0, ge=0)
+    # measured: the predicted time to first token from each worker's measured step costs (farm.router.policy);
+    # dynamo: Dynamo's overlap_weight x blocks to prefill + active blocks
+    cost: Literal["measured", "dynamo"] = "measured"
+    overlap_weight: float = Field(1.0, ge=0)  # cost: dynamo only
+    ttft_target_ms: float = Field(30000, ge=0)  # a worker predicted slower than this (queueing) is busy; 0 = off
+    cost_prior: CostPrior = CostPrior()
     temperature: float = Field(0.0, ge=0)
     use_kv_events: bool = True
     approx_ttl_s: float = Field(120, gt=0)
@@ -208,6 +275,14 @@ class ReliabilityConfig(_Section):
     probe_interval_s: float = Field(10, gt=0)  # consumer watchdog: a ping through the worker's own queue
     probe_timeout_s: float = Field(15, gt=0)
     probe_failures: int = Field(3, ge=1)  # unanswered pings in a row before the worker exits to be restarted
+
+
+class LogsConfig(_Section):
+    """The supervisor's log files, <state_dir>/logs/<process>.log (farm.logfiles)."""
+
+    max_mb: float = Field(20.0, gt=0)  # a log past this is rotated: <name>.log.1 .. .<backups>, oldest dropped
+    backups: int = Field(3, ge=0)
+    format: Literal["text", "json"] = "text"  # json: the API's, workers' and batch drivers' logs as JSON lines
 
 
 class WorkersConfig(_Section):
@@ -305,6 +380,7 @@ class FarmConfig(_Section):
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     reliability: ReliabilityConfig = ReliabilityConfig()
     workers: WorkersConfig = WorkersConfig()
+    logs: LogsConfig = LogsConfig()
     batch: BatchConfig = BatchConfig()
     planner: PlannerConfig = PlannerConfig()
     semantic: SemanticConfig = SemanticConfig()

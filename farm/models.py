@@ -80,8 +80,13 @@ def prepare_model(cfg: FarmConfig, model: ModelConfig, progress: bool = True) ->
         return out
     if model.path:
         return require_model_dir(cfg, model)
-    gguf = _builtin_gguf(model.source or "")
+    return convert_gguf(_builtin_gguf(model.source or ""), out, model.name, progress)
 
+
+def convert_gguf(gguf: Path, out: Path, name: str, progress: bool = True) -> Path:
+    """Convert a GGUF file once into a Hugging Face safetensors directory `out` (dequantized); return `out`."""
+    if (out / _READY_MARK).exists() and (out / _READY_MARK).read_text() == str(gguf):
+        return out
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,7 +95,7 @@ def prepare_model(cfg: FarmConfig, model: ModelConfig, progress: bool = True) ->
     if not progress:
         hf_logging.disable_progress_bar()
     steps = ["tokenizer", "weights (dequantize GGUF)", "save safetensors"]
-    bar = tqdm(total=len(steps), desc=f"preparing {model.name}", disable=not progress, unit="step")
+    bar = tqdm(total=len(steps), desc=f"preparing {name}", disable=not progress, unit="step")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -1,4 +1,5 @@
-"""The farm's own redis-server: when to manage one, how to start it, ping it and stop it.
+"""The farm's own redis-server: when to manage one, how to start it, ping it and stop it; with
+`redis.ha`, also its replica and the Redis Sentinels that watch them.
 
 `farm up` starts a local redis-server only when `redis.managed` is true, the URL names this machine
 and nothing answers there. It always has a password, given to `requirepass` through a 0600 config file:
@@ -6,6 +7,13 @@ the URL's own, else FARM_REDIS_PASSWORD, else one generated once into `<state_di
 (0600), which every process reading that state dir's configuration puts into its URL. Its data (the
 append-only file) lives in `<state_dir>/redis`, so queued requests and the worker registry survive a
 restart of the farm.
+
+With `redis.ha` the managed set is a primary, a replica (`redis.ha.replica_port`, data in
+`<state_dir>/redis-replica`) and the sentinels (`<state_dir>/sentinel-<i>`), all on 127.0.0.1 and with the
+same password (sentinels: `requirepass`, and `auth-pass`/`masterauth` towards the data nodes). Sentinel
+rewrites its config file with what it learns, including which node is the primary after a failover; the
+next `farm up` reads that (`last_primary_port`) and starts that node as the primary, so a promoted replica's
+writes are never overwritten by a resync from the old primary.
 """
 
 from __future__ import annotations
@@ -21,8 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
+from farm.orphans import die_with_parent
+from farm.redis_client import connect
+
 if TYPE_CHECKING:
-    import redis
+    from farm.config import RedisConfig, RedisHAConfig
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 
@@ -51,20 +62,11 @@ def is_local(url: str) -> bool:
     return host in LOCAL_HOSTS or host.startswith("127.") or host == socket.gethostname()
 
 
-def client(url: str, timeout: float = 2.0) -> redis.Redis:
-    # redis is imported here, not at the top: loading the configuration (farm.config reads the managed
-    # Redis's password through this module) must not import it in gunicorn's unpatched master process;
-    # the API's gevent worker imports it after patching (api/gunicorn_conf.py)
+def ping(target: RedisConfig | str, timeout: float = 1.0) -> bool:
+    """True when the farm's Redis (through the sentinels with HA), or the server at a URL, answers PING."""
     import redis
 
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-
-
-def ping(url: str, timeout: float = 1.0) -> bool:
-    """True when a Redis server answers PING at `url`."""
-    import redis
-
-    c = client(url, timeout)
+    c = connect(target, timeout=timeout)
     try:
         return bool(c.ping())
     except (redis.RedisError, OSError):
@@ -80,6 +82,13 @@ def executable() -> str:
             "redis-server is not installed (`make install` installs it: apt-get install -y redis-server)"
         )
     return exe
+
+
+def node_url(url: str, port: int) -> str:
+    """`url` (password, database) pointed at 127.0.0.1:`port`: one node of a managed Redis."""
+    u = urlparse(url)
+    auth = u.netloc.rpartition("@")[0]
+    return u._replace(netloc=(auth + "@" if auth else "") + f"127.0.0.1:{port}").geturl()
 
 
 def url_password(url: str) -> str | None:
@@ -119,29 +128,89 @@ def ensure_password(state_dir: Path | str) -> str:
     return read_password(path.parent) or ""
 
 
-def write_auth_conf(data_dir: Path | str, password: str) -> Path:
-    """A config file (mode 0600) holding `requirepass`, so the password is never on a command line
-    (which `ps` and farm.json would show)."""
-    path = Path(data_dir) / AUTH_CONF
+def _write_secret_conf(path: Path, lines: list[str]) -> Path:
+    """A config file of mode 0600: passwords never go on a command line (which `ps` and farm.json show)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if any(c in password for c in '"\\\r\n'):
-        raise RedisServerError("the Redis password must not contain quotes, backslashes or newlines")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f'requirepass "{password}"\n')
+        f.write("".join(line + "\n" for line in lines))
     os.chmod(path, 0o600)
     return path
 
 
+def _check_password(password: str) -> str:
+    if any(c in password for c in '"\\\r\n'):
+        raise RedisServerError("the Redis password must not contain quotes, backslashes or newlines")
+    return password
+
+
+def write_auth_conf(data_dir: Path | str, password: str) -> Path:
+    """The data node's password: `requirepass` for its clients, `masterauth` for when it replicates (a
+    replica, or a primary that comes back after a failover and is made a replica)."""
+    pw = _check_password(password)
+    return _write_secret_conf(Path(data_dir) / AUTH_CONF, [f'requirepass "{pw}"', f'masterauth "{pw}"'])
+
+
 def command(port: int, data_dir: Path | str, appendonly: bool = True, exe: str | None = None,
-            password: str | None = None) -> list[str]:
+            password: str | None = None, replica_of: int | None = None) -> list[str]:
     """The redis-server command line of a managed Redis (also what the Procfile runs); with a password,
-    a 0600 config file under `data_dir` sets requirepass."""
+    a 0600 config file under `data_dir` sets requirepass. `replica_of`: a replica of 127.0.0.1:<port>."""
     conf = [str(write_auth_conf(data_dir, password))] if password else []
+    replica = ["--replicaof", "127.0.0.1", str(replica_of)] if replica_of else []
     return [
         exe or executable(), *conf, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
         "--appendonly", "yes" if appendonly else "no", "--daemonize", "no",
+        "--repl-diskless-sync-delay", "0",  # a (re)joining replica syncs at once, not after 5 s of waiting for others
+        *replica,
     ]
+
+
+# -- Redis Sentinel (redis.ha) ------------------------------------------------------------------------
+SENTINEL_CONF = "sentinel.conf"
+
+
+def sentinel_dir(state_dir: Path | str, i: int) -> Path:
+    return Path(state_dir) / f"sentinel-{i}"
+
+
+def sentinel_executable() -> list[str]:
+    """Debian's redis-sentinel (`make install` puts it in), else redis-server in sentinel mode (the same
+    program: redis-sentinel is a link to it)."""
+    exe = shutil.which("redis-sentinel")
+    return [exe] if exe else [executable(), "--sentinel"]
+
+
+def sentinel_command(i: int, port: int, state_dir: Path | str, ha: RedisHAConfig, primary_port: int,
+                     password: str | None) -> list[str]:
+    """Sentinel number `i` on 127.0.0.1:`port`, watching the primary on 127.0.0.1:`primary_port`. Its
+    config file is written anew (mode 0600: it holds the password); Sentinel rewrites it as it learns."""
+    d = sentinel_dir(state_dir, i)
+    name = ha.master_name
+    lines = [f"port {port}", "bind 127.0.0.1", f'dir "{d}"',
+             f"sentinel monitor {name} 127.0.0.1 {primary_port} {ha.quorum}",
+             f"sentinel down-after-milliseconds {name} {ha.down_after_ms}",
+             f"sentinel failover-timeout {name} {ha.failover_timeout_ms}",
+             f"sentinel parallel-syncs {name} 1"]
+    if password:
+        pw = _check_password(password)
+        # auth-pass: towards the data nodes; requirepass: clients and the other sentinels (which use
+        # their own requirepass towards their peers)
+        lines += [f'sentinel auth-pass {name} "{pw}"', f'requirepass "{pw}"']
+    conf = _write_secret_conf(d / SENTINEL_CONF, lines)
+    return [*sentinel_executable(), str(conf)]
+
+
+def last_primary_port(state_dir: Path | str, master_name: str) -> int | None:
+    """The primary's port as the managed sentinels last knew it (after a failover: the promoted replica)."""
+    for conf in sorted(Path(state_dir).glob(f"sentinel-*/{SENTINEL_CONF}")):
+        try:
+            for line in conf.read_text().splitlines():
+                parts = line.split()
+                if parts[:3] == ["sentinel", "monitor", master_name] and len(parts) >= 5 and parts[4].isdigit():
+                    return int(parts[4])
+        except OSError:
+            continue
+    return None
 
 
 def start(port: int, data_dir: Path | str, log_path: Path | str, appendonly: bool = True,
@@ -154,6 +223,7 @@ def start(port: int, data_dir: Path | str, log_path: Path | str, appendonly: boo
         return subprocess.Popen(
             command(port, data_dir, appendonly, password=password), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),  # never outlives its starter (AOF flushed on the way)
         )
 
 
@@ -204,13 +274,14 @@ def aof_files(data_dir: Path | str) -> list[Path]:
     return [p for p in out if p.is_file()]
 
 
-
 def main() -> None:
     """`python -m farm.redis_server`: this configuration's managed Redis in the foreground (the Procfile's
     `redis`), with the same password `farm up` gives it, so the Procfile's other processes find it too."""
     from farm.config import get_config
 
     cfg = get_config()
+    if cfg.redis.ha.enabled:  # one process cannot be a Sentinel set; `farm up` starts and restarts all five
+        raise SystemExit("farm.redis_server: redis.ha is enabled; `farm up` starts the primary, replica and sentinels")
     _host, port, _db = parse_url(cfg.redis.url)
     data_dir = cfg.state_path / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)

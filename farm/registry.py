@@ -65,6 +65,20 @@ def heartbeat(r: redis.Redis, worker_id: str, stats: dict[str, Any] | None = Non
     r.set(alive_key(worker_id), json.dumps({"ts": time.time(), **(stats or {})}), ex=HEARTBEAT_TTL_S)
 
 
+def heartbeats(r: redis.Redis, worker_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The latest heartbeat (time and engine stats) of each worker that has a current one, in one round trip."""
+    if not worker_ids:
+        return {}
+    out = {}
+    for wid, raw in zip(worker_ids, r.mget([alive_key(w) for w in worker_ids]), strict=True):
+        if raw is not None:
+            try:
+                out[wid] = json.loads(raw)
+            except ValueError:
+                continue
+    return out
+
+
 def live_workers(r: redis.Redis, model: str | None = None, role: str | None = None) -> list[WorkerInfo]:
     """Workers whose heartbeat is current, optionally filtered; stale records are pruned."""
     records = r.hgetall(WORKERS_KEY)

@@ -7,6 +7,10 @@ are neither lost nor reordered, and Redis round trips do not scale with tokens. 
 the cancel keys of the worker's active requests and aborts those whose client went away, and the
 leases of leased requests (farm.protocol.lease_key): a lease that stays missing for its grace period
 means the API that read the request died, so nobody will ever read the tokens (no orphan work).
+
+With Redis Sentinel (`replica_ack_ms`), each flush also waits (WAIT) until a replica holds its events, so a
+failover cannot lose events a reader has not seen: a flush whose answer never came (the primary died) is
+sent again, whole, to the new primary, and readers skip what they already have (writer, sequence).
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ import redis
 from farm.protocol import EVENT_FIELD, STREAM_TTL_S, cancel_key, lease_key, stream_key
 
 log = logging.getLogger(__name__)
+NO_REPLICA_RETRY_S = 5.0  # after a WAIT no replica answered, flushes do not wait for this long
 
 
 class StreamWriter:
     def __init__(self, r: redis.Redis, flush_ms: float = 20.0,
                  active_ids: Callable[[], list[str]] | None = None,
-                 on_cancel: Callable[[str], None] | None = None, cancel_poll_s: float = 0.2):
+                 on_cancel: Callable[[str], None] | None = None, cancel_poll_s: float = 0.2,
+                 replica_ack_ms: int = 0):
         self.r = r
+        self.replica_ack_ms = replica_ack_ms
+        self._no_replica_until = 0.0  # WAIT found no replica: do not wait for one again before this
         self.flush_s = max(flush_ms, 1.0) / 1000.0
         self.active_ids = active_ids
         self.on_cancel = on_cancel
@@ -112,8 +120,16 @@ class StreamWriter:
                 for payload in payloads:
                     pipe.xadd(key, {EVENT_FIELD: payload})
                 pipe.expire(key, STREAM_TTL_S)
+            wait = self.replica_ack_ms > 0 and time.monotonic() >= self._no_replica_until
+            if wait:
+                pipe.execute_command("WAIT", 1, self.replica_ack_ms)
             try:
-                pipe.execute()
+                replies = pipe.execute()
+                if wait and not replies[-1]:  # no replica holds them (none connected, or far behind)
+                    self._no_replica_until = time.monotonic() + NO_REPLICA_RETRY_S
+                    log.warning("stream writer: no replica acknowledged within %d ms; a failover now could lose "
+                                "tokens not yet read (checking again in %.0f s)", self.replica_ack_ms,
+                                NO_REPLICA_RETRY_S)
                 return
             except redis.ConnectionError:
                 time.sleep(min(0.1 * (attempt + 1), 1.0))  # Redis restarting: keep the tokens

@@ -6,15 +6,12 @@ only the supervisor, which then stops the children in order), logging to `<state
 `farm status` from another shell find them.
 
 Stop order matters: workers first (SIGTERM = Celery warm shutdown, which finishes the requests in
-flight while the API still streams their tokens), then the API, Flower, and Redis last.
+flight while the API still streams their tokens), then the API, Flower, and Redis last. A second stop
+signal kills what is left at once. Children never outlive the process that started them, even when it is
+killed with SIGKILL: each gets a parent-death signal (farm.orphans), unless the farm is detached.
 
-    farm = Farm(cfg, prefill=1, decode=1, port=free_port(), flower=False)
-    try:
-        farm.start()
-        farm.wait_healthy(timeout=300)
+    with Farm(cfg, prefill=1, decode=1, port=free_port(), flower=False).running(timeout=300) as farm:
         ...
-    finally:
-        farm.stop()
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +33,7 @@ import psutil
 import requests
 import yaml
 
-from farm import redis_server
+from farm import logfiles, redis_client, redis_server
 from farm.backends.cpu_binding import bind_env
 from farm.config import (
     PROJECT_ROOT,
@@ -46,6 +43,8 @@ from farm.config import (
     redact_url,
     redis_url_with_password,
 )
+from farm.orphans import die_with_parent
+from farm.progress import ProgressPrinter
 
 STATE_FILE = "farm.json"
 RESOLVED_CONFIG = "config.resolved.yaml"
@@ -58,6 +57,12 @@ FLOWER_GRACE_S = 10.0
 BATCH_GRACE_S = 30.0  # a batch driver gives in-flight lines batch.shutdown_grace_s, then hands its batches back
 RESTARTED_ROLES = (*WORKER_ROLES, "batch")  # restarted when they die; anything else dying stops the farm
 REDIS_GRACE_S = 30.0
+REDIS_KILL_GRACE_S = 10.0  # killing at once still lets Redis flush its AOF (it exits in milliseconds)
+# What a child gets when the process that started it dies without stopping it (farm.orphans): Redis flushes
+# its AOF and exits, gunicorn's quick shutdown takes its worker along, everything else is killed.
+PARENT_DEATH_SIGNALS = {"redis": signal.SIGTERM, "api": signal.SIGQUIT}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, `farm down`, a closed terminal
+STOPPING_MESSAGE = "\nfarm: stopping (workers finish their requests; Ctrl-C again to kill)"
 MAX_WORKER_RESTARTS = 3
 
 
@@ -181,13 +186,14 @@ def _create_time(pid: int) -> float:
         return 0.0
 
 
-def _stop_group(procs: list[Proc], sig_timeout: float) -> None:
-    """SIGTERM every live process of the group, wait up to `sig_timeout`, then SIGKILL the rest."""
+def _stop_group(procs: list[Proc], sig_timeout: float, abort: Callable[[], bool] | None = None) -> None:
+    """SIGTERM every live process of the group, wait up to `sig_timeout` (or until `abort()` says to stop
+    waiting), then SIGKILL the rest."""
     live = [p for p in procs if p.alive()]
     for p in live:
         p.send(signal.SIGTERM)
     deadline = time.monotonic() + sig_timeout
-    while live and time.monotonic() < deadline:
+    while live and time.monotonic() < deadline and not (abort and abort()):
         for p in live:
             p.reap()
         live = [p for p in live if p.alive()]
@@ -202,18 +208,18 @@ def _stop_group(procs: list[Proc], sig_timeout: float) -> None:
             time.sleep(0.05)
 
 
-def stop_ordered(procs: Iterable[Proc], grace_s: float = 60.0) -> None:
+def stop_ordered(procs: Iterable[Proc], grace_s: float = 60.0, abort: Callable[[], bool] | None = None) -> None:
     """Stop farm processes in the safe order: batch drivers (they stop feeding lines and hand their batches
-    back), workers (warm shutdown), API, Flower, Redis."""
+    back), workers (warm shutdown), API, Flower, Redis. Once `abort()` is true (a second Ctrl-C) nobody is
+    waited for any more: what is left is killed, except Redis, which still gets SIGTERM (AOF flush)."""
     procs = list(procs)
     by_role = {r: [p for p in procs if p.role == r] for r in ("batch", "api", "flower", "redis")}
     workers = [p for p in procs if p.role in WORKER_ROLES]
     others = [p for p in procs if p.role not in (*WORKER_ROLES, "batch", "api", "flower", "redis")]
-    _stop_group(by_role["batch"], BATCH_GRACE_S)
-    _stop_group(workers, grace_s)
-    _stop_group(by_role["api"], API_GRACE_S)
-    _stop_group(by_role["flower"] + others, FLOWER_GRACE_S)
-    _stop_group(by_role["redis"], REDIS_GRACE_S)
+    for group, grace in ((by_role["batch"], BATCH_GRACE_S), (workers, grace_s), (by_role["api"], API_GRACE_S),
+                         (by_role["flower"] + others, FLOWER_GRACE_S)):
+        _stop_group(group, 0.0 if abort and abort() else grace, abort)
+    _stop_group(by_role["redis"], REDIS_KILL_GRACE_S if abort and abort() else REDIS_GRACE_S)
 
 
 def _kill_now(procs: Iterable[Proc]) -> None:
@@ -222,7 +228,7 @@ def _kill_now(procs: Iterable[Proc]) -> None:
     for p in procs:
         if p.role != "redis":
             p.kill()
-    _stop_group([p for p in procs if p.role == "redis"], 10.0)
+    _stop_group([p for p in procs if p.role == "redis"], REDIS_KILL_GRACE_S)
     for p in procs:
         p.reap()
 
@@ -373,7 +379,11 @@ class Farm:
         self.procs: list[Proc] = []
         self.redis_managed = False
         self.supervisor = False  # set by serve() in foreground mode: `farm down` signals this process
+        self.bound = True  # children die with this process (parent-death signal); not for `farm up --detach`
         self._stopping = False
+        self._starting = False  # serve(): a stop signal interrupts start-up at once
+        self._stop_signals = 0  # stop signals received by serve(): the first stops in order, a second kills
+        self._kill_announced = False
         self._env: dict[str, str] | None = None
         self._owns_state = False
         self.started_at: float | None = None
@@ -395,6 +405,11 @@ class Farm:
         """Workers per role for `model`: its own `models[].workers` when set, else the farm's counts."""
         own = self.cfg.model(model).workers
         return own.model_dump() if own is not None else self.counts
+
+    @property
+    def _redis_ha_managed(self) -> bool:
+        """Sentinels and data nodes of this farm's own: they are restarted, never a reason to stop the farm."""
+        return self.redis_managed and self.cfg.redis.ha.enabled
 
     def worker_id(self, name: str) -> str:
         return f"{name}@{self.hostname}"
@@ -475,9 +490,15 @@ class Farm:
         self.state_path.unlink(missing_ok=True)
 
     # -- starting ---------------------------------------------------------------------------------
+    def _rotate_log(self, proc: Proc) -> None:
+        """Rotate a child's log past logs.max_mb (farm.logfiles: copy and truncate, the child keeps writing)."""
+        if logfiles.rotate(Path(proc.log), int(self.cfg.logs.max_mb * 1024 * 1024), self.cfg.logs.backups):
+            proc.log_offset = 0
+
     def _spawn(self, proc: Proc) -> Proc:
         log = Path(proc.log)
         log.parent.mkdir(parents=True, exist_ok=True)
+        self._rotate_log(proc)
         with open(log, "ab") as f:
             f.write(f"\n=== farm: starting {proc.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                     f"{' '.join(proc.command)}\n".encode())
@@ -486,6 +507,8 @@ class Farm:
             proc.popen = subprocess.Popen(
                 proc.command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=PROJECT_ROOT, env={**self.child_env(), **proc.env}, start_new_session=True,
+                preexec_fn=die_with_parent(PARENT_DEATH_SIGNALS.get(proc.role, signal.SIGKILL))
+                if self.bound else None,
             )
         proc.pid = proc.popen.pid
         proc.started_at = time.time()
@@ -514,26 +537,85 @@ class Farm:
 
     def _start_redis(self) -> None:
         url = self.cfg.redis.url
-        if redis_server.ping(url):
+        if redis_server.ping(self.cfg.redis):
             return  # someone else's Redis (or a shared one): use it, never stop it
         if not self.cfg.redis.managed:
-            raise FarmError(f"Redis at {url} does not answer and redis.managed is false")
+            raise FarmError(f"Redis at {redact_url(url)} does not answer and redis.managed is false")
         if not redis_server.is_local(url):
-            raise FarmError(f"Redis at {url} does not answer, and it is not on this machine, so the farm "
-                            "cannot start one; check FARM_REDIS__URL")
+            raise FarmError(f"Redis at {redact_url(url)} does not answer, and it is not on this machine, so the "
+                            "farm cannot start one; check FARM_REDIS__URL")
+        if self.cfg.redis.ha.enabled:
+            self._start_redis_ha()
+            return
         _host, port, _db = redis_server.parse_url(url)
+        self._start_redis_node("redis", port)
+
+    def _redis_node_dir(self, port: int) -> Path:
+        """The data dir of the managed data node on `port`: the primary's (redis.url) or the replica's."""
+        _host, url_port, _db = redis_server.parse_url(self.cfg.redis.url)
+        return self.state_dir / ("redis" if port == url_port else "redis-replica")
+
+    def _redis_node_command(self, port: int, replica_of: int | None = None) -> list[str]:
         try:
-            cmd = redis_server.command(port, self.state_dir / "redis", self.cfg.redis.appendonly,
-                                       password=redis_server.url_password(url))
+            return redis_server.command(port, self._redis_node_dir(port), self.cfg.redis.appendonly,
+                                        password=redis_server.url_password(self.cfg.redis.url), replica_of=replica_of)
         except redis_server.RedisServerError as e:
             raise FarmError(str(e)) from None
-        (self.state_dir / "redis").mkdir(parents=True, exist_ok=True)
-        proc = self._spawn(Proc("redis", "redis", cmd, str(self.log_path("redis"))))
+
+    def _start_redis_node(self, name: str, port: int, replica_of: int | None = None) -> None:
+        cmd = self._redis_node_command(port, replica_of)
+        self._redis_node_dir(port).mkdir(parents=True, exist_ok=True)
+        proc = self._spawn(Proc(name, "redis", cmd, str(self.log_path(name))))
         self.redis_managed = True
         try:
-            redis_server.wait_ready(url, proc.popen, timeout=15)
+            redis_server.wait_ready(redis_server.node_url(self.cfg.redis.url, port), proc.popen, timeout=15)
         except redis_server.RedisServerError as e:
             raise FarmStartError(f"{e} (log: {proc.log})", proc.name, proc.tail()) from None
+
+    def _start_redis_ha(self) -> None:
+        """redis.ha on this machine: the primary, its replica, then the sentinels watching them. The node
+        the sentinels last knew as the primary (after a failover: the promoted replica) starts as the primary
+        again, so the other resyncs from it and no acknowledged write is overwritten."""
+        rcfg, ha = self.cfg.redis, self.cfg.redis.ha
+        sentinels = ha.sentinel_addresses()
+        if not all(redis_server.is_local(f"redis://{h}:{p}/0") for h, p in sentinels):
+            raise FarmError(f"redis.ha.sentinels {ha.sentinels} do not answer and are not all on this machine, "
+                            "so the farm cannot start them")
+        _host, url_port, _db = redis_server.parse_url(rcfg.url)
+        ports = [url_port, ha.replica_port, *(p for _h, p in sentinels)]
+        if len(set(ports)) != len(ports):
+            raise FarmError(f"redis.url's port, redis.ha.replica_port and the sentinels' ports must differ: {ports}")
+        primary = redis_server.last_primary_port(self.state_dir, ha.master_name)
+        primary = primary if primary in (url_port, ha.replica_port) else url_port
+        replica = ha.replica_port if primary == url_port else url_port
+        names = {url_port: "redis", ha.replica_port: "redis-replica"}
+        self._start_redis_node(names[primary], primary)
+        self._start_redis_node(names[replica], replica, replica_of=primary)
+        password = redis_server.url_password(rcfg.url)
+        for i, (_h, port) in enumerate(sentinels, 1):
+            try:
+                cmd = redis_server.sentinel_command(i, port, self.state_dir, ha, primary, password)
+            except redis_server.RedisServerError as e:
+                raise FarmError(str(e)) from None
+            self._spawn(Proc(f"sentinel-{i}", "sentinel", cmd, str(self.log_path(f"sentinel-{i}"))))
+        deadline = time.monotonic() + 15
+        while not redis_server.ping(rcfg):  # clients find the primary through the sentinels
+            self.check_alive("while starting Redis Sentinel")
+            if time.monotonic() > deadline:
+                first = next(p for p in self.procs if p.role == "sentinel")
+                raise FarmStartError("the sentinels did not report a primary within 15s", first.name, first.tail())
+            time.sleep(0.1)
+
+    def _rejoin_command(self, proc: Proc) -> list[str] | None:
+        """redis.ha: the command that brings a dead data node back, as a replica of the primary the sentinels
+        name now; None while they still name the dead node (the failover is not done: wait)."""
+        if proc.role != "redis":
+            return proc.command  # a sentinel: the config it rewrote holds what it knew
+        port = int(proc.command[proc.command.index("--port") + 1])
+        now = redis_client.primary_address(self.cfg.redis)
+        if now is None or now[1] == port:
+            return None
+        return self._redis_node_command(port, replica_of=now[1])
 
     def worker_command(self, role: str, model: str, name: str) -> list[str]:
         return [sys.executable, "-m", "tasks.worker", "--role", role, "--model", model,
@@ -661,11 +743,11 @@ class Farm:
         """What is up: redis, each worker (registered in its role), the API's /health, Flower."""
         from farm import registry
 
-        out: dict[str, Any] = {"redis": redis_server.ping(self.cfg.redis.url), "workers": {},
+        out: dict[str, Any] = {"redis": redis_server.ping(self.cfg.redis), "workers": {},
                                "api": None, "flower": None}
         live: dict[str, Any] = {}
         if out["redis"]:
-            r = redis_server.client(self.cfg.redis.url)
+            r = redis_client.connect(self.cfg.redis, timeout=2.0)
             try:
                 live = {w.worker_id: w for w in registry.live_workers(r)}
             except Exception:  # noqa: BLE001 - a half-started Redis is simply "not yet"
@@ -712,16 +794,21 @@ class Farm:
         except requests.RequestException:
             return False
 
-    def wait_healthy(self, timeout: float = 300.0, interval: float = 0.5) -> dict[str, Any]:
+    def wait_healthy(self, timeout: float = 300.0, interval: float = 0.5,
+                     progress: Callable[[dict[str, Any], float], None] | None = None) -> dict[str, Any]:
         """Poll until every component is up and every worker registered in its role.
 
+        `progress(health, elapsed_s)` is called after every poll (farm up prints the component states with it).
         Raises FarmStartError as soon as a child exits (with its log tail), or when `timeout` passes
         (naming what is still missing, with the log tail of the first of those).
         """
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             self.check_alive("while starting")
             h = self.health()
+            if progress is not None:
+                progress(h, time.monotonic() - start)
             if h["ready"]:
                 return h
             if time.monotonic() >= deadline:
@@ -735,39 +822,67 @@ class Farm:
             time.sleep(interval)
 
     # -- running and stopping -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self, timeout: float = 300.0) -> Iterator[Farm]:
+        """Start, wait until healthy, hand the farm over, and stop it whatever happens (tests, benches)."""
+        try:
+            self.start()
+            self.wait_healthy(timeout)
+            yield self
+        finally:
+            self.stop()
+
     def wait(self, poll_s: float = 0.5) -> int:
         """Foreground: watch the children until one fails for good; returns the exit status (1).
 
-        A worker that dies is restarted (at most MAX_WORKER_RESTARTS times); the API, Flower or Redis
-        dying stops the farm. Ctrl-C (KeyboardInterrupt) propagates to the caller, which calls stop().
+        A worker that dies is restarted (at most MAX_WORKER_RESTARTS times), so are the data nodes and
+        sentinels of a managed Redis Sentinel set; the API, Flower or a single Redis dying stops the farm.
+        Returns 0 once serve() received a stop signal (the caller then calls stop()); Ctrl-C without
+        serve()'s handlers (KeyboardInterrupt) propagates to the caller.
         """
-        while True:
-            for p in list(self.procs):
-                if self._stopping or p.alive():
-                    continue
-                if p.retiring:  # scaled down: it finished its requests and left
-                    self.procs.remove(p)
-                    self.write_state()
-                    continue
-                rc = p.returncode
-                if p.role in RESTARTED_ROLES and p.restarts < MAX_WORKER_RESTARTS:
-                    p.restarts += 1
-                    print(f"farm: {p.name} exited with status {rc}; restarting it "
-                          f"({p.restarts}/{MAX_WORKER_RESTARTS}); log: {p.log}\n{p.tail(10)}", file=sys.stderr)
-                    self._spawn(p)
-                    self.write_state()
-                    continue
-                print(f"farm: {p.name} exited with status {rc}; stopping the farm (log: {p.log})\n"
-                      f"{p.tail(20)}", file=sys.stderr)
-                return 1
+        while not self._stop_signals:
+            status = self.supervise_once()
+            if status is not None:
+                return status
             time.sleep(poll_s)
+        return 0
+
+    def supervise_once(self) -> int | None:
+        """One look at every child: restart what may be restarted; 1 when one failed for good, else None."""
+        for p in list(self.procs):
+            if not self._stopping and p.popen is not None:
+                self._rotate_log(p)
+            if self._stopping or p.alive():
+                continue
+            if p.retiring:  # scaled down: it finished its requests and left
+                self.procs.remove(p)
+                self.write_state()
+                continue
+            rc = p.returncode
+            restarted = RESTARTED_ROLES + (("redis", "sentinel") if self._redis_ha_managed else ())
+            if p.role in restarted and p.restarts < MAX_WORKER_RESTARTS:
+                command = self._rejoin_command(p) if p.role in ("redis", "sentinel") else p.command
+                if command is None:
+                    continue  # a primary that died: it rejoins as a replica once the sentinels promoted one
+                p.command = command
+                p.restarts += 1
+                print(f"farm: {p.name} exited with status {rc}; restarting it "
+                      f"({p.restarts}/{MAX_WORKER_RESTARTS}); log: {p.log}\n{p.tail(10)}", file=sys.stderr)
+                self._spawn(p)
+                self.write_state()
+                continue
+            print(f"farm: {p.name} exited with status {rc}; stopping the farm (log: {p.log})\n"
+                  f"{p.tail(20)}", file=sys.stderr)
+            return 1
+        return None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Workers first (SIGTERM: warm shutdown, up to the grace period, then SIGKILL), then the API,
         Flower, and Redis last. A second Ctrl-C while stopping kills what is left at once."""
         self._stopping = True
         try:
-            stop_ordered(self.procs, self.grace_s if grace_s is None else grace_s)
+            stop_ordered(self.procs, self.grace_s if grace_s is None else grace_s,
+                         abort=self._kill_requested)
         except KeyboardInterrupt:
             print("farm: killing what is left", file=sys.stderr)
             _kill_now(self.procs)
@@ -782,6 +897,25 @@ class Farm:
                     self.write_state()
             self._stopping = False
 
+    def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        """serve()'s handler of Ctrl-C, SIGTERM (`farm down`) and SIGHUP, installed whatever this process
+        inherited: a shell starting a command in the background (`make test &`, CI runners) makes it ignore
+        SIGINT, and a supervisor that kept that disposition ignored Ctrl-C for good (issue 17: the test timed
+        out and its redis-server lived on). During start-up the first signal interrupts at once
+        (KeyboardInterrupt); after that signals are only counted, never raised into whatever the main thread
+        is doing (raised between a lock's acquire and its `try`, in subprocess's waitpid bookkeeping, it left
+        a child looking alive forever): wait() returns on the first, stop_ordered() kills on the second."""
+        self._stop_signals += 1
+        if self._starting and not self._stopping and self._stop_signals == 1:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def _kill_requested(self) -> bool:
+        """stop_ordered()'s abort: a second stop signal arrived while stopping."""
+        if self._stop_signals > 1 and not self._kill_announced:
+            self._kill_announced = True
+            print("farm: killing what is left", file=sys.stderr, flush=True)
+        return self._stop_signals > 1
+
     def detach(self) -> None:
         """Leave the children running on their own (`farm up --detach`); farm.json keeps their pids."""
         self.supervisor = False
@@ -791,22 +925,22 @@ class Farm:
 
     def serve(self, timeout: float = 300.0, detach: bool = False) -> int:
         """`farm up`: start, wait until healthy, print the URLs; then detach or supervise until Ctrl-C."""
-
-        def _interrupt(signum, _frame):
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+        handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         for s in handlers:
-            signal.signal(s, _interrupt)
+            signal.signal(s, self._on_stop_signal)
         self.supervisor = not detach
+        self.bound = not detach  # a detached farm's children must outlive `farm up`
         detached = False
         try:
             try:
+                self._starting = True
                 self.start()
-                self.wait_healthy(timeout)
+                self.wait_healthy(timeout, progress=ProgressPrinter(sys.stderr))
             except FarmError as e:
                 print(f"farm: failed to start: {e}", file=sys.stderr)
                 return 1
+            finally:
+                self._starting = False
             urls = self.urls()
             print("farm is up:")
             if urls["api"]:
@@ -823,9 +957,12 @@ class Farm:
                 print("running in the background; `farm status` shows it, `farm down` stops it")
                 return 0
             print("press Ctrl-C to stop", flush=True)
-            return self.wait()
+            status = self.wait()
+            if self._stop_signals:
+                print(STOPPING_MESSAGE, file=sys.stderr, flush=True)
+            return status
         except KeyboardInterrupt:
-            print("\nfarm: stopping (workers finish their requests; Ctrl-C again to kill)", file=sys.stderr)
+            print(STOPPING_MESSAGE, file=sys.stderr, flush=True)
             return 0
         finally:
             if not detached:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -48,12 +49,23 @@ def max_token_chars(tokenizer) -> int:
     return max(1, hit[1])
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    """Apply the model's chat template (with the generation prompt) and return token ids."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]],
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the model's chat template (with the generation prompt) and return token ids. `template_kwargs`
+    are variables the template may read (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}))
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def template_reads(tokenizer, variable: str) -> bool:
+    """Whether the model's chat template uses `variable` (e.g. `enable_thinking`): passing a variable the
+    template never reads changes nothing, and the caller should say so instead of claiming it applied."""
+    tpl = getattr(tokenizer, "chat_template", None)
+    texts = tpl.values() if isinstance(tpl, dict) else [tpl]
+    return any(isinstance(t, str) and re.search(rf"\b{re.escape(variable)}\b", t) for t in texts)
 
 
 def text_prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -35,6 +35,7 @@ from farm.protocol import (
     queue_name,
     queues_for_role,
 )
+from farm.redis_client import connect
 from farm.reliability import WorkerGuard, ping_key
 from farm.router.events import KVEventPublisher
 from farm.router.keys import claim_key, direct_queue
@@ -59,12 +60,13 @@ class WorkerRuntime:
         mdir = require_model_dir(cfg, mcfg)
         self.block_size = cfg.block_size(model)
         self.vocab_size = model_vocab_size(mdir)  # task messages are checked against it (accept)
-        self.r = redis.Redis.from_url(cfg.redis.url, health_check_interval=10)
+        self.r = connect(cfg.redis, health_check_interval=10)
         self._check_block_size()
         self.kv_events = KVEventPublisher(self.r, worker_id)
         self.engine = make_engine(cfg, mcfg, mdir, self.kv_events, worker_id=worker_id, role=role)  # builtin | vllm
+        ha = cfg.redis.ha
         self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
-                                    self.engine.abort)
+                                    self.engine.abort, replica_ack_ms=ha.replica_ack_timeout_ms if ha.enabled else 0)
         self.staging = StagingPool()
         self.nixl = None
         if "nixl" in cfg.transfer.transports:

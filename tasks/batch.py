@@ -37,6 +37,7 @@ def drive(batch_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from farm.config import ConfigError, get_config
+    from farm.logfiles import configure_logging
 
     p = argparse.ArgumentParser(prog="python -m tasks.batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"batch@{socket.gethostname()}"
     if "@" not in name:
         name = f"{name}@{socket.gethostname()}"
-    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.loglevel, cfg.logs.format == "json")  # text, or JSON lines (logs.format)
     if args.metrics_port:
         from prometheus_client import start_http_server
 

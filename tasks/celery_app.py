@@ -7,6 +7,8 @@
   inside batches whatever those threads hand it (continuous batching).
 - visibility_timeout: Redis redelivers unacked messages after this long, so it is set above the
   longest request a worker will run (config.celery.max_request_s, checked at load).
+- The broker is the farm's Redis as farm.redis_client says: `redis.url`, or with `redis.ha` kombu's
+  `sentinel://` URLs and the `master_name` to ask the sentinels for.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from celery.signals import before_task_publish
 
 from farm.config import FarmConfig, get_config
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL
+from farm.redis_client import celery_broker
 
 _PROMPT_TASKS = frozenset({TASK_PREFILL, TASK_DECODE, TASK_GENERATE})
 
@@ -40,7 +43,8 @@ def _redact_prompt_args(sender: str | None = None, headers: dict[str, Any] | Non
 def make_celery(cfg: FarmConfig | None = None) -> Celery:
     """A Celery app for `cfg` (the process configuration by default)."""
     cfg = cfg or get_config()
-    app = Celery("farm", broker=cfg.redis.url, backend=None, include=["tasks.generation", "tasks.batch"])
+    broker_url, transport_options = celery_broker(cfg.redis)
+    app = Celery("farm", broker=broker_url, backend=None, include=["tasks.generation", "tasks.batch"])
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -55,6 +59,7 @@ def make_celery(cfg: FarmConfig | None = None) -> Celery:
         broker_transport_options={
             "visibility_timeout": cfg.celery.visibility_timeout_s,
             "queue_order_strategy": "priority",
+            **transport_options,
         },
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,

@@ -17,6 +17,7 @@ import sys
 from celery import signals
 
 from farm.config import ConfigError, get_config
+from farm.logfiles import configure_logging
 from farm.protocol import ROLES, queues_for_role
 from farm.router.keys import direct_queue
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if "@" not in name:
         name = f"{name}@{socket.gethostname()}"
 
-    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.loglevel, cfg.logs.format == "json")  # text, or JSON lines (logs.format)
     from farm.worker import WorkerRuntime, set_runtime
     from tasks.celery_app import app
 

@@ -1,23 +1,81 @@
 """Shared fixtures: a real redis-server on a free port (a database of its own per test module), and the
-farm's environment pointing at it."""
+farm's environment pointing at it. At its end the session fails if a process it started is still alive."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
+
+from farm.orphans import die_with_parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FARM_SECRET", "test-secret-not-for-production")
+# Every process the suite starts inherits this tag (children of children too, also those reparented to pid 1
+# when their parent was killed), so the end of the session can find any that is still running.
+SESSION_TAG = "INFERENCE_FARM_TEST_SESSION"  # not FARM_*: tests drop those from child environments
+os.environ[SESSION_TAG] = uuid.uuid4().hex
+# processes told to stop during the last teardowns get this long to exit (a test of the check itself shortens it)
+LEFTOVER_GRACE_S = float(os.environ.get("FARM_TEST_LEFTOVER_GRACE_S", "15"))
+# Helpers of this very process that end with it (multiprocessing's resource tracker and fork server).
+_OWN_HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import")
+
+
+def session_processes(tag: str | None = None) -> list[psutil.Process]:
+    """Live processes tagged with this session (or `tag`), except this one and its own helpers."""
+    tag = tag or os.environ[SESSION_TAG]
+    out = []
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get(SESSION_TAG) != tag or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.ppid() == os.getpid() and any(h in " ".join(p.cmdline()) for h in _OWN_HELPERS):
+                continue
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            continue
+        out.append(p)
+    return out
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when a process it started outlived it (a farm left behind by a failed stop, a
+    supervisor killed without its children...): they are listed, then killed."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = session_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = session_processes()
+    if not left:
+        return
+    lines = []
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"pid {p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:300]}")
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter else print
+    if reporter:
+        reporter.ensure_newline()
+        reporter.write_sep("=", f"{len(lines)} process(es) started by the tests outlived them (killed now)",
+                           red=True)
+    for line in lines:
+        write(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 REDIS_DATABASES = 64
@@ -40,7 +98,7 @@ def start_redis(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, s
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp), "--save", "",
          "--appendonly", "yes", "--daemonize", "no", "--loglevel", "warning", "--databases", str(REDIS_DATABASES)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(),  # even if pytest is killed
     )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)

@@ -12,6 +12,7 @@ from pathlib import Path
 import redis
 
 from farm import registry
+from farm.orphans import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,6 +26,7 @@ class WorkerProc:
             [sys.executable, "-m", "tasks.worker", "--role", role, "--name", self.name, "--concurrency", "16",
              "--loglevel", "WARNING"],
             cwd=ROOT, env=full_env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),  # never outlives the test process, even when that is killed
         )
 
     @property

@@ -243,12 +243,18 @@ def test_valid_request_is_queued_and_invalid_ones_are_not(app_client, with_worke
     assert redis_client.keys("farm:cancel:*"), "a timed-out request is cancelled so no worker runs it later"
 
 
-def test_every_worker_busy_is_shed_with_503_and_retry_after(app_client, with_worker, redis_client):
+def test_every_worker_busy_is_shed_with_503_and_retry_after(app, app_client, with_worker, redis_client):
     """Busy shedding: the API answers at once instead of queueing without bound."""
+    import time
+
     from farm.router.load import LoadTracker
 
     c, cfg = app_client
     LoadTracker(redis_client).begin("d", GHOST, "someone-else", 990)  # 99% of its 1000 blocks
+    router = app.extensions["farm"].gateway.router  # another replica's load reaches its mirror through a stream
+    deadline = time.monotonic() + 10
+    while router.loads.loads().get(GHOST, {}).get("d") != 990 and time.monotonic() < deadline:
+        time.sleep(0.01)
     resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
     assert_error(resp, 503, code="overloaded")
     assert int(resp.headers["Retry-After"]) == cfg.router.retry_after_s

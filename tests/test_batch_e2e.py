@@ -34,14 +34,9 @@ def farm(tmp_path_factory):
     env["FARM_BATCH__MAX_INFLIGHT"] = "4"
     env["FARM_BATCH__LEASE_TTL_S"] = "5"  # a killed driver's batch is taken over sooner
     cfg = load_config(environ=env)
-    f = Farm(cfg, prefill=0, decode=0, both=2, batch_drivers=2, port=free_port(), flower=False, env=env,
-             grace_s=10)
-    try:
-        f.start()
-        f.wait_healthy(240)
+    with Farm(cfg, prefill=0, decode=0, both=2, batch_drivers=2, port=free_port(), flower=False, env=env,
+              grace_s=10).running(240) as f:
         yield f
-    finally:
-        f.stop()
 
 
 @pytest.fixture

@@ -255,7 +255,7 @@ def test_compose_files_follow_the_compose_spec(files):
 
 
 def test_compose_secrets_are_required_and_documented():
-    assert required_vars() == {"REDIS_PASSWORD", "FARM_SECRET", "FARM_FLOWER_AUTH"}
+    assert required_vars() == {"REDIS_PASSWORD", "FARM_SECRET", "FARM_FLOWER_AUTH", "FARM_METRICS_TOKEN"}
     documented = set(env_example())
     used: set[str] = set()
     interpolate(yaml.safe_load(COMPOSE.read_text()), {v: "x" for v in required_vars()}, used)
@@ -270,7 +270,7 @@ def test_compose_secrets_are_required_and_documented():
 def test_compose_services_fit_together():
     c = compose()
     services = c["services"]
-    assert {"redis", "prepare", "api", "prefill", "decode", "flower"} <= set(services)
+    assert {"redis", "prepare", "api", "prefill", "decode", "batch", "flower"} <= set(services)
     named_volumes = set(c["volumes"])
     for name, svc in services.items():
         deps = svc.get("depends_on") or {}
@@ -300,7 +300,7 @@ def test_compose_services_fit_together():
             if "target" in build:
                 assert build["target"] in stages(parse_dockerfile(dockerfile)), f"{name}: target {build['target']}"
     # the models volume: written by prepare only, read-only everywhere else
-    for name in ("api", "prefill", "decode"):
+    for name in ("api", "prefill", "decode", "batch"):
         assert "models:/var/lib/farm/models:ro" in services[name]["volumes"]
         assert services[name]["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -309,7 +309,7 @@ def test_compose_services_fit_together():
 
 
 def test_compose_redis_aof_and_password():
-    c = compose({"REDIS_PASSWORD": "pw1", "FARM_SECRET": "s", "FARM_FLOWER_AUTH": "a:b"})
+    c = compose({"REDIS_PASSWORD": "pw1", "FARM_SECRET": "s", "FARM_FLOWER_AUTH": "a:b", "FARM_METRICS_TOKEN": "t"})
     r = c["services"]["redis"]
     script = r["command"][2]
     assert "--appendonly yes" in script and "--dir /data" in script and "--maxmemory-policy noeviction" in script
@@ -317,7 +317,7 @@ def test_compose_redis_aof_and_password():
     assert r["environment"]["REDIS_PASSWORD"] == "pw1"
     assert "redis-data:/data" in r["volumes"] and "ports" not in r, "Redis stays on the compose network"
     assert 'REDISCLI_AUTH="$REDIS_PASSWORD"' in r["healthcheck"]["test"][1]
-    for name in ("api", "prefill", "decode", "flower"):
+    for name in ("api", "prefill", "decode", "batch", "flower"):
         assert c["services"][name]["environment"]["FARM_REDIS__URL"] == "redis://:pw1@redis:6379/0"
         assert c["services"][name]["environment"]["FARM_SECRET"] == "s"
     assert c["services"]["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "a:b"
@@ -339,8 +339,21 @@ def test_compose_commands_and_environment_are_the_farms(tmp_path):
     assert (api["worker_class"], api["bind"]) == ("gevent", ["0.0.0.0:8080"])
     flower = services["flower"]["command"]
     assert flower[:4] == ["celery", "-A", "tasks.celery_app", "flower"] and "--address=0.0.0.0" in flower
+    # the batch driver: without it a created batch never runs; it takes the tasks.batch command line
+    batch = services["batch"]
+    assert batch["command"][:3] == ["python", "-m", "tasks.batch"] and batch["image"] == services["api"]["image"]
+    assert batch["healthcheck"] == {"disable": True}, "the API image's HEALTHCHECK asks an HTTP port it lacks"
+    import tasks.batch
+
+    assert tasks.batch.main.__code__  # the module the command runs
+    # API and batch driver keep file bodies where both see them: in Redis (nothing else is shared)
+    for name in ("api", "batch"):
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        assert load_config(environ={**env, "FARM_STATE_DIR": str(tmp_path)}).batch.files_backend == "redis"
+    # the API's liveness check does not ask Redis
+    assert services["api"]["healthcheck"]["test"] == ["CMD", "farm-healthcheck", "api"]
     # every FARM_* variable is a real configuration key: the farm loads with each service's environment
-    for name in ("api", "prefill", "decode", "flower", "prepare"):
+    for name in ("api", "prefill", "decode", "batch", "flower", "prepare"):
         env = {k: str(v) for k, v in (services[name].get("environment") or {}).items()}
         env.setdefault("FARM_STATE_DIR", str(tmp_path))
         cfg = load_config(environ=env)
@@ -397,15 +410,20 @@ def test_worker_healthcheck_follows_the_heartbeat(redis_url, tmp_path):
         proc.wait()
 
 
-def test_api_healthcheck_reads_health():
+def test_api_healthcheck_reads_liveness_and_readiness():
+    """`farm-healthcheck api` asks /health/live (the image's HEALTHCHECK: a Redis outage must not make the API
+    unhealthy); `farm-healthcheck api-ready` asks /health/ready."""
     import http.server
     import threading
 
-    codes = iter([200, 503])
+    answers = {"/health/live": [200, 503], "/health/ready": [503]}
+    asked = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            self.send_response(next(codes) if self.path == "/health" else 404)
+            asked.append(self.path)
+            codes = answers.get(self.path)
+            self.send_response(codes.pop(0) if codes else 404)
             self.end_headers()
 
         def log_message(self, *a):
@@ -415,9 +433,12 @@ def test_api_healthcheck_reads_health():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         env = {**os.environ, "FARM_API__PORT": str(srv.server_address[1])}
-        check = [sys.executable, str(DOCKER / "healthcheck.py"), "api"]
-        assert subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 0
-        assert subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 1
+        check = [sys.executable, str(DOCKER / "healthcheck.py")]
+        assert subprocess.run([*check, "api"], env=env, capture_output=True, timeout=30).returncode == 0
+        assert subprocess.run([*check, "api"], env=env, capture_output=True, timeout=30).returncode == 1
+        assert subprocess.run([*check, "api-ready"], env=env, capture_output=True, timeout=30).returncode == 1
+        assert subprocess.run([*check, "nonsense"], env=env, capture_output=True, timeout=30).returncode == 2
     finally:
         srv.shutdown()
+    assert asked == ["/health/live", "/health/live", "/health/ready"]
     assert shlex.split("farm-healthcheck api")  # the images install it under this name

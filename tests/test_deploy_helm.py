@@ -4,17 +4,21 @@ helm-python-sdk binds Helm's Go SDK (v4) in a shared library shipped in its whee
 values.schema.json, `fail`/`required` and Sprig behave as with `helm template` / `helm lint --strict`.
 Every rendered object is validated against the Kubernetes OpenAPI schemas bundled in
 kubernetes-validate (strict: unknown fields fail) for the oldest and newest Kubernetes the chart
-supports; KEDA objects against the fields of KEDA's CRDs. Then the farm itself checks what the chart
-hands it: the ConfigMap and the pods' FARM_* environment load with farm.config.load_config, worker
-and planner commands parse with the `farm` CLI's own parser, the planner finds the worker Deployments,
-KEDA watches the queues the workers consume, and the worker liveness probe is run against a real Redis.
-Offline, no cluster, no helm binary.
+supports; KEDA and Prometheus Operator objects against the fields of their CRDs. Then the farm itself checks
+what the chart hands it: the ConfigMap and the pods' FARM_* environment load with farm.config.load_config,
+worker, batch driver and planner commands parse with their own parsers, the planner finds the worker
+Deployments, KEDA asks Prometheus for the requests waiting for each worker's model and role (the series the
+API exports: tests/test_metrics_live.py evaluates the rendered query against a real farm under backlog), the
+probes split liveness from readiness, the values schema rejects unknown keys at every level and matches the
+farm's configuration model, and the worker liveness probe is run against a real Redis. Offline, no cluster,
+no helm binary.
 """
 
 from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -33,12 +37,18 @@ from farm.cli import build_parser
 from farm.config import load_config
 from farm.planner.actuators import deployment_name
 from farm.planner.config import load_planner_config
-from farm.protocol import queues_for_role
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("farm_deploy_render", ROOT / "deploy" / "kubernetes" / "render.py")
-render_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render_mod)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"farm_deploy_{name}", ROOT / "deploy" / "kubernetes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+render_mod = _load("render")
 
 CHART = render_mod.CHART
 EXAMPLES = CHART / "examples"
@@ -65,10 +75,24 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "flower": {"enabled": False},
         "modelStorage": {"type": "hostPath", "hostPath": "/srv/models", "prepare": {"enabled": False}},
         "secrets": {"farmSecret": "s3cret", "apiKeys": ["k1", "k2"]},
-        "keda": {"enabled": True, "redisAddress": "redis.example:6379",
-                 "passwordSecret": {"name": "external-redis", "key": "password"}},
+        "keda": {"enabled": True, "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090",
+                                                 "extraMatchers": 'job="farm-api"'}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "frontend": {"autoscaling": {"enabled": True, "maxReplicas": 5}},
+        "podDisruptionBudget": {"enabled": False},
+        "topologySpread": {"enabled": False},
+        "batchDriver": {"replicas": 2, "concurrency": 4},
         "workers": [{"name": "agg", "workerType": "both", "model": {"name": "SmolLM2-135M-Instruct"},
                      "keda": {"maxReplicas": 3}}],
+    },
+    # Redis Sentinel (redis.ha): the chart's own primary + replica + 3 sentinels
+    "redis-ha": {"redis": {"ha": {"enabled": True}}, "planner": {"enabled": True}},
+    # Redis Sentinel of your own: no Redis objects, the farm pointed at the given sentinels
+    "external-sentinel": {
+        "redis": {"enabled": False, "externalUrl": "redis://:pw@unused:6379/2",
+                  "ha": {"enabled": True, "masterName": "mymaster",
+                         "externalSentinels": ["s0.redis.svc:26379", "s1.redis.svc:26379", "10.0.0.7:5000"]}},
+        "planner": {"enabled": True},
     },
 }
 
@@ -129,6 +153,10 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
 
 
+def cfg_batch_backend(env: dict[str, str], cfg_path: Path) -> str:
+    return load_config(environ={**env, "FARM_CONFIG": str(cfg_path)}).batch.files_backend
+
+
 def farm_cfg_file(objs: list[dict[str, Any]], tmp_path: Path, key: str = "farm.yaml") -> Path:
     cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-config"))
     path = tmp_path / key
@@ -160,10 +188,10 @@ _KEDA_TRIGGER_AUTH = {
             "env": {"type": "array"}, "podIdentity": {"type": "object"}}},
     },
 }
-# The fields of KEDA's ScaledObject CRD (keda.sh/v1alpha1) the chart may use, and the redis scaler's
+# The fields of KEDA's ScaledObject CRD (keda.sh/v1alpha1) the chart may use, and the Prometheus scaler's
 # metadata keys; KEDA's CRD types trigger metadata as map[string]string.
-_REDIS_SCALER_KEYS = ["address", "host", "port", "listName", "listLength", "activationListLength",
-                      "databaseIndex", "enableTLS", "unsafeSsl", "usernameFromEnv", "passwordFromEnv"]
+_PROMETHEUS_SCALER_KEYS = ["serverAddress", "query", "threshold", "activationThreshold", "ignoreNullValues",
+                           "namespace", "customHeaders", "queryParameters", "unsafeSsl", "timeout", "authModes"]
 _KEDA_SCALED_OBJECT = {
     "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
@@ -192,11 +220,12 @@ _KEDA_SCALED_OBJECT = {
             "triggers": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "additionalProperties": False, "required": ["type", "metadata"],
                 "properties": {
-                    "type": {"const": "redis"}, "name": {"type": "string"},
+                    "type": {"const": "prometheus"}, "name": {"type": "string"},
                     "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
                     "useCachedMetrics": {"type": "boolean"},
-                    "metadata": {"type": "object", "additionalProperties": False, "required": ["listName"],
-                                 "properties": {k: {"type": "string"} for k in _REDIS_SCALER_KEYS}},
+                    "metadata": {"type": "object", "additionalProperties": False,
+                                 "required": ["serverAddress", "query", "threshold"],
+                                 "properties": {k: {"type": "string"} for k in _PROMETHEUS_SCALER_KEYS}},
                     "authenticationRef": {"type": "object", "additionalProperties": False, "required": ["name"],
                                           "properties": {"name": {"type": "string"},
                                                          "kind": {"enum": ["TriggerAuthentication",
@@ -213,13 +242,42 @@ _KEDA_SCALED_OBJECT = {
 }
 
 
+# The fields of the Prometheus Operator's ServiceMonitor CRD (monitoring.coreos.com/v1) the chart uses.
+_SECRET_KEY = {"type": "object", "additionalProperties": False, "required": ["name", "key"],
+               "properties": {"name": {"type": "string"}, "key": {"type": "string"}, "optional": {"type": "boolean"}}}
+_SERVICE_MONITOR = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {"type": "object", "additionalProperties": False, "required": ["selector", "endpoints"], "properties": {
+            "jobLabel": {"type": "string"},
+            "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+                "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+            "selector": {"type": "object", "additionalProperties": False, "properties": {
+                "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                "matchExpressions": {"type": "array"}}},
+            "endpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "port": {"type": "string"}, "path": {"type": "string"}, "scheme": {"enum": ["http", "https"]},
+                    "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "honorLabels": {"type": "boolean"},
+                    "authorization": {"type": "object", "additionalProperties": False, "properties": {
+                        "type": {"type": "string"}, "credentials": _SECRET_KEY}},
+                    "relabelings": {"type": "array"}, "metricRelabelings": {"type": "array"}}}}}},
+    },
+}
+
+
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
 def test_manifests_match_kubernetes_schemas(case):
     errors = []
     for o in objects(case):
         where = f"{o.get('kind')}/{o.get('metadata', {}).get('name')}"
-        if o.get("apiVersion", "").startswith("keda.sh/"):
-            schema = {"ScaledObject": _KEDA_SCALED_OBJECT, "TriggerAuthentication": _KEDA_TRIGGER_AUTH}[o["kind"]]
+        if o.get("apiVersion", "").startswith(("keda.sh/", "monitoring.coreos.com/")):
+            schema = {"ScaledObject": _KEDA_SCALED_OBJECT, "TriggerAuthentication": _KEDA_TRIGGER_AUTH,
+                      "ServiceMonitor": _SERVICE_MONITOR}[o["kind"]]
             errors += [f"{where}: {e.message} at {list(e.path)}"
                        for e in jsonschema.Draft7Validator(schema).iter_errors(o)]
             continue
@@ -309,16 +367,17 @@ def test_references_resolve(case):
                 assert any(p["targetPort"] in {cp.get("name") for c in spec["containers"] for cp in c.get("ports", [])}
                            for spec in matching), f"Service {name}: targetPort {p['targetPort']}"
     deployments = by_kind(objs, "Deployment")
-    auths = set(by_kind(objs, "TriggerAuthentication"))
     for name, so in by_kind(objs, "ScaledObject").items():
         assert so["spec"]["scaleTargetRef"]["name"] in deployments, name
-        for t in so["spec"]["triggers"]:
-            assert ("authenticationRef" in t) == bool(auths), name
-            if auths:
-                assert t["authenticationRef"]["name"] in auths, name
-    for name, ta in by_kind(objs, "TriggerAuthentication").items():
-        for ref in ta["spec"]["secretTargetRef"]:
-            assert ref["name"] in external or ref["key"] in secrets.get(ref["name"], set()), f"{name}: {ref}"
+    for name, hpa in by_kind(objs, "HorizontalPodAutoscaler").items():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in deployments, name
+    for name, sm in by_kind(objs, "ServiceMonitor").items():
+        ref = sm["spec"]["endpoints"][0]["authorization"]["credentials"]
+        assert ref["name"] in external or ref["key"] in secrets.get(ref["name"], set()), f"{name}: {ref}"
+    pod_labels = [o["spec"]["template"]["metadata"]["labels"] for o, _ in pod_specs(objs)]
+    for name, pdb in by_kind(objs, "PodDisruptionBudget").items():
+        sel = pdb["spec"]["selector"]["matchLabels"].items()
+        assert sum(sel <= labels.items() for labels in pod_labels) == 1, f"PDB {name} selects one workload's pods"
     for name, rb in by_kind(objs, "RoleBinding").items():
         assert rb["roleRef"]["name"] in by_kind(objs, "Role"), name
         assert {s["name"] for s in rb["subjects"]} <= accounts, name
@@ -332,13 +391,14 @@ def test_farm_loads_the_rendered_configuration(case, tmp_path):
     cfg_path = farm_cfg_file(objs, tmp_path)
     values = VALUE_SETS[case]
     router_mode = values.get("frontend", {}).get("routerMode", "kv")
-    farm_containers = [(o, c) for o, pod in pod_specs(objs) if component(o) != "redis"
+    farm_containers = [(o, c) for o, pod in pod_specs(objs) if component(o) not in ("redis", "redis-sentinel")
                        for c in pod.get("initContainers", []) + pod["containers"]]
     assert farm_containers
     for owner, c in farm_containers:
         env = resolved_env(c, objs)
         env["FARM_CONFIG"] = str(cfg_path)  # the mounted ConfigMap, here
         assert c["env"][0]["name"] == "FARM_CONFIG" or c["name"] == "worker"
+        assert cfg_batch_backend(env, cfg_path) == "redis", "every API replica and batch driver sees every file"
         cfg = load_config(environ=env)  # unknown keys, bad values or env overrides raise ConfigError
         assert cfg.default_model in [m.name for m in cfg.models]
         assert not cfg.redis.managed
@@ -349,7 +409,8 @@ def test_farm_loads_the_rendered_configuration(case, tmp_path):
         assert len(env["FARM_SECRET"]) >= 6
         if owner["kind"] == "Deployment" and c["name"] in ("worker", "api"):
             assert env["FARM_REDIS__URL"].startswith("redis://:" + (
-                "pw@" if case == "external-redis" else env["REDIS_PASSWORD"] + "@"))
+                "pw@" if case in ("external-redis", "external-sentinel") else env["REDIS_PASSWORD"] + "@"))
+        assert cfg.redis.ha.enabled == bool(values.get("redis", {}).get("ha", {}).get("enabled"))
         if component(owner) == "worker":
             assert cfg.transfer.advertise_host == "10.1.2.3"  # the pod IP
             assert cfg.transfer.bind_host == "0.0.0.0"
@@ -423,8 +484,9 @@ def test_probes(case, tmp_path):
         assert live["periodSeconds"] * live["failureThreshold"] <= 60
     api = by_kind(objs, "Deployment")[f"{RELEASE}-inference-farm-api"]
     c = container(api["spec"]["template"]["spec"], "api")
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # liveness never depends on Redis (a Redis outage must not restart every API pod); readiness does
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
     assert api["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 35
     from gunicorn.config import Config
@@ -486,7 +548,10 @@ def test_router_mode_reaches_the_api(mode):
     assert env["FARM_ROUTER__MODE"] == mode
 
 
-def test_keda_scales_workers_on_their_own_queues():
+def test_keda_scales_workers_on_the_requests_waiting_for_their_model_and_role():
+    """One ScaledObject per worker Deployment, asking Prometheus for farm_requests_waiting of exactly the model
+    and role that Deployment's pods serve (`farm worker --role R --model M`); the query's value is what the
+    real farm reports under backlog in tests/test_metrics_live.py."""
     for case in ("aggregated-keda", "external-redis"):
         objs = objects(case)
         deps = workers(objs)
@@ -495,17 +560,139 @@ def test_keda_scales_workers_on_their_own_queues():
         for name, so in sos.items():
             c = container(deps[name]["spec"]["template"]["spec"], "worker")
             args = build_parser().parse_args(expand(c["command"][1:], resolved_env(c)))
-            lists = [t["metadata"]["listName"] for t in so["spec"]["triggers"]]
-            assert lists == queues_for_role(args.model, args.role)
-            for t in so["spec"]["triggers"]:
-                assert all(isinstance(v, str) for v in t["metadata"].values())
-            address = so["spec"]["triggers"][0]["metadata"]["address"]
-            if case == "aggregated-keda":
-                assert address == f"{RELEASE}-inference-farm-redis.{NAMESPACE}.svc:6379"
-                assert f"{RELEASE}-inference-farm-redis" in by_kind(objs, "Service")
-            else:
-                assert address == "redis.example:6379"
+            (trigger,) = so["spec"]["triggers"]
+            assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
+            meta = trigger["metadata"]
+            assert all(isinstance(v, str) for v in meta.values())
+            matchers = 'job="farm-api"' if case == "external-redis" else f'namespace="{NAMESPACE}"'
+            assert meta["query"] == keda_query(args.model, args.role, matchers)
+            assert meta["serverAddress"] == VALUE_SETS[case]["keda"]["prometheus"]["serverAddress"]
+            assert int(meta["threshold"]) >= 1 and meta["ignoreNullValues"] == "true"
+            assert "replicas" not in deps[name]["spec"], "KEDA owns the replica count"
         assert so["spec"]["maxReplicaCount"] == (8 if case == "aggregated-keda" else 3)
+    with pytest.raises(helm.HelmError, match="keda.prometheus.serverAddress"):
+        render_mod.render({"keda": {"enabled": True}})
+
+
+def keda_query(model: str, role: str, matchers: str) -> str:
+    return f'sum(farm_requests_waiting{{model="{model}",role="{role}",{matchers}}})'
+
+
+def test_batch_driver_runs_with_the_files_every_replica_sees(tmp_path):
+    """A batch driver Deployment (without one a created batch never runs): `python -m tasks.batch` named after
+    its pod, the farm's configuration and models, file bodies in Redis like the API's."""
+    for case, replicas in (("default", 1), ("external-redis", 2)):
+        objs = objects(case)
+        dep = by_kind(objs, "Deployment")[f"{RELEASE}-inference-farm-batch"]
+        assert dep["spec"]["replicas"] == replicas
+        pod = dep["spec"]["template"]["spec"]
+        c = container(pod, "batch")
+        env = resolved_env(c, objs)
+        cmd = expand(c["command"], env)
+        assert cmd[:3] == ["python", "-m", "tasks.batch"]
+        opts = dict(zip(cmd[3::2], cmd[4::2], strict=True))
+        assert opts["--name"] == "batch@farm-worker-7d9f-abcde"
+        if case == "external-redis":
+            assert opts["--concurrency"] == "4"
+        cfg = load_config(environ={**env, "FARM_CONFIG": str(farm_cfg_file(objs, tmp_path))})
+        assert cfg.batch.files_backend == "redis" and cfg.redis.url.startswith("redis://:")
+        assert {"name": "models", "mountPath": "/var/lib/farm/models", "readOnly": True} in c["volumeMounts"]
+        assert pod["terminationGracePeriodSeconds"] >= 30, "warm shutdown hands the batches back"
+    assert f"{RELEASE}-inference-farm-batch" not in by_kind(
+        render_mod.manifests(render_mod.render({"batchDriver": {"enabled": False}})), "Deployment")
+
+
+def test_disruption_budgets_autoscaler_service_monitor_and_spread():
+    objs = objects("default")
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    deps = by_kind(objs, "Deployment")
+    # a budget for the API, the batch drivers and every worker Deployment (not Flower, not the planner)
+    covered = {n for n, d in deps.items() if any(p["spec"]["selector"]["matchLabels"].items()
+                                                  <= d["spec"]["template"]["metadata"]["labels"].items()
+                                                  for p in pdbs.values())}
+    assert covered == {n for n, d in deps.items() if component(d) in ("api", "batch", "worker")}
+    assert all(p["spec"]["maxUnavailable"] == 1 for p in pdbs.values())
+    # topology spread: each constraint selects its own pods
+    for name, d in deps.items():
+        tpl = d["spec"]["template"]
+        spread = tpl["spec"].get("topologySpreadConstraints")
+        if component(d) in ("api", "batch", "worker"):
+            (c,) = spread
+            assert c["topologyKey"] == "kubernetes.io/hostname" and c["whenUnsatisfiable"] == "ScheduleAnyway"
+            assert c["labelSelector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"], name
+    assert not by_kind(objs, "HorizontalPodAutoscaler") and not by_kind(objs, "ServiceMonitor")
+    assert deps[f"{RELEASE}-inference-farm-api"]["spec"]["replicas"] == 1
+    # external-redis: the API autoscaled on CPU (no replica count of its own), scraped by a ServiceMonitor
+    objs = objects("external-redis")
+    api = by_kind(objs, "Deployment")[f"{RELEASE}-inference-farm-api"]
+    hpa = by_kind(objs, "HorizontalPodAutoscaler")[f"{RELEASE}-inference-farm-api"]
+    assert "replicas" not in api["spec"] and hpa["spec"]["maxReplicas"] == 5
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    assert container(api["spec"]["template"]["spec"], "api")["resources"]["requests"]["cpu"], "HPA needs a CPU request"
+    sm = by_kind(objs, "ServiceMonitor")[f"{RELEASE}-inference-farm-api"]
+    svc = by_kind(objs, "Service")[f"{RELEASE}-inference-farm-api"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    ep = sm["spec"]["endpoints"][0]
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]} and ep["path"] == "/metrics"
+    # Prometheus presents the metrics token the API pods get as FARM_METRICS_TOKEN
+    env = {e["name"]: e for e in container(api["spec"]["template"]["spec"], "api")["env"]}
+    assert env["FARM_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == {**ep["authorization"]["credentials"],
+                                                                      "optional": True}
+    assert not by_kind(objs, "PodDisruptionBudget")
+    assert all("topologySpreadConstraints" not in d["spec"]["template"]["spec"] for d in by_kind(objs, "Deployment").values())
+
+
+def _walk_objects(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    if isinstance(node, dict):
+        if node.get("type") == "object" or "properties" in node:
+            out.append((path, node))
+        for k, v in node.items():
+            out += _walk_objects(v, f"{path}/{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _walk_objects(v, f"{path}[{i}]")
+    return out
+
+
+# Kubernetes' own structures the chart passes through whole (the API server checks them when applied).
+_PASS_THROUGH = re.compile(r"/(nodeAffinity|podAffinity|podAntiAffinity|valueFrom|seccompProfile|seLinuxOptions)$")
+
+
+def test_values_schema_is_the_generated_one_and_closed_at_every_level():
+    schema_mod = _load("values_schema")
+    assert schema_mod.main(["--check"]) == 0, "run: python deploy/kubernetes/values_schema.py"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for path, node in _walk_objects(schema):
+        if _PASS_THROUGH.search(path):
+            continue
+        if "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path} accepts unknown keys"
+        else:
+            assert "additionalProperties" in node, f"{path}: an object with no keys named must say what its map holds"
+    # every key of values.yaml is in the schema (values.yaml validates against it, strictly)
+    jsonschema.Draft7Validator(schema).validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+@pytest.mark.parametrize("values, where", [
+    ({"frontned": {}}, "frontned"),
+    ({"frontend": {"replica": 2}}, "replica"),
+    ({"workers": [{"workerType": "both", "model": {"name": "m", "maxModelLength": 9}}]}, "maxModelLength"),
+    ({"workers": [{"workerType": "both", "model": {"name": "m"}, "engine": {"kv_cahce_mb": 1}}]}, "kv_cahce_mb"),
+    ({"config": {"engine": {"kv_cahce_mb": 1}}}, "kv_cahce_mb"),
+    ({"config": {"api": {"threads": 8}}}, "threads"),
+    ({"planner": {"config": {"bounds": {"decode": {"mx": 3}}}}}, "mx"),
+    ({"keda": {"prometheus": {"server": "http://p:9090"}}}, "server"),
+    ({"redis": {"persistence": {"sise": "1Gi"}}}, "sise"),
+    ({"redis": {"ha": {"enabeld": True}}}, "enabeld"),
+    ({"redis": {"ha": {"sentinel": {"replica": 3}}}}, "replica"),
+    ({"metrics": {"serviceMonitor": {"enable": True}}}, "enable"),
+    ({"batchDriver": {"replica": 2}}, "replica"),
+])
+def test_the_values_schema_rejects_unknown_keys_everywhere(values, where):
+    with pytest.raises(helm.HelmError, match=re.escape(where)):
+        render_mod.render(values)
 
 
 def test_redis_statefulset_with_aof_password_and_volume():
@@ -530,6 +717,211 @@ def test_redis_statefulset_with_aof_password_and_volume():
     assert "volumeClaimTemplates" not in by_kind(given, "StatefulSet")[f"{RELEASE}-inference-farm-redis"]["spec"]
 
 
+# ---- Redis Sentinel (redis.ha) ----------------------------------------------------------------------------
+
+REDIS_STS = f"{RELEASE}-inference-farm-redis"
+SENTINEL_STS = f"{RELEASE}-inference-farm-redis-sentinel"
+HA_ENV = ("FARM_REDIS__HA__ENABLED", "FARM_REDIS__HA__MASTER_NAME", "FARM_REDIS__HA__SENTINELS",
+          "FARM_REDIS__HA__QUORUM", "FARM_REDIS__HA__REPLICA_ACK_TIMEOUT_MS")
+
+
+def farm_containers(objs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(owner, container) of every farm process (API, workers, batch driver, Flower, planner): not Redis,
+    not the sentinels, not the model preparation (it does not talk to Redis)."""
+    return [(o, c) for o, pod in pod_specs(objs) if component(o) not in ("redis", "redis-sentinel")
+            for c in pod["containers"]]
+
+
+def run_script(script: str, tmp_path: Path, hostname: str, sentinel_says: str = "",
+               masters: tuple[str, ...] = ()) -> str:
+    """A rendered start script run by sh (as pod `hostname`) with stand-ins for timeout, redis-cli and redis-server:
+    the sentinels answer `sentinel_says` (nothing: none answers), the hosts in `masters` answer ROLE with
+    master. Returns what redis-server would read: its config file, then its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stubs = {
+        "timeout": 'shift; exec "$@"',
+        "redis-cli": "\n".join([
+            'args="$*"',
+            'case "$args" in',
+            f'  *"sentinel get-master-addr-by-name"*) [ -n "{sentinel_says}" ] || exit 1; '
+            f'printf "%s\\n%s\\n" "{sentinel_says}" 6379 ;;',
+            '  *" role") for m in ' + " ".join(masters or ("none",)) + '; do '
+            '[ "$2" = "$m" ] && { echo master; exit 0; }; done; exit 1 ;;',
+            '  *ping) echo PONG ;;',
+            'esac']),
+        "redis-server": 'cat "$1"; echo "ARGS $*"',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    script = script.replace("/tmp/", f"{tmp_path}/").replace("/data/", f"{tmp_path}/")
+    out = subprocess.run(["sh", "-c", script], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": "pw1", "HOSTNAME": hostname},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_redis_ha_bundles_a_primary_a_replica_and_three_sentinels(tmp_path):
+    objs = objects("redis-ha")
+    sts = by_kind(objs, "StatefulSet")
+    assert set(sts) == {REDIS_STS, SENTINEL_STS}
+    redis_sts, sentinel_sts = sts[REDIS_STS], sts[SENTINEL_STS]
+    assert redis_sts["spec"]["replicas"] == 2 and sentinel_sts["spec"]["replicas"] == 3
+    # no Service over primary and replica together (writes would reach the replica); stable names instead
+    services = by_kind(objs, "Service")
+    assert REDIS_STS not in services
+    for s in (redis_sts, sentinel_sts):
+        headless = services[s["spec"]["serviceName"]]["spec"]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+        # spread over nodes and under a disruption budget, like the farm's own pods
+        (spread,) = s["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["labelSelector"]["matchLabels"] == s["spec"]["selector"]["matchLabels"]
+        assert any(p["spec"]["selector"]["matchLabels"] == s["spec"]["selector"]["matchLabels"]
+                   for p in by_kind(objs, "PodDisruptionBudget").values())
+    redis_c = container(redis_sts["spec"]["template"]["spec"], "redis")
+    sentinel_c = container(sentinel_sts["spec"]["template"]["spec"], "sentinel")
+    # one managed password (the chart's Secret) for data nodes, sentinels and every farm process
+    pw_ref = next(e for e in redis_c["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+    assert pw_ref == next(e for e in sentinel_c["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+    assert pw_ref["name"] in by_kind(objs, "Secret")
+    headless = redis_sts["spec"]["serviceName"]
+    node = [f"{REDIS_STS}-{i}.{headless}.{NAMESPACE}.svc" for i in range(2)]
+
+    # the data nodes: pod 0 starts as primary, pod 1 as its replica; after a failover (the sentinels name
+    # another primary) a restarted pod 0 joins it as a replica instead of coming back as a second primary
+    script = redis_c["command"][2]
+    assert "--requirepass" not in script and "--appendonly yes" in script and "--maxmemory-policy noeviction" in script
+    first = run_script(script, tmp_path, f"{REDIS_STS}-0")
+    assert 'requirepass "pw1"' in first and 'masterauth "pw1"' in first and "replicaof" not in first
+    assert f"replica-announce-ip {node[0]}" in first
+    assert "--dir /data" in first
+    second = run_script(script, tmp_path, f"{REDIS_STS}-1")
+    assert f"replicaof {node[0]} 6379" in second and f"replica-announce-ip {node[1]}" in second
+    after_failover = run_script(script, tmp_path, f"{REDIS_STS}-0", sentinel_says=node[1])
+    assert f"replicaof {node[1]} 6379" in after_failover
+    sentinels_down = run_script(script, tmp_path, f"{REDIS_STS}-0", masters=(node[1],))
+    assert f"replicaof {node[1]} 6379" in sentinels_down, "no sentinel answers: the pod that says master"
+
+    # the sentinels: monitor the master name at the primary with quorum 2, password both ways
+    conf = run_script(sentinel_c["command"][2], tmp_path, f"{SENTINEL_STS}-1")
+    lines = conf.splitlines()
+    assert f"sentinel monitor farm {node[0]} 6379 2" in lines
+    assert 'sentinel auth-pass farm "pw1"' in lines and 'requirepass "pw1"' in lines
+    assert {"sentinel resolve-hostnames yes", "sentinel announce-hostnames yes",
+            f"sentinel announce-ip {SENTINEL_STS}-1.{sentinel_sts['spec']['serviceName']}.{NAMESPACE}.svc"} <= set(lines)
+    assert lines[-1].startswith("ARGS ") and lines[-1].endswith("--sentinel")
+    conf = run_script(sentinel_c["command"][2], tmp_path, f"{SENTINEL_STS}-0", sentinel_says=node[1])
+    assert f"sentinel monitor farm {node[1]} 6379 2" in conf.splitlines(), "a restarted sentinel follows the failover"
+    port = sentinel_c["ports"][0]["containerPort"]
+    expected = [f"{SENTINEL_STS}-{i}.{sentinel_sts['spec']['serviceName']}.{NAMESPACE}.svc:{port}" for i in range(3)]
+
+    # every farm container (API, workers, batch driver, Flower, planner) goes through those sentinels
+    from farm.redis_client import celery_broker
+
+    cfg_path = farm_cfg_file(objs, tmp_path)
+    seen = set()
+    for owner, c in farm_containers(objs):
+        seen.add(component(owner))
+        env = resolved_env(c, objs)
+        assert set(HA_ENV) <= set(env), f"{owner['metadata']['name']}/{c['name']}"
+        assert env["FARM_REDIS__HA__SENTINELS"] == ",".join(expected)
+        cfg = load_config(environ={**env, "FARM_CONFIG": str(cfg_path)})
+        ha = cfg.redis.ha
+        assert (ha.enabled, ha.master_name, ha.sentinels, ha.quorum) == (True, "farm", expected, 2)
+        assert cfg.redis.url.startswith(f"redis://:{env['REDIS_PASSWORD']}@")
+        urls, options = celery_broker(cfg.redis)
+        assert urls.split(";") == [f"sentinel://:{env['REDIS_PASSWORD']}@{a}/0" for a in expected]
+        assert options == {"master_name": "farm", "sentinel_kwargs": {"password": env["REDIS_PASSWORD"]}}
+    assert seen == {"api", "worker", "batch", "flower", "planner"}
+
+
+def test_external_sentinels_render_no_redis_and_point_the_farm_at_them(tmp_path):
+    objs = objects("external-sentinel")
+    assert not [o for o in objs if component(o).startswith("redis")]
+    assert not by_kind(objs, "StatefulSet")
+    assert f"{RELEASE}-inference-farm-redis" not in by_kind(objs, "Secret")
+    given = VALUE_SETS["external-sentinel"]["redis"]["ha"]["externalSentinels"]
+    cfg_path = farm_cfg_file(objs, tmp_path)
+    seen = set()
+    for owner, c in farm_containers(objs):
+        seen.add(component(owner))
+        env = resolved_env(c, objs)
+        assert set(HA_ENV) <= set(env), f"{owner['metadata']['name']}/{c['name']}"
+        assert env["FARM_REDIS__HA__SENTINELS"] == ",".join(given)
+        assert next(e for e in c["env"] if e["name"] == "FARM_REDIS__URL")["valueFrom"]["secretKeyRef"]["key"] == \
+            "redis-url"
+        cfg = load_config(environ={**env, "FARM_CONFIG": str(cfg_path)})
+        assert (cfg.redis.ha.enabled, cfg.redis.ha.master_name) == (True, "mymaster")
+        assert cfg.redis.ha.sentinel_addresses() == [("s0.redis.svc", 26379), ("s1.redis.svc", 26379), ("10.0.0.7", 5000)]
+        assert cfg.redis.url == "redis://:pw@unused:6379/2"  # password and database
+    assert seen == {"api", "worker", "batch", "flower", "planner"}
+
+
+def test_master_names_yaml_would_misread_are_quoted(tmp_path):
+    for name in ("yes", "1e3", "mymaster"):
+        objs = render_mod.manifests(render_mod.render({"redis": {"ha": {"enabled": True, "masterName": name}}}))
+        _, c = farm_containers(objs)[0]
+        cfg = load_config(environ={**resolved_env(c, objs), "FARM_CONFIG": str(farm_cfg_file(objs, tmp_path))})
+        assert cfg.redis.ha.master_name == name
+
+
+def test_ha_worker_probe_finds_the_primary_through_a_real_sentinel(tmp_path):
+    """The redis.ha heartbeat probe from the rendered chart, run against a real redis-server watched by a real
+    redis-sentinel: it asks the sentinel for the primary (farm.redis_client), like every farm process."""
+    import shutil
+    import time
+
+    from farm.orphans import die_with_parent
+    from tests.conftest import free_port, start_redis
+
+    dep = next(iter(workers(objects("redis-ha")).values()))
+    c = container(dep["spec"]["template"]["spec"], "worker")
+    startup, liveness = c["startupProbe"]["exec"]["command"], c["livenessProbe"]["exec"]["command"]
+    assert "farm.redis_client" in startup[2]
+    proc, url = start_redis(tmp_path / "redis")
+    sport = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {sport}\nbind 127.0.0.1\nsentinel monitor farm 127.0.0.1 {url.rsplit(':', 1)[1].split('/')[0]} 1\n")
+    exe = shutil.which("redis-sentinel")
+    sentinel = subprocess.Popen([exe, str(conf)] if exe else [shutil.which("redis-server"), str(conf), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+    try:
+        wid = "decode@farm-inference-farm-smollm2-decode-5c8f-x2x4q"
+        env = {"WORKER_ID": wid, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FARM_STATE_DIR": str(tmp_path),
+               "FARM_REDIS__URL": "redis://127.0.0.1:9/1",  # not asked: the sentinel says where the primary is
+               "FARM_REDIS__MANAGED": "false", "FARM_REDIS__HA__ENABLED": "true", "FARM_REDIS__HA__MASTER_NAME": "farm",
+               "FARM_REDIS__HA__SENTINELS": f"127.0.0.1:{sport}", "FARM_REDIS__HA__QUORUM": "1"}
+        r = redis.Redis.from_url(url.rsplit("/", 1)[0] + "/1")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=sport).sentinel_get_master_addr_by_name("farm"):
+                    break
+            except redis.RedisError:
+                time.sleep(0.05)
+
+        def run(cmd, e=env):
+            return subprocess.run([sys.executable, *cmd[1:]], env=e, cwd=tmp_path, capture_output=True, text=True,
+                                  timeout=30)
+
+        r.delete(registry.alive_key(wid))
+        assert run(startup).returncode == 1, "no heartbeat yet"
+        registry.heartbeat(r, wid)
+        assert run(startup).returncode == 0, run(startup).stderr
+        assert run(liveness).returncode == 0
+        r.delete(registry.alive_key(wid))
+        assert run(liveness).returncode == 1
+        down = {**env, "FARM_REDIS__HA__SENTINELS": "127.0.0.1:9"}  # no sentinel answers
+        assert run(startup, down).returncode == 1
+        assert run(liveness, down).returncode == 0, "a Redis outage alone restarts no worker"
+        r.close()
+    finally:
+        for p in (sentinel, proc):
+            p.terminate()
+            p.wait(timeout=10)
+
+
 def test_flower_basic_auth_from_a_secret():
     objs = objects("default")
     flower = by_kind(objs, "Deployment")[f"{RELEASE}-inference-farm-flower"]
@@ -546,7 +938,12 @@ def test_api_keys_and_farm_secret():
     objs = objects("external-redis")
     secret = by_kind(objs, "Secret")[f"{RELEASE}-inference-farm-farm"]
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    token = data.pop("metrics-token")
     assert data == {"farm-secret": "s3cret", "api-keys": "k1,k2", "redis-url": "redis://:pw@redis.example:6379/0"}
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", token), "generated once (kept across upgrades like the other secrets)"
+    given = render_mod.manifests(render_mod.render({"secrets": {"metricsToken": "scrape-me"}}))
+    assert base64.b64decode(by_kind(given, "Secret")[f"{RELEASE}-inference-farm-farm"]["data"]["metrics-token"]) == \
+        b"scrape-me"
     api = by_kind(objs, "Deployment")[f"{RELEASE}-inference-farm-api"]
     env = {e["name"]: e for e in container(api["spec"]["template"]["spec"])["env"]}
     assert env["FARM_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
@@ -610,6 +1007,14 @@ def test_model_storage_variants():
     ({"modelStorage": {"type": "existingClaim"}}, "modelStorage.existingClaim is required"),
     ({"workers": [{"workerType": "both", "gpuDevice": -1, "model": {"name": "m"}}]}, "gpuDevice"),
     ({"workers": [{"workerType": "both", "model": {"name": "m", "source": "builtin:x", "path": "/m"}}]}, "model"),
+    ({"redis": {"ha": {"enabled": True, "externalSentinels": ["s:26379"]}}}, "redis.ha.externalSentinels is for"),
+    ({"redis": {"enabled": False, "externalUrl": "redis://:p@h/0", "ha": {"enabled": True}}},
+     "needs redis.ha.externalSentinels"),
+    ({"redis": {"enabled": False, "externalUrl": "redis://:p@h/0",
+                "ha": {"enabled": True, "externalSentinels": ["s:26379"]}}}, "quorum 2 is more than the 1"),
+    ({"redis": {"ha": {"enabled": True, "quorum": 4}}}, "quorum 4 is more than the 3"),
+    ({"redis": {"ha": {"enabled": True, "dataNodes": 1}}}, "dataNodes"),
+    ({"redis": {"ha": {"externalSentinels": ["s0:26379,s1:26379"]}}}, "externalSentinels"),
 ])
 def test_invalid_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):

@@ -1,5 +1,8 @@
 """deploy/prometheus and deploy/grafana: the scrape configurations find what the compose file and the
-Helm chart run, and the dashboard queries only the farm's metric names (with their labels)."""
+Helm chart run, and the dashboard queries only series the farm's /metrics really carries, with their labels:
+names and labels come from the registry the API serves (the API's own metrics and the farm-wide series a
+FarmCollector yields), never from a list written here. tests/test_metrics_live.py then runs every panel's
+query against a real farm after real traffic."""
 
 from __future__ import annotations
 
@@ -15,27 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "inference-farm.json"
 
-# The farm's metrics the dashboard may use, with their labels (`le` for histogram buckets).
-METRICS: dict[str, set[str]] = {
-    "farm_routing_decisions_total": {"mode", "stage"},
-    "farm_routing_stage_seconds_bucket": {"stage", "le"},
-    "farm_router_predicted_hit_blocks_total": set(),
-    "farm_router_request_blocks_total": set(),
-    "farm_requests_shed_total": {"stage"},
-    "farm_prompt_tokens_total": {"model"},
-    "farm_cached_prompt_tokens_total": {"model"},
-    "farm_completion_tokens_total": {"model"},
-    "farm_prefill_total": {"mode"},
-    "farm_requests_total": {"model", "status"},
-    "farm_ttft_seconds_bucket": {"model", "le"},
-    "farm_itl_seconds_bucket": {"model", "le"},
-    "farm_e2e_latency_seconds_bucket": {"model", "le"},
-    "farm_queue_depth": {"queue"},
-    "farm_kv_blocks": {"worker", "tier", "state"},
-    "farm_semantic_cache_hits_total": set(),
-    "farm_guard_blocks_total": {"guard"},
-    "farm_batch_lines_total": {"state"},
-}
 PROMQL_WORDS = {
     # functions
     "rate", "irate", "increase", "delta", "idelta", "deriv", "histogram_quantile", "clamp_min", "clamp_max",
@@ -116,41 +98,65 @@ def test_dashboard_parses_and_is_well_formed():
             assert var in names, f"${var} in {expr}"
 
 
-def test_dashboard_queries_only_farm_metrics():
+def metric_catalog() -> dict[str, set[str]]:
+    """Every series name the API's /metrics can carry, with its label names (`le` for buckets): the API
+    process's own metrics, as registered when its modules are imported, and the farm-wide series exactly as
+    farm.metrics yields them for a worker whose heartbeat carries a real engine's stats."""
+    from prometheus_client import REGISTRY
+
+    import api.app  # noqa: F401 - registers every metric the API process serves
+    from farm.engine.timings import RequestTimings
+    from farm.metrics import _FarmWide
+    from farm.registry import WorkerInfo
+
+    out: dict[str, set[str]] = {}
+    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - names and labels of every metric
+        name, labels, kind = getattr(collector, "_name", None), getattr(collector, "_labelnames", None), \
+            getattr(collector, "_type", None)
+        if name is None:
+            continue
+        labels = set(labels)
+        if kind == "counter":
+            out[f"{name}_total"] = labels
+        elif kind == "histogram":
+            out[f"{name}_bucket"], out[f"{name}_sum"], out[f"{name}_count"] = labels | {"le"}, labels, labels
+        else:
+            out[name] = labels
+    wide = _FarmWide()
+    stats = {"running": 1, "waiting": 2, "kv_usage": 0.5, "blocks_total": 10, "blocks_free": 5, "cached_blocks": 1,
+             "prefix_query_tokens": 10, "prefix_hit_tokens": 4, "preemptions": 0, "tokens_generated": 3,
+             "tiers": {"host": {"used": 1, "capacity_blocks": 4}, "disk": {"used": 0, "capacity_blocks": 8}},
+             "histograms": RequestTimings().snapshot()}
+    wide.exporting = True
+    wide.workers = [(WorkerInfo("decode-1@h", "decode", "m", "h", 1, 16), stats)]
+    wide.queues, wide.waiting = {"farm.m.decode": 0}, {("m", "decode"): 2.0}
+    wide.counters = {"farm_batch_lines": {"completed": 1.0}, "farm_batches": {"completed": 1.0}}
+    for fam in wide.collect():
+        for s in fam.samples:
+            out.setdefault(s.name, set()).update(s.labels)
+    return out
+
+
+def test_dashboard_queries_only_series_the_farm_exports():
+    """Every selector of every panel names a series the API's /metrics carries, filtered and grouped only by
+    labels that series has (this is what found the two panels that were always empty)."""
     dash = json.loads(DASHBOARD.read_text())
-    used = set()
+    catalog = metric_catalog()
+    assert "vllm:num_requests_waiting" in catalog and "farm_requests_total" in catalog
     for expr in expressions(dash["panels"]):
         assert expr.count("(") == expr.count(")"), expr
         uses = metric_uses(expr)
         assert uses, f"no metric in {expr}"
         for name, labels in uses:
-            assert name in METRICS, f"{name} is not a farm metric ({expr})"
-            assert labels <= METRICS[name], f"{name} has no label {labels - METRICS[name]} ({expr})"
+            assert name in catalog, f"{name} is not a series the farm exports ({expr})"
+            assert labels <= catalog[name], f"{name} has no label {labels - catalog[name]} ({expr})"
             if name.endswith("_bucket"):
                 assert "histogram_quantile" in expr and "le" in labels, expr
             if name.endswith("_total") or name.endswith("_bucket"):
-                assert re.search(rf"(rate|increase)\({name}\b", expr), f"counter {name} used without rate()"
-            used.add(name)
+                assert re.search(rf"(rate|increase)\({re.escape(name)}\b", expr), f"counter {name} used without rate()"
     for q in template_queries(dash):
         m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", q)
-        assert m and m.group(1) in METRICS and m.group(2) in METRICS[m.group(1)], q
-    assert used == set(METRICS), f"metrics without a panel: {set(METRICS) - used}"
-
-
-def test_labels_exist_on_the_metrics_the_farm_defines_today():
-    """For the metrics farm/metrics.py already defines, the dashboard uses only labels they have
-    (the others are coming: their names and labels are the ones agreed in METRICS)."""
-    text = (ROOT / "farm" / "metrics.py").read_text()
-    defined = {}
-    for m in re.finditer(r'(?:Counter|Gauge|Histogram)\(\s*"(farm_[a-z0-9_]+)",\s*"[^"]*"\s*(?:,\s*\[([^\]]*)\])?', text):
-        defined[m.group(1)] = set(re.findall(r'"(\w+)"', m.group(2) or ""))
-    assert {"farm_routing_decisions_total", "farm_prompt_tokens_total", "farm_prefill_total"} <= set(defined)
-    dash = json.loads(DASHBOARD.read_text())
-    for expr in expressions(dash["panels"]):
-        for name, labels in metric_uses(expr):
-            base = name.removesuffix("_bucket") if name.endswith("_bucket") else name
-            if base in defined:
-                assert labels - {"le"} <= defined[base], f"{base} has labels {defined[base]}: {expr}"
+        assert m and m.group(1) in catalog and m.group(2) in catalog[m.group(1)], q
 
 
 def test_grafana_provisioning():
@@ -182,9 +188,16 @@ def test_prometheus_compose_targets_exist():
                 host, port = target.split(":")
                 assert host in services, target
     assert jobs["farm-api"]["static_configs"][0]["targets"] == ["api:8080"]
-    api = services["api"]
-    assert "python:api.gunicorn_conf" in api["command"]  # binds to FARM_API__HOST:FARM_API__PORT
-    assert (api["environment"]["FARM_API__HOST"], str(api["environment"]["FARM_API__PORT"])) == ("0.0.0.0", "8080")
+    assert services["api"]["environment"]["FARM_API__PORT"] == "8080"
+    # /metrics answers only a key or the metrics token; Flower only its basic auth: both come from files the
+    # compose file writes from the same variables the API and Flower get
+    assert jobs["farm-api"]["authorization"]["credentials_file"] == "/tmp/farm-metrics-token"
+    assert {"username_file", "password_file"} <= set(jobs["farm-workers"]["basic_auth"])
+    start = services["prometheus"]["command"][0]
+    for path in ("/tmp/farm-metrics-token", "/tmp/flower-user", "/tmp/flower-password"):
+        assert path in start
+    assert services["api"]["environment"]["FARM_METRICS_TOKEN"] == services["prometheus"]["environment"][
+        "FARM_METRICS_TOKEN"]
     assert "--port=5555" in services["flower"]["command"]
     prom = services["prometheus"]
     assert "../prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]

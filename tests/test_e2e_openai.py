@@ -24,13 +24,8 @@ def farm(tmp_path_factory):
     env = make_farm_env(f"redis://127.0.0.1:{free_port()}/0", tmp)  # Farm starts and manages this Redis
     env["FARM_DISAGGREGATION__MODE"] = "always"  # short prompts take the handle path too
     cfg = load_config(environ=env)
-    f = Farm(cfg, prefill=1, decode=1, both=0, port=free_port(), flower=False, env=env)
-    try:
-        f.start()
-        f.wait_healthy(240)
+    with Farm(cfg, prefill=1, decode=1, both=0, port=free_port(), flower=False, env=env).running(240) as f:
         yield f
-    finally:
-        f.stop()
 
 
 @pytest.fixture

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from farm.config import EngineConfig, KVTiersConfig
 from farm.engine.engine import Engine
 from farm.engine.hashing import block_hashes
+from farm.kvcache.arena import DiskArena
 from farm.protocol import SamplingParams
+from tests.procs import ROOT
 from tests.test_engine import run
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -78,3 +85,46 @@ def test_disk_is_skipped_when_recompute_is_faster(make):
     eng.tiers.disk_bytes_per_s = 1.0  # a disk slower than any recompute
     assert eng.tiers.lookup(hs[:4]) == []
     assert run(eng, prompt, GREEDY).last.cached_tokens == 0
+
+
+def test_disk_arena_is_a_file_in_the_tier_dir_removed_when_the_engine_stops(make, tmp_path):
+    eng, _ = make(host_blocks=0, disk_blocks=64, min_reuse=0)
+    arena = eng.tiers.disk.storage
+    assert arena.path.parent == tmp_path and arena.path.exists() and arena.path.suffix == ".arena"
+    assert 0 < eng.tiers.disk_bytes_per_s < float("inf")  # measured on the device at start, not assumed
+    prompt = list(range(900, 921))
+    first = run(eng, prompt, GREEDY)
+    churn(eng)
+    arena.drop_page_cache()
+    assert arena.resident_fraction() == 0.0  # the next reads come from the device
+    eng.tiers.recompute_s_per_token = 1.0  # whatever the device's speed today: read, do not recompute
+    again = run(eng, prompt, GREEDY)
+    assert again.last.cached_tokens > 0 and again.token_ids == first.token_ids  # read back intact, cold
+    eng.stop()
+    assert not arena.path.exists()
+
+
+_KILLED_ARENA = """
+import sys, time, torch
+from pathlib import Path
+from farm.kvcache.arena import DiskArena
+a = DiskArena(Path(sys.argv[1]), 4, (2, 8), torch.float32)
+print(a.path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_arena_left_by_a_killed_engine_is_removed_by_the_next(tmp_path):
+    mine = DiskArena(tmp_path, 4, (2, 8), torch.float32)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_ARENA, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    left = Path(proc.stdout.readline().strip())
+    proc.kill()
+    proc.wait()
+    assert left.exists()  # kill -9: nothing removed it
+    nxt = DiskArena(tmp_path, 4, (2, 8), torch.float32)
+    assert not left.exists()
+    assert mine.path.exists() and nxt.path.exists()  # live arenas are locked: kept
+    mine.close()
+    nxt.close()
+    assert list(tmp_path.iterdir()) == []

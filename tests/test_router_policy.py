@@ -1,4 +1,5 @@
-"""Cost function, softmax temperature, modes, shared load, shedding, block-size refusal, no herding."""
+"""Cost functions (measured and Dynamo's), softmax temperature, modes, shared load and its local mirror,
+step costs from heartbeats, shedding (KV occupancy and predicted TTFT), block-size refusal, no herding."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ import pytest
 from farm import registry
 from farm.config import load_config
 from farm.router.load import LoadTracker
-from farm.router.policy import Candidate, RoundRobin, kv_costs, softmax_pick
+from farm.router.policy import Candidate, RoundRobin, dynamo_costs, softmax_pick
 from farm.router.router import BusyError, Router
 
 
-def test_cost_is_weighted_prefill_blocks_plus_active_blocks():
+def test_dynamo_cost_is_weighted_prefill_blocks_plus_active_blocks():
     cands = [Candidate("cached", overlap_blocks=8, active_blocks=4),
              Candidate("cold", overlap_blocks=0, active_blocks=0),
              Candidate("queued", overlap_blocks=0, pending_prefill_blocks=5)]
     # request of 10 blocks, weight 2: cached 2*2 + 4+10 = 18; cold 2*10 + 10 = 30; queued 2*15 + 10 = 40
-    assert kv_costs(cands, 10, 2.0) == [18, 30, 40]
-    assert kv_costs(cands, 10, 0.0) == [14, 10, 10]
+    assert dynamo_costs(cands, 10, 2.0) == [18, 30, 40]
+    assert dynamo_costs(cands, 10, 0.0) == [14, 10, 10]
 
 
 def test_temperature_zero_is_cheapest_and_ties_are_fair():
@@ -90,10 +91,11 @@ def test_kv_mode_prefers_the_worker_holding_the_prefix(redis_client):
     assert set(p.timings_us) == {"hash", "index", "load", "schedule"}
 
 
-def test_no_herding_once_the_holder_is_loaded(redis_client):
-    """Many requests sharing a system prompt go to its holder until its load outweighs the reuse."""
+def test_dynamo_cost_stops_herding_once_the_holder_is_loaded(redis_client):
+    """Dynamo's cost: requests sharing a system prompt go to its holder until its decode load outweighs
+    the reuse (overlap_weight 1: one cached block is worth one active block)."""
     ws = workers(redis_client, 4, num_blocks=100_000)
-    router = make_router(redis_client, mode="kv", busy_threshold=0)
+    router = make_router(redis_client, mode="kv", cost="dynamo", busy_threshold=0)
     hashes = router.hashes(list(range(160)))  # 10 shared blocks
     router.index.store("w0", hashes)
     chosen = []

@@ -113,3 +113,35 @@ def test_concurrent_shared_prefix_requests_spread_and_complete(two_workers):
 
     for p in procs:
         assert gw.router.loads.loads().get(p.name, empty_load()) == empty_load()
+
+
+def test_workers_measured_step_costs_reach_the_router_through_redis(two_workers):
+    """Each worker's engine times its own prefill and decode steps and publishes them in its heartbeat; the
+    router's follower reads them, so the cost a placement uses is the worker's own, not a constant."""
+    cfg, r, procs = two_workers
+    gw = Gateway(cfg, r)
+    try:
+        for i in range(6):  # a few prefill and decode steps on every worker (each engine skips its first two)
+            events, _ = collect(gw.submit(chat(cfg, f"Can I bring bike number {i} in on a weekday?",
+                                               system=f"Shop note {i}. " + LONG_SYSTEM, max_tokens=4)))
+            assert events[-1]["type"] == "done"
+        names = [p.name for p in procs]
+        deadline = time.time() + 20
+        agreed: dict[str, tuple] = {}
+        while time.time() < deadline and not agreed:
+            beats = registry.heartbeats(r, names)
+            for name in names:
+                costs = beats.get(name, {}).get("costs", {})
+                k = gw.router.costs.of(name)
+                published = (costs.get("prefill_ms_per_block", 0) / 1000, costs.get("decode_step_ms", 0) / 1000)
+                if k.measured and costs.get("prefill_samples") and (k.prefill_s_per_block, k.decode_step_s) == \
+                        pytest.approx(published):
+                    agreed[name] = (k, costs)
+            time.sleep(0.2)
+        assert agreed, "no worker's measured step costs reached the router"
+        for k, costs in agreed.values():
+            assert costs["prefill_samples"] >= 1 and costs["decode_samples"] >= 1
+            assert k.prefill_s_per_block > 0 and k.decode_step(10) > k.decode_step(0) >= 0
+            assert k != gw.router.costs.prior
+    finally:
+        gw.router.stop()

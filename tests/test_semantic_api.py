@@ -37,6 +37,7 @@ def test_seed_ssn_request_is_refused_by_the_api(app):
     resp = chat(app, "My SSN is 123-45-6789", model="SmolLM2-135M-Instruct", max_tokens=50)
     assert resp.status_code == 200
     assert resp.headers["x-vsr-pii-violation"] == "true" and resp.headers["x-vsr-pii-types"] == "B-US_SSN"
+    assert resp.headers["x-vsr-pii-detected"] == "US_SSN"
     body = resp.get_json()
     choice = body["choices"][0]
     assert choice["finish_reason"] == "content_filter"
@@ -49,13 +50,22 @@ def test_seed_jailbreak_request_is_refused_streamed_too(app):
                 max_tokens=50, stream=True, stream_options={"include_usage": True})
     assert resp.status_code == 200 and resp.mimetype == "text/event-stream"
     assert resp.headers["x-vsr-jailbreak-blocked"] == "true"
-    assert resp.headers["x-vsr-jailbreak-type"] in {"instruction_override", "roleplay", "prompt_extraction"}
-    assert float(resp.headers["x-vsr-jailbreak-confidence"]) >= 0.6
+    assert resp.headers["x-vsr-jailbreak-type"] in app.extensions["farm"].semantic().jailbreak.head.labels[1:]
+    assert float(resp.headers["x-vsr-jailbreak-confidence"]) >= app.extensions["farm"].cfg.semantic.jailbreak.threshold
     chunks = sse(resp)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text.startswith("I cannot help with this request")
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "content_filter"
     assert chunks[-1]["usage"]["total_tokens"] == 0
+
+
+@pytest.mark.parametrize("model", ["MoM", "SmolLM2-135M-Instruct"])
+@pytest.mark.parametrize("text", ["Summarize the life of Albert Einstein", "Ping 192.168.1.1"])
+def test_public_figures_and_addresses_are_not_refused(app, redis_client, model, text):
+    """Issue 15: the default policy reports names and addresses but does not refuse them; the request
+    goes on to the gateway (503 here: no worker), with or without an explicit model name."""
+    resp = chat(app, text, model=model, headers={"Cache-Control": "no-cache"})
+    assert resp.status_code == 503 and "x-vsr-pii-violation" not in resp.headers
 
 
 def test_bad_parameters_are_still_400_on_a_blocked_request(app):

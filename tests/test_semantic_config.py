@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from farm.config import ConfigError, load_config
-from farm.semantic.config import MMLU_PRO_CATEGORIES
+from farm.semantic.config import MMLU_PRO_CATEGORIES, PIIConfig
 
 
 def _load(tmp_path, override: dict, env: dict | None = None):
@@ -22,8 +22,9 @@ def test_defaults_out_of_the_box():
     assert s.cache.backend == "redis"
     assert sorted(c.name for c in s.categories) == sorted(MMLU_PRO_CATEGORIES)
     assert {"MoM", "auto"} <= set(s.aliases)
-    # the default policy allows no PII for any model (the seed's SSN request is refused)
-    assert s.pii.policy(cfg.default_model).violations({"US_SSN", "EMAIL_ADDRESS"}) == {"US_SSN", "EMAIL_ADDRESS"}
+    # the default policy refuses identity data (the seed's SSN request) and reports contacts and names
+    assert s.pii.policy(cfg.default_model).violations({"US_SSN", "EMAIL_ADDRESS", "PERSON"}) == {"US_SSN"}
+    assert s.pii.default_policy == PIIConfig().default_policy  # config/default.yaml says what the code says
     for c in s.categories:
         assert set(c.model_scores) <= {m.name for m in cfg.models}
 

@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -180,52 +181,166 @@ def test_stop_order_workers_first_redis_last_and_sigkill_after_grace(tmp_path):
 
 
 def _foreground_script(tmp_path: Path) -> Path:
+    """`farm up` in the foreground with a managed Redis and, given a worker script, one fake worker that
+    ignores SIGTERM (a warm shutdown that never ends: only a kill stops it)."""
     script = tmp_path / "fg.py"
     script.write_text(textwrap.dedent("""
         import sys
         from farm.config import load_config
         from farm.supervisor import Farm
-        sys.exit(Farm(load_config(), prefill=0, decode=0, both=0, api=False, flower=False).serve(timeout=20))
+        worker = sys.argv[1] if len(sys.argv) > 1 else None
+
+        class FakeWorkerFarm(Farm):
+            def worker_command(self, role, model, name):
+                return [sys.executable, worker, role, model, self.worker_id(name), self.cfg.redis.url, "ignore-term"]
+
+        farm = FakeWorkerFarm(load_config(), prefill=0, decode=0, both=1 if worker else 0, api=False, flower=False,
+                              prepare=False, grace_s=600)
+        sys.exit(farm.serve(timeout=60))
     """))
     return script
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "farm-down"])
-def test_foreground_supervisor_stops_cleanly(tmp_path, how):
-    port = free_port()
-    env = _env(tmp_path, port)
-    fg = subprocess.Popen([sys.executable, str(_foreground_script(tmp_path))], env=env, cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    state = tmp_path / "state" / "farm.json"
-
-    def url() -> str:  # as any later `farm` command sees it: with the managed Redis's generated password
-        return load_config(environ=env).redis.url
-
-    head = []
+def _start_foreground(tmp_path: Path, env: dict[str, str], *args: str, ignore_sigint: bool = False):
+    """The supervisor in a process of its own, once it says it is up: (Popen, stdout so far, farm.json).
+    `ignore_sigint`: it inherits an ignored SIGINT, as from a shell that starts it in the background."""
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    fg = subprocess.Popen([sys.executable, str(_foreground_script(tmp_path)), *args], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+    head: list[str] = []
     try:
-        # stop it only once it says it is up (a Ctrl-C during start-up is another test's business)
+        # stopped only once it says it is up (a Ctrl-C during start-up is another test's business)
         deadline = time.time() + 60
         while not any("farm is up" in line for line in head):
             line = fg.stdout.readline()
-            assert line or fg.poll() is None, "supervisor exited before it was up"
+            assert line or fg.poll() is None, f"supervisor exited before it was up: {fg.stderr.read()}"
             assert time.time() < deadline, "supervisor did not come up"
             head.append(line)
-        _wait_for(lambda: state.exists() and redis_server.ping(url()), 20)
+        state = tmp_path / "state" / "farm.json"
+        _wait_for(lambda: state.exists() and redis_server.ping(load_config(environ=env).redis.url), 20)
         assert json.loads(state.read_text())["supervisor"]["pid"] == fg.pid
-        if how == "ctrl-c":
+    except BaseException:
+        fg.kill()
+        fg.wait()
+        raise
+    return fg, "".join(head), json.loads(state.read_text())
+
+
+def _pids(state: dict) -> dict[str, psutil.Process]:
+    return {p["name"]: psutil.Process(p["pid"]) for p in state["processes"]}
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c-with-sigint-ignored-by-its-parent", "farm-down"])
+def test_foreground_supervisor_stops_cleanly(tmp_path, how):
+    env = _env(tmp_path, free_port())
+    fg, head, _state = _start_foreground(tmp_path, env, ignore_sigint=how.endswith("parent"))
+    url = load_config(environ=env).redis.url  # as any later `farm` command sees it: with the generated password
+    try:
+        if how.startswith("ctrl-c"):
             fg.send_signal(signal.SIGINT)
         else:
             down = _farm_cli(env, "down")
             assert down.returncode == 0 and "redis" in down.stdout
         out, err = fg.communicate(timeout=30)
-        out = "".join(head) + out
+        out = head + out
     finally:
         if fg.poll() is None:
             fg.kill()
+            fg.wait()
     assert fg.returncode == 0, err
     assert "farm is up" in out and "stopping" in err
-    assert not redis_server.ping(url())
+    assert not redis_server.ping(url)
+    assert not (tmp_path / "state" / "farm.json").exists()
+
+
+def test_a_second_ctrl_c_kills_at_once(tmp_path):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(_FAKE_WORKER)
+    env = _env(tmp_path, free_port())
+    fg, _head, state = _start_foreground(tmp_path, env, str(script))
+    children = _pids(state)
+    try:
+        fg.send_signal(signal.SIGINT)
+        time.sleep(2)  # the worker ignores its SIGTERM: the supervisor would wait out its 600 s grace
+        assert fg.poll() is None and children["both-1"].is_running()
+        t0 = time.monotonic()
+        fg.send_signal(signal.SIGINT)
+        _out, err = fg.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if fg.poll() is None:
+            fg.kill()
+            fg.wait()
+    assert fg.returncode == 0, err
+    assert "killing what is left" in err
+    assert took < 15
+    _wait_for(lambda: not any(p.is_running() for p in children.values()), 5)
+    assert b"SIGTERM" in (tmp_path / "state" / "logs" / "redis.log").read_bytes()  # Redis still shut down cleanly
+    assert not (tmp_path / "state" / "farm.json").exists()
+
+
+def test_ctrl_c_during_start_up_stops_what_was_started(tmp_path):
+    """A worker that never becomes ready keeps `farm up` in wait_healthy(); Ctrl-C there stops it at once."""
+    never_ready = tmp_path / "never_ready.py"
+    never_ready.write_text("import time\ntime.sleep(600)\n")
+    env = _env(tmp_path, free_port())
+    fg = subprocess.Popen([sys.executable, str(_foreground_script(tmp_path)), str(never_ready)], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state = tmp_path / "state" / "farm.json"
+    try:
+        _wait_for(lambda: state.exists() and {"redis", "both-1"} <= {p["name"] for p in
+                                                                   json.loads(state.read_text())["processes"]}, 60)
+        children = _pids(json.loads(state.read_text()))
+        fg.send_signal(signal.SIGINT)
+        out, err = fg.communicate(timeout=30)
+    finally:
+        if fg.poll() is None:
+            fg.kill()
+            fg.wait()
+    assert fg.returncode == 0 and "farm is up" not in out and "stopping" in err, err
+    _wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children.values()), 5)
     assert not state.exists()
+
+
+def test_children_die_with_a_supervisor_killed_by_sigkill(tmp_path):
+    """kill -9 of the supervisor runs no cleanup: the parent-death signal takes Redis (SIGTERM: AOF flushed)
+    and the worker (SIGKILL) down with it, instead of leaving them to pid 1."""
+    script = tmp_path / "fake_worker.py"
+    script.write_text(_FAKE_WORKER)
+    env = _env(tmp_path, free_port())
+    fg, _head, state = _start_foreground(tmp_path, env, str(script))
+    children = _pids(state)
+    assert set(children) == {"redis", "both-1"}
+    fg.kill()
+    fg.wait()
+    _wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children.values()), 10)
+    assert b"SIGTERM" in (tmp_path / "state" / "logs" / "redis.log").read_bytes()
+    down = _farm_cli(env, "down")  # the stale farm.json is cleared without touching anything
+    assert down.returncode == 0 and "no farm is running" in down.stdout
+
+
+_LEAKING_TEST = """
+import subprocess
+def test_leaves_a_process_behind():
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)  # no parent-death signal, never stopped
+    open({pidfile!r}, "w").write(str(p.pid))
+"""
+
+
+def test_the_suite_fails_when_a_process_it_started_outlives_it(tmp_path):
+    """The session-end check of tests/conftest.py: a run whose test leaves a process behind fails, names it
+    and kills it (here in a pytest of its own, loading the suite's conftest as a plugin)."""
+    pidfile = tmp_path / "pid"
+    test = tmp_path / "test_leak.py"
+    test.write_text(_LEAKING_TEST.format(pidfile=str(pidfile)))
+    env = {**os.environ, "FARM_TEST_LEFTOVER_GRACE_S": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                          "--rootdir", str(tmp_path), str(test)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    pid = int(pidfile.read_text())
+    assert run.returncode == 1, run.stdout + run.stderr  # the test itself passed: the leftover fails the run
+    assert "1 passed" in run.stdout and "outlived them" in run.stdout and "sleep 600" in run.stdout
+    _wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5)
 
 
 def test_flower_on_a_public_address_needs_basic_auth(tmp_path, monkeypatch):
@@ -280,6 +395,8 @@ _FAKE_WORKER = textwrap.dedent("""
     import redis
     from farm import registry
     role, model, wid, url = sys.argv[1:5]
+    if sys.argv[5:] == ["ignore-term"]:  # a warm shutdown that never ends
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     r = redis.Redis.from_url(url)
     time.sleep(0.3)
     info = registry.WorkerInfo(worker_id=wid, role=role, model=model, hostname="h", pid=__import__("os").getpid(),
@@ -291,7 +408,8 @@ _FAKE_WORKER = textwrap.dedent("""
         hb.stop()
         registry.deregister(r, wid)
         sys.exit(0)
-    signal.signal(signal.SIGTERM, stop)
+    if sys.argv[5:] != ["ignore-term"]:
+        signal.signal(signal.SIGTERM, stop)
     while True:
         time.sleep(0.1)
 """)
@@ -332,3 +450,66 @@ def test_wait_healthy_waits_for_each_worker_in_its_role(tmp_path, redis_url, red
         farm.stop()
     assert registry.live_workers(redis_client) == []  # warm shutdown deregistered them
     assert not (cfg.state_path / "farm.json").exists()
+
+
+def _ha_env(tmp_path: Path) -> dict[str, str]:
+    """A farm whose managed Redis is a Sentinel set: primary, replica and three sentinels on free ports."""
+    return _env(tmp_path, free_port(), FARM_REDIS__HA__ENABLED="true", FARM_REDIS__HA__REPLICA_PORT=str(free_port()),
+                FARM_REDIS__HA__SENTINELS=",".join(f"127.0.0.1:{free_port()}" for _ in range(3)),
+                FARM_REDIS__HA__DOWN_AFTER_MS="1000")
+
+
+def _role(url: str) -> str:
+    try:
+        return redis.Redis.from_url(url, socket_timeout=2).execute_command("ROLE")[0].decode()
+    except redis.ConnectionError:
+        return "down"
+
+
+def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path):
+    from farm.redis_client import connect, primary_address
+    from tasks.celery_app import make_celery
+
+    env = _ha_env(tmp_path)
+    cfg = load_config(environ=env)
+    farm = Farm(cfg, prefill=0, decode=0, both=0, api=False, flower=False)
+    try:
+        farm.start()
+        assert farm.wait_healthy(20)["ready"]
+        rcfg = farm.cfg.redis  # with the generated password
+        procs = {p.name: p for p in farm.procs}
+        assert set(procs) == {"redis", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
+        url_port, replica_port = redis_server.parse_url(rcfg.url)[1], rcfg.ha.replica_port
+        primary_url, replica_url = (redis_server.node_url(rcfg.url, p) for p in (url_port, replica_port))
+        assert _role(primary_url) == "master" and _role(replica_url) == "slave"
+        with pytest.raises(redis.AuthenticationError):  # the sentinels want the password too
+            redis.Redis(port=rcfg.ha.sentinel_addresses()[0][1]).execute_command("SENTINEL", "masters")
+
+        client = connect(rcfg)  # through the sentinels: the one client survives the failover below
+        client.set("farm:ha", "kept")
+        client.execute_command("WAIT", 1, 2000)
+        app = make_celery(farm.cfg)  # kombu through the sentinels (sentinel:// URLs, master_name)
+        app.send_task("farm.test.noop", queue="farm.hatest")
+        assert redis.Redis.from_url(primary_url).llen("farm.hatest") == 1
+
+        procs["redis"].popen.kill()  # kill -9 the primary
+        t0 = time.monotonic()
+        _wait_for(lambda: (primary_address(rcfg) or (None, 0))[1] == replica_port, 30)
+        promoted_s = time.monotonic() - t0
+        assert client.get("farm:ha") == b"kept" and client.set("farm:ha2", "new")  # same client, new primary
+        assert promoted_s < 20
+        assert farm.supervise_once() is None  # a dead node of a Sentinel set is no reason to stop the farm
+        _wait_for(lambda: procs["redis"].alive() and _role(primary_url) == "slave", 20)  # rejoined as replica
+        _wait_for(lambda: redis.Redis.from_url(primary_url).get("farm:ha2") == b"new", 20)
+    finally:
+        farm.stop()
+    assert not any(p.alive() for p in farm.procs)
+
+    again = Farm(load_config(environ=env), prefill=0, decode=0, both=0, api=False, flower=False)
+    try:  # the next start keeps the promoted node as the primary: its writes are never resynced away
+        again.start()
+        assert again.wait_healthy(20)["ready"]
+        assert _role(replica_url) == "master" and _role(primary_url) == "slave"
+        assert connect(again.cfg.redis).get("farm:ha2") == b"new"
+    finally:
+        again.stop()

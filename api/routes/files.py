@@ -1,8 +1,8 @@
 """OpenAI Files API, for batch input and output: POST /v1/files (multipart, purpose=batch), GET /v1/files,
 GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}.
 
-Bodies are stored on disk under `<state_dir>/files/`, metadata in Redis (farm.batch.store), so every API
-replica on the host and the batch drivers see the same files, and they survive restarts. Each file
+Metadata lives in Redis and bodies on disk under `<state_dir>/files/` or in Redis (`batch.files_backend`,
+farm.batch.store), so every API replica and batch driver sees the same files, and they survive restarts. Each file
 carries an `owner` (the API key's owner id, api.auth; "anonymous" without keys) and is only visible to
 its owner: another key gets 404, as from OpenAI.
 """
@@ -13,8 +13,7 @@ from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
 from api.errors import APIError, bad_request
-from farm.batch.config import files_path
-from farm.batch.store import BatchStore, FileStore, clean_filename, public_file
+from farm.batch.store import BatchStore, FileStorageFull, FileStore, clean_filename, public_file
 
 bp = Blueprint("files", __name__, url_prefix="/v1")
 
@@ -27,7 +26,7 @@ class BatchContext:
     def __init__(self, farm):
         self.farm = farm
         self.cfg = farm.cfg.batch
-        self.files = FileStore(farm.redis, files_path(farm.cfg))
+        self.files = FileStore.from_config(farm.redis, farm.cfg)
         self.batches = BatchStore(farm.redis)
 
 
@@ -64,7 +63,10 @@ def upload():
     up = request.files.get("file")
     if up is None:
         raise bad_request("'file' is required (multipart/form-data)", "file", "missing_required_parameter")
-    meta = ctx.files.create(up.stream, up.filename or "upload.jsonl", purpose, request_owner())
+    try:
+        meta = ctx.files.create(up.stream, up.filename or "upload.jsonl", purpose, request_owner())
+    except FileStorageFull as e:
+        raise APIError(413, str(e), param="file", code="file_storage_full") from None
     if meta["bytes"] == 0:
         ctx.files.delete(meta["id"])
         raise bad_request("the file is empty", "file", "invalid_value")

@@ -1,4 +1,11 @@
-"""GET /health: Redis reachable, and which live workers serve each model in which role."""
+"""Health: `/health/live` (the process serves HTTP), `/health/ready` (it can serve requests: Redis answers),
+and `/health` (Redis reachable, and which live workers serve each model in which role).
+
+Liveness never touches Redis: a Redis outage makes every API replica unready (taken out of the Service, so
+clients get a fast 503 elsewhere or wait) but never restarts them, which would drop every stream in flight
+and gain nothing, since a new process cannot reach Redis either. `/health` keeps its old answer for the
+clients and tools that read it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,32 @@ from farm import registry
 
 bp = Blueprint("health", __name__)
 
+ROLES = ("prefill", "decode", "both")
+
+
+def _redis_down(e: redis.RedisError) -> Response:
+    resp = jsonify({"status": "unavailable", "redis": "down", "error": str(e)})
+    resp.status_code = 503
+    resp.headers["Retry-After"] = "2"
+    return resp
+
+
+@bp.get("/health/live")
+def live() -> Response:
+    """200 while this process answers HTTP: what a liveness probe asks, and all it asks."""
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/health/ready")
+def ready() -> Response:
+    """200 when Redis answers (this replica can place and stream requests); 503 with Retry-After otherwise.
+    Workers are not required: without one a request gets a clean 503 from the API itself."""
+    try:
+        current_app.extensions["farm"].redis.ping()
+    except redis.RedisError as e:
+        return _redis_down(e)
+    return jsonify({"status": "ok", "redis": "ok"})
+
 
 @bp.get("/health")
 def health() -> Response:
@@ -17,12 +50,9 @@ def health() -> Response:
     try:
         workers = registry.live_workers(farm.redis)
     except redis.RedisError as e:
-        resp = jsonify({"status": "unavailable", "redis": "down", "error": str(e)})
-        resp.status_code = 503
-        resp.headers["Retry-After"] = "2"
-        return resp
-    by_model: dict[str, dict[str, int]] = {m.name: {"prefill": 0, "decode": 0, "both": 0} for m in farm.cfg.models}
+        return _redis_down(e)
+    by_model: dict[str, dict[str, int]] = {m.name: dict.fromkeys(ROLES, 0) for m in farm.cfg.models}
     for w in workers:
-        by_model.setdefault(w.model, {"prefill": 0, "decode": 0, "both": 0})[w.role] += 1
+        by_model.setdefault(w.model, dict.fromkeys(ROLES, 0))[w.role] += 1
     return jsonify({"status": "ok", "redis": "ok", "workers": by_model,
                     "models": [m.name for m in farm.cfg.models], "router_mode": farm.cfg.router.mode})

@@ -35,7 +35,15 @@ from api.schemas import (
     stream_flags,
     validate_chat,
 )
-from api.semantic import answer_fits, answer_locally, completion_messages, decide, no_cache_requested, store
+from api.semantic import (
+    answer_fits,
+    answer_locally,
+    completion_messages,
+    decide,
+    no_cache_requested,
+    reasoning_template_kwargs,
+    store,
+)
 from farm import metrics
 from farm.config import ModelConfig
 from farm.gateway import BusyError, NoWorkersError, Submission
@@ -147,7 +155,8 @@ def _generate(kind: str) -> Response:
     per_token = farm.cfg.api.max_chars_per_token
     if kind == "chat":
         parsed: ParsedRequest = parse_chat(body, tok, mcfg.max_model_len, verdict.messages, mcfg.defaults,
-                                           per_token, backend=mcfg.backend)
+                                           per_token, backend=mcfg.backend,
+                                           template_kwargs=reasoning_template_kwargs(verdict, tok))
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token, backend=mcfg.backend)
     subs: list[Submission] = []

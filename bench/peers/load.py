@@ -37,6 +37,8 @@ class RequestTiming:
     completion_tokens: int
     prompt_tokens: int
     cached_tokens: int = 0
+    text: str = ""  # the completion (a multi-turn client sends it back in the next turn)
+    worker: str = ""  # the farm's x-farm-decode-worker header, where it has one
 
     @property
     def ttft(self) -> float:
@@ -76,16 +78,18 @@ def summarize_level(timings: list[RequestTiming], wall_s: float) -> dict[str, An
     }
 
 
-async def _stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, str]],
-                       max_tokens: int) -> RequestTiming:
+async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, str]],
+                      max_tokens: int) -> RequestTiming:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     first = last = None
     usage: dict[str, Any] = {}
+    text: list[str] = []
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:500]}")
+        worker = resp.headers.get("x-farm-decode-worker", "")
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -96,14 +100,16 @@ async def _stream_chat(session: aiohttp.ClientSession, url: str, model: str, mes
             chunk = json.loads(data)
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+            content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or [])
+            if content:
                 last = time.perf_counter()
                 first = first or last
+                text.append(content)
     if first is None or not usage:
         raise RuntimeError(f"{url}: stream ended without content or usage (usage={usage})")
     details = usage.get("prompt_tokens_details") or {}
     return RequestTiming(sent, first, last, int(usage["completion_tokens"]), int(usage["prompt_tokens"]),
-                         int(details.get("cached_tokens") or 0))
+                         int(details.get("cached_tokens") or 0), "".join(text), worker)
 
 
 async def _run_level(base_url: str, model: str, sets: list[list[list[dict[str, str]]]], max_tokens: int,
@@ -112,7 +118,7 @@ async def _run_level(base_url: str, model: str, sets: list[list[list[dict[str, s
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def client(convs: list[list[dict[str, str]]]) -> list[RequestTiming]:
-            return [await _stream_chat(session, url, model, m, max_tokens) for m in convs]
+            return [await stream_chat(session, url, model, m, max_tokens) for m in convs]
 
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(client(s) for s in sets))

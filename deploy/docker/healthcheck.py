@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Container health checks of the Inference Farm images (installed as `farm-healthcheck`).
 
-    farm-healthcheck api      GET http://127.0.0.1:$FARM_API__PORT/health answers 200 (Redis reachable)
-    farm-healthcheck worker   the worker's heartbeat key `farm:alive:<worker id>` exists in Redis
+    farm-healthcheck api        GET http://127.0.0.1:$FARM_API__PORT/health/live answers 200 (the API serves)
+    farm-healthcheck api-ready  GET .../health/ready answers 200 (the API serves and reaches Redis)
+    farm-healthcheck worker     the worker's heartbeat key `farm:alive:<worker id>` exists in Redis
+
+The image's HEALTHCHECK is liveness (`api`): a Redis outage must not mark every API container unhealthy (an
+orchestrator that restarts unhealthy containers would drop every stream in flight for nothing).
 
 A worker refreshes its heartbeat key every 2 s with a TTL of 6 s (farm/registry.py), and only once its
 model is loaded and it consumes its queues: the key is missing while the model loads, after the worker
@@ -24,9 +28,9 @@ import urllib.request
 from pathlib import Path
 
 
-def check_api() -> int:
+def check_api(path: str = "/health/live") -> int:
     port = os.environ.get("FARM_API__PORT", "8080")
-    url = f"http://127.0.0.1:{port}/health"
+    url = f"http://127.0.0.1:{port}{path}"
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             ok = resp.status == 200
@@ -68,13 +72,11 @@ def worker_id() -> str:
 def check_worker() -> int:
     import redis
 
-    url = os.environ.get("FARM_REDIS__URL")
-    if not url:
-        from farm.config import load_config
+    from farm.config import load_config
+    from farm.redis_client import connect
 
-        url = load_config().redis.url
     wid = worker_id()
-    r = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
+    r = connect(load_config().redis, timeout=3)  # FARM_REDIS__URL / FARM_REDIS__HA__* from the environment
     try:
         alive = bool(r.exists(f"farm:alive:{wid}"))
     except redis.RedisError as e:
@@ -86,11 +88,15 @@ def check_worker() -> int:
     return 0 if alive else 1
 
 
+CHECKS = {"api": lambda: check_api("/health/live"), "api-ready": lambda: check_api("/health/ready"),
+          "worker": lambda: check_worker()}
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in ("api", "worker"):
-        print("usage: farm-healthcheck api|worker", file=sys.stderr)
+    if len(argv) != 1 or argv[0] not in CHECKS:
+        print(f"usage: farm-healthcheck {'|'.join(CHECKS)}", file=sys.stderr)
         return 2
-    return check_api() if argv[0] == "api" else check_worker()
+    return CHECKS[argv[0]]()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ from farm.config import FarmConfig, ModelConfig, VllmOptions
 from farm.engine.engine import RequestOutput
 from farm.engine.hashing import block_hashes
 from farm.engine.sampling import TokenLogprobs
+from farm.engine.step_costs import StepCosts
+from farm.engine.timings import from_prometheus
 from farm.protocol import SamplingParams
 from farm.transfer.handle import HandleError, sign_handle, verify_handle
 
@@ -306,6 +308,8 @@ class VllmEngine:
         self.engine_args = build_engine_args(cfg, model, model_dir, self.events.endpoint,
                                              self.events.replay_endpoint, known, self.vllm, self.device, role)
         self._stats = _Stats()
+        self.costs = StepCosts(self.block_size)  # the router's cost weights, from vLLM's iterations
+        self._last_iteration = 0.0
         self._reaper = start_reaper()  # vLLM's engine processes end with this one, even on kill -9
         self._tasks: dict[str, Any] = {}  # request id -> concurrent Future of its task on the loop
         self._tasks_lock = threading.Lock()
@@ -332,7 +336,7 @@ class VllmEngine:
 
     def _stat_logger_factory(self) -> Callable[..., Any]:
         """vLLM calls each stat logger with its scheduler stats every step: keep what the heartbeat shows."""
-        stats = self._stats
+        stats, observe_step = self._stats, self._observe_step
         try:
             from vllm.v1.metrics.loggers import StatLoggerBase
         except ImportError:
@@ -345,6 +349,7 @@ class VllmEngine:
             def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *_a: Any, **_k: Any) -> None:
                 if iteration_stats is not None:
                     stats.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+                    observe_step(iteration_stats)
                 if scheduler_stats is None:
                     return
                 cpc = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
@@ -370,6 +375,19 @@ class VllmEngine:
                 pass
 
         return FarmStatLogger
+
+    def _observe_step(self, it: Any) -> None:
+        """One vLLM iteration as a step cost: the time since the previous one, if the engine had work
+        meanwhile; a step that completed prompts counts as prefill (their computed tokens), else as decode."""
+        now = float(getattr(it, "iteration_timestamp", 0.0) or 0.0)
+        last, self._last_iteration = self._last_iteration, now
+        if not last or not (self._stats.running or self._stats.waiting) or not 0 < now - last < 5:
+            return
+        computed = int(getattr(getattr(it, "prompt_token_stats", None), "computed", 0) or 0)
+        if computed:
+            self.costs.observe_prefill(computed, now - last)
+        elif getattr(it, "num_generation_tokens", 0):
+            self.costs.observe_decode(int(self._stats.kv_usage * self.pool.num_blocks), now - last)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> VllmEngine:
@@ -455,6 +473,8 @@ class VllmEngine:
             "vllm_unfinished": int(self.llm.get_num_unfinished_requests()),  # requests vLLM still holds
             "preemptions": s.preemptions,
             "kv_usage": s.kv_usage,
+            "histograms": from_prometheus(),  # vLLM's own request timings (its Prometheus logger)
+            "costs": self.costs.snapshot(),
             "connector": {"hit_tokens": s.connector_hits, "transfers": s.kv_transfers,
                           "bytes": s.kv_transfer_bytes},
             "kv_events": {"batches": self.events.batches, "gaps": self.events.gaps,

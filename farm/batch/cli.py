@@ -5,7 +5,8 @@
     farm batch results ID [-o OUT.jsonl] [--errors ERR.jsonl]
 
 It talks HTTP like any client would (so it works against a farm on another machine with `--url`), and
-sends `$FARM_API_KEY` as the bearer token when set.
+sends `$FARM_API_KEY` (else `$OPENAI_API_KEY`) as the bearer token when set; without `--url` it talks to
+`$OPENAI_BASE_URL` when set, as the OpenAI SDK does.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def progress_line(b: dict[str, Any], width: int = 30) -> str:
 
 
 def _client(cfg: FarmConfig, args: argparse.Namespace) -> BatchClient:
-    url = args.url or f"http://{'127.0.0.1' if cfg.api.host in ('0.0.0.0', '::') else cfg.api.host}:{cfg.api.port}"
-    return BatchClient(url, os.environ.get("FARM_API_KEY", ""))
+    """--url, else $OPENAI_BASE_URL (as the OpenAI SDK reads it, `.../v1`), else this farm's API; the key from
+    $FARM_API_KEY, else $OPENAI_API_KEY."""
+    base = os.environ.get("OPENAI_BASE_URL", "").rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base
+    url = args.url or base or \
+        f"http://{'127.0.0.1' if cfg.api.host in ('0.0.0.0', '::') else cfg.api.host}:{cfg.api.port}"
+    return BatchClient(url, os.environ.get("FARM_API_KEY") or os.environ.get("OPENAI_API_KEY", ""))
 
 
 def cmd_submit(cfg: FarmConfig, args: argparse.Namespace) -> int:

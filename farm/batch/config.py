@@ -16,7 +16,13 @@ class BatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # -- files ----------------------------------------------------------------------------------------
-    files_dir: str = ""  # where file bodies live; "" = <state_dir>/files (relative = under state_dir)
+    # Where file bodies live (metadata is always in Redis). disk: a directory, files_dir, which every API
+    # replica and batch driver must share (one machine, or a ReadWriteMany volume). redis: in Redis itself, so
+    # every replica sees them with nothing shared but Redis (compose and the Helm chart), up to
+    # files_redis_max_mb in all (they take Redis memory).
+    files_backend: Literal["disk", "redis"] = "disk"
+    files_dir: str = ""  # disk: the directory; "" = <state_dir>/files (relative = under state_dir)
+    files_redis_max_mb: int = Field(1024, ge=1)  # redis: all file bodies together; an upload beyond it is 413
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)  # POST /v1/files upload limit (OpenAI: 200 MB)
     # -- validation -------------------------------------------------------------------------------------
     max_lines: int = Field(50_000, ge=1)  # requests per batch (OpenAI: 50,000)

@@ -52,13 +52,14 @@ import redis
 
 from farm import metrics, registry
 from farm.apikeys import KeyRing
-from farm.batch.config import BatchConfig, files_path, prepared_path
+from farm.batch.config import BatchConfig, prepared_path
 from farm.batch.schedule import Plan
 from farm.batch.store import OWNER_ANONYMOUS, TERMINAL, BatchStore, FileStore, kick_key
 from farm.batch.validate import PreparedLine, validate_input
 from farm.config import FarmConfig
 from farm.protocol import BATCH_QUEUE, TASK_BATCH_DRIVE, GenerationRequest, SamplingParams
 from farm.quota import Limiter
+from farm.redis_client import connect
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +158,14 @@ class BatchDriver:
     def __init__(self, cfg: FarmConfig, r: redis.Redis | None = None, celery_app=None, gateway=None):
         self.cfg = cfg
         self.bcfg = cfg.batch
-        self.r = r or redis.Redis.from_url(cfg.redis.url, health_check_interval=10, socket_keepalive=True)
+        self.r = r or connect(cfg.redis, health_check_interval=10, socket_keepalive=True)
         if celery_app is None:
             from tasks.celery_app import make_celery
 
             celery_app = make_celery(cfg)
         self.celery = celery_app
         self.store = BatchStore(self.r)
-        self.files = FileStore(self.r, files_path(cfg))
+        self.files = FileStore.from_config(self.r, cfg)
         self._gateway = gateway
         self._gw_lock = threading.Lock()
         self.load = LoadWatch(self)
@@ -420,7 +421,10 @@ class BatchDriver:
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + 0.5
-                    st = self.store.status(bid)
+                    try:
+                        st = self.store.status(bid)
+                    except redis.RedisError:  # Redis failing over or restarting: keep going (the lease
+                        st = "in_progress"    # keeper gives the batch up if that lasts a whole lease)
                     if st != "in_progress":
                         reason = st or "missing"
                         break
@@ -436,7 +440,11 @@ class BatchDriver:
                 for fut in [f for f in inflight if f.done()]:
                     collect(fut)
                 if not inflight and not len(plan):
-                    break
+                    lost = self._unrecorded(bid, todo)
+                    if lost == []:
+                        break
+                    for ln in lost or []:
+                        plan.again(ln, now)
                 while self._take_slot():
                     line = plan.next(time.monotonic())
                     if line is None:
@@ -480,6 +488,21 @@ class BatchDriver:
         if reason in ("lease", "shutdown"):
             return "abandoned"
         return reason
+
+    def _unrecorded(self, bid: str, lines: list[PreparedLine]) -> list[PreparedLine] | None:
+        """Lines run to their end whose result Redis does not hold: a failover to a replica that had not
+        yet received them loses acknowledged writes (asynchronous replication), and they run again. None
+        (not an empty list) while Redis cannot say."""
+        try:
+            recorded = self.store.recorded_ids(bid)
+        except redis.RedisError:
+            time.sleep(0.5)
+            return None
+        lost = [ln for ln in lines if ln.custom_id not in recorded]
+        if lost:
+            log.warning("batch %s: %d recorded results are gone (a Redis failover?); running them again", bid,
+                        len(lost))
+        return lost
 
     def _run_line(self, bid: str, line: PreparedLine, plan: Plan, stop: threading.Event,
                   wake: threading.Event) -> Outcome:

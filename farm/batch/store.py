@@ -1,7 +1,9 @@
-"""Durable state of files and batches: metadata and progress in Redis, file bodies on disk.
+"""Durable state of files and batches: metadata and progress in Redis, file bodies on disk or in Redis.
 
 Keys (all under `farm:file:` / `farm:batch:`):
-- `farm:file:<id>` hash: the file's metadata (body at `<files_dir>/<id>`); `farm:files` zset lists them.
+- `farm:file:<id>` hash: the file's metadata; `farm:files` zset lists them. The body is at `<files_dir>/<id>`
+  (`batch.files_backend: disk`) or in `farm:file:<id>:body` (`redis`; `farm:files:bytes` = all bodies'
+  bytes, held under `batch.files_redis_max_mb`).
 - `farm:batch:<id>` hash: every field of the batch object, JSON-encoded, plus counters (total,
   completed, failed, token usage) updated with HINCRBY; `farm:batches` zset lists them (score = a
   creation sequence number, so the order is total); `farm:batch:active` is the set not yet final.
@@ -18,6 +20,7 @@ Status changes are compare-and-set scripts, so the API (cancel) and a driver nev
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -154,11 +157,29 @@ return 0
 
 
 # -- files ------------------------------------------------------------------------------------------------
-class FileStore:
-    """Files: bodies under `root` (written to a temp name, then renamed), metadata in Redis."""
+CHUNK_BYTES = 1 << 20  # bodies are streamed in and out in pieces of this size
+BODY_BYTES_KEY = "farm:files:bytes"  # redis backend: the bytes of every stored body together
 
-    def __init__(self, r: redis.Redis, root: Path):
-        self.r = r
+
+class FileStorageFull(Exception):
+    """An upload would take the Redis file storage past `batch.files_redis_max_mb`."""
+
+
+def _chunks(src: IO[bytes] | bytes | Iterable[bytes]) -> Iterator[bytes]:
+    if isinstance(src, bytes):
+        for i in range(0, len(src), CHUNK_BYTES):
+            yield src[i:i + CHUNK_BYTES]
+    elif hasattr(src, "read"):
+        yield from iter(lambda: src.read(CHUNK_BYTES), b"")  # type: ignore[union-attr]
+    else:
+        yield from src
+
+
+class DiskBodies:
+    """File bodies as files under `root` (written to a temp name, then renamed). Every API replica and batch
+    driver must see the same directory: one machine, or a shared (ReadWriteMany) volume."""
+
+    def __init__(self, root: Path):
         self.root = Path(root)
 
     def path(self, file_id: str) -> Path:
@@ -166,23 +187,13 @@ class FileStore:
             raise ValueError(f"bad file id {file_id!r}")
         return self.root / file_id
 
-    def create(self, src: IO[bytes] | bytes | Iterable[bytes], filename: str, purpose: str,
-               owner: str = OWNER_ANONYMOUS, file_id: str | None = None) -> dict[str, Any]:
-        """Store a body (bytes, a binary stream, or chunks) and its metadata; returns the metadata.
-        With `file_id` given the file is replaced (a finalizing batch rewriting its output)."""
-        file_id = file_id or new_file_id()
+    def write(self, file_id: str, chunks: Iterable[bytes], capped: bool) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         dest = self.path(file_id)
         tmp = dest.with_name(f".{file_id}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
         size = 0
         try:
             with open(tmp, "wb") as f:
-                if isinstance(src, bytes):
-                    chunks: Iterable[bytes] = [src]
-                elif hasattr(src, "read"):
-                    chunks = iter(lambda: src.read(1 << 20), b"")  # type: ignore[union-attr]
-                else:
-                    chunks = src
                 for chunk in chunks:
                     f.write(chunk)
                     size += len(chunk)
@@ -191,6 +202,143 @@ class FileStore:
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
+        return size
+
+    def open(self, file_id: str) -> IO[bytes]:
+        return open(self.path(file_id), "rb")
+
+    def delete(self, file_id: str) -> None:
+        self.path(file_id).unlink(missing_ok=True)
+
+
+# KEYS: the upload's temp key, the body key, BODY_BYTES_KEY. ARGV: cap in bytes (0: none). Moves a finished
+# upload into place and keeps the total; -1 (and the upload dropped) when it would pass the cap.
+_COMMIT_BODY = """
+local size = redis.call('STRLEN', KEYS[1])
+local old = redis.call('STRLEN', KEYS[2])
+local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+local cap = tonumber(ARGV[1])
+if cap > 0 and used - old + size > cap then
+  redis.call('DEL', KEYS[1])
+  return -1
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('PERSIST', KEYS[2])
+redis.call('INCRBY', KEYS[3], size - old)
+return size
+"""
+
+# KEYS: the body key, BODY_BYTES_KEY.
+_DELETE_BODY = """
+local size = redis.call('STRLEN', KEYS[1])
+redis.call('DEL', KEYS[1])
+if size > 0 then redis.call('DECRBY', KEYS[2], size) end
+return size
+"""
+
+
+class _RedisBodyReader(io.RawIOBase):
+    """A body in Redis read in ranges (GETRANGE), so a download never holds the whole file in memory."""
+
+    def __init__(self, r: redis.Redis, key: str, size: int):
+        self.r, self.key, self.size, self.pos = r, key, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # noqa: ANN001 - a writable buffer
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        data = self.r.getrange(self.key, self.pos, self.pos + n - 1)
+        buf[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class RedisBodies:
+    """File bodies as Redis strings (`farm:file:<id>:body`), so every API replica and batch driver sees them
+    with nothing shared but Redis. They take Redis memory: uploads that would take all bodies together past
+    `max_bytes` are refused (FileStorageFull); a batch's output files are always stored (accepted work)."""
+
+    def __init__(self, r: redis.Redis, max_bytes: int):
+        self.r, self.max_bytes = r, max_bytes
+        self._commit = r.register_script(_COMMIT_BODY)
+        self._delete = r.register_script(_DELETE_BODY)
+
+    @staticmethod
+    def key(file_id: str) -> str:
+        if not is_file_id(file_id):
+            raise ValueError(f"bad file id {file_id!r}")
+        return f"{file_key(file_id)}:body"
+
+    def used(self) -> int:
+        return int(self.r.get(BODY_BYTES_KEY) or 0)
+
+    def write(self, file_id: str, chunks: Iterable[bytes], capped: bool) -> int:
+        body = self.key(file_id)
+        tmp = f"{body}:upload:{uuid.uuid4().hex[:12]}"
+        room = self.max_bytes - self.used() if capped else None
+        self.r.set(tmp, b"", ex=3600)  # an upload cut off half-way expires on its own
+        size = 0
+        try:
+            for chunk in chunks:
+                size += len(chunk)
+                if room is not None and size > room:
+                    raise FileStorageFull(self._full_message())
+                pipe = self.r.pipeline(transaction=False)
+                pipe.append(tmp, chunk)
+                pipe.expire(tmp, 3600)
+                pipe.execute()
+            if int(self._commit(keys=[tmp, body, BODY_BYTES_KEY], args=[self.max_bytes if capped else 0])) < 0:
+                raise FileStorageFull(self._full_message())
+        except BaseException:
+            self.r.delete(tmp)
+            raise
+        return size
+
+    def _full_message(self) -> str:
+        return (f"the farm's file storage (Redis, batch.files_redis_max_mb = {self.max_bytes >> 20} MB) has no "
+                "room for this file; delete files you no longer need (DELETE /v1/files/{id})")
+
+    def open(self, file_id: str) -> IO[bytes]:
+        key = self.key(file_id)
+        size = self.r.strlen(key)
+        if not size and not self.r.exists(key):
+            raise FileNotFoundError(file_id)
+        return io.BufferedReader(_RedisBodyReader(self.r, key, size), buffer_size=CHUNK_BYTES)
+
+    def delete(self, file_id: str) -> None:
+        self._delete(keys=[self.key(file_id), BODY_BYTES_KEY])
+
+
+class FileStore:
+    """Files: metadata in Redis (`farm:file:<id>`), bodies in `bodies` (DiskBodies or RedisBodies, chosen by
+    `batch.files_backend`: `from_config`). Uploads (purpose `batch`) count against the Redis backend's cap."""
+
+    def __init__(self, r: redis.Redis, root: Path | None = None, bodies: DiskBodies | RedisBodies | None = None):
+        self.r = r
+        if bodies is None:
+            if root is None:
+                raise ValueError("FileStore needs a directory or a body store")
+            bodies = DiskBodies(root)
+        self.bodies = bodies
+
+    @classmethod
+    def from_config(cls, r: redis.Redis, cfg: Any) -> FileStore:
+        """The file store `cfg.batch` describes (every API process and batch driver builds the same)."""
+        from farm.batch.config import files_path
+
+        if cfg.batch.files_backend == "redis":
+            return cls(r, bodies=RedisBodies(r, cfg.batch.files_redis_max_mb << 20))
+        return cls(r, bodies=DiskBodies(files_path(cfg)))
+
+    def create(self, src: IO[bytes] | bytes | Iterable[bytes], filename: str, purpose: str,
+               owner: str = OWNER_ANONYMOUS, file_id: str | None = None) -> dict[str, Any]:
+        """Store a body (bytes, a binary stream, or chunks) and its metadata; returns the metadata.
+        With `file_id` given the file is replaced (a finalizing batch rewriting its output)."""
+        file_id = file_id or new_file_id()
+        size = self.bodies.write(file_id, _chunks(src), capped=purpose == "batch")
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                 "filename": clean_filename(filename), "purpose": purpose, "owner": owner, "status": "processed",
                 "expires_at": None, "status_details": None}
@@ -212,20 +360,19 @@ class FileStore:
         return meta
 
     def open(self, file_id: str) -> IO[bytes]:
-        return open(self.path(file_id), "rb")
+        """The body as a binary stream; FileNotFoundError when it is gone."""
+        return self.bodies.open(file_id)
 
     def read(self, file_id: str) -> bytes:
-        return self.path(file_id).read_bytes()
+        with self.open(file_id) as f:
+            return f.read()
 
     def delete(self, file_id: str) -> bool:
         pipe = self.r.pipeline()
         pipe.delete(file_key(file_id))
         pipe.zrem(FILES_KEY, file_id)
         existed = bool(pipe.execute()[0])
-        try:
-            self.path(file_id).unlink()
-        except FileNotFoundError:
-            pass
+        self.bodies.delete(file_id)
         return existed
 
     def list(self, owner: str, purpose: str | None = None, after: str | None = None,

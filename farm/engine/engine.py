@@ -33,6 +33,8 @@ from farm.engine.block_pool import BlockPool, KVEventFn
 from farm.engine.model_runner import ModelRunner
 from farm.engine.sampling import History, TokenLogprobs, logprobs_of, make_generator, sample
 from farm.engine.scheduler import DecodeBatch, KVImport, PrefillBatch, Scheduler, Sequence
+from farm.engine.step_costs import StepCosts
+from farm.engine.timings import RequestTimings
 from farm.kvcache.tiers import TieredKV
 from farm.protocol import SamplingParams
 from farm.tokenization import IncrementalDetokenizer, eos_token_ids
@@ -85,7 +87,7 @@ class Engine:
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir)
         t = cfg.kv_tiers
         self.tiers = TieredKV(self.runner.kv, t.host_mb, t.disk_mb,
-                              (kv_tier_dir / f"kv-{id(self):x}.arena") if kv_tier_dir else None,
+                              kv_tier_dir,
                               t.disk_min_reuse, on_kv_event)
         self.pool = BlockPool(self.runner.num_blocks, cfg.block_size, on_kv_event,
                               on_evict=self.tiers.offload if self.tiers.enabled else None)
@@ -101,6 +103,8 @@ class Engine:
         self._batch: PrefillBatch | DecodeBatch | None = None  # the step's batch while it runs
         self.steps = 0
         self.tokens_generated = 0
+        self.costs = StepCosts(cfg.block_size)  # measured step costs: the router's weights (heartbeat stats)
+        self.timings = RequestTimings()  # queue/prefill/decode times, TTFT, per-token ITL (heartbeat stats)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -113,6 +117,8 @@ class Engine:
         self._wake.set()
         if self._thread:
             self._thread.join(timeout=10)
+        if not (self._thread and self._thread.is_alive()):  # the disk arena's file goes with its engine
+            self.tiers.close()
 
     # -- thread-safe API -------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -164,6 +170,9 @@ class Engine:
             "tokens_generated": self.tokens_generated,
             "preemptions": self.scheduler.preemptions,
             "tiers": self.tiers.stats(),
+            "costs": self.costs.snapshot(),
+            "kv_usage": 1.0 - self.pool.num_free / self.pool.num_blocks if self.pool.num_blocks else 0.0,
+            "histograms": self.timings.snapshot(),
         }
 
     def _post(self, msg: tuple) -> None:
@@ -269,10 +278,14 @@ class Engine:
             return
         self.steps += 1
         self._batch = batch
+        for seq in batch.seqs:  # the first step of a request ends its time in the queue
+            self.timings.scheduled(seq.request_id, seq.arrival, resumed=bool(seq.output_ids))
         if isinstance(batch, PrefillBatch):
             t0 = time.perf_counter()
             tokens = self._isolated(batch.seqs, lambda idx: self._prefill_tokens(batch, idx))
-            self.tiers.observe_prefill(sum(len(c.token_ids) for c in batch.chunks), time.perf_counter() - t0)
+            computed, took = sum(len(c.token_ids) for c in batch.chunks), time.perf_counter() - t0
+            self.tiers.observe_prefill(computed, took)
+            self.costs.observe_prefill(computed, took)
             for i, (seq, chunk, complete) in enumerate(zip(batch.seqs, batch.chunks, batch.completes, strict=True)):
                 if i not in tokens:
                     continue  # finished with an error
@@ -288,7 +301,9 @@ class Engine:
         else:
             assert isinstance(batch, DecodeBatch)
             seqs = batch.seqs
+            t0 = time.perf_counter()
             tokens = self._isolated(seqs, lambda idx: self._decode_tokens(seqs, idx))
+            self.costs.observe_decode(sum(len(s.block_table) for s in seqs), time.perf_counter() - t0)
             for i, seq in enumerate(seqs):
                 if i not in tokens:
                     continue
@@ -363,6 +378,8 @@ class Engine:
         del self._by_id[seq.request_id]
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
+        self.timings.token(seq.request_id)
+        self.timings.finished(seq.request_id)
         self.held[seq.request_id] = HeldBlocks(seq, time.monotonic() + self.handle_ttl_s)
         seq.on_output(RequestOutput(
             seq.request_id, finished=True, finish_reason="prefilled", prompt_tokens=len(seq.prompt_ids),
@@ -375,6 +392,7 @@ class Engine:
             seq.first_token_at = time.monotonic()
         seq.output_ids.append(tok)
         self.tokens_generated += 1
+        self.timings.token(seq.request_id)
         self.emit_new_text(seq)
 
     def emit_new_text(self, seq: Sequence) -> None:
@@ -411,6 +429,7 @@ class Engine:
                 error: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         self.scheduler.release(seq)
         self._by_id.pop(seq.request_id, None)
+        self.timings.finished(seq.request_id)
         seq.finish_reason = reason
         out = RequestOutput(seq.request_id, text=text, token_ids=token_ids or [], finished=True,
                             finish_reason=reason, prompt_tokens=len(seq.prompt_ids),

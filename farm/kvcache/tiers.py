@@ -5,9 +5,10 @@
   least `disk_min_reuse` times (Dynamo's rule for disk), else it is dropped.
 - At admission, the prompt's hash chain continues past the device hit into the host tier, then disk;
   the blocks found are copied into fresh device blocks instead of recomputed. A disk read is only done
-  when it is estimated faster than recomputing those tokens (measured rates, both sides), so a disk hit
-  is never slower than recompute. On CPU the copies are synchronous; with CUDA the host tier is pinned
-  so copies can overlap (non_blocking).
+  when it is estimated faster than recomputing those tokens (measured rates, both sides: the disk's
+  starts from a cold read of the arena's device at start, then follows the reads onboarding does), so
+  a disk hit is never slower than recompute. On CPU the copies are synchronous; with CUDA the host tier
+  is pinned so copies can overlap (non_blocking).
 Every change is a KV event with its tier, so routers can tell a device hit from a host or disk hit.
 """
 
@@ -19,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from farm.kvcache.store import BlockStore
+from farm.kvcache.arena import DiskArena
+from farm.kvcache.store import BlockStore, RamSlots
 
 TierEventFn = Callable[..., None]  # (kind, hashes, parent, tier=...)
 
 
 class TieredKV:
-    def __init__(self, kv: torch.Tensor, host_mb: float, disk_mb: float, disk_path: Path | None,
+    def __init__(self, kv: torch.Tensor, host_mb: float, disk_mb: float, disk_dir: Path | None,
                  disk_min_reuse: int = 1, on_event: TierEventFn | None = None):
         self.kv = kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         layers, two, _, bs, heads, dim = kv.shape
@@ -37,12 +39,16 @@ class TieredKV:
         self.disk_min_reuse = disk_min_reuse
         pin = kv.device.type == "cuda"
         host_blocks, disk_blocks = int(host_mb * 2**20 // block_bytes), int(disk_mb * 2**20 // block_bytes)
-        self.host = BlockStore("host", host_blocks, self.block_shape, kv.dtype, pin=pin) if host_blocks else None
-        self.disk = BlockStore("disk", disk_blocks, self.block_shape, kv.dtype, path=disk_path) \
-            if disk_blocks and disk_path else None
+        self.host = BlockStore("host", host_blocks, RamSlots(host_blocks, self.block_shape, kv.dtype, pin)) \
+            if host_blocks else None
+        self.disk = None
         # rates for the onboard-or-recompute decision, refined as the engine runs
         self.recompute_s_per_token = 1e-3
         self.disk_bytes_per_s = 1e9
+        if disk_blocks and disk_dir is not None:
+            arena = DiskArena(disk_dir, disk_blocks, self.block_shape, kv.dtype)
+            self.disk = BlockStore("disk", disk_blocks, arena)
+            self.disk_bytes_per_s = arena.read_rate()  # the device, cold: never read on a guess
         self.offloads = 0
         self.onboards = 0
 
@@ -121,6 +127,11 @@ class TieredKV:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.recompute_s_per_token = 0.8 * self.recompute_s_per_token + 0.2 * (seconds / tokens)
+
+    def close(self) -> None:
+        """Remove the disk arena (the engine stops)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def stats(self) -> dict:
         out = {}

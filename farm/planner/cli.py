@@ -53,7 +53,6 @@ def _planner_cfg(cfg: FarmConfig, args: argparse.Namespace):
 
 
 def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
-    from farm import redis_server
     from farm.planner.actuators import KubernetesActuator, LocalActuator
     from farm.planner.planner import Planner
 
@@ -84,7 +83,8 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
     def _interrupt(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too: a process started in the background by a shell inherits an ignored SIGINT (issue 17)
+    old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         if farm is not None:
             farm.supervisor = True
@@ -95,7 +95,9 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
         actuator = None
         if not pcfg.dry_run:
             actuator = LocalActuator(farm) if farm is not None else KubernetesActuator(pcfg.kubernetes)
-        r = redis_server.client(cfg.redis.url)
+        from farm.redis_client import connect
+
+        r = connect(cfg.redis, timeout=2.0)
         planner = Planner.for_farm(cfg, r, actuator, pcfg)
         if args.metrics_port:
             from prometheus_client import start_http_server

@@ -5,7 +5,8 @@ hash chain with every worker is one pass over the chain (a few microseconds per 
 keeps it current: it snapshots every worker's block set from Redis (consistent with that worker's last
 event id), then applies the shared stream, skipping events already in the snapshot and resyncing a
 worker whose event ids show a gap. Workers whose heartbeat expired are dropped, and their Redis state is
-deleted, so a dead worker leaves the index within seconds.
+deleted, so a dead worker leaves the index within seconds. The same follower keeps the process's load
+mirror (farm.router.load) current.
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
 from farm import registry
-from farm.router.keys import EVENTS_STREAM, LOAD_KEY, active_key, worker_blocks_key, worker_seq_key
+from farm.router.keys import (
+    EVENTS_STREAM,
+    LOAD_EVENTS_STREAM,
+    LOAD_KEY,
+    active_key,
+    worker_blocks_key,
+    worker_seq_key,
+)
+from farm.router.load import LoadMirror
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +195,22 @@ class KVIndex:
 
 
 class IndexFollower:
-    """Keeps a KVIndex in step with Redis; one per router process."""
+    """Keeps a KVIndex (and a LoadMirror) in step with Redis; one per router process.
+
+    One blocking XREAD follows both streams, the workers' KV events and the load changes; about every
+    `prune_interval_s` it drops dead workers, resets the load mirror from the hash, and runs `maintenance`
+    with the live workers. Under gevent (the API) this loop is a greenlet: it yields after every stream
+    entry it applies and while it parses a snapshot, so a large backlog never holds up the streams of
+    other requests."""
 
     def __init__(self, r: redis.Redis, index: KVIndex | None = None, prune_interval_s: float = 1.0,
-                 maintenance=None):
+                 maintenance: Callable[[list[registry.WorkerInfo]], None] | None = None,
+                 load_mirror: LoadMirror | None = None, follow_kv: bool = True):
         self.r = r
-        self.maintenance = maintenance  # called with each prune (e.g. reaping expired load)
+        self.maintenance = maintenance  # called with the live workers at each prune (reaping, step costs)
         self.index = index or KVIndex()
+        self.mirror = load_mirror
+        self.follow_kv = follow_kv
         self.prune_interval_s = prune_interval_s
         self._last_id = "0-0"
         self._stop = threading.Event()
@@ -211,11 +229,24 @@ class IndexFollower:
 
     def snapshot(self) -> None:
         """Rebuild from every live worker's block set, then follow the stream from before the snapshot."""
-        last = self.r.xrevrange(EVENTS_STREAM, count=1)
-        self._last_id = last[0][0].decode() if last else "0-0"
-        for w in registry.live_workers(self.r):
-            self.resync_worker(w.worker_id, gap=False)
+        if self.follow_kv:
+            last = self.r.xrevrange(EVENTS_STREAM, count=1)
+            self._last_id = last[0][0].decode() if last else "0-0"
+            for w in registry.live_workers(self.r):
+                self.resync_worker(w.worker_id, gap=False)
+                time.sleep(0)  # yield (gevent) between workers
+        self.reset_loads()
         self.synced.set()
+
+    def reset_loads(self) -> None:
+        """The load mirror from the hash and the load stream's last id, read in one transaction."""
+        if self.mirror is None:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(LOAD_KEY)
+        pipe.xrevrange(LOAD_EVENTS_STREAM, count=1)
+        raw, last = pipe.execute()
+        self.mirror.reset(raw, last[0][0] if last else None)
 
     def resync_worker(self, worker: str, gap: bool = True) -> None:
         pipe = self.r.pipeline(transaction=True)
@@ -223,11 +254,13 @@ class IndexFollower:
         pipe.get(worker_seq_key(worker))
         members, seq = pipe.execute()
         epoch, _, last = (seq.decode() if seq else "0:0").partition(":")
-        self.index.drop_worker(worker)
         by_tier: dict[str, list[int]] = {}
-        for m in members:
+        for i, m in enumerate(members):
             h, tier = parse_member(m)
             by_tier.setdefault(tier, []).append(h)
+            if i % 20_000 == 19_999:
+                time.sleep(0)  # yield (gevent) while parsing a large set
+        self.index.drop_worker(worker)
         self.index._bit(worker)
         for tier, hs in by_tier.items():
             self.index.store(worker, hs, tier)
@@ -236,10 +269,26 @@ class IndexFollower:
         self.resyncs += gap
 
     def poll(self, block_ms: int = 500) -> int:
-        """Apply new stream entries; returns the number of events applied."""
-        resp = self.r.xread({EVENTS_STREAM: self._last_id}, count=1000, block=block_ms)
+        """Apply new stream entries; returns the number of KV events applied."""
+        streams: dict[str, str] = {}
+        if self.follow_kv:
+            streams[EVENTS_STREAM] = self._last_id
+        if self.mirror is not None and self.mirror.position is not None:
+            streams[LOAD_EVENTS_STREAM] = "{}-{}".format(*self.mirror.position)
+        if not streams:
+            self._stop.wait(block_ms / 1000)
+            return 0
+        resp = self.r.xread(streams, count=1000, block=block_ms)
+        if self.mirror is not None:
+            self.mirror.heard()
         n = 0
-        for _key, entries in resp or []:
+        for key, entries in resp or []:
+            if (key.decode() if isinstance(key, bytes) else key) == LOAD_EVENTS_STREAM:
+                for i, (entry_id, fields) in enumerate(entries):
+                    self.mirror.apply(entry_id, fields)
+                    if i % 200 == 199:
+                        time.sleep(0)
+                continue
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 batch = json.loads(fields[b"d"])
@@ -248,11 +297,12 @@ class IndexFollower:
                         self.resync_worker(ev["worker_id"])
                         break
                     n += 1
+                time.sleep(0)  # yield (gevent) after each batch of events
         return n
 
-    def prune(self) -> None:
+    def prune(self, live_workers: list[registry.WorkerInfo] | None = None) -> None:
         """Drop workers whose heartbeat expired, here and in Redis."""
-        live = {w.worker_id for w in registry.live_workers(self.r)}
+        live = {w.worker_id for w in (live_workers if live_workers is not None else registry.live_workers(self.r))}
         for w in list(self.index.worker_bits):
             if w not in live:
                 self.index.drop_worker(w)
@@ -267,9 +317,11 @@ class IndexFollower:
                 now = time.monotonic()
                 if now - self._last_prune >= self.prune_interval_s:
                     self._last_prune = now
-                    self.prune()
+                    live = registry.live_workers(self.r)
+                    self.prune(live)
+                    self.reset_loads()
                     if self.maintenance:
-                        self.maintenance()
+                        self.maintenance(live)
             except redis.RedisError as e:
                 if self.synced.is_set():
                     log.warning("KV index follower: Redis unreachable (%s); resyncing when it is back", e)

@@ -6,6 +6,8 @@ EVENTS_STREAM = "farm:kv:events"  # every worker's KV events, in batches
 EVENTS_MAXLEN = 200_000  # stream entries kept; a reader that falls further behind resyncs from sets
 LOAD_KEY = "farm:load"  # hash: "<worker>|p" pending prefill tokens, "<worker>|d" active decode blocks
 DEADLINES_KEY = "farm:active:deadlines"  # zset "<kind>|<worker>|<request>" -> expiry time
+LOAD_EVENTS_STREAM = "farm:load:events"  # every change of LOAD_KEY: f=<worker>|<kind>, a=amount, n=+-1 requests
+LOAD_EVENTS_MAXLEN = 50_000  # entries kept; a reader further behind is corrected by its next reset
 
 
 def worker_blocks_key(worker_id: str) -> str:

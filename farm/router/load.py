@@ -1,29 +1,45 @@
-"""Active load per worker, in Redis, so every API replica sees the same load.
+"""Active load per worker, in Redis, so every API replica sees the same load, and a copy in each process.
 
 Two kinds: `p` = prompt tokens placed on a worker and not yet prefilled, `d` = KV blocks of requests
 decoding on a worker. A router adds load when it places a request, moves it from `p` to `d` when the
 prefill is done, and removes it at the end. Each contribution is recorded per request (a zset member per
 worker and kind) and the sums are kept in one hash, so one HGETALL reads the whole farm's load. Updates
-are Lua scripts: idempotent (ending twice subtracts once) and atomic. Every contribution has a deadline;
-`reap` ends expired ones, so an API process that died mid-request cannot leak load forever.
+are Lua scripts: idempotent (ending twice subtracts once) and atomic, and each change is also appended to
+the stream `farm:load:events`. Every contribution has a deadline; `reap` ends expired ones, so an API
+process that died mid-request cannot leak load forever.
+
+A router decides without a round trip: `LoadMirror` is this process's copy of the hash, fed by the
+stream (IndexFollower reads it with the KV events) and reset from the hash about every second (one
+transaction reads the hash and the stream's last id together, so the two agree). The process's own
+changes count at once: a placement before its script even runs (two requests placed at the same moment
+in one process never both see an idle worker), an end when its script returns; each is tagged in the
+stream with this process's origin and a sequence number, so reading it back never counts it twice.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+import uuid
 
 import redis
 
-from farm.router.keys import DEADLINES_KEY, LOAD_KEY, active_key
+from farm.router.keys import DEADLINES_KEY, LOAD_EVENTS_MAXLEN, LOAD_EVENTS_STREAM, LOAD_KEY, active_key
 
+# Both scripts return the id of the stream entry that records the change (END: with the amount ended), or 0
+# when nothing changed. Stream entries: f = "<worker>|<kind>", a = amount, n = +-1 request, o/k = the
+# writing process's origin and sequence number (its mirror's own bookkeeping).
 _BEGIN = """
 local amount = tonumber(ARGV[2])
 if redis.call('ZADD', KEYS[1], 'NX', amount, ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[3], amount)
   redis.call('HINCRBY', KEYS[2], ARGV[3] .. 'n', 1)
   redis.call('ZADD', KEYS[3], ARGV[4], ARGV[5])
+  return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'f', ARGV[3], 'a', amount, 'n', 1,
+                    'o', ARGV[7], 'k', ARGV[8])
 end
-return 1
+return 0
 """
 
 _END = """
@@ -33,41 +49,181 @@ if amount then
   redis.call('HINCRBY', KEYS[2], ARGV[2], -tonumber(amount))
   redis.call('HINCRBY', KEYS[2], ARGV[2] .. 'n', -1)
   redis.call('ZREM', KEYS[3], ARGV[3])
-  return 1
+  local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'f', ARGV[2], 'a', -tonumber(amount),
+                        'n', -1, 'o', ARGV[5], 'k', ARGV[6])
+  return {id, amount}
 end
 return 0
 """
+
+Loads = dict[str, dict[str, int]]
 
 
 def empty_load() -> dict[str, int]:
     return {"p": 0, "pn": 0, "d": 0, "dn": 0}
 
 
+def stream_id(raw: bytes | str) -> tuple[int, int]:
+    s = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = s.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def parse_loads(raw: dict) -> Loads:
+    """The load hash as {worker: {"p", "pn", "d", "dn"}}."""
+    out: Loads = {}
+    for field, value in raw.items():
+        w, _, kind = (field.decode() if isinstance(field, bytes) else field).rpartition("|")
+        out.setdefault(w, empty_load())[kind] = int(value)
+    return out
+
+
+def _clamped(ld: dict[str, int]) -> dict[str, int]:
+    return {k: max(0, v) for k, v in ld.items()}
+
+
+def _text(fields: dict, key: str) -> str:
+    v = fields.get(key.encode(), fields.get(key))
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class LoadMirror:
+    """This process's copy of the farm's load: the hash as of stream entry `position`, plus this process's
+    own changes not yet seen there (`_own`, by sequence number: [field, amount, n, entry id or None while
+    its script runs])."""
+
+    def __init__(self, stale_s: float = 3.0):
+        self.stale_s = stale_s  # without word from Redis for this long, readers go to Redis themselves
+        self.origin = uuid.uuid4().hex[:12]
+        self._raw: Loads = {}  # sums as applied (a reset can briefly make one negative)
+        self._view: Loads = {}  # the same, clamped at 0, one new dict per change
+        self._own: dict[int, list] = {}
+        self._seq = itertools.count(1)
+        self.position: tuple[int, int] | None = None  # None: never reset from Redis
+        self.heard_at = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def live(self) -> bool:
+        return self.position is not None and time.monotonic() - self.heard_at < self.stale_s
+
+    def _add(self, field: str, amount: int, n: int) -> None:
+        w, _, kind = field.rpartition("|")
+        raw = self._raw.get(w)
+        if raw is None:
+            raw = self._raw[w] = empty_load()
+        raw[kind] = raw.get(kind, 0) + amount
+        raw[kind + "n"] = raw.get(kind + "n", 0) + n
+        self._view[w] = _clamped(raw)  # a new dict: a view handed out earlier never changes
+
+    def reset(self, raw_hash: dict, last_id: bytes | str | None) -> None:
+        """The hash and the stream's last entry id, read in one transaction. Own changes in the hash already
+        are dropped; those whose script has not returned yet stay counted until it does (`settle`)."""
+        pos = stream_id(last_id) if last_id else (0, 0)
+        with self._lock:
+            self._raw = parse_loads(raw_hash)
+            self._view = {w: _clamped(ld) for w, ld in self._raw.items()}
+            self._own = {k: c for k, c in self._own.items() if c[3] is None or c[3] > pos}
+            for field, amount, n, _ in self._own.values():
+                self._add(field, amount, n)
+            self.position = pos
+            self.heard_at = time.monotonic()
+
+    def apply(self, entry_id: bytes | str, fields: dict) -> None:
+        """One stream entry, in stream order (the follower's)."""
+        i = stream_id(entry_id)
+        with self._lock:
+            if self.position is None or i <= self.position:
+                return
+            self.position = i
+            if _text(fields, "o") == self.origin and self._own.pop(int(_text(fields, "k")), None) is not None:
+                return  # this process's own change, counted already
+            self._add(_text(fields, "f"), int(_text(fields, "a")), int(_text(fields, "n")))
+
+    def heard(self) -> None:
+        self.heard_at = time.monotonic()
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def expect(self, field: str, amount: int, n: int) -> int:
+        """A change this process is about to make: counted now; returns its sequence number for `settle`."""
+        k = self.next_seq()
+        with self._lock:
+            self._own[k] = [field, amount, n, None]
+            self._add(field, amount, n)
+        return k
+
+    def settle(self, k: int, entry_id: bytes | str | None, field: str = "", amount: int = 0, n: int = 0) -> None:
+        """The script of own change `k` returned `entry_id` (None: it changed nothing, or failed). An expected
+        change is kept until its entry is read (or dropped, if a reset counted it meanwhile); an unexpected one
+        (an end, whose amount only the script knew) is counted now unless its entry was read already."""
+        i = stream_id(entry_id) if entry_id else None
+        with self._lock:
+            change = self._own.get(k)
+            if change is None:
+                if i is None or self.position is None or i <= self.position:
+                    return  # read from the stream already (or nothing happened)
+                self._own[k] = [field, amount, n, i]
+                self._add(field, amount, n)
+            elif i is None or self.position is None or i <= self.position:
+                del self._own[k]  # it did not happen, or the last reset counted it
+                self._add(change[0], -change[1], -change[2])
+            else:
+                change[3] = i
+
+    def view(self) -> Loads:
+        """The farm's load now (treat as read-only: the per-worker dicts are shared with later views)."""
+        with self._lock:
+            return dict(self._view)
+
+
 class LoadTracker:
-    def __init__(self, r: redis.Redis, max_request_s: float = 1800):
+    def __init__(self, r: redis.Redis, max_request_s: float = 1800, mirror: LoadMirror | None = None):
         self.r = r
         self.max_request_s = max_request_s
+        self.mirror = mirror
         self._begin = r.register_script(_BEGIN)
         self._end = r.register_script(_END)
 
     def begin(self, kind: str, worker: str, request_id: str, amount: int) -> None:
         member = f"{kind}|{worker}|{request_id}"
-        self._begin(keys=[active_key(kind, worker), LOAD_KEY, DEADLINES_KEY],
-                    args=[request_id, int(amount), f"{worker}|{kind}", time.time() + self.max_request_s, member])
+        field = f"{worker}|{kind}"
+        m = self.mirror
+        k = m.expect(field, int(amount), 1) if m is not None else 0
+        entry = None
+        try:
+            entry = self._begin(keys=[active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM],
+                                args=[request_id, int(amount), field, time.time() + self.max_request_s, member,
+                                      LOAD_EVENTS_MAXLEN, m.origin if m else "", k])
+        finally:
+            if m is not None:
+                m.settle(k, entry or None)
 
     def end(self, kind: str, worker: str, request_id: str) -> bool:
         member = f"{kind}|{worker}|{request_id}"
-        return bool(self._end(keys=[active_key(kind, worker), LOAD_KEY, DEADLINES_KEY],
-                              args=[request_id, f"{worker}|{kind}", member]))
+        field = f"{worker}|{kind}"
+        m = self.mirror
+        k = m.next_seq() if m is not None else 0
+        ended = self._end(keys=[active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM],
+                          args=[request_id, field, member, LOAD_EVENTS_MAXLEN, m.origin if m else "", k])
+        if not ended:
+            return False
+        if m is not None:
+            entry, amount = ended
+            m.settle(k, entry, field, -int(float(amount)), -1)
+        return True
 
-    def loads(self) -> dict[str, dict[str, int]]:
-        """{worker: {"p": pending prefill tokens, "pn": pending prefill requests, "d": active decode
-        blocks, "dn": decoding requests}} for the whole farm, in one round trip."""
-        out: dict[str, dict[str, int]] = {}
-        for field, value in self.r.hgetall(LOAD_KEY).items():
-            w, _, kind = field.decode().rpartition("|")
-            out.setdefault(w, empty_load())[kind] = max(0, int(value))
-        return out
+    def read(self) -> Loads:
+        """The whole farm's load from Redis, in one round trip (the authority)."""
+        return {w: _clamped(ld) for w, ld in parse_loads(self.r.hgetall(LOAD_KEY)).items()}
+
+    def loads(self) -> Loads:
+        """{worker: {"p": pending prefill tokens, "pn": pending prefill requests, "d": active decode blocks,
+        "dn": decoding requests}}: from this process's mirror while it is live, else from Redis."""
+        if self.mirror is not None and self.mirror.live:
+            return self.mirror.view()
+        return self.read()
 
     def reap(self, now: float | None = None) -> int:
         """End every contribution past its deadline; returns how many."""

@@ -1,9 +1,15 @@
 """The router: place a request on the worker that serves it cheapest, with state shared in Redis.
 
 Stages are timed (hashing, index lookup, load read, scheduling) so routing overhead is measured, not
-guessed. Modes: `kv` (cost function over the KV-block index and shared load), `round-robin`, `random`.
-Without worker KV events (`use_kv_events: false`) the index is approximated from this router's own past
-placements, each remembered for `approx_ttl_s`.
+guessed. Modes: `kv` (cost function over the KV-block index, the load and each worker's measured step
+costs: farm.router.policy), `round-robin`, `random`. Nothing on the decision path waits for Redis: the
+index, the load and the step costs are this process's copies, kept current by one follower
+(IndexFollower). Without worker KV events (`use_kv_events: false`) the index is approximated from this
+router's own past placements, each remembered for `approx_ttl_s`.
+
+Admission: a worker is busy when its KV cache is above `busy_threshold`, or when the request would wait
+behind other work there and its predicted time to first token exceeds `ttft_target_ms`; when every
+candidate is busy the request is refused (503 with Retry-After) instead of queueing without end.
 """
 
 from __future__ import annotations
@@ -19,13 +25,21 @@ from dataclasses import dataclass, field
 
 import redis
 
-from farm import metrics
+from farm import metrics, registry
 from farm.config import FarmConfig
 from farm.engine.hashing import block_hashes
-from farm.registry import WorkerInfo
+from farm.router.costs import CostBook
 from farm.router.index import IndexFollower, KVIndex
-from farm.router.load import LoadTracker, empty_load
-from farm.router.policy import Candidate, RoundRobin, kv_costs, softmax_pick
+from farm.router.load import LoadMirror, LoadTracker, empty_load
+from farm.router.policy import (
+    Candidate,
+    RoundRobin,
+    dynamo_costs,
+    has_queue,
+    measured_costs,
+    predicted_ttft,
+    softmax_pick,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,34 +54,43 @@ class BusyError(RuntimeError):
 
 @dataclass
 class Placement:
-    worker: WorkerInfo
+    worker: registry.WorkerInfo
     overlap_blocks: int  # leading request blocks cached on the chosen worker (any tier), as predicted
     mode: str
     cost: float | None = None
+    predicted_ttft_s: float | None = None  # on the chosen worker (not for decode-only placements)
     timings_us: dict[str, float] = field(default_factory=dict)
 
 
 class ApproxIndex(KVIndex):
-    """Predicted cache contents from past placements, each forgotten after a TTL."""
+    """Predicted cache contents from past placements, each forgotten after a TTL (a block placed again
+    on the same worker lives until its latest placement expires)."""
 
     def __init__(self, ttl_s: float):
         super().__init__()
         self.ttl_s = ttl_s
         self._expiry: deque[tuple[float, str, list[int]]] = deque()
-        self._lock_approx = threading.Lock()
+        self._until: dict[tuple[str, int], float] = {}  # (worker, hash) -> when its latest placement expires
+        self._lock_approx = threading.RLock()
 
     def record(self, worker: str, hashes: list[int]) -> None:
         with self._lock_approx:
             self.expire()
+            until = time.monotonic() + self.ttl_s
             self.store(worker, hashes)
-            self._expiry.append((time.monotonic() + self.ttl_s, worker, hashes))
+            for h in hashes:
+                self._until[(worker, h)] = until
+            self._expiry.append((until, worker, hashes))
 
     def expire(self) -> None:
         now = time.monotonic()
-        while self._expiry and self._expiry[0][0] <= now:
-            _, w, hs = self._expiry.popleft()
-            still = {h for _, w2, later in self._expiry if w2 == w for h in later}
-            self.remove(w, [h for h in hs if h not in still])
+        with self._lock_approx:
+            while self._expiry and self._expiry[0][0] <= now:
+                _, w, hs = self._expiry.popleft()
+                gone = [h for h in hs if self._until.get((w, h), 0.0) <= now]
+                for h in gone:
+                    self._until.pop((w, h), None)
+                self.remove(w, gone)
 
 
 class Router:
@@ -76,7 +99,9 @@ class Router:
         self.rc = cfg.router
         self.r = r
         self.block_size = cfg.engine.block_size
-        self.loads = LoadTracker(r, cfg.celery.max_request_s)
+        self._block_sizes: dict[str | None, int] = {}
+        self.loads = LoadTracker(r, cfg.celery.max_request_s, LoadMirror() if follow else None)
+        self.costs = CostBook(self.rc.cost_prior)
         self.rng = random.Random()
         self.rr: dict[str, RoundRobin] = {}
         self._warned: set[str] = set()
@@ -86,28 +111,41 @@ class Router:
         # each prefilling it somewhere else. Without events, predictions are all there is.
         self.predicted = ApproxIndex(self.rc.approx_ttl_s if not self.rc.use_kv_events
                                      else self.rc.prediction_ttl_s)
-        if self.rc.use_kv_events:
-            self.index: KVIndex = KVIndex()
-            if follow:
-                self.follower = IndexFollower(r, self.index, maintenance=self.loads.reap).start()
-        else:
-            self.index = self.predicted
+        self.index: KVIndex = KVIndex() if self.rc.use_kv_events else self.predicted
+        if follow:
+            self.follower = IndexFollower(r, self.index if self.rc.use_kv_events else None, maintenance=self.maintain,
+                                          load_mirror=self.loads.mirror, follow_kv=self.rc.use_kv_events).start()
 
     def stop(self) -> None:
         if self.follower:
             self.follower.stop()
 
+    def maintain(self, live: list[registry.WorkerInfo]) -> None:
+        """About every second (the follower's prune): end expired load, refresh the workers' step costs."""
+        self.loads.reap()
+        self.refresh_costs(live)
+
+    def refresh_costs(self, live: list[registry.WorkerInfo]) -> None:
+        """Each live worker's measured step costs, from its heartbeat (one round trip)."""
+        self.costs.update({w.worker_id: w.model for w in live},
+                          registry.heartbeats(self.r, [w.worker_id for w in live]))
+
     def block_size_of(self, model: str | None) -> int:
-        """The KV block size of `model` (models[].block_size); the engine default for a model not configured."""
-        try:
-            return self.cfg.block_size(model) if model else self.block_size
-        except KeyError:
-            return self.block_size
+        """The KV block size of `model` (models[].block_size); the engine default for a model not configured.
+        Remembered per model: it is asked for every candidate of every decision."""
+        bs = self._block_sizes.get(model)
+        if bs is None:
+            try:
+                bs = self.cfg.block_size(model) if model else self.block_size
+            except KeyError:
+                bs = self.block_size
+            self._block_sizes[model] = bs
+        return bs
 
     def hashes(self, token_ids: Sequence[int], model: str | None = None) -> list[int]:
         return block_hashes(token_ids, self.block_size_of(model))
 
-    def _compatible(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+    def _compatible(self, workers: list[registry.WorkerInfo]) -> list[registry.WorkerInfo]:
         ok = []
         for w in workers:
             bs = self.block_size_of(w.model)
@@ -121,7 +159,7 @@ class Router:
             ok.append(w)
         return ok
 
-    def choose(self, workers: list[WorkerInfo], hashes: list[int], num_tokens: int, stage: str,
+    def choose(self, workers: list[registry.WorkerInfo], hashes: list[int], num_tokens: int, stage: str,
                loads: dict[str, dict[str, int]] | None = None) -> Placement:
         """Pick a worker for `stage` ("prefill", "decode" or "both") among `workers`."""
         t0 = time.perf_counter()
@@ -150,16 +188,18 @@ class Router:
         for w in workers:
             ld = loads.get(w.worker_id) or empty_load()
             cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs,
-                                   ld["d"], w.num_blocks))
-        self._shed_if_busy(cands, stage)
+                                   ld["d"], w.num_blocks, self.costs.of(w.worker_id)))
+        self._shed_if_busy(cands, request_blocks, stage)
         cost = None
         if mode == "round-robin":
             i = self.rr.setdefault(stage, RoundRobin()).pick(len(workers))
         elif mode == "random":
             i = self.rng.randrange(len(workers))
         else:
-            weight = self.rc.overlap_weight if stage != "decode" else 0.0
-            costs = kv_costs(cands, request_blocks, weight)
+            if self.rc.cost == "dynamo":
+                costs = dynamo_costs(cands, request_blocks, self.rc.overlap_weight if stage != "decode" else 0.0)
+            else:
+                costs = measured_costs(cands, request_blocks, stage)
             i = softmax_pick(costs, self.rc.temperature, self.rng)
             cost = costs[i]
         t4 = time.perf_counter()
@@ -169,18 +209,30 @@ class Router:
         timings = {"hash": 0.0, "index": (t2 - t1) * 1e6, "load": (t3 - t2) * 1e6,
                    "schedule": ((t4 - t3) + (t1 - t0)) * 1e6}
         metrics.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
-        return Placement(chosen, int(overlaps.get(chosen.worker_id, 0)) if overlaps else 0, mode, cost, timings)
+        ttft = predicted_ttft(cands[i], request_blocks) if stage != "decode" else None
+        return Placement(chosen, int(overlaps.get(chosen.worker_id, 0)) if overlaps else 0, mode, cost, ttft,
+                         timings)
 
-    def _shed_if_busy(self, cands: list[Candidate], stage: str) -> None:
+    def _shed_if_busy(self, cands: list[Candidate], request_blocks: int, stage: str) -> None:
+        """Refuse the request (BusyError) when every candidate is busy: its KV cache above `busy_threshold`,
+        or (prefill placements) the request would queue there and its predicted TTFT exceeds the target."""
         threshold = self.rc.busy_threshold
-        if threshold <= 0:
-            return
-        def busy(c: Candidate) -> bool:
-            if not c.capacity_blocks:
+        target_s = self.rc.ttft_target_ms / 1000 if stage != "decode" else 0.0
+
+        def full(c: Candidate) -> bool:
+            if threshold <= 0 or not c.capacity_blocks:
                 return False
             used = c.active_blocks + (c.pending_prefill_blocks if stage != "decode" else 0)
             return used / c.capacity_blocks > threshold
-        if all(busy(c) for c in cands):
-            metrics.REQUESTS_SHED.labels(stage=stage).inc()
-            raise BusyError(f"all {len(cands)} {stage} workers are above {threshold:.0%} of their KV capacity",
-                            retry_after_s=self.rc.retry_after_s)
+
+        def slow(c: Candidate) -> bool:
+            return target_s > 0 and has_queue(c) and predicted_ttft(c, request_blocks) > target_s
+
+        if all(full(c) for c in cands):
+            why = f"above {threshold:.0%} of their KV capacity"
+        elif all(full(c) or slow(c) for c in cands):
+            why = f"too loaded to start this request within router.ttft_target_ms ({self.rc.ttft_target_ms:.0f} ms)"
+        else:
+            return
+        metrics.REQUESTS_SHED.labels(stage=stage).inc()
+        raise BusyError(f"all {len(cands)} {stage} workers are {why}", retry_after_s=self.rc.retry_after_s)

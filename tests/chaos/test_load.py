@@ -11,10 +11,10 @@ import time
 
 import psutil
 import pytest
-import redis
 import requests
 
 from farm.config import load_config
+from farm.redis_client import connect
 from farm.supervisor import Farm
 from tests.chaos.harness import per_request_keys_without_ttl, wait_all_blocks_free
 from tests.conftest import free_port, make_farm_env
@@ -94,7 +94,7 @@ def test_200_streaming_clients_for_60_seconds(tmp_path_factory):
         assert outcomes["completed"] >= CLIENTS, outcomes
         assert rss_late < rss_early * 1.25 + 200, (rss_early, rss_late)  # bounded: no growth with requests
 
-        r = redis.Redis.from_url(farm.cfg.redis.url)  # with the managed Redis's generated password
+        r = connect(farm.cfg.redis)  # with the managed Redis's generated password
         clean, stats = wait_all_blocks_free(r, timeout=30)
         assert clean, stats
         assert per_request_keys_without_ttl(r) == []

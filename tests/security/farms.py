@@ -36,12 +36,8 @@ def real_farm(redis_url: str, tmp: Path, model_dir: Path, *, both: int = 0, env:
     child_env = {"FARM_API_KEYS": "", "FARM_METRICS_TOKEN": "", "FARM_REDIS_PASSWORD": "",
                  "FARM_SECRET": os.environ["FARM_SECRET"], **(env or {})}
     farm = Farm(cfg, prefill=0, decode=0, both=both, flower=False, prepare=False, grace_s=10, env=child_env)
-    try:
-        farm.start()
-        farm.wait_healthy(timeout=240)
+    with farm.running(240):
         yield farm
-    finally:
-        farm.stop()
 
 
 def base_url(farm: Farm) -> str:

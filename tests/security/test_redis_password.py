@@ -32,14 +32,9 @@ def farm(tmp_path_factory) -> Iterator[tuple[Farm, dict[str, str]]]:
            "FARM_REDIS__APPENDONLY": "false"}
     cfg = load_config(environ=env)
     assert redis_server.url_password(cfg.redis.url) is None  # nothing configured: before, an open Redis
-    f = Farm(cfg, prefill=0, decode=0, api=False, flower=False, prepare=False, batch_drivers=1,
-             env={"FARM_REDIS_PASSWORD": ""})
-    try:
-        f.start()
-        f.wait_healthy(30)
+    with Farm(cfg, prefill=0, decode=0, api=False, flower=False, prepare=False, batch_drivers=1,
+              env={"FARM_REDIS_PASSWORD": ""}).running(30) as f:
         yield f, env
-    finally:
-        f.stop()
 
 
 def test_the_managed_redis_refuses_clients_without_the_password(farm):

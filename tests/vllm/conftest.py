@@ -67,14 +67,9 @@ def vllm_farm(tmp: Path, model_dir: Path, *, prefill: int = 0, decode: int = 0, 
     farm_env.update(env or {})
     cfg = load_config(environ=farm_env)
     child_env = {k: v for k, v in farm_env.items() if k != "FARM_CONFIG"}  # children read the resolved config
-    f = Farm(cfg, prefill=prefill, decode=decode, both=both, port=free_port(), flower=False, env=child_env,
-             grace_s=60)
-    try:
-        f.start()
-        f.wait_healthy(600)
+    with Farm(cfg, prefill=prefill, decode=decode, both=both, port=free_port(), flower=False, env=child_env,
+              grace_s=60).running(600) as f:
         yield f
-    finally:
-        f.stop()
 
 
 class VllmServe:

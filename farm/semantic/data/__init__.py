@@ -1,1 +1,1 @@
-"""Data sets of the semantic layer (sources here, generated *.jsonl beside them) and the trained heads."""
+"""The trained heads of the semantic layer (heads.npz), an artifact of tools/semantic/train.py."""

@@ -52,11 +52,6 @@ app.kubernetes.io/part-of: inference-farm
 {{- .workerType | default "both" }}
 {{- end }}
 
-{{/* Queue-safe model name, as farm.protocol.model_slug: [^A-Za-z0-9_.-]+ -> "_" */}}
-{{- define "farm.queueSlug" -}}
-{{- regexReplaceAll "[^A-Za-z0-9_.-]+" . "_" }}
-{{- end }}
-
 {{/* DNS-1123 form of a name, as farm.planner.actuators.deployment_name does with the model. */}}
 {{- define "farm.dnsSlug" -}}
 {{- regexReplaceAll "[^a-z0-9-]+" (lower .) "-" | trimAll "-" }}
@@ -74,19 +69,13 @@ app.kubernetes.io/part-of: inference-farm
 {{- printf "%s-{model}-{role}" (include "farm.fullname" .) }}
 {{- end }}
 
-{{/* Celery queues a worker consumes (farm.protocol.queues_for_role), one per line. */}}
-{{- define "farm.workerQueues" -}}
-{{- $slug := include "farm.queueSlug" (include "farm.wModel" .) }}
-{{- $role := include "farm.wType" . }}
-{{- if eq $role "prefill" }}
-farm.{{ $slug }}.prefill
-{{- else if eq $role "decode" }}
-farm.{{ $slug }}.decode
-{{- else }}
-farm.{{ $slug }}.generate
-farm.{{ $slug }}.prefill
-farm.{{ $slug }}.decode
-{{- end }}
+{{/*
+The KEDA signal of a worker entry: the requests waiting for its model and role, as the API exports them
+(farm.metrics: one API replica exports the farm-wide series, so sum() counts each once). Args: dict "root" $ "w" $worker
+*/}}
+{{- define "farm.kedaQuery" -}}
+{{- $matchers := .root.Values.keda.prometheus.extraMatchers | default (printf "namespace=%q" .root.Release.Namespace) }}
+{{- printf "sum(farm_requests_waiting{model=%q,role=%q,%s})" (include "farm.wModel" .w) (include "farm.wType" .w) $matchers }}
 {{- end }}
 
 {{- define "farm.image" -}}
@@ -105,6 +94,58 @@ farm.{{ $slug }}.decode
 
 {{- define "farm.farmSecretName" -}}
 {{- .Values.secrets.existingSecret | default (printf "%s-farm" (include "farm.fullname" .)) }}
+{{- end }}
+
+{{/* ---- Redis Sentinel (redis.ha) ---------------------------------------------------------------------- */}}
+
+{{/* The headless Service of the Redis pods (stable names: <fullname>-redis-<i>.<this>.<namespace>.svc). */}}
+{{- define "farm.redisHeadless" -}}
+{{- printf "%s-redis-headless" (include "farm.fullname" .) }}
+{{- end }}
+
+{{/* The DNS name of bundled Redis pod <i>. Args: dict "root" $ "i" INDEX */}}
+{{- define "farm.redisNodeHost" -}}
+{{- printf "%s-redis-%d.%s.%s.svc" (include "farm.fullname" .root) (int .i) (include "farm.redisHeadless" .root) .root.Release.Namespace }}
+{{- end }}
+
+{{- define "farm.sentinelHeadless" -}}
+{{- printf "%s-redis-sentinel-headless" (include "farm.fullname" .) }}
+{{- end }}
+
+{{/*
+The sentinels every farm process asks (FARM_REDIS__HA__SENTINELS, host:port comma-separated): the bundled
+StatefulSet's pods by their stable names, or redis.ha.externalSentinels.
+*/}}
+{{- define "farm.sentinelAddresses" -}}
+{{- $ha := .Values.redis.ha }}
+{{- if .Values.redis.enabled }}
+{{- $out := list }}
+{{- range $i := until (int $ha.sentinel.replicas) }}
+{{- $out = append $out (printf "%s-redis-sentinel-%d.%s.%s.svc:%d" (include "farm.fullname" $) $i (include "farm.sentinelHeadless" $) $.Release.Namespace (int $ha.sentinel.port)) }}
+{{- end }}
+{{- join "," $out }}
+{{- else }}
+{{- join "," $ha.externalSentinels }}
+{{- end }}
+{{- end }}
+
+{{/*
+Shell (the redis image's sh): sets $primary to the DNS name of the bundled primary as it is now: what the
+sentinels say (after a failover: a promoted replica), else the Redis pod that answers ROLE with master,
+else pod 0 (first start). $me (this pod's own name, if a Redis pod) is not asked. Needs REDISCLI_AUTH.
+*/}}
+{{- define "farm.findPrimaryScript" -}}
+{{- $ha := .Values.redis.ha -}}
+primary=""
+a="$(timeout 5 redis-cli -h {{ include "farm.fullname" . }}-redis-sentinel -p {{ int $ha.sentinel.port }} sentinel get-master-addr-by-name {{ $ha.masterName }} 2>/dev/null | head -n 1)"
+case "$a" in *.{{ include "farm.redisHeadless" . }}.*) primary="$a" ;; esac
+if [ -z "$primary" ]; then
+  for h in{{ range $i := until (int $ha.dataNodes) }} {{ include "farm.redisNodeHost" (dict "root" $ "i" $i) }}{{ end }}; do
+    [ "$h" = "${me:-}" ] && continue
+    if timeout 3 redis-cli -h "$h" role 2>/dev/null | head -n 1 | grep -qx master; then primary="$h"; break; fi
+  done
+fi
+[ -n "$primary" ] || primary="{{ include "farm.redisNodeHost" (dict "root" . "i" 0) }}"
 {{- end }}
 
 {{/*
@@ -145,14 +186,40 @@ random one. Args: dict "root" $ "secret" NAME "key" KEY "value" GIVEN
     secretKeyRef:
       name: {{ include "farm.redisSecretName" . }}
       key: {{ .Values.redis.auth.existingSecretKey }}
+{{- if .Values.redis.ha.enabled }}
+{{- /* with redis.ha only the password and database count: the sentinels say where the primary is */}}
+- name: FARM_REDIS__URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "farm.redisNodeHost" (dict "root" . "i" 0)) | quote }}
+{{- else }}
 - name: FARM_REDIS__URL
   value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "farm.fullname" .) | quote }}
+{{- end }}
 {{- else }}
 - name: FARM_REDIS__URL
   valueFrom:
     secretKeyRef:
       name: {{ include "farm.farmSecretName" . }}
       key: redis-url
+{{- end }}
+{{- with .Values.redis.ha }}
+{{- if .enabled }}
+{{- /* redis.ha as farm.redis_client reads it: every process finds the primary through the sentinels */}}
+- name: FARM_REDIS__HA__ENABLED
+  value: "true"
+- name: FARM_REDIS__HA__MASTER_NAME
+  {{- /* the farm reads FARM_* values as YAML: a name YAML would read as something else goes in quotes */}}
+  {{- if and (regexMatch "^[A-Za-z][A-Za-z0-9._-]*$" .masterName) (not (has (lower .masterName) (list "yes" "no" "on" "off" "true" "false" "null"))) }}
+  value: {{ .masterName | quote }}
+  {{- else }}
+  value: {{ toJson (toString .masterName) | quote }}
+  {{- end }}
+- name: FARM_REDIS__HA__SENTINELS
+  value: {{ include "farm.sentinelAddresses" $ | quote }}
+- name: FARM_REDIS__HA__QUORUM
+  value: {{ int .quorum | toString | quote }}
+- name: FARM_REDIS__HA__REPLICA_ACK_TIMEOUT_MS
+  value: {{ int .replicaAckTimeoutMs | toString | quote }}
+{{- end }}
 {{- end }}
 - name: FARM_SECRET
   valueFrom:
@@ -161,6 +228,35 @@ random one. Args: dict "root" $ "secret" NAME "key" KEY "value" GIVEN
       key: farm-secret
 - name: FARM_ROUTER__MODE
   value: {{ .Values.frontend.routerMode | quote }}
+{{- end }}
+
+{{/*
+Spread a workload's pods over nodes (topologySpread). Args: dict "root" $ "selector" <matchLabels as YAML>
+*/}}
+{{- define "farm.topologySpread" -}}
+{{- $t := .root.Values.topologySpread }}
+{{- if $t.enabled -}}
+topologySpreadConstraints:
+  - maxSkew: {{ $t.maxSkew }}
+    topologyKey: {{ $t.topologyKey }}
+    whenUnsatisfiable: {{ $t.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- .selector | nindent 8 }}
+{{- end }}
+{{- end }}
+
+{{/* The pod selector of a component (api, batch, flower, ...): the chart's selector labels plus the component. */}}
+{{- define "farm.componentSelector" -}}
+{{ include "farm.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The pod selector of a worker Deployment. Args: dict "root" $ "name" <Deployment name> */}}
+{{- define "farm.workerSelector" -}}
+{{ include "farm.selectorLabels" .root }}
+app.kubernetes.io/component: worker
+inference-farm.io/worker: {{ .name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "farm.podSecurityContext" -}}
@@ -278,7 +374,13 @@ exec:
     - |
       import os, sys, redis
       wid = os.environ["WORKER_ID"]
+      {{- if .ha }}
+      from farm.config import load_config
+      from farm.redis_client import connect
+      r = connect(load_config().redis, timeout=3)  # through the sentinels (redis.ha), to the primary
+      {{- else }}
       r = redis.Redis.from_url(os.environ["FARM_REDIS__URL"], socket_timeout=3, socket_connect_timeout=3)
+      {{- end }}
       try:
           alive = r.exists("farm:alive:" + wid)
       except redis.RedisError as e:
@@ -351,6 +453,7 @@ rebinding); config.api.allowed_hosts replaces them (add an Ingress's host there)
   "flower" (dict "enabled" .Values.flower.enabled "host" "0.0.0.0" "port" (int .Values.flower.port))
   "router" (dict "mode" .Values.frontend.routerMode)
   "transfer" (dict "bind_host" "0.0.0.0")
+  "batch" (dict "files_backend" "redis")
   "default_model" $default
   "models" $models }}
 {{- toYaml (mergeOverwrite $cfg (deepCopy .Values.config)) }}
@@ -419,7 +522,26 @@ rebinding); config.api.allowed_hosts replaces them (add an Ingress's host there)
 {{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.secrets.existingSecret) }}
 {{- fail "redis.enabled=false needs redis.externalUrl (or secrets.existingSecret with a redis-url key)" }}
 {{- end }}
-{{- if and .Values.keda.enabled (not .Values.redis.enabled) (not .Values.keda.redisAddress) }}
-{{- fail "keda.enabled with an external Redis needs keda.redisAddress (host:port)" }}
+{{- with .Values.redis.ha }}
+{{- if .enabled }}
+{{- if $.Values.redis.enabled }}
+{{- if .externalSentinels }}
+{{- fail "redis.ha.externalSentinels is for redis.enabled=false (your own Sentinel deployment); with redis.enabled the chart runs the sentinels" }}
+{{- end }}
+{{- if gt (int .quorum) (int .sentinel.replicas) }}
+{{- fail (printf "redis.ha.quorum %d is more than the %d sentinels (redis.ha.sentinel.replicas)" (int .quorum) (int .sentinel.replicas)) }}
+{{- end }}
+{{- else }}
+{{- if not .externalSentinels }}
+{{- fail "redis.ha with redis.enabled=false needs redis.ha.externalSentinels (host:port of each sentinel of your deployment)" }}
+{{- end }}
+{{- if gt (int .quorum) (len .externalSentinels) }}
+{{- fail (printf "redis.ha.quorum %d is more than the %d sentinels in redis.ha.externalSentinels" (int .quorum) (len .externalSentinels)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.keda.enabled (not .Values.keda.prometheus.serverAddress) }}
+{{- fail "keda.enabled needs keda.prometheus.serverAddress (the Prometheus that scrapes the API, e.g. http://prometheus-operated.monitoring.svc:9090)" }}
 {{- end }}
 {{- end }}

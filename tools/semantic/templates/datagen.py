@@ -1,6 +1,12 @@
-"""Write the semantic layer's data sets (farm/semantic/data/*.jsonl) from the source lists, deterministically.
+"""The project's own template-made data sets (tools/semantic/templates/data/*.jsonl), deterministically.
 
-    python -m farm.semantic.datagen
+    python -m tools.semantic.templates.datagen
+
+These are phrase lists and templates written here (issue 8). Issue 15 showed they measure the heads on
+their own generator: they are kept as *template-made* sets, reported apart from the real held-out data in
+bench/semantic.py, and the jailbreak guard uses the benign near-misses of `jailbreak_train.jsonl` as one
+documented source of hard negatives (security education, role-play, fiction, medicine). The category head
+is trained on real questions only.
 
 Every set has a train (or dev) part and a held-out `test` part built from disjoint topics, templates,
 phrases, payloads, carrier sentences and random seeds: the held-out part is never trained on (the
@@ -15,7 +21,7 @@ import string
 from collections.abc import Iterable
 from pathlib import Path
 
-from farm.semantic.data import cache_src, categories_src, jailbreak_src, names
+from tools.semantic.templates import cache_src, categories_src, jailbreak_src, names
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 

@@ -1,0 +1,84 @@
+"""What a step of this worker's engine costs, measured while it serves: the router's cost weights.
+
+The router predicts a request's time to first token on each worker from two lines fitted here, online:
+prefill step seconds against the prompt tokens it computes, and decode step seconds against the KV blocks
+of the sequences it decodes. Each is `base + slope x amount`, fitted by least squares over exponentially
+weighted moments (recent steps count most; a worker whose machine gets busier is seen to get slower).
+The first steps of an engine pay one-off allocations and are left out. Published in the worker's
+heartbeat stats (`costs`), so every router sees every worker's own figures instead of a constant.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class LinearFit:
+    """y ~ base + slope * x over exponentially weighted moments (weight `alpha` for each new point).
+
+    With too little spread in x to tell base from slope, the line goes through the origin (slope = mean y
+    / mean x: the cost per unit including its share of the overhead), which never underestimates."""
+
+    def __init__(self, alpha: float = 0.1, warmup: int = 2, min_spread: float = 0.15):
+        self.alpha = alpha
+        self.warmup = warmup  # observations ignored first (first-call allocations, kernel selection)
+        self.min_spread = min_spread  # coefficient of variation of x needed to fit a base
+        self.seen = 0
+        self.samples = 0
+        self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        self.seen += 1
+        if self.seen <= self.warmup or x <= 0 or y <= 0:
+            return
+        a = self.alpha if self.samples else 1.0
+        self._x += a * (x - self._x)
+        self._y += a * (y - self._y)
+        self._xx += a * (x * x - self._xx)
+        self._xy += a * (x * y - self._xy)
+        self.samples += 1
+
+    def line(self) -> tuple[float, float]:
+        """(base, slope); (0, 0) before any observation counted."""
+        if not self.samples:
+            return 0.0, 0.0
+        through_origin = (0.0, self._y / self._x)
+        var = self._xx - self._x * self._x
+        if var <= (self.min_spread * self._x) ** 2:
+            return through_origin
+        slope = (self._xy - self._x * self._y) / var
+        base = self._y - slope * self._x
+        if slope <= 0 or base < 0:
+            return through_origin
+        return base, slope
+
+
+class StepCosts:
+    """Prefill and decode step costs of one engine; `observe_*` from the engine's thread, `snapshot` from
+    any (the heartbeat's)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.prefill = LinearFit()  # seconds per prefill step vs prompt tokens computed in it
+        self.decode = LinearFit()  # seconds per decode step vs KV blocks of the sequences decoded
+        self._lock = threading.Lock()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.prefill.observe(tokens, seconds)
+
+    def observe_decode(self, active_blocks: int, seconds: float) -> None:
+        with self._lock:
+            self.decode.observe(active_blocks, seconds)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The heartbeat's `costs`: milliseconds per prefill block (and per prefill step), per decode step
+        and per active decode block, with how many steps each rests on (0: not measured yet)."""
+        with self._lock:
+            p_base, p_slope = self.prefill.line()
+            d_base, d_slope = self.decode.line()
+            return {"prefill_ms_per_block": round(p_slope * self.block_size * 1000, 4),
+                    "prefill_step_ms": round(p_base * 1000, 4), "prefill_samples": self.prefill.samples,
+                    "decode_step_ms": round(d_base * 1000, 4), "decode_ms_per_block": round(d_slope * 1000, 5),
+                    "decode_samples": self.decode.samples}

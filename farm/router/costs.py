@@ -1,0 +1,93 @@
+"""Each worker's step costs as the router knows them: measured by the worker, read from its heartbeat.
+
+Workers publish `costs` in their heartbeat stats (farm.engine.step_costs: prefill ms per block and per
+step, decode ms per step and per active block, and how many steps each figure rests on). A figure a
+worker has not measured yet is taken from the live workers of its model that have (the same model on
+the same kind of machine costs about the same), else from `router.cost_prior`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from farm.config import CostPrior
+
+
+@dataclass(frozen=True)
+class WorkerCosts:
+    """Seconds, per prefill block and step, per decode step and active decode block."""
+
+    prefill_s_per_block: float
+    prefill_step_s: float
+    decode_step_s: float
+    decode_s_per_block: float
+    measured: bool = False  # both halves come from this worker's own steps
+
+    @classmethod
+    def prior(cls, p: CostPrior) -> WorkerCosts:
+        return cls(p.prefill_ms_per_block / 1000, p.prefill_step_ms / 1000, p.decode_step_ms / 1000,
+                   p.decode_ms_per_block / 1000)
+
+    def decode_step(self, active_blocks: float) -> float:
+        """Seconds of one decode step over `active_blocks` KV blocks."""
+        return self.decode_step_s + self.decode_s_per_block * active_blocks
+
+
+_PREFILL = ("prefill_ms_per_block", "prefill_step_ms")
+_DECODE = ("decode_step_ms", "decode_ms_per_block")
+
+
+def _measured(costs: Any, half: tuple[str, str], samples: str) -> tuple[float, float] | None:
+    """One half (prefill or decode) of a heartbeat's `costs`, in seconds, if the worker has measured it."""
+    if not isinstance(costs, dict) or not costs.get(samples):
+        return None
+    try:
+        a, b = (float(costs[k]) / 1000 for k in half)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not (a >= 0 and b >= 0) or a + b <= 0:
+        return None
+    return a, b
+
+
+class CostBook:
+    """worker id -> WorkerCosts, refreshed from heartbeats (IndexFollower's maintenance, about every second)."""
+
+    def __init__(self, prior: CostPrior):
+        self.prior = WorkerCosts.prior(prior)
+        self._by_worker: dict[str, WorkerCosts] = {}
+
+    def update(self, models: dict[str, str], heartbeats: dict[str, dict[str, Any]]) -> None:
+        """`models`: live worker id -> model; `heartbeats`: worker id -> its heartbeat (stats included)."""
+        prefill: dict[str, tuple[float, float]] = {}
+        decode: dict[str, tuple[float, float]] = {}
+        for wid, hb in heartbeats.items():
+            costs = hb.get("costs") if isinstance(hb, dict) else None
+            if (p := _measured(costs, _PREFILL, "prefill_samples")) is not None:
+                prefill[wid] = p
+            if (d := _measured(costs, _DECODE, "decode_samples")) is not None:
+                decode[wid] = d
+        by_model: dict[str, list[str]] = {}
+        for wid, model in models.items():
+            by_model.setdefault(model, []).append(wid)
+        book = {}
+        for wid, model in models.items():
+            peers = by_model[model]
+            p = prefill.get(wid) or _median([prefill[w] for w in peers if w in prefill])
+            d = decode.get(wid) or _median([decode[w] for w in peers if w in decode])
+            pr = self.prior
+            book[wid] = WorkerCosts(*(p or (pr.prefill_s_per_block, pr.prefill_step_s)),
+                                    *(d or (pr.decode_step_s, pr.decode_s_per_block)),
+                                    measured=wid in prefill and wid in decode)
+        self._by_worker = book
+
+    def of(self, worker_id: str) -> WorkerCosts:
+        return self._by_worker.get(worker_id, self.prior)
+
+
+def _median(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
+    if not pairs:
+        return None
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)

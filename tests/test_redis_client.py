@@ -1,0 +1,41 @@
+"""How every farm process reaches Redis: `redis.url`, or with `redis.ha` through the sentinels (the HA set
+itself is exercised with real processes in tests/test_supervisor.py and tests/chaos/test_redis_failover.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from farm.config import ConfigError, load_config
+from farm.redis_client import celery_broker, primary_address
+
+
+def test_without_ha_celery_uses_the_url_as_it_is(tmp_path):
+    cfg = load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__URL": "redis://:pw@127.0.0.1:7000/3"})
+    assert celery_broker(cfg.redis) == ("redis://:pw@127.0.0.1:7000/3", {})
+
+
+def test_with_ha_celery_gets_one_sentinel_url_per_sentinel_with_password_and_db(tmp_path):
+    cfg = load_config(environ={
+        "FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__URL": "redis://:p%40ss@127.0.0.1:7000/3",
+        "FARM_REDIS__HA__ENABLED": "true", "FARM_REDIS__HA__MASTER_NAME": "prod",
+        "FARM_REDIS__HA__SENTINELS": "10.0.0.1:26379, 10.0.0.2:26380",
+    })
+    assert cfg.redis.ha.sentinel_addresses() == [("10.0.0.1", 26379), ("10.0.0.2", 26380)]
+    url, options = celery_broker(cfg.redis)
+    assert url == "sentinel://:p%40ss@10.0.0.1:26379/3;sentinel://:p%40ss@10.0.0.2:26380/3"
+    assert options == {"master_name": "prod", "sentinel_kwargs": {"password": "p@ss"}}  # sentinels want it too
+
+
+@pytest.mark.parametrize(("key", "value"), [("SENTINELS", "10.0.0.1"), ("QUORUM", "4"), ("MASTER_NAME", "a b")])
+def test_bad_ha_settings_are_configuration_errors(tmp_path, key, value):
+    with pytest.raises(ConfigError):
+        load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__HA__ENABLED": "true",
+                             f"FARM_REDIS__HA__{key}": value})
+
+
+def test_no_sentinel_answering_means_no_primary(tmp_path):
+    from tests.conftest import free_port
+
+    cfg = load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__HA__ENABLED": "true",
+                               "FARM_REDIS__HA__SENTINELS": f"127.0.0.1:{free_port()}", "FARM_REDIS__HA__QUORUM": "1"})
+    assert primary_address(cfg.redis, timeout=0.5) is None

