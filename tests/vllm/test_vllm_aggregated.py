@@ -200,18 +200,22 @@ def test_client_disconnect_aborts_the_request_inside_vllm(farm, r):
             if got == 10:
                 break
         assert got == 10
+    closed = time.time()
     # The API notices the closed connection, sets the cancel key; the worker aborts the request in vLLM.
+    # Stats come with heartbeats (every registry.HEARTBEAT_INTERVAL_S): only one taken after the close counts.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         s = stats(r, worker)
-        if s.get("running") == 0 and s.get("vllm_unfinished") == 0:
+        if s.get("ts", 0) > closed and s.get("running") == 0 and s.get("vllm_unfinished") == 0:
             break
         time.sleep(0.5)
-    assert s.get("running") == 0 and s.get("vllm_unfinished") == 0, s
-    settled = stats(r, worker)["tokens_generated"]
-    time.sleep(3)
-    assert stats(r, worker)["tokens_generated"] == settled  # nothing generates any more
-    assert settled - before < 1500
+    assert s.get("ts", 0) > closed and s.get("running") == 0 and s.get("vllm_unfinished") == 0, s
+    settled = s
+    time.sleep(2 * registry.HEARTBEAT_INTERVAL_S + 1)
+    later = stats(r, worker)
+    assert later["ts"] > settled["ts"], "a newer heartbeat"
+    assert later["tokens_generated"] == settled["tokens_generated"]  # nothing generates any more
+    assert settled["tokens_generated"] - before < 1500
 
 
 def test_killed_vllm_worker_stream_migrates_with_the_same_greedy_output(farm, gateway, r):
