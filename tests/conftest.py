@@ -23,6 +23,10 @@ from farm.orphans import die_with_parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FARM_SECRET", "test-secret-not-for-production")
+# The Milvus tests load gRPC into this process. Its fork handlers then run in every child forked here (the
+# parent-death preexec_fn forces fork over vfork) and sometimes crash the child before its exec ("epoll_wait
+# error: Bad file descriptor", a worker that never starts). The children exec at once and never use gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # Every process the suite starts inherits this tag (children of children too, also those reparented to pid 1
 # when their parent was killed), so the end of the session can find any that is still running.
 SESSION_TAG = "INFERENCE_FARM_TEST_SESSION"  # not FARM_*: tests drop those from child environments
