@@ -762,6 +762,21 @@ def run_script(script: str, tmp_path: Path, hostname: str, sentinel_says: str = 
     return out.stdout
 
 
+def ha_farm_configs(objs: list[dict], tmp_path, sentinels: list[str]) -> list[tuple[dict, dict, Any]]:
+    """Every farm container (API, workers, batch driver, Flower, planner) with its resolved env and the farm
+    config it loads: each carries the HA settings and names exactly `sentinels`."""
+    cfg_path = farm_cfg_file(objs, tmp_path)
+    seen, out = set(), []
+    for owner, c in farm_containers(objs):
+        seen.add(component(owner))
+        env = resolved_env(c, objs)
+        assert set(HA_ENV) <= set(env), f"{owner['metadata']['name']}/{c['name']}"
+        assert env["FARM_REDIS__HA__SENTINELS"] == ",".join(sentinels)
+        out.append((c, env, load_config(environ={**env, "FARM_CONFIG": str(cfg_path)})))
+    assert seen == {"api", "worker", "batch", "flower", "planner"}
+    return out
+
+
 def test_redis_ha_bundles_a_primary_a_replica_and_three_sentinels(tmp_path):
     objs = objects("redis-ha")
     sts = by_kind(objs, "StatefulSet")
@@ -819,21 +834,13 @@ def test_redis_ha_bundles_a_primary_a_replica_and_three_sentinels(tmp_path):
     # every farm container (API, workers, batch driver, Flower, planner) goes through those sentinels
     from farm.redis_client import celery_broker
 
-    cfg_path = farm_cfg_file(objs, tmp_path)
-    seen = set()
-    for owner, c in farm_containers(objs):
-        seen.add(component(owner))
-        env = resolved_env(c, objs)
-        assert set(HA_ENV) <= set(env), f"{owner['metadata']['name']}/{c['name']}"
-        assert env["FARM_REDIS__HA__SENTINELS"] == ",".join(expected)
-        cfg = load_config(environ={**env, "FARM_CONFIG": str(cfg_path)})
+    for _, env, cfg in ha_farm_configs(objs, tmp_path, expected):
         ha = cfg.redis.ha
         assert (ha.enabled, ha.master_name, ha.sentinels, ha.quorum) == (True, "farm", expected, 2)
         assert cfg.redis.url.startswith(f"redis://:{env['REDIS_PASSWORD']}@")
         urls, options = celery_broker(cfg.redis)
         assert urls.split(";") == [f"sentinel://:{env['REDIS_PASSWORD']}@{a}/0" for a in expected]
         assert options == {"master_name": "farm", "sentinel_kwargs": {"password": env["REDIS_PASSWORD"]}}
-    assert seen == {"api", "worker", "batch", "flower", "planner"}
 
 
 def test_external_sentinels_render_no_redis_and_point_the_farm_at_them(tmp_path):
@@ -842,20 +849,12 @@ def test_external_sentinels_render_no_redis_and_point_the_farm_at_them(tmp_path)
     assert not by_kind(objs, "StatefulSet")
     assert f"{RELEASE}-inference-farm-redis" not in by_kind(objs, "Secret")
     given = VALUE_SETS["external-sentinel"]["redis"]["ha"]["externalSentinels"]
-    cfg_path = farm_cfg_file(objs, tmp_path)
-    seen = set()
-    for owner, c in farm_containers(objs):
-        seen.add(component(owner))
-        env = resolved_env(c, objs)
-        assert set(HA_ENV) <= set(env), f"{owner['metadata']['name']}/{c['name']}"
-        assert env["FARM_REDIS__HA__SENTINELS"] == ",".join(given)
+    for c, _, cfg in ha_farm_configs(objs, tmp_path, given):
         assert next(e for e in c["env"] if e["name"] == "FARM_REDIS__URL")["valueFrom"]["secretKeyRef"]["key"] == \
             "redis-url"
-        cfg = load_config(environ={**env, "FARM_CONFIG": str(cfg_path)})
         assert (cfg.redis.ha.enabled, cfg.redis.ha.master_name) == (True, "mymaster")
         assert cfg.redis.ha.sentinel_addresses() == [("s0.redis.svc", 26379), ("s1.redis.svc", 26379), ("10.0.0.7", 5000)]
         assert cfg.redis.url == "redis://:pw@unused:6379/2"  # password and database
-    assert seen == {"api", "worker", "batch", "flower", "planner"}
 
 
 def test_master_names_yaml_would_misread_are_quoted(tmp_path):
