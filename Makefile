@@ -76,6 +76,7 @@ run: install
 
 test: install install-test vllm
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python .ci/audit_deps.py requirements.lock
 	$(BIN)/pytest -q --durations=15
 
@@ -89,6 +90,7 @@ audit: $(TEST_STAMP)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 # The farm's runtime state (Redis data, prepared models, logs, farm.json) and nothing else.
 clean:

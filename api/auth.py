@@ -22,9 +22,8 @@ from collections.abc import Iterator
 
 from flask import Flask, current_app, g, request
 
-from api.errors import APIError
-from farm.apikeys import KeyRing
-from farm.batch.store import OWNER_ANONYMOUS
+from farm.apikeys import OWNER_ANONYMOUS, KeyRing
+from farm.openai.errors import APIError
 from farm.quota import Limiter
 
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})

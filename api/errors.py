@@ -8,7 +8,6 @@ used both by the Flask error handlers and by SSE streams that fail after their h
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import redis
 from flask import Flask, Response, jsonify
@@ -16,42 +15,12 @@ from werkzeug.exceptions import HTTPException
 
 from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError
 from farm.models import ModelNotFoundError
+from farm.openai.errors import APIError
 
 log = logging.getLogger(__name__)
 
-# OpenAI's error types by status; anything 5xx (or unlisted) is a server_error.
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error"}
 NO_WORKERS_RETRY_AFTER_S = 5  # workers take seconds to start and register
 REDIS_DOWN_RETRY_AFTER_S = 2
-
-
-def error_type(status: int) -> str:
-    return _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-
-
-class APIError(Exception):
-    """An error the API answers with: status, OpenAI error body, optional extra headers."""
-
-    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or error_type(status)
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    """A 400 invalid_request_error naming the offending parameter."""
-    return APIError(400, message, param=param, code=code)
 
 
 _HTTP_MESSAGES = {

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 from flask import Flask, Response, current_app, request
 
-from api.errors import APIError
 from farm.config import ApiConfig
+from farm.openai.errors import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})

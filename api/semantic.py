@@ -14,9 +14,9 @@ from typing import Any
 
 from flask import Response, jsonify, request
 
-from api.responses import Choice, ChunkWriter, full_response
-from api.schemas import local_params, raw_prompt
 from farm import metrics
+from farm.openai.parsing import local_params
+from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.semantic.layer import H_INJECTED, H_REASONING_APPLIED, SemanticLayer, Verdict
 from farm.tokenization import template_reads
 
@@ -39,19 +39,6 @@ def answer_fits(answer: str, body: dict, tokenizer) -> bool:
     if any(s in answer for s in params.stop):
         return False
     return len(tokenizer.encode(answer, add_special_tokens=False)) <= params.max_tokens
-
-
-def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
-    """A text completion's prompt as one user message, for the guards and the classifier. Token-id
-    prompts are decoded with `tokenizer`; a malformed prompt gives no text here (and its 400 from
-    parse_completion)."""
-    prompt = raw_prompt(body)
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        try:
-            prompt = tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)], skip_special_tokens=True)
-        except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
-            prompt = ""
-    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
 
 
 def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_cache: bool,

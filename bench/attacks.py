@@ -378,7 +378,7 @@ def main() -> None:
         transfer = worker.transfer_endpoint
         for _ in range(3):
             user_request(url, model)  # warm: the semantic layer, the tokenizer, the engine
-        from tasks.celery_app import make_celery
+        from farm.broker import make_celery
 
         celery = make_celery(cfg)
         attacks: dict[str, Attack | None] = {

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import OUT_DIR, goal, goal_line, machine_info, table, write_json
-from farm.planner.config import Bounds, LoadPolicyConfig, PlannerConfig, SlaPolicyConfig
+from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig, SlaPolicyConfig
 from farm.planner.planner import profile_path
 from farm.planner.profile import Profile
 from farm.planner.signals import percentile

@@ -41,9 +41,9 @@ import redis
 from bench.common import finish, goal, percentile, table
 from farm import redis_server, registry
 from farm.config import load_config
+from farm.protocol.keys import LOAD_EVENTS_STREAM
 from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower
-from farm.router.keys import LOAD_EVENTS_STREAM
 from farm.router.load import LoadMirror, LoadTracker
 from farm.router.router import Router
 

@@ -39,10 +39,10 @@ import redis
 
 from bench.common import CpuShare, finish, goal, load_average, percentile, table
 from farm import redis_server
-from farm.batch.store import OWNER_ANONYMOUS
+from farm.apikeys import OWNER_ANONYMOUS
 from farm.config import load_config
+from farm.config.semantic import IDENTITY_TYPES
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
-from farm.semantic.config import IDENTITY_TYPES
 from farm.semantic.heads import heads_meta
 from farm.semantic.layer import SemanticLayer
 from tools.semantic import datasets, pii_data, wheels

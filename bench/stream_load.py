@@ -172,7 +172,7 @@ def leases(r: redis.Redis) -> int:
 @contextlib.contextmanager
 def consumers_paused(cfg: FarmConfig, r: redis.Redis) -> Iterator[None]:
     """Every live worker stops consuming its queues until the block ends (Celery's cancel/add_consumer)."""
-    from tasks.celery_app import make_celery
+    from farm.broker import make_celery
 
     app = make_celery(cfg)
     paused = [(w.worker_id, q) for w in registry.live_workers(r) for q in w.queues]

@@ -20,6 +20,7 @@ from farm.config import ApiKeyEntry, FarmConfig
 ENV_KEYS = "FARM_API_KEYS"
 ENV_METRICS_TOKEN = "FARM_METRICS_TOKEN"
 HASH_PREFIX = "sha256:"
+OWNER_ANONYMOUS = "anonymous"  # the owner of files, batches and cache entries of callers without a key
 OWNER_PREFIX = "key-"
 
 

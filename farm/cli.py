@@ -28,29 +28,9 @@ from farm.protocol import ROLES, queue_depths, queue_name
 
 
 # -- farm up ----------------------------------------------------------------------------------------
-def worker_counts(cfg: FarmConfig, prefill: int | None, decode: int | None, both: int | None) -> dict[str, int]:
-    """Worker counts from the flags; `--workers N` alone means N aggregated workers and nothing else."""
-    if both is not None and prefill is None and decode is None:
-        prefill = decode = 0
-    counts = {
-        "prefill": cfg.workers.prefill if prefill is None else prefill,
-        "decode": cfg.workers.decode if decode is None else decode,
-        "both": cfg.workers.both if both is None else both,
-    }
-    if any(n < 0 for n in counts.values()):
-        raise ConfigError(f"worker counts must not be negative: {counts}")
-    if sum(counts.values()) == 0:
-        raise ConfigError("no workers to start: give --workers N, or --prefill-workers N --decode-workers N")
-    if counts["prefill"] and not (counts["decode"] or counts["both"]):
-        raise ConfigError("prefill workers hand every request to a decode worker: add --decode-workers N "
-                          "(or --workers N)")
-    return counts
-
-
 def cmd_up(cfg: FarmConfig, args: argparse.Namespace) -> int:
     from farm.supervisor import Farm
 
-    counts = worker_counts(cfg, args.prefill_workers, args.decode_workers, args.workers)
     if args.router_mode:
         if not hasattr(cfg, "router"):
             raise ConfigError("--router-mode: this farm has no router settings")
@@ -60,10 +40,7 @@ def cmd_up(cfg: FarmConfig, args: argparse.Namespace) -> int:
         ha = cfg.redis.ha.model_copy(update={"enabled": True})
         cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"ha": ha})})
     models = [cfg.default_model] if args.default_only else [m.name for m in cfg.models]
-    farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
-                flower=cfg.flower.enabled and not args.no_flower, models=models, grace_s=args.grace,
-                batch_drivers=cfg.workers.batch_drivers)
-    return farm.serve(timeout=args.timeout, detach=args.detach)
+    return Farm.from_flags(cfg, args, models).serve(timeout=args.timeout, detach=args.detach)
 
 
 # -- farm serve -------------------------------------------------------------------------------------
@@ -138,11 +115,7 @@ def cmd_serve(cfg: FarmConfig, args: argparse.Namespace) -> int:
     from farm.supervisor import Farm
 
     cfg = serve_config(cfg, args)
-    counts = worker_counts(cfg, args.prefill_workers, args.decode_workers, args.workers)
-    farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
-                flower=cfg.flower.enabled and not args.no_flower, grace_s=args.grace,
-                batch_drivers=cfg.workers.batch_drivers)
-    return farm.serve(timeout=args.timeout, detach=args.detach)
+    return Farm.from_flags(cfg, args).serve(timeout=args.timeout, detach=args.detach)
 
 
 # -- farm logs --------------------------------------------------------------------------------------

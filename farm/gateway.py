@@ -41,13 +41,13 @@ from farm.protocol import (
     queue_name,
     stream_key,
 )
-from farm.router.keys import direct_queue
+from farm.protocol.keys import OBS_STREAM
+from farm.protocol.queues import direct_queue
 from farm.router.router import BusyError, Placement, Router
 from farm.tokenization import IncrementalDetokenizer, get_tokenizer
 
 log = logging.getLogger(__name__)
 
-OBS_STREAM = "farm:obs"  # one entry per finished request: ttft, itl, isl, osl (read by the planner)
 OBS_MAXLEN = 20_000
 
 __all__ = ["BusyError", "ClientGone", "Gateway", "GatewayTimeout", "NoWorkersError", "Submission"]
@@ -379,7 +379,7 @@ class Gateway:
         self.cfg = cfg
         self.r = r
         if celery_app is None:
-            from tasks.celery_app import make_celery
+            from farm.broker import make_celery
 
             celery_app = make_celery(cfg)
         self.celery = celery_app

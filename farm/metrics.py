@@ -269,7 +269,7 @@ class FarmCollector:
     def refresh(self) -> None:
         from farm import registry
         from farm.protocol import BATCH_QUEUE, queue_depths, queue_name
-        from farm.router.keys import direct_queue
+        from farm.protocol.queues import direct_queue
 
         try:
             self.series.exporting = bool(self._lease(keys=[EXPORTER_KEY], args=[self.identity, EXPORTER_TTL_S]))
@@ -299,7 +299,7 @@ def _waiting(cfg, shared: list[tuple[str, str, str]], depths: dict[str, int],
     """Requests waiting per (model, role): in the model's shared queues (counted for the role that takes them),
     in each worker's own queue, and inside each worker's engine. Every configured model and role has a value,
     0 included, so an autoscaler sees the series before the first worker exists."""
-    from farm.router.keys import direct_queue
+    from farm.protocol.queues import direct_queue
 
     out: dict[tuple[str, str], float] = {(m.name, role): 0.0 for m in cfg.models for role in ROLES}
     live = {(w.model, w.role) for w, _ in workers}

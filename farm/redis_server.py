@@ -22,21 +22,18 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
+from farm.config.redis import is_local, password_path, read_password, url_password
 from farm.orphans import die_with_parent
 from farm.redis_client import connect
 
 if TYPE_CHECKING:
     from farm.config import RedisConfig, RedisHAConfig
-
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
-
 
 class RedisServerError(RuntimeError):
     """redis-server is missing, did not start, or the configured Redis cannot be reached."""
@@ -52,14 +49,6 @@ def parse_url(url: str) -> tuple[str, int, int]:
     if path.isdigit():
         db = int(path)
     return (u.hostname or "127.0.0.1"), (u.port or 6379), db
-
-
-def is_local(url: str) -> bool:
-    """Whether the URL points at this machine (so a redis-server can be started for it)."""
-    if urlparse(url).scheme != "redis":
-        return False
-    host = parse_url(url)[0]
-    return host in LOCAL_HOSTS or host.startswith("127.") or host == socket.gethostname()
 
 
 def ping(target: RedisConfig | str, timeout: float = 1.0) -> bool:
@@ -91,26 +80,7 @@ def node_url(url: str, port: int) -> str:
     return u._replace(netloc=(auth + "@" if auth else "") + f"127.0.0.1:{port}").geturl()
 
 
-def url_password(url: str) -> str | None:
-    """The password in a redis:// URL (percent-decoded), or None."""
-    pw = urlparse(url).password
-    return unquote(pw) if pw else None
-
-
 AUTH_CONF = "redis-auth.conf"
-PASSWORD_FILE = "redis.password"  # in the state dir: the managed Redis's generated password
-
-
-def password_path(state_dir: Path | str) -> Path:
-    return Path(state_dir) / PASSWORD_FILE
-
-
-def read_password(state_dir: Path | str) -> str | None:
-    """The generated password of this state dir's managed Redis, if one was made."""
-    try:
-        return password_path(state_dir).read_text().strip() or None
-    except OSError:
-        return None
 
 
 def ensure_password(state_dir: Path | str) -> str:

@@ -43,6 +43,7 @@ from farm.config import (
     redact_url,
     redis_url_with_password,
 )
+from farm.config.redis import is_local, url_password
 from farm.orphans import die_with_parent
 from farm.progress import ProgressPrinter
 
@@ -317,6 +318,25 @@ def _port_in_use(host: str, port: int) -> bool:
         return False
 
 
+def worker_counts(cfg: FarmConfig, prefill: int | None, decode: int | None, both: int | None) -> dict[str, int]:
+    """Worker counts from the flags; `--workers N` alone means N aggregated workers and nothing else."""
+    if both is not None and prefill is None and decode is None:
+        prefill = decode = 0
+    counts = {
+        "prefill": cfg.workers.prefill if prefill is None else prefill,
+        "decode": cfg.workers.decode if decode is None else decode,
+        "both": cfg.workers.both if both is None else both,
+    }
+    if any(n < 0 for n in counts.values()):
+        raise ConfigError(f"worker counts must not be negative: {counts}")
+    if sum(counts.values()) == 0:
+        raise ConfigError("no workers to start: give --workers N, or --prefill-workers N --decode-workers N")
+    if counts["prefill"] and not (counts["decode"] or counts["both"]):
+        raise ConfigError("prefill workers hand every request to a decode worker: add --decode-workers N "
+                          "(or --workers N)")
+    return counts
+
+
 class Farm:
     """The processes of one farm on this machine.
 
@@ -326,6 +346,15 @@ class Farm:
     keyword arguments exist for tests: `api=False` starts no API, `api_app` replaces the gunicorn app,
     `env` adds environment variables for the children, `grace_s` is the workers' shutdown grace.
     """
+
+    @classmethod
+    def from_flags(cls, cfg: FarmConfig, args: Any, models: list[str] | None = None) -> Farm:
+        """The farm `farm up` and `farm planner run` (local actuator) start from their shared flags
+        (--workers / --prefill-workers / --decode-workers, --port, --no-flower, --grace)."""
+        counts = worker_counts(cfg, args.prefill_workers, args.decode_workers, args.workers)
+        return cls(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
+                   flower=cfg.flower.enabled and not args.no_flower, models=models,
+                   grace_s=getattr(args, "grace", 60.0), batch_drivers=cfg.workers.batch_drivers)
 
     def __init__(self, cfg: FarmConfig, prefill: int = 1, decode: int = 1, both: int = 0,
                  port: int | None = None, flower: bool = True, models: list[str] | None = None,
@@ -528,7 +557,7 @@ class Farm:
         this farm's URL, so every child (through config.resolved.yaml) and every later `farm` command
         (load_config reads the file) authenticates. A Redis already answering without one is used as it is."""
         url = self.cfg.redis.url
-        if not self.cfg.redis.managed or not redis_server.is_local(url) or redis_server.url_password(url):
+        if not self.cfg.redis.managed or not is_local(url) or url_password(url):
             return
         if redis_server.ping(url):
             return  # someone else's Redis: not ours to protect (redis.managed: false says so explicitly)
@@ -541,7 +570,7 @@ class Farm:
             return  # someone else's Redis (or a shared one): use it, never stop it
         if not self.cfg.redis.managed:
             raise FarmError(f"Redis at {redact_url(url)} does not answer and redis.managed is false")
-        if not redis_server.is_local(url):
+        if not is_local(url):
             raise FarmError(f"Redis at {redact_url(url)} does not answer, and it is not on this machine, so the "
                             "farm cannot start one; check FARM_REDIS__URL")
         if self.cfg.redis.ha.enabled:
@@ -558,7 +587,7 @@ class Farm:
     def _redis_node_command(self, port: int, replica_of: int | None = None) -> list[str]:
         try:
             return redis_server.command(port, self._redis_node_dir(port), self.cfg.redis.appendonly,
-                                        password=redis_server.url_password(self.cfg.redis.url), replica_of=replica_of)
+                                        password=url_password(self.cfg.redis.url), replica_of=replica_of)
         except redis_server.RedisServerError as e:
             raise FarmError(str(e)) from None
 
@@ -578,7 +607,7 @@ class Farm:
         again, so the other resyncs from it and no acknowledged write is overwritten."""
         rcfg, ha = self.cfg.redis, self.cfg.redis.ha
         sentinels = ha.sentinel_addresses()
-        if not all(redis_server.is_local(f"redis://{h}:{p}/0") for h, p in sentinels):
+        if not all(is_local(f"redis://{h}:{p}/0") for h, p in sentinels):
             raise FarmError(f"redis.ha.sentinels {ha.sentinels} do not answer and are not all on this machine, "
                             "so the farm cannot start them")
         _host, url_port, _db = redis_server.parse_url(rcfg.url)
@@ -591,7 +620,7 @@ class Farm:
         names = {url_port: "redis", ha.replica_port: "redis-replica"}
         self._start_redis_node(names[primary], primary)
         self._start_redis_node(names[replica], replica, replica_of=primary)
-        password = redis_server.url_password(rcfg.url)
+        password = url_password(rcfg.url)
         for i, (_h, port) in enumerate(sentinels, 1):
             try:
                 cmd = redis_server.sentinel_command(i, port, self.state_dir, ha, primary, password)
@@ -832,18 +861,25 @@ class Farm:
         finally:
             self.stop()
 
-    def wait(self, poll_s: float = 0.5) -> int:
+    def wait(self, poll_s: float = 0.5, tick: Callable[[], bool | None] | None = None,
+             tick_every_s: float = 1.0) -> int:
         """Foreground: watch the children until one fails for good; returns the exit status (1).
 
         A worker that dies is restarted (at most MAX_WORKER_RESTARTS times), so are the data nodes and
         sentinels of a managed Redis Sentinel set; the API, Flower or a single Redis dying stops the farm.
         Returns 0 once serve() received a stop signal (the caller then calls stop()); Ctrl-C without
-        serve()'s handlers (KeyboardInterrupt) propagates to the caller.
+        serve()'s handlers (KeyboardInterrupt) propagates to the caller. `tick` (the planner's step) runs
+        every `tick_every_s` between looks; it returning False ends the wait with 0.
         """
+        next_tick = 0.0
         while not self._stop_signals:
             status = self.supervise_once()
             if status is not None:
                 return status
+            if tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + tick_every_s
+                if tick() is False:
+                    return 0
             time.sleep(poll_s)
         return 0
 
@@ -923,8 +959,10 @@ class Farm:
         for p in self.procs:
             p.popen = None
 
-    def serve(self, timeout: float = 300.0, detach: bool = False) -> int:
-        """`farm up`: start, wait until healthy, print the URLs; then detach or supervise until Ctrl-C."""
+    def serve(self, timeout: float = 300.0, detach: bool = False, tick: Callable[[], bool | None] | None = None,
+              tick_every_s: float = 1.0) -> int:
+        """`farm up` (and `farm planner run` with the local actuator, whose step is `tick`): start, wait until
+        healthy, print the URLs; then detach or supervise until Ctrl-C."""
         handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         for s in handlers:
             signal.signal(s, self._on_stop_signal)
@@ -957,7 +995,7 @@ class Farm:
                 print("running in the background; `farm status` shows it, `farm down` stops it")
                 return 0
             print("press Ctrl-C to stop", flush=True)
-            status = self.wait()
+            status = self.wait(tick=tick, tick_every_s=tick_every_s)
             if self._stop_signals:
                 print(STOPPING_MESSAGE, file=sys.stderr, flush=True)
             return status

@@ -26,10 +26,16 @@ from farm.models import model_vocab_size, require_model_dir
 from farm.protocol import (
     TASK_DECODE,
     TASK_PING,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
     GenerationRequest,
     InvalidTask,
     Role,
+    StartEvent,
     cancel_key,
+    claim_key,
+    direct_queue,
     is_request_id,
     lease_key,
     queue_name,
@@ -38,7 +44,6 @@ from farm.protocol import (
 from farm.redis_client import connect
 from farm.reliability import WorkerGuard, ping_key
 from farm.router.events import KVEventPublisher
-from farm.router.keys import claim_key, direct_queue
 from farm.streams import StreamWriter
 from farm.transfer.handle import sign_handle
 from farm.transfer.shm import host_id as shm_host_id
@@ -160,10 +165,8 @@ class WorkerRuntime:
 
         def on_output(out: RequestOutput) -> None:
             if out.text or (out.token_ids and not out.finished):
-                event = {"type": "delta", "text": out.text, "n": len(out.token_ids), "ids": out.token_ids}
-                if out.logprobs:
-                    event["lp"] = [lp.to_list() for lp in out.logprobs]
-                self.streams.emit(req.request_id, event)
+                lp = [x.to_list() for x in out.logprobs] if out.logprobs else None
+                self.streams.emit(req.request_id, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp).to_dict())
             if out.finished:
                 result["out"] = out
                 on_done(out)
@@ -189,14 +192,11 @@ class WorkerRuntime:
                       cached_tokens: int | None = None) -> None:
         reason = out.finish_reason or "stop"
         if reason.startswith("error:"):
-            self.streams.emit(req.request_id, {"type": "error", "message": reason[6:], "code": "engine_error"})
+            self.streams.emit(req.request_id, ErrorEvent(reason[6:], "engine_error").to_dict())
             return
-        self.streams.emit(req.request_id, {
-            "type": "done", "finish_reason": reason,
-            "usage": {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                      "cached_tokens": out.cached_tokens if cached_tokens is None else cached_tokens},
-            "prefill_worker": prefill_worker, "decode_worker": self.worker_id, "prefill": mode,
-        })
+        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                 "cached_tokens": out.cached_tokens if cached_tokens is None else cached_tokens}
+        self.streams.emit(req.request_id, DoneEvent(reason, usage, prefill_worker, self.worker_id, mode).to_dict())
 
     def _should_skip(self, request_id: str, stage: str, lease_s: float = 0.0) -> bool:
         """Skip a request whose client is gone, whose reader's lease lapsed (a redelivered message of a
@@ -236,15 +236,14 @@ class WorkerRuntime:
             rid = message.get("request_id") if isinstance(message, dict) else None
             log.warning("refused an invalid task (request %r): %s", str(rid)[:80], e)
             if is_request_id(rid):
-                self.streams.emit(rid, {"type": "error", "message": f"invalid task: {e}", "code": "invalid_task"})
+                self.streams.emit(rid, ErrorEvent(f"invalid task: {e}", "invalid_task").to_dict())
             return None
 
     def generate(self, req: GenerationRequest) -> dict[str, Any]:
         """Aggregated: prefill and decode here."""
         if self._should_skip(req.request_id, "generate", req.lease_s):
             return {"finish_reason": "skipped"}
-        self.streams.emit(req.request_id, {"type": "start", "role": self.role, "worker": self.worker_id,
-                                           "prefill_worker": self.worker_id, "prefill": "local"})
+        self.streams.emit(req.request_id, StartEvent(self.role, self.worker_id, self.worker_id, "local").to_dict())
         out = self._run(req, lambda o: self._finish_event(req, o, self.worker_id, "local"))
         return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}
 
@@ -252,7 +251,7 @@ class WorkerRuntime:
         """Compute the prompt's KV, hold it, and pass a signed handle on to the decode queue."""
         if self._should_skip(req.request_id, "prefill", req.lease_s):
             return None
-        self.streams.emit(req.request_id, {"type": "start", "role": "prefill", "worker": self.worker_id})
+        self.streams.emit(req.request_id, StartEvent("prefill", self.worker_id).to_dict())
         t0 = time.monotonic()
         out = self._run(req, lambda o: None, prefill_only=True)
         handle = None
@@ -309,16 +308,14 @@ class WorkerRuntime:
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
             except TransferError as e:
                 log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)
-        self.streams.emit(req.request_id, {"type": "start", "role": "decode", "worker": self.worker_id,
-                                           "prefill_worker": prefill_worker, "prefill": mode,
-                                           "kv_transfer": pull if mode == "remote" else None})
+        start = StartEvent("decode", self.worker_id, prefill_worker, mode, pull if mode == "remote" else None)
+        self.streams.emit(req.request_id, start.to_dict())
         out = self._run(req, lambda o: self._finish_event(req, o, prefill_worker, mode, cached),
                         kv_import=kv_import)
         return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}
 
 
 _runtime: WorkerRuntime | None = None
-_runtime_lock = threading.Lock()
 
 
 def set_runtime(rt: WorkerRuntime | None) -> None:

@@ -17,8 +17,12 @@ import logging
 import socket
 import sys
 
+from farm.broker import make_celery, survive_broker_reconnects
 from farm.protocol import BATCH_QUEUE, TASK_BATCH_DRIVE
-from tasks.celery_app import app
+
+# Its own app: the batch driver consumes only farm.batch and must not import the generation tasks (the engine, torch).
+app = make_celery(include=["tasks.batch"])
+survive_broker_reconnects()
 
 log = logging.getLogger("farm.batch")
 

@@ -19,7 +19,7 @@ from celery import signals
 from farm.config import ConfigError, get_config
 from farm.logfiles import configure_logging
 from farm.protocol import ROLES, queues_for_role
-from farm.router.keys import direct_queue
+from farm.protocol.queues import direct_queue
 
 log = logging.getLogger("farm.worker")
 

@@ -13,7 +13,7 @@ from flask import Flask
 from api.app import create_app
 from farm import registry
 from farm.config import get_config
-from farm.router.keys import direct_queue
+from farm.protocol.queues import direct_queue
 from tests.conftest import make_farm_env
 
 GHOST = "ghost@test"

@@ -19,7 +19,7 @@ from flask import Flask
 
 from farm import registry
 from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, stream_key
-from farm.router.keys import direct_queue
+from farm.protocol.queues import direct_queue
 from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "cached_tokens": 4}

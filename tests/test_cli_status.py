@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from farm import registry
-from farm.cli import main, worker_counts
+from farm.cli import main
 from farm.config import load_config
 from farm.protocol import PRIORITY_SEP, queue_name
+from farm.supervisor import worker_counts
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

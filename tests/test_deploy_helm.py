@@ -35,8 +35,8 @@ import yaml
 from farm import registry
 from farm.cli import build_parser
 from farm.config import load_config
+from farm.config.planner import load_planner_config
 from farm.planner.actuators import deployment_name
-from farm.planner.config import load_planner_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

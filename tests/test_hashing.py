@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import xxhash
 
-from farm.engine.hashing import SEED, block_hashes, chain_hash, local_block_hash
+from farm.protocol.hashing import SEED, block_hashes, chain_hash, local_block_hash
 
 
 def test_local_hash_is_xxh3_of_le_u32_with_seed_1337():

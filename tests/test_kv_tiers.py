@@ -11,9 +11,9 @@ import torch
 
 from farm.config import EngineConfig, KVTiersConfig
 from farm.engine.engine import Engine
-from farm.engine.hashing import block_hashes
 from farm.kvcache.arena import DiskArena
 from farm.protocol import SamplingParams
+from farm.protocol.hashing import block_hashes
 from tests.procs import ROOT
 from tests.test_engine import run
 

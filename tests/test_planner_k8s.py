@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from farm import registry
+from farm.config.planner import Bounds, KubernetesConfig, LoadPolicyConfig, PlannerConfig
 from farm.planner.actuators import ActuatorError, KubernetesActuator, deployment_name
-from farm.planner.config import Bounds, KubernetesConfig, LoadPolicyConfig, PlannerConfig
 from farm.planner.planner import Planner
 from farm.planner.signals import RedisSignals
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from farm.planner.config import Bounds, LoadPolicyConfig, PlannerConfig, load_planner_config
+from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig, load_planner_config
 from farm.planner.guard import Guard
 from farm.planner.load_policy import LoadPolicy
 from farm.planner.signals import RoleSignals

@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from farm.config import get_config, load_config
+from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig
 from farm.gateway import Gateway
 from farm.planner.actuators import LocalActuator
-from farm.planner.config import Bounds, LoadPolicyConfig, PlannerConfig
 from farm.planner.planner import Planner, read_state
 from farm.planner.signals import RedisSignals
 from farm.protocol import GenerationRequest, SamplingParams

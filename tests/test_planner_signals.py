@@ -10,12 +10,12 @@ import pytest
 from farm import registry
 from farm.cli import collect_status, main
 from farm.config import load_config
-from farm.gateway import OBS_STREAM
-from farm.planner.config import Bounds, LoadPolicyConfig, PlannerConfig
+from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig
 from farm.planner.planner import EVENTS_KEY, Planner, read_state
 from farm.planner.signals import RedisSignals
 from farm.protocol import PRIORITY_SEP, queue_name
-from farm.router.keys import direct_queue
+from farm.protocol.keys import OBS_STREAM
+from farm.protocol.queues import direct_queue
 from farm.router.load import LoadTracker
 
 MODEL = "SmolLM2-135M-Instruct"

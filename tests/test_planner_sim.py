@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from farm.planner.config import Bounds, LoadPolicyConfig, PlannerConfig, SlaPolicyConfig
+from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig, SlaPolicyConfig
 from farm.planner.profile import DecodePoint, PrefillPoint, Profile
 from farm.planner.simulate import simulate
 

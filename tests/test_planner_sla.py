@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from farm.planner.config import SlaPolicyConfig
+from farm.config.planner import SlaPolicyConfig
 from farm.planner.profile import DecodePoint, PrefillPoint, Profile, interp
 from farm.planner.signals import Traffic, summarize_traffic
 from farm.planner.sla_policy import SlaPolicy, decode_replicas, prefill_replicas

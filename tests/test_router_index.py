@@ -9,9 +9,9 @@ import sys
 import time
 
 from farm import registry
+from farm.protocol.keys import EVENTS_STREAM, worker_blocks_key
 from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower, KVIndex
-from farm.router.keys import EVENTS_STREAM, worker_blocks_key
 from tests.procs import ROOT
 
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from farm import registry
-from farm.router.keys import direct_queue
+from farm.protocol.queues import direct_queue
 from tests.security_helpers import farm_app
 
 CANARY = "CANARY-7f3a9-private-patient-record"

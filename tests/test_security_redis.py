@@ -12,6 +12,7 @@ import redis
 
 from farm import redis_server
 from farm.config import ConfigError, load_config, redact_url
+from farm.config.redis import url_password
 from farm.supervisor import Farm
 from tests.conftest import free_port
 
@@ -21,7 +22,7 @@ PASSWORD = "s3cret p@ss/word"
 def test_password_from_environment_goes_into_the_url():
     cfg = load_config(environ={"FARM_REDIS_PASSWORD": PASSWORD})
     assert cfg.redis.url == "redis://:s3cret%20p%40ss%2Fword@127.0.0.1:6379/0"
-    assert redis_server.url_password(cfg.redis.url) == PASSWORD
+    assert url_password(cfg.redis.url) == PASSWORD
     # a password already in the URL wins
     cfg = load_config(environ={"FARM_REDIS_PASSWORD": "other", "FARM_REDIS__URL": "redis://:mine@10.0.0.5:6379/1"})
     assert cfg.redis.url == "redis://:mine@10.0.0.5:6379/1"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import redis
 
+from farm.config.semantic import CacheConfig
 from farm.semantic.cache import (
     CacheQuery,
     RedisSemanticCache,
@@ -19,7 +20,6 @@ from farm.semantic.cache import (
     partition_key,
     text_sha,
 )
-from farm.semantic.config import CacheConfig
 from tests.conftest import free_port, start_redis
 
 
@@ -128,7 +128,7 @@ def test_shared_with_another_process(redis_client, redis_url):
     code = (
         "import sys, numpy as np, redis\n"
         "from farm.semantic.cache import RedisSemanticCache, CacheQuery, partition_key, text_sha, guard_signature\n"
-        "from farm.semantic.config import CacheConfig\n"
+        "from farm.config.semantic import CacheConfig\n"
         "v = np.frombuffer(bytes.fromhex(sys.argv[2]), dtype=np.float32)\n"
         "c = RedisSemanticCache(redis.Redis.from_url(sys.argv[1]), CacheConfig())\n"
         "c.store(CacheQuery(partition_key('m1', '', []), v, text_sha('hello there'), guard_signature('hello there'), False), 'from process 2')\n"
@@ -168,8 +168,8 @@ def test_milvus_backend_same_contract(tmp_path):
     """The Milvus backend against Milvus Lite (a real Milvus in a local file, same MilvusClient API)."""
     pytest.importorskip("pymilvus")
     pytest.importorskip("milvus_lite")
+    from farm.config.semantic import MilvusConfig
     from farm.semantic.cache import MilvusSemanticCache, word_sequence
-    from farm.semantic.config import MilvusConfig
 
     cfg = CacheConfig(backend="milvus", similarity_threshold=0.9, max_entries=2,
                       milvus=MilvusConfig(uri=str(tmp_path / "milvus.db")))

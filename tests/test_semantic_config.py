@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from farm.config import ConfigError, load_config
-from farm.semantic.config import MMLU_PRO_CATEGORIES, PIIConfig
+from farm.config.semantic import MMLU_PRO_CATEGORIES, PIIConfig
 
 
 def _load(tmp_path, override: dict, env: dict | None = None):

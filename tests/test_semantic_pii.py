@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from farm.semantic.config import IDENTITY_TYPES, PIIConfig, PIIPolicy
-from farm.semantic.pii import PII_TYPES, PIIDetector, normalize_type, ssn_ok
+from farm.config.semantic import IDENTITY_TYPES, PII_TYPES, PIIConfig, PIIPolicy, normalize_type
+from farm.semantic.pii import PIIDetector, ssn_ok
 
 
 @pytest.fixture(scope="module")

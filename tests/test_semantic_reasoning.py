@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from api.schemas import parse_chat
 from api.semantic import reasoning_template_kwargs
+from farm.openai.parsing import parse_chat
 from farm.semantic.layer import SemanticLayer, Verdict
 from farm.tokenization import _load, chat_prompt_ids, template_reads
 

@@ -20,6 +20,7 @@ import redis
 
 from farm import redis_server
 from farm.config import ConfigError, load_config
+from farm.config.redis import is_local
 from farm.supervisor import Farm, FarmStartError, Proc, read_state, stop_ordered
 from tests.conftest import free_port
 
@@ -54,8 +55,8 @@ def _wait_for(pred, timeout: float = 15.0) -> None:
 def test_redis_server_helpers_start_ping_stop_with_aof(tmp_path):
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    assert redis_server.is_local(url)
-    assert not redis_server.is_local("redis://10.1.2.3:6379/0")
+    assert is_local(url)
+    assert not is_local("redis://10.1.2.3:6379/0")
     assert redis_server.parse_url("redis://h:7000/3") == ("h", 7000, 3)
     assert not redis_server.ping(url)
     data = tmp_path / "redis"
@@ -90,7 +91,9 @@ def test_managed_redis_recorded_and_farm_down_stops_it(tmp_path):
         assert "--appendonly" in rec["command"] and str(cfg.state_path / "redis") in rec["command"]
         assert rec["log"] == str(cfg.state_path / "logs" / "redis.log")
 
-        st = json.loads(_farm_cli(env, "status", "--json").stdout)
+        out = _farm_cli(env, "status", "--json")
+        assert out.returncode == 0, out.stderr
+        st = json.loads(out.stdout)
         assert st["processes"][0]["name"] == "redis" and st["processes"][0]["alive"] is True
 
         down = _farm_cli(env, "down")
@@ -441,7 +444,9 @@ def test_wait_healthy_waits_for_each_worker_in_its_role(tmp_path, redis_url, red
         assert by_role == {"prefill-1": "prefill", "decode-1": "decode", "decode-2": "decode"}
 
         env = _env(tmp_path, redis_url)
-        st = json.loads(_farm_cli(env, "status", "--json").stdout)
+        out = _farm_cli(env, "status", "--json")
+        assert out.returncode == 0, out.stderr
+        st = json.loads(out.stdout)
         roles = st["workers"][cfg.default_model]
         assert [w["worker_id"] for w in roles["decode"]] == ["decode-1@hostB", "decode-2@hostB"]
         assert [w["worker_id"] for w in roles["prefill"]] == ["prefill-1@hostB"]
@@ -467,8 +472,8 @@ def _role(url: str) -> str:
 
 
 def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path):
+    from farm.broker import make_celery
     from farm.redis_client import connect, primary_address
-    from tasks.celery_app import make_celery
 
     env = _ha_env(tmp_path)
     cfg = load_config(environ=env)

@@ -41,11 +41,11 @@ from farm.backends.vllm_events import (
     medium_tier,
 )
 from farm.config import ConfigError, ModelConfig, load_config
-from farm.engine.hashing import block_hashes
 from farm.protocol import SamplingParams
+from farm.protocol.hashing import block_hashes
+from farm.protocol.keys import worker_blocks_key
 from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower
-from farm.router.keys import worker_blocks_key
 from farm.transfer.handle import SIGNED_FIELDS, HandleError, sign_handle, verify_handle
 
 SECRET = b"test-secret-not-for-production"

@@ -12,8 +12,8 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
-from api.errors import APIError, bad_request
 from farm.batch.store import BatchStore, FileStorageFull, FileStore, clean_filename, public_file
+from farm.openai.errors import APIError, bad_request
 
 bp = Blueprint("files", __name__, url_prefix="/v1")
 

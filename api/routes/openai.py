@@ -17,28 +17,13 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, jsonify
 
-from api import logprobs
 from api.auth import current_owner, metered
 from api.bodies import json_body
 from api.disconnect import client_gone_check
-from api.errors import APIError, bad_request, to_api_error
-from api.responses import Choice, ChunkWriter, full_response
-from api.schemas import (
-    ParsedRequest,
-    check_prompt_chars,
-    messages_chars,
-    parse_chat,
-    parse_completion,
-    prompt_char_limit,
-    raw_prompt,
-    require_model,
-    stream_flags,
-    validate_chat,
-)
+from api.errors import to_api_error
 from api.semantic import (
     answer_fits,
     answer_locally,
-    completion_messages,
     decide,
     no_cache_requested,
     reasoning_template_kwargs,
@@ -48,6 +33,22 @@ from farm import metrics
 from farm.config import ModelConfig
 from farm.gateway import BusyError, NoWorkersError, Submission
 from farm.models import ModelNotFoundError
+from farm.openai import logprobs
+from farm.openai.errors import APIError, bad_request
+from farm.openai.parsing import (
+    ParsedRequest,
+    check_prompt_chars,
+    completion_messages,
+    messages_chars,
+    parse_chat,
+    parse_completion,
+    prompt_char_limit,
+    raw_prompt,
+    require_model,
+    stream_flags,
+    validate_chat,
+)
+from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.protocol import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ def _total_usage(dones: list[dict[str, Any]]) -> dict[str, int]:
 
 
 class _Output:
-    """Log-probabilities in the response's shape, when the request asks for them (api.logprobs)."""
+    """Log-probabilities in the response's shape, when the request asks for them (farm.openai.logprobs)."""
 
     def __init__(self, kind: str, tokenizer: Any, wanted: bool):
         self.kind, self.tokenizer, self.wanted = kind, tokenizer, wanted
@@ -240,7 +241,7 @@ class _Output:
 
 def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[dict[str, str]] | None) -> None:
     """context_length_exceeded before the semantic layer or a tokenizer sees a prompt that cannot fit by
-    its size alone (api.schemas.prompt_char_limit; for an alias, the most any model takes)."""
+    its size alone (farm.openai.parsing.prompt_char_limit; for an alias, the most any model takes)."""
     farm = _farm()
     names = [m.name for m in farm.cfg.models] if model in _aliases() else [model]
     limits = []

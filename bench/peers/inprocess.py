@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.engine import Tracker
 from bench.peers.load import WARM_UP_CLIENTS, RequestTiming, request_sets, summarize_level
+from farm.config import FarmConfig
 
 
 class InProcessEngine:
@@ -70,7 +71,7 @@ class InProcessEngine:
 
 
 @contextlib.contextmanager
-def inprocess_engine(cfg: Any, model_name: str) -> Iterator[InProcessEngine]:
+def inprocess_engine(cfg: FarmConfig, model_name: str) -> Iterator[InProcessEngine]:
     """The model's built-in engine, made exactly as a farm worker of `cfg` makes it (make_engine)."""
     from farm.backends import make_engine
     from farm.models import require_model_dir

@@ -64,6 +64,34 @@ def multi_table(means: dict[str, dict[str, Any]]) -> str:
                   "req/s", "hit ratio"], rows, digits=2)
 
 
+def _cpu_rows(per: dict[str, list[dict[str, float]]]) -> tuple[list[str], list[list[Any]]]:
+    kinds = sorted({k for rounds in per.values() for x in rounds for k in x})
+    return kinds, [[name, *[_mean([x.get(k) for x in rounds]) or 0.0 for k in kinds]] for name, rounds in per.items()]
+
+
+def single_cpu_table(runs: list[dict[str, Any]], clients: int) -> str:
+    """CPU seconds per request by kind of process at `clients` concurrent clients (bench/peers/cpu.py)."""
+    per: dict[str, list[dict[str, float]]] = {}
+    for r in runs:
+        lv = (r.get("levels") or {}).get(clients) or (r.get("levels") or {}).get(str(clients))
+        if lv and lv.get("cpu_s") and lv.get("requests"):
+            per.setdefault(r["contender"], []).append({k: v / lv["requests"] for k, v in lv["cpu_s"].items()})
+    kinds, rows = _cpu_rows(per)
+    return table([f"contender (CPU s per request, {clients} clients)", *kinds], rows, digits=3)
+
+
+def cpu_table(runs: list[dict[str, Any]]) -> str:
+    """CPU seconds per request by kind of process during the measured windows (bench/peers/cpu.py), mean over
+    rounds: where the time of each contender goes on the machine's 2 cores."""
+    per: dict[str, list[dict[str, float]]] = {}
+    for r in runs:
+        if r.get("cpu_s") and r.get("metrics"):
+            n = r.get("requests") or 1
+            per.setdefault(r["contender"], []).append({k: v / n for k, v in r["cpu_s"].items()})
+    kinds, rows = _cpu_rows(per)
+    return table(["contender (CPU s per request)", *kinds], rows, digits=3)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 

@@ -39,6 +39,7 @@ import yaml
 from bench.common import OUT_DIR, finish, load_average, table
 from bench.peers import contenders as c
 from bench.peers import install, report
+from bench.peers.cpu import cpu_by_kind
 from bench.peers.inprocess import inprocess_engine
 from bench.peers.load import run_http_level, warm_up_http
 
@@ -114,8 +115,10 @@ def run_single(args: argparse.Namespace, s: c.Setup) -> list[dict[str, Any]]:
                     rec["start_s"], rec["commands"] = ep.start_s, ep.commands
                     warm_up_http(ep.base_url, ep.model)
                     for clients in args.clients:
-                        rec["levels"][clients] = run_http_level(ep.base_url, ep.model, f"r{rnd}-c{clients}", clients,
-                                                                _per_client(args, clients), args.max_tokens)
+                        with cpu_by_kind() as cpu:
+                            lv = run_http_level(ep.base_url, ep.model, f"r{rnd}-c{clients}", clients,
+                                                _per_client(args, clients), args.max_tokens)
+                        rec["levels"][clients] = {**lv, "cpu_s": cpu}
                         _print_level(name, clients, rec["levels"][clients])
     return runs
 
@@ -156,15 +159,16 @@ def run_multi(args: argparse.Namespace, s: c.Setup, aiperf: Path) -> list[dict[s
             warm_up_http(ep.base_url, ep.model)
             before = ep.counters() if ep.counters else None
             art = OUT_DIR / f"peers-aiperf{'-smoke' if args.smoke else ''}" / f"{name}-r{rnd}"
-            summary, _, wall = aiperf_profile(aiperf, ep.model, ep.base_url, s.model_dir, art, work, args.timeout)
+            with cpu_by_kind() as cpu:
+                summary, _, wall = aiperf_profile(aiperf, ep.model, ep.base_url, s.model_dir, art, work, args.timeout)
             after = ep.counters() if ep.counters else None
             m = aiperf_metrics(summary)
             if before is not None and after is not None:
                 queried = after["queried"] - before["queried"]
                 m["hit_ratio"] = (after["hit"] - before["hit"]) / queried if queried else None
-            rec.update(metrics=m, aiperf_wall_s=wall, artifacts=str(art))
+            rec.update(metrics=m, aiperf_wall_s=wall, artifacts=str(art), cpu_s=cpu, requests=work.requests)
             print(f"    {name}: TTFT p50 {m['ttft_p50_ms']:.0f} ms, {m['output_tok_s']:.1f} tok/s, "
-                  f"hit ratio {m.get('hit_ratio')}", flush=True)
+                  f"hit ratio {m.get('hit_ratio')}; CPU s in the window: {cpu}", flush=True)
     return runs
 
 
@@ -252,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nOne engine: {args.max_tokens} output tokens, greedy, ignore_eos, streamed; means over "
               f"{args.rounds} round(s)")
         print(report.single_table(single))
+        print(report.single_cpu_table(single_runs, max(args.clients)))
     if multi:
         print(f"\nTwo engines: aiperf shared-prefix multi-turn ({args.multi_requests} requests, concurrency "
               f"{args.multi_concurrency}, {args.prefixes} prefixes x {args.prefix_tokens} tokens, {args.turns} turns)")
         print(report.multi_table(multi))
+        if any(r.get("cpu_s") for r in multi_runs):
+            print(report.cpu_table(multi_runs))
     failed = [r for r in single_runs + multi_runs if r.get("error")]
     if failed:
         print()

@@ -38,11 +38,11 @@ from farm.backends.vllm_events import (
 )
 from farm.config import FarmConfig, ModelConfig, VllmOptions
 from farm.engine.engine import RequestOutput
-from farm.engine.hashing import block_hashes
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.step_costs import StepCosts
 from farm.engine.timings import from_prometheus
 from farm.protocol import SamplingParams
+from farm.protocol.hashing import block_hashes
 from farm.transfer.handle import HandleError, sign_handle, verify_handle
 
 log = logging.getLogger(__name__)

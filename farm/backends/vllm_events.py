@@ -14,7 +14,7 @@ with sha256 over a pickle/CBOR encoding from a seeded NONE_HASH (bytes, or their
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), while the API and router compute the farm's contract (xxh3_64 of
 the tokens as LE u32, seed 1337, chained as Dynamo does; docs/ARCHITECTURE.md). A router looking up the
 farm's hashes would never find vLLM's. `BlockStored` carries the stored blocks' token ids and the parent's
-vLLM hash, so each stored block is re-hashed with farm.engine.hashing, chained from the farm hash we
+vLLM hash, so each stored block is re-hashed with farm.protocol.hashing, chained from the farm hash we
 recorded for that parent, and a map vLLM hash -> farm hash (reference-counted per tier) turns later
 `BlockRemoved` events into removals of the right farm hashes. A stored block whose parent we never saw
 (events lost beyond the replay buffer) cannot be re-hashed: it is skipped and counted, which only makes
@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from farm.engine.hashing import block_hashes
+from farm.protocol.hashing import block_hashes
 
 log = logging.getLogger(__name__)
 

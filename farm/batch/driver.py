@@ -51,12 +51,14 @@ from typing import Any
 import redis
 
 from farm import metrics, registry
-from farm.apikeys import KeyRing
-from farm.batch.config import BatchConfig, prepared_path
+from farm.apikeys import OWNER_ANONYMOUS, KeyRing
 from farm.batch.schedule import Plan
-from farm.batch.store import OWNER_ANONYMOUS, TERMINAL, BatchStore, FileStore, kick_key
+from farm.batch.store import TERMINAL, BatchStore, FileStore, kick_key
 from farm.batch.validate import PreparedLine, validate_input
 from farm.config import FarmConfig
+from farm.config.batch import BatchConfig, prepared_path
+from farm.openai.logprobs import for_kind
+from farm.openai.responses import Choice, full_response
 from farm.protocol import BATCH_QUEUE, TASK_BATCH_DRIVE, GenerationRequest, SamplingParams
 from farm.quota import Limiter
 from farm.redis_client import connect
@@ -160,7 +162,7 @@ class BatchDriver:
         self.bcfg = cfg.batch
         self.r = r or connect(cfg.redis, health_check_interval=10, socket_keepalive=True)
         if celery_app is None:
-            from tasks.celery_app import make_celery
+            from farm.broker import make_celery
 
             celery_app = make_celery(cfg)
         self.celery = celery_app
@@ -589,8 +591,6 @@ class BatchDriver:
     # -- results ----------------------------------------------------------------------------------------------
     def _record_success(self, bid: str, line: PreparedLine, rid: str, text: str, done: dict[str, Any],
                         ids: list[int] | None = None, lps: list[list] | None = None) -> None:
-        from api.logprobs import for_kind
-        from api.responses import Choice, full_response
 
         usage = done.get("usage", {})
         logprobs = None

@@ -1,7 +1,7 @@
 """The order a batch's lines are dispatched in.
 
 `input`: file order. `prefix`: lines sorted by the block hashes of their tokenized prompt
-(`farm.engine.hashing.block_hashes` with each model's block size). The hashes are chained, so equal
+(`farm.protocol.hashing.block_hashes` with each model's block size). The hashes are chained, so equal
 leading hashes mean an equal token prefix, and sorting the hash sequences puts lines that share a prefix
 next to each other, the longest shared prefixes closest, at every depth (a trie walk). Dispatched in that
 order, the KV-aware router (which scores workers by the prompt's cached blocks) sends each run of lines
@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from farm.batch.validate import PreparedLine
-from farm.engine.hashing import block_hashes
+from farm.protocol.hashing import block_hashes
 
 
 def _depth(hashes: Sequence[int], present) -> int:

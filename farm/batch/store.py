@@ -33,7 +33,9 @@ from typing import IO, Any
 
 import redis
 
-OWNER_ANONYMOUS = "anonymous"
+from farm.apikeys import OWNER_ANONYMOUS
+from farm.config import FarmConfig
+
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 COUNTERS = ("total", "completed", "failed", "input_tokens", "cached_tokens", "output_tokens")
@@ -325,9 +327,9 @@ class FileStore:
         self.bodies = bodies
 
     @classmethod
-    def from_config(cls, r: redis.Redis, cfg: Any) -> FileStore:
+    def from_config(cls, r: redis.Redis, cfg: FarmConfig) -> FileStore:
         """The file store `cfg.batch` describes (every API process and batch driver builds the same)."""
-        from farm.batch.config import files_path
+        from farm.config.batch import files_path
 
         if cfg.batch.files_backend == "redis":
             return cls(r, bodies=RedisBodies(r, cfg.batch.files_redis_max_mb << 20))

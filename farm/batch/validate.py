@@ -2,7 +2,7 @@
 
 A line must be a JSON object `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>,
 "body": {...}}` with a custom_id unique in the file, and its body must pass exactly the validation of
-the live endpoint (api.schemas: `require_model`, then `parse_chat` or `parse_completion`, which also
+the live endpoint (farm.openai.parsing: `require_model`, then `parse_chat` or `parse_completion`, which also
 tokenizes the prompt). Any failure fails the whole batch with line-numbered errors
 `{code, message, param, line}` (1-based line numbers, blank lines count but are skipped), so a batch
 never runs half-way into a bad line. Each line is judged on its own: a hostile one (nested 100k deep, say)
@@ -23,6 +23,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from farm.jsonsafe import JSONTooDeep, loads_bounded
+from farm.openai.errors import APIError
+from farm.openai.parsing import (
+    completion_messages,
+    local_params,
+    parse_chat,
+    parse_completion,
+    require_model,
+    validate_chat,
+)
 
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # A line is {custom_id, method, url, body}: one level above a request body (api.bodies.MAX_JSON_DEPTH, 32).
@@ -63,10 +72,6 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
     """(prepared lines, errors); the batch may run only when `errors` is empty. `decide(model, messages)`
     is the semantic layer's verdict (farm.semantic.layer.Verdict) without the cache; `aliases` are the
     model names it resolves (MoM, auto); `backend_for(model)` names the engine, whose limits apply."""
-    from api.errors import APIError
-    from api.schemas import local_params, parse_chat, parse_completion, require_model, validate_chat
-    from api.semantic import completion_messages
-
     kind = ENDPOINT_KINDS.get(endpoint)
     if kind is None:
         return [], [_err("invalid_endpoint", f"unsupported endpoint {endpoint!r}", None, "endpoint")]

@@ -1,7 +1,7 @@
 """Paged KV-cache block pool with prefix caching (after vLLM v1's block_pool / kv_cache_manager).
 
 Blocks are fixed-size pages of the KV cache. A full block gets its chained block hash
-(farm.engine.hashing) and is entered in `cached`: a later request whose prompt has the same hash chain
+(farm.protocol.hashing) and is entered in `cached`: a later request whose prompt has the same hash chain
 reuses the block instead of recomputing it. Freed blocks keep their contents and hash and go to the end
 of an LRU free queue; allocation takes from the front and only then evicts the old hash. So the most
 recently used prefixes survive longest, and a block is never overwritten while referenced.

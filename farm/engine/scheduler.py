@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from farm.engine.block_pool import BlockPool
-from farm.engine.hashing import block_hashes
 from farm.engine.model_runner import PrefillChunk
 from farm.protocol import SamplingParams
+from farm.protocol.hashing import block_hashes
 
 
 @dataclass

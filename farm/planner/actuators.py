@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import requests
 
-from farm.planner.config import KubernetesConfig
+from farm.config.planner import KubernetesConfig
 
 
 class ActuatorError(RuntimeError):

@@ -15,9 +15,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from farm.config import FarmConfig
+
+if TYPE_CHECKING:
+    from farm.config.planner import PlannerConfig
+    from farm.planner.planner import Planner
 
 
 def _ints(text: str) -> list[int]:
@@ -38,7 +42,7 @@ def cmd_profile(cfg: FarmConfig, args: argparse.Namespace) -> int:
 
 
 def _planner_cfg(cfg: FarmConfig, args: argparse.Namespace):
-    from farm.planner.config import planner_config
+    from farm.config.planner import planner_config
 
     pcfg = planner_config(cfg, args.planner_config)
     updates: dict[str, Any] = {}
@@ -53,8 +57,7 @@ def _planner_cfg(cfg: FarmConfig, args: argparse.Namespace):
 
 
 def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
-    from farm.planner.actuators import KubernetesActuator, LocalActuator
-    from farm.planner.planner import Planner
+    from farm.planner.actuators import KubernetesActuator
 
     logging.basicConfig(level=logging.WARNING if args.once else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -70,14 +73,8 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"farm planner: {e}", file=sys.stderr)
         return 2
-    farm = None
     if pcfg.actuator == "local" and not pcfg.dry_run:
-        from farm.cli import worker_counts
-        from farm.supervisor import Farm
-
-        counts = worker_counts(cfg, args.prefill_workers, args.decode_workers, args.workers)
-        farm = Farm(cfg, prefill=counts["prefill"], decode=counts["decode"], both=counts["both"], port=args.port,
-                    flower=cfg.flower.enabled and not args.no_flower, models=pcfg.models or None)
+        return _run_with_local_farm(cfg, args, pcfg)
     stop = threading.Event()
 
     def _interrupt(signum, _frame):
@@ -86,23 +83,8 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
     # SIGINT too: a process started in the background by a shell inherits an ignored SIGINT (issue 17)
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        if farm is not None:
-            farm.supervisor = True
-            farm.start()
-            farm.wait_healthy(args.timeout)
-            cfg = farm.cfg  # with the managed Redis's password, when start() generated one
-            print(f"farm is up: {farm.urls()}; planning it ({pcfg.mode}); Ctrl-C stops both", flush=True)
-        actuator = None
-        if not pcfg.dry_run:
-            actuator = LocalActuator(farm) if farm is not None else KubernetesActuator(pcfg.kubernetes)
-        from farm.redis_client import connect
-
-        r = connect(cfg.redis, timeout=2.0)
-        planner = Planner.for_farm(cfg, r, actuator, pcfg)
-        if args.metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(args.metrics_port, addr="127.0.0.1")  # farm_planner_* for Prometheus
+        actuator = None if pcfg.dry_run else KubernetesActuator(pcfg.kubernetes)
+        planner = _planner(cfg, actuator, pcfg, args)
         if args.once:
             for d in planner.step():
                 print(d.line())
@@ -110,21 +92,51 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
         while not stop.is_set():
             t0 = time.monotonic()
             planner.step()
-            if farm is not None:
-                dead = [p for p in farm.procs if not p.alive() and not p.retiring]
-                if dead:
-                    print(f"farm: {dead[0].name} exited (log: {dead[0].log}); stopping", file=sys.stderr)
-                    return 1
             stop.wait(max(0.0, pcfg.interval_s - (time.monotonic() - t0)))
         return 0
     except KeyboardInterrupt:
         print("\nplanner: stopping", file=sys.stderr)
         return 0
     finally:
-        if farm is not None:
-            farm.stop()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _planner(cfg: FarmConfig, actuator: Any, pcfg: PlannerConfig, args: argparse.Namespace) -> Planner:
+    """The planner over the farm's Redis, with its metrics served when asked."""
+    from farm.planner.planner import Planner
+    from farm.redis_client import connect
+
+    planner = Planner.for_farm(cfg, connect(cfg.redis, timeout=2.0), actuator, pcfg)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr="127.0.0.1")  # farm_planner_* for Prometheus
+    return planner
+
+
+def _run_with_local_farm(cfg: FarmConfig, args: argparse.Namespace, pcfg: PlannerConfig) -> int:
+    """The farm `farm up` would start (batch drivers included), supervised by the same loop (restarts, signals),
+    with the planner's step as the loop's tick every `interval_s`."""
+    from farm.planner.actuators import LocalActuator
+    from farm.supervisor import Farm
+
+    farm = Farm.from_flags(cfg, args, pcfg.models or None)
+    planner: Planner | None = None
+
+    def step() -> bool:
+        nonlocal planner
+        if planner is None:  # farm.cfg carries the managed Redis's password once the farm started
+            planner = _planner(farm.cfg, LocalActuator(farm), pcfg, args)
+            print(f"planning the farm ({pcfg.mode}); Ctrl-C stops both", flush=True)
+        decisions = planner.step()
+        if args.once:
+            for d in decisions:
+                print(d.line())
+            return False
+        return True
+
+    return farm.serve(timeout=args.timeout, tick=step, tick_every_s=pcfg.interval_s)
 
 
 def add_parser(sub) -> None:

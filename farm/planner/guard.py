@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from farm.planner.config import Bounds
+from farm.config.planner import Bounds
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from farm.planner.config import LoadPolicyConfig
+from farm.config.planner import LoadPolicyConfig
 from farm.planner.signals import RoleSignals
 
 

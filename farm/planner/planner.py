@@ -20,9 +20,9 @@ from typing import Any
 
 import redis
 
+from farm.config.planner import PlannerConfig
 from farm.planner import metrics
 from farm.planner.actuators import Actuator, ActuatorError
-from farm.planner.config import PlannerConfig
 from farm.planner.guard import Guard
 from farm.planner.load_policy import LoadPolicy, Proposal
 from farm.planner.profile import Profile
@@ -98,7 +98,7 @@ class Planner:
     def for_farm(cls, farm_cfg, r: redis.Redis, actuator: Actuator | None, cfg: PlannerConfig | None = None,
                  **kw: Any) -> Planner:
         """A planner reading the farm's Redis, with the farm's disaggregation rule and default model."""
-        from farm.planner.config import planner_config
+        from farm.config.planner import planner_config
 
         cfg = cfg or planner_config(farm_cfg)
         d = farm_cfg.disaggregation

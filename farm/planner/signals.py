@@ -19,9 +19,9 @@ from typing import Any
 import redis
 
 from farm import registry
-from farm.gateway import OBS_STREAM
 from farm.protocol import queue_depths, queue_name
-from farm.router.keys import direct_queue
+from farm.protocol.keys import OBS_STREAM
+from farm.protocol.queues import direct_queue
 from farm.router.load import LoadTracker
 
 ROLE_QUEUES = {"prefill": ("prefill",), "decode": ("decode",), "both": ("generate",)}

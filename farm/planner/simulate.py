@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from farm.planner.config import PlannerConfig
+from farm.config.planner import PlannerConfig
 from farm.planner.planner import Planner
 from farm.planner.profile import Profile
 from farm.planner.signals import InflightHistory, ModelSignals, RoleSignals, percentile, traffic_window

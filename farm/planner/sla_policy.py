@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from farm.planner.config import SlaPolicyConfig
+from farm.config.planner import SlaPolicyConfig
 from farm.planner.load_policy import Proposal
 from farm.planner.profile import Profile
 from farm.planner.signals import RoleSignals, Traffic

@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
+from farm.protocol.keys import EVENTS_MAXLEN, EVENTS_STREAM, worker_blocks_key, worker_seq_key
 from farm.router.index import member
-from farm.router.keys import EVENTS_MAXLEN, EVENTS_STREAM, worker_blocks_key, worker_seq_key
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import redis
 
 from farm import registry
-from farm.router.keys import (
+from farm.protocol.keys import (
     EVENTS_STREAM,
     LOAD_EVENTS_STREAM,
     LOAD_KEY,

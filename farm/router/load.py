@@ -25,7 +25,7 @@ import uuid
 
 import redis
 
-from farm.router.keys import DEADLINES_KEY, LOAD_EVENTS_MAXLEN, LOAD_EVENTS_STREAM, LOAD_KEY, active_key
+from farm.protocol.keys import DEADLINES_KEY, LOAD_EVENTS_MAXLEN, LOAD_EVENTS_STREAM, LOAD_KEY, active_key
 
 # Both scripts return the id of the stream entry that records the change (END: with the amount ended), or 0
 # when nothing changed. Stream entries: f = "<worker>|<kind>", a = amount, n = +-1 request, o/k = the

@@ -27,7 +27,7 @@ import redis
 
 from farm import metrics, registry
 from farm.config import FarmConfig
-from farm.engine.hashing import block_hashes
+from farm.protocol.hashing import block_hashes
 from farm.router.costs import CostBook
 from farm.router.index import IndexFollower, KVIndex
 from farm.router.load import LoadMirror, LoadTracker, empty_load

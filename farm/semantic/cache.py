@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from farm.semantic.config import CacheConfig
+from farm.config.semantic import CacheConfig
 
 _NUM = re.compile(r"\d+(?:[.,]\d+)?")
 _NEG = re.compile(r"\b(?:not|no|never|none|cannot|without|n't)\b|n't\b", re.I)

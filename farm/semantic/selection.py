@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from farm.semantic.config import CategoryConfig, SemanticConfig
+from farm.config.semantic import CategoryConfig, SemanticConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from farm.protocol import TASK_DECODE
-from farm.router.keys import direct_queue
+from farm.protocol.queues import direct_queue
 from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.chaos.harness import MODEL, ChaosFarm, collect, kill, wait_all_blocks_free
 

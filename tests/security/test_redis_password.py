@@ -21,6 +21,7 @@ from redis.retry import Retry
 
 from farm import redis_server
 from farm.config import load_config
+from farm.config.redis import PASSWORD_FILE, url_password
 from farm.supervisor import Farm
 from tests.conftest import free_port
 
@@ -31,7 +32,7 @@ def farm(tmp_path_factory) -> Iterator[tuple[Farm, dict[str, str]]]:
     env = {"FARM_STATE_DIR": str(tmp / "state"), "FARM_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0",
            "FARM_REDIS__APPENDONLY": "false"}
     cfg = load_config(environ=env)
-    assert redis_server.url_password(cfg.redis.url) is None  # nothing configured: before, an open Redis
+    assert url_password(cfg.redis.url) is None  # nothing configured: before, an open Redis
     with Farm(cfg, prefill=0, decode=0, api=False, flower=False, prepare=False, batch_drivers=1,
               env={"FARM_REDIS_PASSWORD": ""}).running(30) as f:
         yield f, env
@@ -40,8 +41,8 @@ def farm(tmp_path_factory) -> Iterator[tuple[Farm, dict[str, str]]]:
 def test_the_managed_redis_refuses_clients_without_the_password(farm):
     f, _ = farm
     assert f.redis_managed
-    password = redis_server.url_password(f.cfg.redis.url)
-    path = f.state_dir / redis_server.PASSWORD_FILE
+    password = url_password(f.cfg.redis.url)
+    path = f.state_dir / PASSWORD_FILE
     assert password and len(password) >= 32 and path.read_text().strip() == password
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     owner = redis.Redis.from_url(f.cfg.redis.url)
@@ -61,10 +62,10 @@ def test_the_managed_redis_refuses_clients_without_the_password(farm):
 
 def test_every_process_of_the_farm_gets_it(farm):
     f, env = farm
-    password = redis_server.url_password(f.cfg.redis.url)
+    password = url_password(f.cfg.redis.url)
     # children (workers, API, Flower, batch drivers, planner-started workers) load the resolved config
     resolved = load_config(f.child_env()["FARM_CONFIG"], environ={})
-    assert redis_server.url_password(resolved.redis.url) == password
+    assert url_password(resolved.redis.url) == password
     # a batch driver started by the supervisor is connected and consuming: it authenticated
     [batch] = [p for p in f.procs if p.role == "batch"]
     deadline = time.monotonic() + 60
@@ -73,19 +74,19 @@ def test_every_process_of_the_farm_gets_it(farm):
         time.sleep(0.2)
     assert "ready" in log and "NOAUTH" not in log and "Authentication" not in log, log[-2000:]
     # `farm status`, `farm down`, `farm batch` ... from another shell read the same state dir
-    assert redis_server.url_password(load_config(environ=env).redis.url) == password
+    assert url_password(load_config(environ=env).redis.url) == password
     assert redis.Redis.from_url(load_config(environ=env).redis.url).ping()
 
 
 def test_an_explicit_password_wins_and_a_urls_own_is_kept(farm):
     f, env = farm
     port = redis_server.parse_url(f.cfg.redis.url)[1]
-    assert redis_server.url_password(load_config(environ={**env, "FARM_REDIS_PASSWORD": "mine"}).redis.url) == "mine"
+    assert url_password(load_config(environ={**env, "FARM_REDIS_PASSWORD": "mine"}).redis.url) == "mine"
     url = f"redis://:given@127.0.0.1:{port}/0"
     assert load_config(environ={**env, "FARM_REDIS__URL": url}).redis.url == url
     # not managed: the URL is used as written
     unmanaged = load_config(environ={**env, "FARM_REDIS__MANAGED": "false"})
-    assert redis_server.url_password(unmanaged.redis.url) is None
+    assert url_password(unmanaged.redis.url) is None
 
 
 def test_a_redis_that_already_answers_is_left_as_it_is(redis_url, tmp_path):
@@ -94,6 +95,6 @@ def test_a_redis_that_already_answers_is_left_as_it_is(redis_url, tmp_path):
     try:
         f.start()
         assert not f.redis_managed and f.cfg.redis.url == redis_url
-        assert not (tmp_path / redis_server.PASSWORD_FILE).exists()
+        assert not (tmp_path / PASSWORD_FILE).exists()
     finally:
         f.stop()

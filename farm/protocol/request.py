@@ -1,88 +1,14 @@
-"""Contracts that cross processes: queue names, Redis keys, the request message, stream events.
-
-Everything here travels as JSON (Celery's only serializer in the farm) and is small: token ids and
-sampling parameters go through the broker, KV tensors never do (only signed handles to them).
-"""
+"""The request message (Celery argument, JSON): `GenerationRequest` with its `SamplingParams`, checked as
+untrusted input on arrival (anything holding the Redis password can send a task)."""
 
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
-
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
-
-# --- Celery task names and queues -------------------------------------------------------------
-TASK_PREFILL = "farm.prefill"
-TASK_DECODE = "farm.decode"
-TASK_GENERATE = "farm.generate"
-TASK_PING = "farm.ping"  # the consumer watchdog's probe through a worker's own queue (farm.reliability)
-TASK_BATCH_DRIVE = "farm.batch.drive"  # drives one batch (farm.batch.driver)
-BATCH_QUEUE = "farm.batch"  # consumed only by batch-driver processes (`python -m tasks.batch`)
+from typing import Any
 
 
-# kombu's Redis transport keeps priority N (1-9) of queue Q in the list `Q\x06\x16N`, priority 0 in Q itself.
-PRIORITY_SEP = "\x06\x16"
-
-
-def queue_depths(r, queues: list[str]) -> list[int]:
-    """Messages waiting in each Celery queue on Redis, summed over its priority lists (one round trip)."""
-    pipe = r.pipeline(transaction=False)
-    for q in queues:
-        pipe.llen(q)
-        for pri in range(1, 10):
-            pipe.llen(f"{q}{PRIORITY_SEP}{pri}")
-    res = pipe.execute()
-    return [int(sum(res[i * 10:(i + 1) * 10])) for i in range(len(queues))]
-
-
-def model_slug(model: str) -> str:
-    """A queue-safe form of a model name."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
-
-
-def queue_name(model: str, kind: Literal["prefill", "decode", "generate"]) -> str:
-    """Per-model queues: every worker serving `model` in a role consumes the matching queue."""
-    return f"farm.{model_slug(model)}.{kind}"
-
-
-def queues_for_role(model: str, role: Role) -> list[str]:
-    if role == "prefill":
-        return [queue_name(model, "prefill")]
-    if role == "decode":
-        return [queue_name(model, "decode")]
-    return [queue_name(model, "generate"), queue_name(model, "prefill"), queue_name(model, "decode")]
-
-
-# --- Redis keys ---------------------------------------------------------------------------------
-def stream_key(request_id: str) -> str:
-    """Redis Stream of events for one request (worker -> API)."""
-    return f"farm:out:{request_id}"
-
-
-def cancel_key(request_id: str) -> str:
-    """Set by the API when the client went away; workers abort the request when they see it."""
-    return f"farm:cancel:{request_id}"
-
-
-def lease_key(request_id: str) -> str:
-    """Kept alive by the API reading the request's stream; a worker aborts a leased request whose lease
-    lapsed (the API died: nobody reads), and skips a redelivered one."""
-    return f"farm:lease:{request_id}"
-
-
-def migration_id(request_id: str, attempt: int) -> str:
-    """The request id of the `attempt`-th migration of a request (own stream, claims, lease)."""
-    return f"{request_id}.m{attempt}"
-
-
-STREAM_TTL_S = 600
-CANCEL_TTL_S = 600
-
-
-# --- the request message --------------------------------------------------------------------------
 class InvalidTask(ValueError):
     """A task message that must not run: wrong types, values out of range, oversized lists.
 
@@ -293,13 +219,3 @@ class GenerationRequest:
             lease_s=_number(d.get("lease_s", 0.0), "lease_s", 0.0, 86400.0),
             origin=_str(d.get("origin", ""), "origin", _ID),
         )
-
-
-# --- stream events (worker -> API), one JSON object per Redis Stream entry field "e" ---------------
-# {"type": "start",  "role": "prefill"|"decode"|"both", "worker": id}
-# {"type": "delta",  "text": str, "n": int, "ids": [int]}          token text and ids, batched
-# {"type": "done",   "finish_reason": "stop"|"length"|"abort", "usage": {...},
-#                    "prefill_worker": id, "decode_worker": id, "prefill": "remote"|"local",
-#                    "handle_used": bool}
-# {"type": "error",  "message": str, "code": str}
-EVENT_FIELD = "e"

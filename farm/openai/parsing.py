@@ -1,4 +1,5 @@
-"""Validation of OpenAI request bodies into token ids and sampling parameters (400s name the param)."""
+"""Validation of OpenAI request bodies into token ids and sampling parameters (400s name the param), with the
+ranges the request models declare (farm/openai/models.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.errors import APIError, bad_request
-from api.openapi_models import ChatCompletionRequest, CompletionRequest, reject_unknown_fields
 from farm.config import SamplingDefaults
+from farm.openai.errors import APIError, bad_request
+from farm.openai.models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    field_bounds,
+    reject_unknown_fields,
+)
 from farm.protocol import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TOP_LOGPROBS,
     RESPONSE_FORMATS,
     SEED_RANGE,
     SamplingParams,
@@ -24,7 +28,6 @@ from farm.tokenization import chat_prompt_ids, max_token_chars, text_prompt_ids
 CHAT_ROLES = {"system", "user", "assistant", "developer"}  # developer is sent to the template as system
 UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
                "function_call": "function calling"}
-MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
 # Parameters only some engines honour: refused with a 400 naming the model's backend elsewhere.
 BACKEND_ONLY = {"response_format": {"vllm"}}
 
@@ -54,19 +57,24 @@ def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
     return v
 
 
-def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+def _number(body: dict, name: str, default: float, model: type = ChatCompletionRequest) -> float:
+    """body[name] in the range `model` declares for it (farm/openai/models.py), else `default`."""
+    lo, hi, lo_open = field_bounds(model, name)
     v = _type_check(body, name, (int, float), "a number")
     if v is None:
         return default
     if not math.isfinite(v):
         raise bad_request(f"'{name}' must be a finite number", name, "invalid_value")
     if v > hi or v < lo or (lo_open and v == lo):
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise bad_request(f"'{name}' must be {lo_s} and <= {hi}, got {v}", name, "invalid_value")
+        lo_s = f"> {float(lo)}" if lo_open else f">= {float(lo)}"
+        raise bad_request(f"'{name}' must be {lo_s} and <= {float(hi)}, got {v}", name, "invalid_value")
     return float(v)
 
 
-def _integer(body: dict, name: str, lo: int, hi: int, default: int) -> int:
+def _integer(body: dict, name: str, default: int, model: type = ChatCompletionRequest, hi: int | None = None) -> int:
+    """body[name] in the range `model` declares for it (`hi` for a bound that depends on the request)."""
+    lo, declared_hi, _ = field_bounds(model, name)
+    hi = declared_hi if hi is None else hi
     v = _type_check(body, name, (int,), "an integer")
     if v is None:
         return default
@@ -128,13 +136,13 @@ def _logprobs(body: dict, kind: str) -> int | None:
     `top_logprobs` 0-20; completions: `logprobs` an integer 0-20."""
     if kind == "chat":
         on = _type_check(body, "logprobs", (bool,), "a boolean")
-        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+        top = _integer(body, "top_logprobs", 0)
         if body.get("top_logprobs") is not None and not on:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return top if on else None
     if body.get("logprobs") is None or body["logprobs"] is False:
         return None
-    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    return _integer(body, "logprobs", 0, CompletionRequest)
 
 
 def _refuse_for_backend(body: dict, backend: str | None) -> None:
@@ -159,15 +167,15 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
         if body.get(key) not in (None, False, [], {}):
             raise bad_request(f"'{key}' is not supported by this server ({what})", key, "unsupported_parameter")
     _refuse_for_backend(body, backend)
-    n = _integer(body, "n", 1, MAX_N, 1)
-    temperature = _number(body, "temperature", 0.0, 2.0, defaults.temperature)
-    top_p = _number(body, "top_p", 0.0, 1.0, defaults.top_p, lo_open=True)
-    presence = _number(body, "presence_penalty", -2.0, 2.0, 0.0)
-    frequency = _number(body, "frequency_penalty", -2.0, 2.0, 0.0)
-    repetition = _number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True)
-    top_k = _integer(body, "top_k", -1, 1 << 20, 0)
-    min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
-    stop_token_ids = _token_ids(body, "stop_token_ids", vocab, MAX_STOP_TOKEN_IDS)
+    n = _integer(body, "n", 1)
+    temperature = _number(body, "temperature", defaults.temperature)
+    top_p = _number(body, "top_p", defaults.top_p)
+    presence = _number(body, "presence_penalty", 0.0)
+    frequency = _number(body, "frequency_penalty", 0.0)
+    repetition = _number(body, "repetition_penalty", 1.0)
+    top_k = _integer(body, "top_k", 0)
+    min_p = _number(body, "min_p", 0.0)
+    stop_token_ids = _token_ids(body, "stop_token_ids", vocab, int(field_bounds(ChatCompletionRequest, "stop_token_ids")[1]))
     logit_bias = _logit_bias(body, vocab)
     response_format = _response_format(body)
     logprobs = _logprobs(body, kind)
@@ -207,7 +215,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                           "completion). Reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
     ignore_eos = _type_check(body, "ignore_eos", (bool,), "a boolean") or False  # vLLM extension
-    min_tokens = _integer(body, "min_tokens", 0, max_tokens, 0)
+    min_tokens = _integer(body, "min_tokens", 0, hi=max_tokens)
     stream = _type_check(body, "stream", (bool,), "a boolean") or False
     opts = _type_check(body, "stream_options", (dict,), "an object") or {}
     include_usage = opts.get("include_usage", False)
@@ -321,6 +329,19 @@ def raw_prompt(body: dict) -> Any:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     return prompt
+
+
+def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
+    """A text completion's prompt as one user message, for the guards and the classifier. Token-id
+    prompts are decoded with `tokenizer`; a malformed prompt gives no text here (and its 400 from
+    parse_completion)."""
+    prompt = raw_prompt(body)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        try:
+            prompt = tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)], skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
+            prompt = ""
+    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int,

@@ -23,7 +23,7 @@ def finish_reason(r: str | None) -> str:
 @dataclass
 class Choice:
     """One choice of a response: its text, why it ended, and its log-probabilities in OpenAI's shape for
-    the response's kind (api.logprobs), when asked for."""
+    the response's kind (farm.openai.logprobs), when asked for."""
 
     text: str
     finish_reason: str | None

@@ -2,20 +2,25 @@
 (api/openapi.py) and of the set of fields each request accepts (an unknown field is a 400
 `unknown_parameter`, as OpenAI answers).
 
-Validation itself stays hand-written in api/schemas.py (its errors name the exact parameter and
-code); these models describe the same rules. A new request field goes here first, or the API rejects
-it. Response models are loose (extra fields allowed): they document what clients can rely on.
+farm/openai/parsing.py validates with these models' own bounds (`field_bounds`: the ranges of the
+sampling fields are declared once, here) and adds what a schema cannot say (errors naming the exact
+parameter and code, context length, vocabulary, the model's backend). A new request field goes here
+first, or the API rejects it. Response models are loose (extra fields allowed): they document what clients can rely on.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+from annotated_types import Ge, Gt, Le, MaxLen
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.errors import bad_request
+from farm.openai.errors import bad_request
+from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 Role = Literal["system", "user", "assistant", "developer"]
+MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
+MAX_TOP_K = 1 << 20
 UNSUPPORTED_NOTE = "Not supported by this server: accepted only when absent, null, false or empty."
 
 
@@ -46,9 +51,9 @@ class StreamOptions(_Loose):
 class _Sampling(_Request):
     model: str = Field(description="a configured model (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens must fit max_model_len")
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=16, description="choices (each generated as a request of its own)")
+    n: int | None = Field(None, ge=1, le=MAX_N, description="choices (each generated as a request of its own)")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = None
@@ -58,13 +63,13 @@ class _Sampling(_Request):
     user: str | None = None
     ignore_eos: bool | None = Field(None, description="vLLM extension: generate max_tokens tokens")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], at most 300")
-    top_k: int | None = Field(None, ge=-1, description="vLLM extension: sample among the k most likely (0, -1: all)")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension: sample among the k most likely (0, -1: all)")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension: minimum probability relative "
                                                               "to the most likely token")
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="vLLM extension: > 1 discourages "
                                                                             "tokens of prompt and completion")
     min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence before this many")
-    stop_token_ids: list[int] | None = Field(None, max_length=64, description="vLLM extension: token ids that "
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that "
                                                                              "end the completion")
 
 
@@ -74,7 +79,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool | None = Field(None, description="log-probabilities of the generated tokens")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (with logprobs)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (with logprobs)")
     tools: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
     tool_choice: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
     functions: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
@@ -91,7 +96,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = Field(None, description=UNSUPPORTED_NOTE)
     suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
     best_of: Literal[1] | None = None
-    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities with this many alternatives")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probabilities with this many alternatives")
 
 
 class BatchCreateRequest(_Request):
@@ -240,3 +245,20 @@ def reject_unknown_fields(body: dict[str, Any], model: type[BaseModel]) -> None:
     for name in body:
         if name not in model.model_fields:
             raise bad_request(f"Unknown parameter: '{name}'.", str(name), "unknown_parameter")
+
+
+def field_bounds(model: type[BaseModel], name: str) -> tuple[float | None, float | None, bool]:
+    """(low, high, low excluded) of a numeric request field as declared above: the validator's ranges and the
+    OpenAPI document's are the same numbers."""
+    lo = hi = None
+    lo_open = False
+    for m in model.model_fields[name].metadata:
+        if isinstance(m, Ge):
+            lo = m.ge
+        elif isinstance(m, Gt):
+            lo, lo_open = m.gt, True
+        elif isinstance(m, Le):
+            hi = m.le
+        elif isinstance(m, MaxLen):
+            hi = m.max_length
+    return lo, hi, lo_open

@@ -1,26 +1,26 @@
 """The planner's settings: pydantic models with defaults, loadable from an optional YAML file.
 
-FarmConfig holds `PlannerConfig` as its `planner` section (config/default.yaml); this module imports
-nothing from farm.config so that farm.config can import it. `farm planner run --planner-config F` reads
+FarmConfig holds `PlannerConfig` as its `planner` section (config/default.yaml). `farm planner run --planner-config F` reads
 a separate file instead (how the Helm chart's planner pod gets its settings).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from farm.config.base import Section
+
+if TYPE_CHECKING:
+    from farm.config.farm import FarmConfig
 
 PlannerRole = Literal["prefill", "decode", "both"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Bounds(_Section):
+class Bounds(Section):
     """Replica limits of one role: the planner never goes below `min` or above `max`."""
 
     min: int = Field(0, ge=0)
@@ -33,7 +33,7 @@ class Bounds(_Section):
         return self
 
 
-class LoadPolicyConfig(_Section):
+class LoadPolicyConfig(Section):
     """Load-based scaling: per-worker utilisation against two thresholds (the gap is the hysteresis)."""
 
     scale_up_util: float = Field(0.8, gt=0)  # above this for `up_intervals` readings: add workers
@@ -53,7 +53,7 @@ class LoadPolicyConfig(_Section):
         return self
 
 
-class SlaPolicyConfig(_Section):
+class SlaPolicyConfig(Section):
     """SLA-based scaling: TTFT and ITL targets, the engine profile, and how to predict the next interval."""
 
     ttft_ms: float = Field(1000, gt=0)
@@ -68,7 +68,7 @@ class SlaPolicyConfig(_Section):
     min_requests: int = Field(3, ge=0)  # fewer observations than this in a window: keep the counts
 
 
-class KubernetesConfig(_Section):
+class KubernetesConfig(Section):
     """Where the worker Deployments live; credentials are the pod's service-account files."""
 
     api_server: str = ""  # default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
@@ -80,7 +80,7 @@ class KubernetesConfig(_Section):
     timeout_s: float = Field(10, gt=0)
 
 
-class PlannerConfig(_Section):
+class PlannerConfig(Section):
     enabled: bool = False  # `farm planner run` works either way; this is for deployments that start it
     mode: Literal["load", "sla"] = "load"
     actuator: Literal["local", "kubernetes"] = "local"
@@ -131,7 +131,7 @@ def load_planner_config(path: str | Path | None = None, data: dict[str, Any] | N
         raise ValueError(f"invalid planner configuration{where}:\n" + "\n".join(lines)) from None
 
 
-def planner_config(farm_cfg: Any, path: str | Path | None = None) -> PlannerConfig:
+def planner_config(farm_cfg: FarmConfig, path: str | Path | None = None) -> PlannerConfig:
     """The planner settings: from `path` when given, else the farm configuration's `planner` section."""
     if path is not None:
         return load_planner_config(path)

@@ -1,19 +1,22 @@
 """Settings of the OpenAI Batch API (files, batches, the batch driver): the `batch` section of the config.
 
-`farm.config.FarmConfig` holds it as `batch`; this module imports nothing from `farm.config`, so
-`farm.config` can import it.
+`FarmConfig` (farm/config/farm.py) holds it as `batch`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from farm.config.base import Section
+
+if TYPE_CHECKING:
+    from farm.config.farm import FarmConfig
 
 
-class BatchConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class BatchConfig(Section):
 
     # -- files ----------------------------------------------------------------------------------------
     # Where file bodies live (metadata is always in Redis). disk: a directory, files_dir, which every API
@@ -58,7 +61,7 @@ class BatchConfig(BaseModel):
         return self
 
 
-def files_path(cfg: Any) -> Path:
+def files_path(cfg: FarmConfig) -> Path:
     """The folder of file bodies: batch.files_dir, by default <state_dir>/files."""
     d = cfg.batch.files_dir
     if not d:
@@ -67,6 +70,6 @@ def files_path(cfg: Any) -> Path:
     return p if p.is_absolute() else cfg.state_path / p
 
 
-def prepared_path(cfg: Any) -> Path:
+def prepared_path(cfg: FarmConfig) -> Path:
     """Validated, tokenized lines of running batches (internal; re-derivable from the input file)."""
     return files_path(cfg) / "prepared"

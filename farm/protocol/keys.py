@@ -1,4 +1,5 @@
-"""Redis keys of the KV-block index and the shared load (one place, so workers and routers agree)."""
+"""Redis keys every process agrees on: a request's stream, cancel flag, lease and claims; the KV-block index and
+its events; the shared load; the observations the planner reads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ LOAD_KEY = "farm:load"  # hash: "<worker>|p" pending prefill tokens, "<worker>|d
 DEADLINES_KEY = "farm:active:deadlines"  # zset "<kind>|<worker>|<request>" -> expiry time
 LOAD_EVENTS_STREAM = "farm:load:events"  # every change of LOAD_KEY: f=<worker>|<kind>, a=amount, n=+-1 requests
 LOAD_EVENTS_MAXLEN = 50_000  # entries kept; a reader further behind is corrected by its next reset
+OBS_STREAM = "farm:obs"  # one entry per finished request: ttft, itl, isl, osl (written by the API, read by the planner)
+STREAM_TTL_S = 600
+CANCEL_TTL_S = 600
 
 
 def worker_blocks_key(worker_id: str) -> str:
@@ -30,8 +34,22 @@ def claim_key(request_id: str, stage: str) -> str:
     return f"farm:claim:{request_id}:{stage}"
 
 
-def direct_queue(worker_id: str) -> str:
-    """Each worker also consumes a queue of its own, so a router can place work on it."""
-    import re
+def stream_key(request_id: str) -> str:
+    """Redis Stream of events for one request (worker -> API)."""
+    return f"farm:out:{request_id}"
 
-    return "farm.w." + re.sub(r"[^A-Za-z0-9_.@-]+", "_", worker_id)
+
+def cancel_key(request_id: str) -> str:
+    """Set by the API when the client went away; workers abort the request when they see it."""
+    return f"farm:cancel:{request_id}"
+
+
+def lease_key(request_id: str) -> str:
+    """Kept alive by the API reading the request's stream; a worker aborts a leased request whose lease
+    lapsed (the API died: nobody reads), and skips a redelivered one."""
+    return f"farm:lease:{request_id}"
+
+
+def migration_id(request_id: str, attempt: int) -> str:
+    """The request id of the `attempt`-th migration of a request (own stream, claims, lease)."""
+    return f"{request_id}.m{attempt}"

@@ -1,7 +1,6 @@
 """Settings of the semantic layer: the `semantic` section of the farm configuration.
 
-`farm.config.FarmConfig` holds it as `semantic`; this module imports nothing from `farm.config`, so
-`farm.config` can import it. Cross-checks against the configured models (every model named in scores
+`FarmConfig` (farm/config/farm.py) holds it as `semantic`. Cross-checks against the configured models (every model named in scores
 and PII policies must exist; aliases must not shadow a model) run in `check_models`, called from
 `FarmConfig`'s validator so a typo is reported with the rest of the configuration errors.
 """
@@ -10,12 +9,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from farm.semantic.pii import PII_TYPES, normalize_type
+from farm.config.base import Section
 
 MMLU_PRO_CATEGORIES = ("biology", "business", "chemistry", "computer science", "economics", "engineering",
                        "health", "history", "law", "math", "other", "philosophy", "physics", "psychology")
+# Presidio's entity names the PII guard knows (farm/semantic/pii.py); config and x-vsr-* headers use them.
+NER_TYPES = ("PERSON", "LOCATION", "ORGANIZATION", "NRP", "DATE_TIME")
+PATTERN_TYPES = ("CREDENTIAL", "EMAIL_ADDRESS", "IBAN_CODE", "CREDIT_CARD", "US_SSN", "US_ITIN", "UK_NINO",
+                 "UK_NHS", "US_PASSPORT", "US_DRIVER_LICENSE", "US_BANK_NUMBER", "MEDICAL_LICENSE", "CRYPTO",
+                 "IP_ADDRESS", "PHONE_NUMBER", "URL")
+PII_TYPES = PATTERN_TYPES + NER_TYPES
+
+
+def normalize_type(name: str) -> str:
+    """`B-US_SSN`, `I-us_ssn` and `US_SSN` all mean US_SSN (config may use either form)."""
+    name = name.strip().upper()
+    return name[2:] if name[:2] in ("B-", "I-") else name
+
+
 PII_TYPE_NAMES = PII_TYPES
 # What lets someone act as, or defraud, the person it belongs to: government and health IDs, card and bank
 # numbers, passport and licence numbers, credentials. The default policy blocks these and reports the rest
@@ -25,10 +38,6 @@ IDENTITY_TYPES = ("US_SSN", "US_ITIN", "UK_NINO", "UK_NHS", "US_PASSPORT", "US_D
                   "CREDIT_CARD", "IBAN_CODE", "US_BANK_NUMBER", "CREDENTIAL")
 
 
-class _S(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 def _pii_type(name: str) -> str:
     n = normalize_type(name)
     if n not in PII_TYPE_NAMES:
@@ -36,7 +45,7 @@ def _pii_type(name: str) -> str:
     return n
 
 
-class PIIPolicy(_S):
+class PIIPolicy(Section):
     """allow_by_default false: only `allowed_types` may pass; true: everything but `denied_types`."""
 
     allow_by_default: bool = False
@@ -55,7 +64,7 @@ class PIIPolicy(_S):
         return types - set(self.allowed_types)
 
 
-class PIIConfig(_S):
+class PIIConfig(Section):
     enabled: bool = True
     # models without their own policy: identity and payment data blocked, everything else reported
     default_policy: PIIPolicy = PIIPolicy(allow_by_default=True, denied_types=list(IDENTITY_TYPES))
@@ -68,22 +77,22 @@ class PIIConfig(_S):
         return self.policies.get(model, self.default_policy)
 
 
-class JailbreakConfig(_S):
+class JailbreakConfig(Section):
     enabled: bool = True
     threshold: float = Field(0.6, gt=0, lt=1)  # attack probability at or above which a request is blocked (heads.npz records it)
 
 
-class ClassifierConfig(_S):
+class ClassifierConfig(Section):
     threshold: float = Field(0.25, ge=0, lt=1)  # category confidence below this: default model, no category prompt
 
 
-class MilvusConfig(_S):
+class MilvusConfig(Section):
     uri: str = "http://127.0.0.1:19530"  # or a local file path for Milvus Lite
     collection: str = "farm_semantic_cache"
     token: str = ""  # "user:password" or an API key; prefer FARM_SEMANTIC__CACHE__MILVUS__TOKEN
 
 
-class CacheConfig(_S):
+class CacheConfig(Section):
     enabled: bool = True
     backend: Literal["redis", "milvus"] = "redis"
     similarity_threshold: float = Field(0.9, gt=0, le=1)  # cosine similarity needed for a hit
@@ -97,7 +106,7 @@ class CacheConfig(_S):
     milvus: MilvusConfig = MilvusConfig()
 
 
-class CategoryConfig(_S):
+class CategoryConfig(Section):
     name: str = Field(min_length=1)
     system_prompt: str = ""
     system_prompt_mode: Literal["replace", "prepend"] | None = None  # None: semantic.system_prompt_mode
@@ -115,7 +124,7 @@ class CategoryConfig(_S):
         return v
 
 
-class SemanticConfig(_S):
+class SemanticConfig(Section):
     enabled: bool = True
     aliases: list[str] = Field(default_factory=lambda: ["MoM", "auto"])  # model names that mean "choose for me"
     default_model: str = ""  # what MoM uses below the classifier threshold; "" = the farm's default_model

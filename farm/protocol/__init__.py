@@ -1,0 +1,71 @@
+"""Contracts that cross processes, one module each: Celery task names and queues (`queues`), Redis keys
+(`keys`), the request message (`request`), stream events (`events`), block hashing (`hashing`).
+
+Everything here travels as JSON (Celery's only serializer in the farm) and is small: token ids and
+sampling parameters go through the broker, KV tensors never do (only signed handles to them, farm/transfer).
+This package's surface re-exports the names most processes use, so `from farm.protocol import ...` is the
+one way to name a contract.
+"""
+
+from farm.protocol.events import (
+    EVENT_FIELD,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    StartEvent,
+    parse_event,
+)
+from farm.protocol.keys import (
+    CANCEL_TTL_S,
+    OBS_STREAM,
+    STREAM_TTL_S,
+    cancel_key,
+    claim_key,
+    lease_key,
+    migration_id,
+    stream_key,
+)
+from farm.protocol.queues import (
+    BATCH_QUEUE,
+    PRIORITY_SEP,
+    ROLES,
+    TASK_BATCH_DRIVE,
+    TASK_DECODE,
+    TASK_GENERATE,
+    TASK_PING,
+    TASK_PREFILL,
+    Role,
+    direct_queue,
+    model_slug,
+    queue_depths,
+    queue_name,
+    queues_for_role,
+)
+from farm.protocol.request import (
+    GREEDY_BELOW_TEMPERATURE,
+    MAX_ID_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_RESPONSE_FORMAT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    RESPONSE_FORMATS,
+    SEED_RANGE,
+    GenerationRequest,
+    InvalidTask,
+    SamplingParams,
+    is_request_id,
+)
+
+__all__ = [
+    "BATCH_QUEUE", "CANCEL_TTL_S", "EVENT_FIELD", "GREEDY_BELOW_TEMPERATURE", "MAX_ID_CHARS", "MAX_LOGIT_BIAS",
+    "MAX_RESPONSE_FORMAT_CHARS", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE",
+    "MAX_TOP_LOGPROBS", "OBS_STREAM", "PRIORITY_SEP", "RESPONSE_FORMATS", "ROLES", "SEED_RANGE", "STREAM_TTL_S",
+    "TASK_BATCH_DRIVE", "TASK_DECODE", "TASK_GENERATE", "TASK_PING", "TASK_PREFILL", "DeltaEvent", "DoneEvent",
+    "ErrorEvent", "Event", "GenerationRequest", "InvalidTask", "Role", "SamplingParams", "StartEvent", "cancel_key",
+    "claim_key", "direct_queue", "is_request_id", "lease_key", "migration_id", "model_slug", "parse_event",
+    "queue_depths", "queue_name", "queues_for_role", "stream_key",
+]

@@ -1,0 +1,53 @@
+"""Every message that crosses processes survives its wire form (JSON) unchanged: the request, each stream event."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from farm.protocol import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    StartEvent,
+    parse_event,
+)
+
+
+def _wire(d: dict) -> dict:
+    return json.loads(json.dumps(d))
+
+
+def test_generation_request_round_trips_through_json():
+    sampling = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], top_k=5,
+                              min_p=0.05, repetition_penalty=1.1, stop_token_ids=[2], logprobs=2,
+                              logit_bias={7: -1.5}, response_format={"type": "json_object"})
+    req = GenerationRequest(request_id="chatcmpl-1.m1", model="smol", prompt_token_ids=[1, 2, 3], sampling=sampling,
+                            decode_queue="farm.smol.decode", lease_s=10.0, origin="chatcmpl-1")
+    back = GenerationRequest.from_dict(_wire(req.to_dict()), vocab_size=100, max_model_len=64)
+    assert back == req
+
+
+@pytest.mark.parametrize("event", [
+    StartEvent("decode", "w1", "w0", "remote", {"bytes": 4096, "ms": 1.5}),
+    StartEvent("prefill", "w0"),
+    DeltaEvent("Hi", 1, [42], [[-0.1, [[42, -0.1], [7, -2.3]]]]),
+    DeltaEvent("", 2, [1, 2]),
+    DoneEvent("length", {"prompt_tokens": 5, "completion_tokens": 3, "cached_tokens": 0}, "w0", "w1", "remote"),
+    ErrorEvent("invalid task: bad", "invalid_task"),
+])
+def test_stream_events_round_trip_and_carry_only_what_is_set(event):
+    wire = _wire(event.to_dict())
+    assert wire["type"] == event.type and None not in wire.values()
+    # the stream writer adds its id and sequence number; parsing ignores them
+    assert parse_event({**wire, "w": "writer-1", "s": 7}) == event
+
+
+def test_parse_event_refuses_unknown_and_malformed_events():
+    with pytest.raises(ValueError, match="unknown stream event"):
+        parse_event({"type": "finish"})
+    with pytest.raises(ValueError, match="malformed done"):
+        parse_event({"type": "done", "usage": {}})  # no finish_reason
