@@ -1,5 +1,7 @@
 """`farm`: run and inspect an Inference Farm.
 
+(Just over 400 lines: every subcommand's arguments in one parser, so `farm --help` and the code agree.)
+
     farm up [--detach] [--prefill-workers N] [--decode-workers N] [--workers N] [--port P] ...
     farm serve PATH_OR_GGUF [--workers N] [--prefill-workers N --decode-workers N] [--backend B] [--port P] ...
     farm logs [component] [-f] [-n N]

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from api.app import create_app
-from farm.batch.store import BODY_BYTES_KEY, CHUNK_BYTES, FileStorageFull, FileStore
+from farm.batch.files import BODY_BYTES_KEY, CHUNK_BYTES, FileStorageFull, FileStore
 from farm.config import load_config
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
-from farm.batch.store import BatchStore, FileStorageFull, FileStore, clean_filename, public_file
+from farm.batch.files import FileStorageFull, FileStore, public_file
+from farm.batch.store import BatchStore, clean_filename
 from farm.openai.errors import APIError, bad_request
 
 bp = Blueprint("files", __name__, url_prefix="/v1")

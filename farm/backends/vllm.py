@@ -1,5 +1,8 @@
 """The vLLM backend: vLLM's async engine (AsyncLLM) in the worker process, behind the Engine interface.
 
+(Over 400 lines: the one adapter to vLLM's API — engine args, sampling mapping, KV-connector handles, the
+event loop bridge — kept together so a vLLM upgrade touches one file.)
+
 WorkerRuntime talks to an engine through a few methods (submit, abort, release_held, stats,
 active_request_ids, start, stop) and attributes (held, runner, pool); `VllmEngine` provides them, so
 the Celery tasks, streams, claims and registry work unchanged. vLLM is imported lazily: a farm without

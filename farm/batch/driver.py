@@ -1,5 +1,8 @@
 """The batch driver: runs a batch's lines through the farm's Gateway, below interactive traffic.
 
+(Over 400 lines: one class whose threads — dispatch, lease renewal, the reaper, finalizing — share the
+batch's state under one lock; split, that state would be passed between modules.)
+
 How a batch runs. `POST /v1/batches` stores the batch (status `validating`) and sends one
 `farm.batch.drive` task to the dedicated `farm.batch` queue, which only batch-driver processes consume
 (`python -m tasks.batch`), never the generation workers. The driver task validates the input file
@@ -52,8 +55,9 @@ import redis
 
 from farm import metrics, registry
 from farm.apikeys import OWNER_ANONYMOUS, KeyRing
+from farm.batch.files import FileStore
 from farm.batch.schedule import Plan
-from farm.batch.store import TERMINAL, BatchStore, FileStore, kick_key
+from farm.batch.store import TERMINAL, BatchStore, kick_key
 from farm.batch.validate import PreparedLine, validate_input
 from farm.config import FarmConfig
 from farm.config.batch import BatchConfig, prepared_path

@@ -1,5 +1,8 @@
 """The engine: one background thread runs the continuous batch; other threads submit and abort.
 
+(Over 400 lines: the engine loop, nano-vllm style, reads best as one file: scheduling, the forward, sampling
+and outputs of one step.)
+
 Task threads (Celery) call `submit` and wait; the engine thread owns the block pool and the model, so
 no locks are needed around them. Commands reach it through an inbox queue. Outputs leave through each
 sequence's `on_output` callback (called on the engine thread; it must not block).

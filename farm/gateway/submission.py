@@ -1,17 +1,5 @@
-"""The API's door into the farm: route a request to workers and read its token stream.
-
-Layout per model, from the live worker registry:
-- prefill and decode workers present -> disaggregated: the router picks the prefill worker by KV
-  overlap and load and the decode worker by decode load; the prefill task computes the prompt's KV,
-  emits a signed KV handle and hands the decode task to the chosen decode worker's queue;
-- otherwise aggregated workers (`both`) -> one generate task on the worker the router picks;
-- decode workers alone -> the decode task prefills locally.
-Tasks go to the chosen worker's own queue. While a reader iterates `events`, it checks the workers that
-hold the request (farm.reliability.worker_gone); one that died before starting it or mid-stream makes
-the request migrate to another worker with the tokens streamed so far (Submission). Load is recorded in
-Redis as the request moves (placed -> prefilled -> done) so every API replica sees the same load.
-Events come back on the request's Redis Stream (farm.protocol) and are read here with XREAD.
-"""
+"""One request in flight: its dispatched tasks, the load it holds, its lease, and reading its stream, with
+migration to another worker when the one holding it dies (the tokens streamed so far go with it)."""
 
 from __future__ import annotations
 
@@ -21,48 +9,32 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from farm import metrics, registry, reliability
-from farm.config import FarmConfig
+from farm.gateway.errors import ClientGone, GatewayTimeout, NoWorkersError
 from farm.protocol import (
     CANCEL_TTL_S,
     EVENT_FIELD,
-    TASK_DECODE,
-    TASK_GENERATE,
-    TASK_PREFILL,
     GenerationRequest,
     SamplingParams,
     cancel_key,
     lease_key,
     migration_id,
-    queue_name,
     stream_key,
 )
 from farm.protocol.keys import OBS_STREAM
-from farm.protocol.queues import direct_queue
-from farm.router.router import BusyError, Placement, Router
+from farm.router.router import BusyError, Placement
 from farm.tokenization import IncrementalDetokenizer, get_tokenizer
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from farm.gateway.gateway import Gateway
+
+log = logging.getLogger("farm.gateway")
 
 OBS_MAXLEN = 20_000
-
-__all__ = ["BusyError", "ClientGone", "Gateway", "GatewayTimeout", "NoWorkersError", "Submission"]
-
-
-class NoWorkersError(RuntimeError):
-    """No live worker serves the model: the API answers 503."""
-
-
-class ClientGone(ConnectionError):
-    """The reader's client went away while it waited: the caller cancels the request (Submission.cancel)."""
-
-
-class GatewayTimeout(TimeoutError):
-    """No progress from the workers within the configured time: the API answers 504."""
 
 
 @dataclass
@@ -372,97 +344,3 @@ class Submission:
             pipe.execute()
             self._end_load("p")
             self._end_load("d")
-
-
-class Gateway:
-    def __init__(self, cfg: FarmConfig, r: redis.Redis, celery_app=None, router: Router | None = None):
-        self.cfg = cfg
-        self.r = r
-        if celery_app is None:
-            from farm.broker import make_celery
-
-            celery_app = make_celery(cfg)
-        self.celery = celery_app
-        self.router = router or Router(cfg, r)
-
-    def _workers(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, list[registry.WorkerInfo]]:
-        by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
-        for w in registry.live_workers(self.r, model=model):
-            if w.worker_id not in exclude:  # e.g. just died, its heartbeat not yet lapsed
-                by_role.setdefault(w.role, []).append(w)
-        return by_role
-
-    @staticmethod
-    def _pools(by_role: dict[str, list[registry.WorkerInfo]]) -> tuple[list, list]:
-        """(prefill workers, workers that can decode: decode workers, else aggregated ones)."""
-        return by_role["prefill"], by_role["decode"] or by_role["both"]
-
-    def layout(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
-        """How `model` is served now; raises NoWorkersError when nothing can serve it. With `exclude`
-        (re-placing a request whose worker died) decode workers prefill locally when no prefill worker is
-        left, even in mode `always`: finishing the request beats refusing it."""
-        prefill, decode = self._pools(self._workers(model, exclude))
-        mode = self.cfg.disaggregation.mode
-        if not decode or (mode == "always" and not prefill and not exclude):
-            raise NoWorkersError(self._no_workers_message(model, prefill, decode))
-        if prefill and mode != "never":
-            return "disaggregated" if mode == "always" else "conditional"
-        return "aggregated" if decode[0].role == "both" else "decode-only"
-
-    def _no_workers_message(self, model: str, prefill: list, decode: list) -> str:
-        if decode and not prefill:
-            return f"disaggregation.mode is 'always' but no prefill worker serves model {model!r}"
-        return f"no live worker serves model {model!r}"
-
-    def submit(self, req: GenerationRequest) -> Submission:
-        """Route and enqueue; raises NoWorkersError (no worker) or BusyError (every worker busy)."""
-        req.lease_s = self.cfg.reliability.lease_ttl_s
-        layout, placements, dispatch = self._place(req)
-        return Submission(self, req, layout, placements, dispatch)
-
-    def _place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()
-               ) -> tuple[str, dict[str, Placement], Dispatch]:
-        """Choose workers for `req`, record their load, take its lease and send its first task."""
-        layout = self.layout(req.model, exclude)
-        prefill_pool, decode_pool = self._pools(self._workers(req.model, exclude))
-        req.created = req.created or time.time()
-        t0 = time.perf_counter()
-        hashes = self.router.hashes(req.prompt_token_ids, req.model)
-        metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
-        loads = self.router.loads.loads()
-        n = len(req.prompt_token_ids)
-        bs = self.cfg.block_size(req.model)
-        dcfg = self.cfg.disaggregation
-        placements: dict[str, Placement] = {}
-        remote = False
-        if layout == "disaggregated":
-            d = self.router.choose(decode_pool, hashes, n, "decode", loads)
-            p = self.router.choose(prefill_pool, hashes, n, "prefill", loads)
-            remote = True
-        else:
-            # the decode worker may prefill itself: weigh its cached prefix as well as its load
-            d = self.router.choose(decode_pool, hashes, n, "both", loads)
-            p = d
-            if layout == "conditional":
-                uncached = n - d.overlap_blocks * bs
-                if uncached > dcfg.remote_min_uncached_tokens:
-                    cand = self.router.choose(prefill_pool, hashes, n, "prefill", loads)
-                    queued = (loads.get(cand.worker.worker_id) or {}).get("pn", 0)
-                    if queued < dcfg.max_prefill_queue:
-                        p, remote = cand, True
-        if remote:
-            placements["prefill"], placements["decode"] = p, d
-            req.decode_queue = direct_queue(d.worker.worker_id)
-            task, args, fallback = TASK_PREFILL, [req.to_dict()], queue_name(req.model, "prefill")
-        else:
-            placements["both"] = d
-            if d.worker.role == "both":
-                task, args, fallback = TASK_GENERATE, [req.to_dict()], queue_name(req.model, "generate")
-            else:
-                task, args, fallback = TASK_DECODE, [req.to_dict(), None], queue_name(req.model, "decode")
-        self.router.loads.begin("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs))
-        self.router.loads.begin("d", d.worker.worker_id, req.request_id, math.ceil(n / bs))
-        if req.lease_s > 0:  # before the task: a worker skips a leased request whose lease is missing
-            self.r.set(lease_key(req.request_id), "1", ex=max(1, math.ceil(req.lease_s)))
-        self.celery.send_task(task, args=args, queue=direct_queue(p.worker.worker_id))
-        return layout, placements, Dispatch(task, args, p.worker.worker_id, fallback)
