@@ -45,7 +45,7 @@ from farm.redis_client import connect
 from farm.reliability import WorkerGuard, ping_key
 from farm.router.events import KVEventPublisher
 from farm.streams import StreamWriter
-from farm.transfer.handle import sign_handle
+from farm.transfer.handle import KVHandle
 from farm.transfer.shm import host_id as shm_host_id
 from farm.transfer.staging import StagingPool
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
@@ -259,16 +259,16 @@ class WorkerRuntime:
             handle = self.engine.connector_handle(req, out, self.info.transfer_endpoint, shm_host_id(), self.secret)
         elif out.finish_reason == "prefilled" and out.held_blocks is not None:
             data = self.engine.runner.read_blocks(out.held_blocks)
-            handle = sign_handle({
-                "request_id": req.request_id, "worker_id": self.worker_id,
-                "endpoint": self.info.transfer_endpoint, "host_id": shm_host_id(),
-                "transport": ",".join(t for t in self.cfg.transfer.transports if t != "nixl" or self.nixl),
-                "block_ids": out.held_blocks, "block_hashes": [str(h) for h in (out.block_hashes or [])],
-                "num_tokens": len(req.prompt_token_ids), "first_token": out.first_token,
-                "cached_tokens": out.cached_tokens, "layout": self.engine.runner.layout.to_dict(),
-                "checksum": checksum(data), "expires_at": time.time() + self.cfg.transfer.handle_ttl_s,
-                "first_logprobs": out.first_logprobs.to_list() if out.first_logprobs else None,
-            }, self.secret)
+            handle = KVHandle(
+                request_id=req.request_id, worker_id=self.worker_id, endpoint=self.info.transfer_endpoint,
+                host_id=shm_host_id(),
+                transport=",".join(t for t in self.cfg.transfer.transports if t != "nixl" or self.nixl),
+                block_ids=out.held_blocks, block_hashes=[str(h) for h in (out.block_hashes or [])],
+                num_tokens=len(req.prompt_token_ids), first_token=out.first_token, cached_tokens=out.cached_tokens,
+                layout=self.engine.runner.layout.to_dict(), checksum=checksum(data),
+                expires_at=time.time() + self.cfg.transfer.handle_ttl_s,
+                first_logprobs=out.first_logprobs.to_list() if out.first_logprobs else None,
+            ).signed(self.secret)
             log.debug("prefill %s: %d tokens in %.3fs", req.request_id, len(req.prompt_token_ids),
                       time.monotonic() - t0)
         elif out.finish_reason == "abort":

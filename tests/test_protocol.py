@@ -51,3 +51,20 @@ def test_parse_event_refuses_unknown_and_malformed_events():
         parse_event({"type": "finish"})
     with pytest.raises(ValueError, match="malformed done"):
         parse_event({"type": "done", "usage": {}})  # no finish_reason
+
+
+def test_kv_handle_round_trips_through_its_signed_json_form():
+    from farm.transfer.handle import OPTIONAL_SIGNED_FIELDS, SIGNED_FIELDS, HandleError, KVHandle
+
+    assert [f for f in KVHandle.__dataclass_fields__] == [*SIGNED_FIELDS, *OPTIONAL_SIGNED_FIELDS]
+    secret = b"s" * 32
+    for h in (KVHandle("r1", "w0", "127.0.0.1:9", "host", "shm,tcp", [3, 4], ["11", "12"], 64, 7, 32,
+                       {"num_layers": 2, "block_size": 32}, "abc", 2e9, first_logprobs=[-0.5, [[7, -0.5]]]),
+              KVHandle("r2", "w0", "127.0.0.1:9", "host", "vllm:NixlConnector", [1], ["5"], 40, 9, 0,
+                       {"block_size": 32, "backend": "vllm"}, "", 2e9, connector="NixlConnector",
+                       kv_transfer_params={"remote_block_ids": [1]})):
+        wire = _wire(h.signed(secret))
+        assert None not in wire.values()  # unset optional fields are not signed (the built-in's bytes stay)
+        assert KVHandle.from_signed(wire, secret, now=1e9) == h
+        with pytest.raises(HandleError, match="signature"):
+            KVHandle.from_signed({**wire, "endpoint": "10.0.0.1:9"}, secret, now=1e9)

@@ -46,7 +46,7 @@ from farm.engine.step_costs import StepCosts
 from farm.engine.timings import from_prometheus
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import block_hashes
-from farm.transfer.handle import HandleError, sign_handle, verify_handle
+from farm.transfer.handle import HandleError, KVHandle, verify_handle
 
 log = logging.getLogger(__name__)
 
@@ -210,15 +210,15 @@ def make_connector_handle(*, request_id: str, worker_id: str, endpoint: str, hos
     """A signed KV handle for blocks vLLM's connector holds: the usual fields (so routing, logs and
     expiry work as for the built-in engine) plus `connector` and `kv_transfer_params` (signed)."""
     params = out.kv_transfer_params or {}
-    return sign_handle({
-        "request_id": request_id, "worker_id": worker_id, "endpoint": endpoint, "host_id": host_id,
-        "transport": f"vllm:{out.connector}", "block_ids": list(params.get("remote_block_ids") or []),
-        "block_hashes": [str(h) for h in (out.block_hashes or [])], "num_tokens": num_tokens,
-        "first_token": out.first_token, "cached_tokens": out.cached_tokens,
-        "layout": {"block_size": block_size, "backend": "vllm"}, "checksum": "",
-        "expires_at": (now if now is not None else time.time()) + ttl_s,
-        "connector": out.connector, "kv_transfer_params": params,
-    }, secret)
+    return KVHandle(
+        request_id=request_id, worker_id=worker_id, endpoint=endpoint, host_id=host_id,
+        transport=f"vllm:{out.connector}", block_ids=list(params.get("remote_block_ids") or []),
+        block_hashes=[str(h) for h in (out.block_hashes or [])], num_tokens=num_tokens,
+        first_token=out.first_token, cached_tokens=out.cached_tokens,
+        layout={"block_size": block_size, "backend": "vllm"}, checksum="",
+        expires_at=(now if now is not None else time.time()) + ttl_s,
+        connector=out.connector, kv_transfer_params=params,
+    ).signed(secret)
 
 
 def import_from_handle(handle: dict[str, Any], secret: bytes, connector: str | None,

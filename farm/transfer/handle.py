@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import time
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 SIGNED_FIELDS = (
@@ -54,3 +55,36 @@ def verify_handle(h: Any, secret: bytes, now: float | None = None) -> dict[str, 
     if float(h["expires_at"]) <= (now if now is not None else time.time()):
         raise HandleError("KV handle has expired")
     return h
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """A handle before signing, built in one place per engine (the built-in worker's prefill, vLLM's
+    connector); `signed` is its wire form. The fields are SIGNED_FIELDS then OPTIONAL_SIGNED_FIELDS."""
+
+    request_id: str
+    worker_id: str
+    endpoint: str
+    host_id: str
+    transport: str
+    block_ids: list[int]
+    block_hashes: list[str]
+    num_tokens: int
+    first_token: int | None
+    cached_tokens: int
+    layout: dict[str, Any]
+    checksum: str
+    expires_at: float
+    connector: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    first_logprobs: list[Any] | None = None
+
+    def signed(self, secret: bytes) -> dict[str, Any]:
+        return sign_handle(asdict(self), secret)
+
+    @classmethod
+    def from_signed(cls, h: dict[str, Any], secret: bytes, now: float | None = None) -> KVHandle:
+        """The handle a verified wire form names (HandleError when it is not valid)."""
+        h = verify_handle(h, secret, now=now)
+        return cls(**{f.name: h.get(f.name) for f in fields(cls)})
+
