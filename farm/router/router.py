@@ -189,7 +189,9 @@ class Router:
             ld = loads.get(w.worker_id) or empty_load()
             cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs,
                                    ld["d"], w.num_blocks, self.costs.of(w.worker_id)))
-        self._shed_if_busy(cands, request_blocks, stage)
+        # the predicted TTFT per candidate, computed once: admission and the measured cost both use it
+        ttfts = [predicted_ttft(c, request_blocks) for c in cands] if stage != "decode" else None
+        self._shed_if_busy(cands, request_blocks, stage, ttfts)
         cost = None
         if mode == "round-robin":
             i = self.rr.setdefault(stage, RoundRobin()).pick(len(workers))
@@ -199,7 +201,7 @@ class Router:
             if self.rc.cost == "dynamo":
                 costs = dynamo_costs(cands, request_blocks, self.rc.overlap_weight if stage != "decode" else 0.0)
             else:
-                costs = measured_costs(cands, request_blocks, stage)
+                costs = ttfts if ttfts is not None else measured_costs(cands, request_blocks, stage)
             i = softmax_pick(costs, self.rc.temperature, self.rng)
             cost = costs[i]
         t4 = time.perf_counter()
@@ -209,11 +211,12 @@ class Router:
         timings = {"hash": 0.0, "index": (t2 - t1) * 1e6, "load": (t3 - t2) * 1e6,
                    "schedule": ((t4 - t3) + (t1 - t0)) * 1e6}
         metrics.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
-        ttft = predicted_ttft(cands[i], request_blocks) if stage != "decode" else None
+        ttft = ttfts[i] if ttfts is not None else None
         return Placement(chosen, int(overlaps.get(chosen.worker_id, 0)) if overlaps else 0, mode, cost, ttft,
                          timings)
 
-    def _shed_if_busy(self, cands: list[Candidate], request_blocks: int, stage: str) -> None:
+    def _shed_if_busy(self, cands: list[Candidate], request_blocks: int, stage: str,
+                      ttfts: list[float] | None) -> None:
         """Refuse the request (BusyError) when every candidate is busy: its KV cache above `busy_threshold`,
         or (prefill placements) the request would queue there and its predicted TTFT exceeds the target."""
         threshold = self.rc.busy_threshold
@@ -225,12 +228,12 @@ class Router:
             used = c.active_blocks + (c.pending_prefill_blocks if stage != "decode" else 0)
             return used / c.capacity_blocks > threshold
 
-        def slow(c: Candidate) -> bool:
-            return target_s > 0 and has_queue(c) and predicted_ttft(c, request_blocks) > target_s
+        def slow(i: int) -> bool:
+            return target_s > 0 and ttfts is not None and has_queue(cands[i]) and ttfts[i] > target_s
 
         if all(full(c) for c in cands):
             why = f"above {threshold:.0%} of their KV capacity"
-        elif all(full(c) or slow(c) for c in cands):
+        elif all(full(c) or slow(i) for i, c in enumerate(cands)):
             why = f"too loaded to start this request within router.ttft_target_ms ({self.rc.ttft_target_ms:.0f} ms)"
         else:
             return
