@@ -2,8 +2,8 @@
 two snapshots taken around the measured window (no sampling thread, so nothing is added to the run).
 
 A process that exists at both snapshots counts its difference; one that started inside the window counts all
-of its time; one that ended inside it is missed (the contenders' processes live through the window; aiperf's
-short-lived workers may be undercounted, which is the client, not a contender).
+of its time; one that ended inside it is missed, except this process's own children (aiperf), whose time the
+kernel adds to this process's `children_*` times when they are reaped: the client is this process and those.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import psutil
 
 # (substring of the process name or command line, kind), first match wins
 KINDS: tuple[tuple[str, str], ...] = (
-    ("EngineCore", "vLLM engine core"),
+    ("EngineCore", "vLLM engine"),  # vLLM's engine core process, and its model executor below
+    ("VLLM::Worker", "vLLM engine"),
     ("vllm.entrypoints.openai.api_server", "vllm serve (API process)"),
     ("vllm-router", "vllm-router"),
     ("dynamo.frontend", "Dynamo frontend"),
@@ -25,8 +26,8 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("tasks.worker", "farm worker (Python side)"),
     ("gunicorn", "farm API"),
     ("redis-server", "Redis"),
-    ("aiperf", "client (aiperf)"),
 )
+CLIENT = "client (this process, and aiperf's processes once they exit)"
 
 
 def _kind(p: psutil.Process) -> str | None:
@@ -38,8 +39,12 @@ def _kind(p: psutil.Process) -> str | None:
 
 
 def _snapshot() -> dict[tuple[int, float], tuple[str, float]]:
-    out = {}
+    me = psutil.Process()
+    t = me.cpu_times()
+    out = {(me.pid, me.create_time()): (CLIENT, t.user + t.system + t.children_user + t.children_system)}
     for p in psutil.process_iter():
+        if p.pid == me.pid:
+            continue
         try:
             kind = _kind(p)
             if kind is None:
