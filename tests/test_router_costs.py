@@ -60,6 +60,35 @@ def test_cost_book_takes_own_figures_then_peers_then_the_prior():
     assert book.of("x") == WorkerCosts.prior(prior) == book.of("unknown")
 
 
+def test_snapshot_says_how_long_ago_each_kind_of_step_ran():
+    now = [100.0]
+    costs = StepCosts(block_size=16, clock=lambda: now[0])
+    assert costs.snapshot()["prefill_idle_s"] is None and costs.snapshot()["decode_idle_s"] is None
+    costs.observe_prefill(64, 0.1)
+    now[0] = 103.0
+    costs.observe_decode(10, 0.03)
+    now[0] = 115.0
+    snap = costs.snapshot()
+    assert snap["prefill_idle_s"] == 15.0 and snap["decode_idle_s"] == 12.0
+
+
+def test_a_worker_idle_for_long_takes_its_peers_fresh_figures_until_it_steps_again():
+    """A worker that measured itself slow in a contended moment and then got no work would keep losing
+    every placement on those figures and never measure again: once they are stale, its busy peers speak."""
+    book = CostBook(CostPrior())
+    slow_and_idle = {**CPU, "prefill_ms_per_block": 120.0, "prefill_idle_s": 30.0, "decode_idle_s": 30.0}
+    busy = {**CPU, "prefill_idle_s": 0.5, "decode_idle_s": 0.1}
+    book.update({"a": "m", "b": "m"}, {"a": {"costs": slow_and_idle}, "b": {"costs": busy}})
+    assert book.of("a").prefill_s_per_block == pytest.approx(0.040) and not book.of("a").measured
+    assert book.of("b").measured
+    book.update({"a": "m", "b": "m"}, {"a": {"costs": {**slow_and_idle, "prefill_idle_s": 1.0}},
+                                       "b": {"costs": busy}})
+    assert book.of("a").prefill_s_per_block == pytest.approx(0.120)  # it ran a prefill again: its own
+    everyone_idle = {**busy, "prefill_idle_s": 60.0, "decode_idle_s": 60.0}
+    book.update({"a": "m", "b": "m"}, {"a": {"costs": slow_and_idle}, "b": {"costs": everyone_idle}})
+    assert book.of("a").prefill_s_per_block == pytest.approx(0.120)  # no one fresher: its own, not the prior
+
+
 def test_measured_cost_is_the_predicted_time_to_first_token():
     k = WorkerCosts(0.040, 0.050, 0.030, 0.0005)
     idle = Candidate("idle", costs=k)

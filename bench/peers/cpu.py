@@ -21,9 +21,11 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("VLLM::Worker", "vLLM engine"),
     ("vllm.entrypoints.openai.api_server", "vllm serve (API process)"),
     ("vllm-router", "vllm-router"),
+    ("vllm::router", "vllm-router"),  # the same process once it has set its own title
     ("dynamo.frontend", "Dynamo frontend"),
     ("dynamo.vllm", "Dynamo worker (Python side)"),
     ("tasks.worker", "farm worker (Python side)"),
+    ("[celeryd:", "farm worker (Python side)"),  # the same process once Celery has set its process title
     ("gunicorn", "farm API"),
     ("redis-server", "Redis"),
 )

@@ -275,10 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal {name}: not measured (a contender is missing or failed)")
     title = (f"bench/peers{' --smoke' if args.smoke else ''}: SmolLM2-135M fp32, 2 CPU cores, "
              f"{args.rounds} round(s), load at start {load0}")
-    fig = report.plot(single, multi, Path(args.plot), title)
-    print(f"figure: {fig}")
     finish(args.out, {"benchmark": "peers", "args": vars(args), "tools": tools, "model_dir": str(mdir),
                       "logs": str(logs), "load_average_start": load0, "load_average_end": load_average(),
                       "phases_s": phases, "single_runs": single_runs, "multi_runs": multi_runs,
                       "single_means": single, "multi_means": multi, "goals_not_measured": missing}, goals)
+    try:  # after the JSON, so a run is never lost to the figure
+        print(f"figure: {report.plot(single, multi, Path(args.plot), title)}")
+    except ImportError as e:
+        print(f"no figure ({e}): install the bench extra, `.venv/bin/pip install -e '.[bench]'`")
     return 1 if failed else 0

@@ -11,6 +11,8 @@ heartbeat stats (`costs`), so every router sees every worker's own figures inste
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -58,27 +60,40 @@ class StepCosts:
     """Prefill and decode step costs of one engine; `observe_*` from the engine's thread, `snapshot` from
     any (the heartbeat's)."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, clock: Callable[[], float] = time.monotonic):
         self.block_size = block_size
         self.prefill = LinearFit()  # seconds per prefill step vs prompt tokens computed in it
         self.decode = LinearFit()  # seconds per decode step vs KV blocks of the sequences decoded
+        self._clock = clock
+        self._last_prefill: float | None = None  # when the last step of each kind was observed
+        self._last_decode: float | None = None
         self._lock = threading.Lock()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         with self._lock:
             self.prefill.observe(tokens, seconds)
+            self._last_prefill = self._clock()
 
     def observe_decode(self, active_blocks: int, seconds: float) -> None:
         with self._lock:
             self.decode.observe(active_blocks, seconds)
+            self._last_decode = self._clock()
 
     def snapshot(self) -> dict[str, Any]:
         """The heartbeat's `costs`: milliseconds per prefill block (and per prefill step), per decode step
-        and per active decode block, with how many steps each rests on (0: not measured yet)."""
+        and per active decode block, with how many steps each rests on (0: not measured yet) and how long
+        ago the last step of each kind ran (`*_idle_s`: a worker that gets no work keeps old figures, which
+        the router then trusts less)."""
         with self._lock:
             p_base, p_slope = self.prefill.line()
             d_base, d_slope = self.decode.line()
+            now = self._clock()
             return {"prefill_ms_per_block": round(p_slope * self.block_size * 1000, 4),
                     "prefill_step_ms": round(p_base * 1000, 4), "prefill_samples": self.prefill.samples,
+                    "prefill_idle_s": _idle(now, self._last_prefill),
                     "decode_step_ms": round(d_base * 1000, 4), "decode_ms_per_block": round(d_slope * 1000, 5),
-                    "decode_samples": self.decode.samples}
+                    "decode_samples": self.decode.samples, "decode_idle_s": _idle(now, self._last_decode)}
+
+
+def _idle(now: float, last: float | None) -> float | None:
+    return None if last is None else round(now - last, 1)

@@ -3,7 +3,10 @@
 Workers publish `costs` in their heartbeat stats (farm.engine.step_costs: prefill ms per block and per
 step, decode ms per step and per active block, and how many steps each figure rests on). A figure a
 worker has not measured yet is taken from the live workers of its model that have (the same model on
-the same kind of machine costs about the same), else from `router.cost_prior`.
+the same kind of machine costs about the same), else from `router.cost_prior`. So is a figure gone stale:
+a worker that has run no step of a kind for `STALE_AFTER_S` keeps what it measured last, perhaps in a
+contended moment, and would lose every placement on it and never measure again; its model's workers with
+fresh figures speak for it instead (their median), until it runs steps of its own again.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from farm.config import CostPrior
+
+STALE_AFTER_S = 10.0  # seconds without a step of a kind after which a worker's own figure yields to its peers'
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,20 @@ def _measured(costs: Any, half: tuple[str, str], samples: str) -> tuple[float, f
     return a, b
 
 
+def _stale(costs: Any, idle: str) -> bool:
+    """Whether the worker has run no step of this kind for STALE_AFTER_S (no age published: fresh)."""
+    try:
+        return float(costs[idle]) > STALE_AFTER_S
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _half(costs: Any, half: tuple[str, str], samples: str, idle: str,
+          fresh: dict[str, tuple[float, float]], stale: dict[str, tuple[float, float]], wid: str) -> None:
+    if (pair := _measured(costs, half, samples)) is not None:
+        (stale if _stale(costs, idle) else fresh)[wid] = pair
+
+
 class CostBook:
     """worker id -> WorkerCosts, refreshed from heartbeats (IndexFollower's maintenance, about every second)."""
 
@@ -63,20 +82,20 @@ class CostBook:
         """`models`: live worker id -> model; `heartbeats`: worker id -> its heartbeat (stats included)."""
         prefill: dict[str, tuple[float, float]] = {}
         decode: dict[str, tuple[float, float]] = {}
+        old_prefill: dict[str, tuple[float, float]] = {}
+        old_decode: dict[str, tuple[float, float]] = {}
         for wid, hb in heartbeats.items():
             costs = hb.get("costs") if isinstance(hb, dict) else None
-            if (p := _measured(costs, _PREFILL, "prefill_samples")) is not None:
-                prefill[wid] = p
-            if (d := _measured(costs, _DECODE, "decode_samples")) is not None:
-                decode[wid] = d
+            _half(costs, _PREFILL, "prefill_samples", "prefill_idle_s", prefill, old_prefill, wid)
+            _half(costs, _DECODE, "decode_samples", "decode_idle_s", decode, old_decode, wid)
         by_model: dict[str, list[str]] = {}
         for wid, model in models.items():
             by_model.setdefault(model, []).append(wid)
         book = {}
         for wid, model in models.items():
             peers = by_model[model]
-            p = prefill.get(wid) or _median([prefill[w] for w in peers if w in prefill])
-            d = decode.get(wid) or _median([decode[w] for w in peers if w in decode])
+            p = _pick(wid, peers, prefill, old_prefill)
+            d = _pick(wid, peers, decode, old_decode)
             pr = self.prior
             book[wid] = WorkerCosts(*(p or (pr.prefill_s_per_block, pr.prefill_step_s)),
                                     *(d or (pr.decode_step_s, pr.decode_s_per_block)),
@@ -85,6 +104,13 @@ class CostBook:
 
     def of(self, worker_id: str) -> WorkerCosts:
         return self._by_worker.get(worker_id, self.prior)
+
+
+def _pick(wid: str, peers: list[str], fresh: dict[str, tuple[float, float]],
+          stale: dict[str, tuple[float, float]]) -> tuple[float, float] | None:
+    """The worker's own fresh figure, else its peers' fresh ones, else its own stale one, else its peers'."""
+    return (fresh.get(wid) or _median([fresh[w] for w in peers if w in fresh])
+            or stale.get(wid) or _median([stale[w] for w in peers if w in stale]))
 
 
 def _median(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
