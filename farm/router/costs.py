@@ -28,7 +28,7 @@ class WorkerCosts:
     prefill_step_s: float
     decode_step_s: float
     decode_s_per_block: float
-    measured: bool = False  # both halves come from this worker's own steps
+    measured: bool = False  # both halves are this worker's own figures, and fresh
 
     @classmethod
     def prior(cls, p: CostPrior) -> WorkerCosts:
@@ -65,10 +65,18 @@ def _stale(costs: Any, idle: str) -> bool:
         return False
 
 
-def _half(costs: Any, half: tuple[str, str], samples: str, idle: str,
-          fresh: dict[str, tuple[float, float]], stale: dict[str, tuple[float, float]], wid: str) -> None:
-    if (pair := _measured(costs, half, samples)) is not None:
-        (stale if _stale(costs, idle) else fresh)[wid] = pair
+Figures = dict[str, tuple[float, float]]  # worker id -> one half of its costs, in seconds
+
+
+def _figures(heartbeats: dict[str, dict[str, Any]], kind: str, half: tuple[str, str]) -> tuple[Figures, Figures]:
+    """(fresh, stale): the workers' measured figures of one kind ("prefill" or "decode")."""
+    fresh: Figures = {}
+    stale: Figures = {}
+    for wid, hb in heartbeats.items():
+        costs = hb.get("costs") if isinstance(hb, dict) else None
+        if (pair := _measured(costs, half, f"{kind}_samples")) is not None:
+            (stale if _stale(costs, f"{kind}_idle_s") else fresh)[wid] = pair
+    return fresh, stale
 
 
 class CostBook:
@@ -80,14 +88,8 @@ class CostBook:
 
     def update(self, models: dict[str, str], heartbeats: dict[str, dict[str, Any]]) -> None:
         """`models`: live worker id -> model; `heartbeats`: worker id -> its heartbeat (stats included)."""
-        prefill: dict[str, tuple[float, float]] = {}
-        decode: dict[str, tuple[float, float]] = {}
-        old_prefill: dict[str, tuple[float, float]] = {}
-        old_decode: dict[str, tuple[float, float]] = {}
-        for wid, hb in heartbeats.items():
-            costs = hb.get("costs") if isinstance(hb, dict) else None
-            _half(costs, _PREFILL, "prefill_samples", "prefill_idle_s", prefill, old_prefill, wid)
-            _half(costs, _DECODE, "decode_samples", "decode_idle_s", decode, old_decode, wid)
+        prefill, old_prefill = _figures(heartbeats, "prefill", _PREFILL)
+        decode, old_decode = _figures(heartbeats, "decode", _DECODE)
         by_model: dict[str, list[str]] = {}
         for wid, model in models.items():
             by_model.setdefault(model, []).append(wid)
@@ -106,8 +108,7 @@ class CostBook:
         return self._by_worker.get(worker_id, self.prior)
 
 
-def _pick(wid: str, peers: list[str], fresh: dict[str, tuple[float, float]],
-          stale: dict[str, tuple[float, float]]) -> tuple[float, float] | None:
+def _pick(wid: str, peers: list[str], fresh: Figures, stale: Figures) -> tuple[float, float] | None:
     """The worker's own fresh figure, else its peers' fresh ones, else its own stale one, else its peers'."""
     return (fresh.get(wid) or _median([fresh[w] for w in peers if w in fresh])
             or stale.get(wid) or _median([stale[w] for w in peers if w in stale]))
