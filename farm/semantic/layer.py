@@ -49,7 +49,7 @@ import numpy as np
 
 from farm.config import FarmConfig
 from farm.config.semantic import SemanticConfig
-from farm.cooperative import offload
+from farm.cooperative import start
 from farm.semantic.cache import (
     CacheQuery,
     SemanticCache,
@@ -60,7 +60,7 @@ from farm.semantic.cache import (
     word_sequence,
 )
 from farm.semantic.classifier import CategoryClassifier
-from farm.semantic.heads import load_heads
+from farm.semantic.heads import heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.pii import PIIDetector
 from farm.semantic.selection import ModelSelector, inject_system_prompt, message_text, system_prompt_of
@@ -68,6 +68,9 @@ from farm.semantic.selection import ModelSelector, inject_system_prompt, message
 H_JB_BLOCKED, H_JB_TYPE, H_JB_CONF = "x-vsr-jailbreak-blocked", "x-vsr-jailbreak-type", "x-vsr-jailbreak-confidence"
 H_PII_VIOLATION, H_PII_TYPES, H_PII_DETECTED = "x-vsr-pii-violation", "x-vsr-pii-types", "x-vsr-pii-detected"
 H_CACHE_HIT = "x-vsr-cache-hit"
+# semantic.jailbreak.head -> the head's name in heads.npz, and that head's training record in its meta
+JAILBREAK_HEADS = {"default": "jb", "strict": "jb_strict"}
+JAILBREAK_META = {"jb": "jailbreak", "jb_strict": "jailbreak_strict"}
 H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-model", "x-vsr-selected-reasoning"
 H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
@@ -120,7 +123,8 @@ class SemanticLayer:
         scfg: SemanticConfig = cfg.semantic
         emb = embedder or get_embedder(threads=scfg.embedding_threads, backend=scfg.embedding_backend)
         emb.max_tokens = scfg.max_embed_tokens
-        cat_head, jb_head = load_heads()
+        heads = load_heads()
+        jb_name = JAILBREAK_HEADS[scfg.jailbreak.head]
         cache = None
         if scfg.cache.enabled:
             if scfg.cache.backend == "redis" and redis_client is None:
@@ -129,8 +133,9 @@ class SemanticLayer:
                 redis_client = connect(cfg.redis)
             cache = make_cache(scfg.cache, redis_client)
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
-        layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(cat_head),
-                    JailbreakDetector(jb_head, scfg.jailbreak.threshold), pii, cache, served)
+        threshold = scfg.jailbreak.threshold or heads_meta()[JAILBREAK_META[jb_name]]["threshold"]
+        layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(heads["cat"]),
+                    JailbreakDetector(heads[jb_name], threshold), pii, cache, served)
         emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
         emb.encode_one("warm up the per-request path")
         if pii is not None:
@@ -156,6 +161,11 @@ class SemanticLayer:
         user_texts = [message_text(messages[i].get("content")) for i in user_idx]
         last = user_texts[-1] if user_texts else ""
 
+        # the PII pass (spaCy) runs on a second thread while the embedding (ONNX) runs here: both release the
+        # GIL for most of their time, so on two cores the layer costs about the longer of the two, not the sum
+        pii_on = cfg.pii.enabled and self.pii is not None
+        pii_result = start(self._pii_types, user_texts) if pii_on else None
+
         # one embedding of the last user message, shared by every stage below
         vec, truncated = self.embedder.encode_one(last) if last else (np.zeros(384, np.float32), False)
         t["embed"] = _ms(t0)
@@ -178,12 +188,12 @@ class SemanticLayer:
 
         # 2. PII guard: every user message, reported always, blocked by the answering model's policy
         headers: dict[str, str] = {}
-        if cfg.pii.enabled and self.pii is not None:
+        if pii_result is not None:
             s = time.perf_counter()
-            found = {e.type for text in user_texts if text for e in offload(self.pii.detect, text)}
+            found = pii_result()
             policy_name = model if (model in cfg.pii.policies or not route.routed) else route.model
             bad = cfg.pii.policy(policy_name).violations(found)
-            t["pii"] = _ms(s)
+            t["pii_wait"] = _ms(s)  # what the PII pass added after the embedding and the heads
             if found:
                 headers[H_PII_DETECTED] = ",".join(sorted(found))
             if bad:
@@ -222,6 +232,11 @@ class SemanticLayer:
                                route.category, route.confidence, route.reasoning, None, _total(t, t0))
         return Verdict("forward", route.model, out_messages, headers, None, None, route.category,
                        route.confidence, route.reasoning, query, _total(t, t0))
+
+    def _pii_types(self, texts: list[str]) -> set[str]:
+        """Every PII type found in any of the texts (runs off the request's thread: see `before`)."""
+        assert self.pii is not None
+        return {e.type for text in texts if text for e in self.pii.detect(text)}
 
     def after(self, verdict: Verdict, answer_text: str, finish_reason: str = "stop") -> bool:
         """Store a forwarded request's complete answer in the semantic cache; True when stored."""

