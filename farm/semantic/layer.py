@@ -68,12 +68,13 @@ from farm.semantic.selection import ModelSelector, inject_system_prompt, message
 H_JB_BLOCKED, H_JB_TYPE, H_JB_CONF = "x-vsr-jailbreak-blocked", "x-vsr-jailbreak-type", "x-vsr-jailbreak-confidence"
 H_PII_VIOLATION, H_PII_TYPES, H_PII_DETECTED = "x-vsr-pii-violation", "x-vsr-pii-types", "x-vsr-pii-detected"
 H_CACHE_HIT = "x-vsr-cache-hit"
-# semantic.jailbreak.head -> the head's name in heads.npz, and that head's training record in its meta
-JAILBREAK_HEADS = {"default": "jb", "strict": "jb_strict"}
-JAILBREAK_META = {"jb": "jailbreak", "jb_strict": "jailbreak_strict"}
 H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-model", "x-vsr-selected-reasoning"
 H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
+
+# semantic.jailbreak.head -> the head's name in heads.npz, and that head's training record in its meta
+JAILBREAK_HEADS = {"default": "jb", "strict": "jb_strict"}
+JAILBREAK_META = {"jb": "jailbreak", "jb_strict": "jailbreak_strict"}
 
 
 @dataclass
