@@ -201,33 +201,6 @@ def latency(layer: SemanticLayer, texts: list[str], questions: list[str]) -> dic
             "stages_p99": {k: percentile(v, 0.99) for k, v in stages.items()}, "miss_ms": miss, "hit_ms": hit}
 
 
-def pii_overlap(layer: SemanticLayer, texts: list[str]) -> dict:
-    """The PII pass on a second thread beside the embedding (the layer's way) vs in sequence after it,
-    alternating per request on the same texts; never a cache hit."""
-    import farm.semantic.layer as layer_mod
-
-    def inline(fn, *args):
-        result = fn(*args)
-        return lambda: result
-
-    overlapped = layer_mod.start
-    times: dict[str, list[float]] = {"overlapped": [], "sequential": []}
-    try:
-        for i, t in enumerate(texts):
-            for mode in ("overlapped", "sequential") if i % 2 else ("sequential", "overlapped"):
-                layer_mod.start = overlapped if mode == "overlapped" else inline
-                msgs = [{"role": "system", "content": f"{mode} {i}"}, {"role": "user", "content": t}]
-                s = time.perf_counter()
-                layer.before("MoM", msgs)
-                times[mode].append((time.perf_counter() - s) * 1000)
-    finally:
-        layer_mod.start = overlapped
-    out = {m: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99)} for m, v in times.items()}
-    out["n"] = len(texts)
-    out["sequential_over_overlapped_p50"] = out["sequential"]["p50"] / out["overlapped"]["p50"]
-    return out
-
-
 def embed_paths(layer: SemanticLayer, texts: list[str]) -> dict:
     """The per-request embedding on ONNX Runtime vs eager torch, alternating on the same texts."""
     emb = layer.embedder
@@ -343,7 +316,7 @@ def main() -> None:
     port = _free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
-    lat = paths = e2e = overlap = None
+    lat = paths = e2e = None
     try:
         redis_server.wait_ready(url, proc)
         cfg = load_config(environ={"FARM_REDIS__URL": url})
@@ -357,7 +330,6 @@ def main() -> None:
             questions = [r["text"] for r in datasets.category_sets()["mmlu_held_out_subjects"][: max(20, args.requests // 5)]]
             lat = latency(layer, texts, questions)
             paths = embed_paths(layer, texts[:200])
-            overlap = pii_overlap(layer, texts)
             e2e = http_hits(cfg, questions)
     finally:
         proc.terminate()
@@ -377,10 +349,6 @@ def main() -> None:
               f" (ONNX Runtime available: {paths['onnx']})")
         print(table(["encoder", "p50 ms", "p99 ms"], [["onnxruntime", paths["onnx_p50"], paths["onnx_p99"]],
                                                       ["torch", paths["torch_p50"], paths["torch_p99"]]]))
-        print(f"\nPII pass beside the embedding vs after it, alternating on the same {overlap['n']} prompts")
-        print(table(["PII pass", "p50 ms", "p99 ms"], [[m, overlap[m]["p50"], overlap[m]["p99"]]
-                                                       for m in ("overlapped", "sequential")]))
-        print(f"sequential / overlapped, p50: {overlap['sequential_over_overlapped_p50']:.2f}")
         print(f"\ncache hits end to end over HTTP: {e2e['hits']} of {e2e['n']} served from the cache, "
               f"p50 {e2e['p50']:.2f} ms, p99 {e2e['p99']:.2f} ms")
         short = by.get(LENGTH_BUCKETS[0], {})
@@ -392,7 +360,7 @@ def main() -> None:
                        higher_is_better=False)]
     finish(args.out, {"config": {"requests": args.requests, "load_s": load_s, "load_average_before": load_before,
                                  "load_average_after": load_average()}, "accuracy": acc, "latency": lat,
-                      "embedding_paths": paths, "pii_overlap": overlap, "http_hits": e2e}, goals, fmt="{:.3f}")
+                      "embedding_paths": paths, "http_hits": e2e}, goals, fmt="{:.3f}")
 
 
 if __name__ == "__main__":

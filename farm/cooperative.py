@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -34,18 +33,3 @@ def offload(fn: Callable[..., T], *args: object) -> T:
     import gevent
 
     return gevent.get_hub().threadpool.apply(fn, args)
-
-
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="farm-start")  # threads start on first use
-
-
-def start(fn: Callable[..., T], *args: object) -> Callable[[], T]:
-    """Begin `fn(*args)` on a native thread now; the returned function waits for its result (re-raising its
-    exception). Lets two computations that release the GIL (an ONNX forward, a spaCy pass) overlap on two
-    cores. Cooperative processes use gevent's pool (the wait yields to the hub); others a small pool of their own."""
-    if cooperative():
-        import gevent
-
-        pending = gevent.get_hub().threadpool.spawn(fn, *args)
-        return pending.get
-    return _pool.submit(fn, *args).result

@@ -49,7 +49,7 @@ import numpy as np
 
 from farm.config import FarmConfig
 from farm.config.semantic import SemanticConfig
-from farm.cooperative import start
+from farm.cooperative import offload
 from farm.semantic.cache import (
     CacheQuery,
     SemanticCache,
@@ -162,11 +162,6 @@ class SemanticLayer:
         user_texts = [message_text(messages[i].get("content")) for i in user_idx]
         last = user_texts[-1] if user_texts else ""
 
-        # the PII pass (spaCy) runs on a second thread while the embedding (ONNX) runs here: both release the
-        # GIL for most of their time, so on two cores the layer costs about the longer of the two, not the sum
-        pii_on = cfg.pii.enabled and self.pii is not None
-        pii_result = start(self._pii_types, user_texts) if pii_on else None
-
         # one embedding of the last user message, shared by every stage below
         vec, truncated = self.embedder.encode_one(last) if last else (np.zeros(384, np.float32), False)
         t["embed"] = _ms(t0)
@@ -189,12 +184,12 @@ class SemanticLayer:
 
         # 2. PII guard: every user message, reported always, blocked by the answering model's policy
         headers: dict[str, str] = {}
-        if pii_result is not None:
+        if cfg.pii.enabled and self.pii is not None:
             s = time.perf_counter()
-            found = pii_result()
+            found = {e.type for text in user_texts if text for e in offload(self.pii.detect, text)}
             policy_name = model if (model in cfg.pii.policies or not route.routed) else route.model
             bad = cfg.pii.policy(policy_name).violations(found)
-            t["pii_wait"] = _ms(s)  # what the PII pass added after the embedding and the heads
+            t["pii"] = _ms(s)
             if found:
                 headers[H_PII_DETECTED] = ",".join(sorted(found))
             if bad:
@@ -233,11 +228,6 @@ class SemanticLayer:
                                route.category, route.confidence, route.reasoning, None, _total(t, t0))
         return Verdict("forward", route.model, out_messages, headers, None, None, route.category,
                        route.confidence, route.reasoning, query, _total(t, t0))
-
-    def _pii_types(self, texts: list[str]) -> set[str]:
-        """Every PII type found in any of the texts (runs off the request's thread: see `before`)."""
-        assert self.pii is not None
-        return {e.type for text in texts if text for e in self.pii.detect(text)}
 
     def after(self, verdict: Verdict, answer_text: str, finish_reason: str = "stop") -> bool:
         """Store a forwarded request's complete answer in the semantic cache; True when stored."""
