@@ -44,8 +44,8 @@ from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
 from farm.semantic.heads import heads_meta, load_heads
-from farm.semantic.jailbreak import JailbreakDetector
-from farm.semantic.layer import JAILBREAK_HEADS, JAILBREAK_META, SemanticLayer
+from farm.semantic.jailbreak import SHIPPED_HEADS, JailbreakDetector
+from farm.semantic.layer import SemanticLayer
 from tools.semantic import datasets, pii_data, wheels
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy as acc_ci
@@ -76,8 +76,8 @@ def jailbreak_eval(emb: EmbeddingCache) -> dict:
     rows = datasets.jailbreak_rows()
     heads, meta = load_heads(), heads_meta()
     out = {}
-    for name, key in JAILBREAK_HEADS.items():
-        det = JailbreakDetector(heads[key], meta[JAILBREAK_META[key]]["threshold"])
+    for name in SHIPPED_HEADS:
+        det = JailbreakDetector.shipped(name, heads, meta)
         res_head: dict = {"threshold": det.threshold}
         for split, kind in (("test", "real"), ("templates_test", "template")):
             part = [r for r in rows if r["split"] == split]

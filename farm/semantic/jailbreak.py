@@ -16,6 +16,9 @@ import numpy as np
 
 from farm.semantic.heads import LinearHead
 
+# semantic.jailbreak.head -> (the head's name in heads.npz, the key of its training record in the heads' meta)
+SHIPPED_HEADS = {"default": ("jb", "jailbreak"), "strict": ("jb_strict", "jailbreak_strict")}
+
 
 @dataclass(frozen=True)
 class JailbreakResult:
@@ -30,6 +33,14 @@ class JailbreakDetector:
             raise ValueError("the jailbreak head's first label must be 'benign'")
         self.head = head
         self.threshold = threshold
+
+    @classmethod
+    def shipped(cls, setting: str, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None
+                ) -> JailbreakDetector:
+        """The shipped head chosen by `semantic.jailbreak.head`, at the threshold calibrated with it at
+        training unless `threshold` overrides it."""
+        name, record = SHIPPED_HEADS[setting]
+        return cls(heads[name], threshold or meta[record]["threshold"])
 
     def detect(self, emb: np.ndarray, texts: list[str]) -> list[JailbreakResult]:
         p = self.head.proba(np.atleast_2d(emb), texts)

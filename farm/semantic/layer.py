@@ -72,10 +72,6 @@ H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-mo
 H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
 
-# semantic.jailbreak.head -> the head's name in heads.npz, and that head's training record in its meta
-JAILBREAK_HEADS = {"default": "jb", "strict": "jb_strict"}
-JAILBREAK_META = {"jb": "jailbreak", "jb_strict": "jailbreak_strict"}
-
 
 @dataclass
 class Verdict:
@@ -125,7 +121,6 @@ class SemanticLayer:
         emb = embedder or get_embedder(threads=scfg.embedding_threads, backend=scfg.embedding_backend)
         emb.max_tokens = scfg.max_embed_tokens
         heads = load_heads()
-        jb_name = JAILBREAK_HEADS[scfg.jailbreak.head]
         cache = None
         if scfg.cache.enabled:
             if scfg.cache.backend == "redis" and redis_client is None:
@@ -134,9 +129,8 @@ class SemanticLayer:
                 redis_client = connect(cfg.redis)
             cache = make_cache(scfg.cache, redis_client)
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
-        threshold = scfg.jailbreak.threshold or heads_meta()[JAILBREAK_META[jb_name]]["threshold"]
-        layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(heads["cat"]),
-                    JailbreakDetector(heads[jb_name], threshold), pii, cache, served)
+        jailbreak = JailbreakDetector.shipped(scfg.jailbreak.head, heads, heads_meta(), scfg.jailbreak.threshold)
+        layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(heads["cat"]), jailbreak, pii, cache, served)
         emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
         emb.encode_one("warm up the per-request path")
         if pii is not None:
