@@ -10,8 +10,10 @@ from flask import Flask
 
 from api.errors import register_error_handlers
 from farm.config import FarmConfig, get_config
+from farm.cooperative import cooperative
 from farm.gateway import Gateway
 from farm.metrics import FarmCollector
+from farm.models import ModelNotFoundError
 from farm.redis_client import connect
 from farm.tokenization import get_tokenizer
 
@@ -74,11 +76,12 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.json.sort_keys = False
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
-    from api import auth, http_policy, openapi
+    from api import admission, auth, http_policy, openapi
     from api.routes import batches, files, health, metrics, openai
 
     http_policy.install(app)  # Host allow-list, Origin check and CORS (before the key check)
     auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
+    admission.install(app)  # the request body's deadline, requests in progress per key (slow bodies)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(files.bp)
@@ -86,14 +89,29 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
     logging.getLogger("farm").setLevel(logging.INFO)
-    if cfg.semantic.enabled and warm_semantic:
-        # load the embedder and heads in the background, so the first MoM request does not pay for it
-        threading.Thread(target=_warm, args=(app.extensions["farm"],), name="semantic-warmup", daemon=True).start()
+    ctx = app.extensions["farm"]
+    if cooperative():
+        # Under gunicorn's gevent worker a "thread" is a greenlet on the one hub: loading tokenizers or the
+        # semantic layer there later would freeze every open stream (and /health/live) for seconds. Load
+        # them now, before the worker accepts its first connection.
+        _warm(ctx, warm_semantic)
+    else:  # a plain process (tests, tools): a real thread, so the first request need not pay for it
+        threading.Thread(target=_warm, args=(ctx, warm_semantic), name="api-warmup", daemon=True).start()
     return app
 
 
-def _warm(ctx: FarmContext) -> None:
-    try:
-        ctx.semantic()
-    except Exception:  # noqa: BLE001 - the first request builds it again and reports the error
-        logging.getLogger(__name__).exception("semantic layer warm-up failed")
+def _warm(ctx: FarmContext, semantic: bool) -> None:
+    """Load what the first requests would otherwise load: every prepared model's tokenizer, the semantic layer."""
+    log = logging.getLogger(__name__)
+    for m in ctx.cfg.models:
+        try:
+            ctx.tokenizer(m.name)
+        except ModelNotFoundError:
+            continue  # not prepared on this host: a request for it answers 503 model_unavailable
+        except Exception:  # noqa: BLE001 - the first request loads it again and reports the error
+            log.exception("loading the tokenizer of %s failed", m.name)
+    if semantic and ctx.cfg.semantic.enabled:
+        try:
+            ctx.semantic()
+        except Exception:  # noqa: BLE001 - the first request builds it again and reports the error
+            log.exception("semantic layer warm-up failed")

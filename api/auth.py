@@ -8,9 +8,12 @@ Rules (checked before every request, in this order):
 - With no key configured the farm is a local tool: only loopback clients are served, anyone else
   gets 401, unless `api.allow_unauthenticated` is true (an authenticating proxy in front).
   `farm up` also refuses a non-local `api.host` without keys, so this is a second line.
+- Per-key requests in progress in this process (api.admission, `api.limits.max_concurrent_requests`): a
+  slot is taken right after the key is checked, before the body is read; over the cap: 429 at once.
 - Per-key request-rate limit and token quota (farm.quota; `api.limits`, or a key's own in its
   `api.api_keys` entry) on `/v1/*`: 429 `rate_limit_exceeded` / `insufficient_quota` with
-  `Retry-After`. The token quota is checked only by routes that generate.
+  `Retry-After`. The token quota is checked only by routes that generate, and a generation reserves the most
+  it can use (`reserve_tokens`) before it is queued.
 
 The owner id (farm.apikeys.owner_of) is what files and batches are recorded under.
 """
@@ -18,13 +21,13 @@ The owner id (farm.apikeys.owner_of) is what files and batches are recorded unde
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
 
 from flask import Flask, current_app, g, request
 
+from api.admission import admit
 from farm.apikeys import OWNER_ANONYMOUS, KeyRing
 from farm.openai.errors import APIError
-from farm.quota import Limiter
+from farm.quota import Limiter, Refusal, Reservation
 
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})
 METRICS_PATH = "/metrics"
@@ -51,14 +54,18 @@ def current_owner() -> str:
     return g.get("farm_owner", OWNER_ANONYMOUS)
 
 
-def metered(events: Iterator[dict]) -> Iterator[dict]:
-    """A generation's events, charging its usage to the caller's token quota when it finishes.
-    Called inside the request (the owner is read now; the stream may be consumed after it)."""
+def reserve_tokens(tokens: int, least: int) -> Reservation:
+    """Hold up to `tokens` (a generation's prompt plus n x max_tokens) of the caller's token quota until the
+    generation ends (`Reservation.settle`): all of them, or what is left when that is at least `least` (the prompt
+    and one token per choice); 429 insufficient_quota when not even that is left."""
     auth = _auth()
-    owner = current_owner()
-    if not auth.limiter.quota_of(owner):
-        return events
-    return auth.limiter.metered(owner, events)
+    got = auth.limiter.reserve(current_owner(), tokens, least)
+    if isinstance(got, Refusal):
+        raise APIError(429, f"You exceeded your token quota: Limit {got.limit}, Used {got.used} (prompt + completion "
+                       f"tokens per {auth.limiter.limits.token_quota_window_s}s); what is left does not cover this "
+                       f"request's prompt. The quota renews in {got.retry_after_s}s.", type="insufficient_quota",
+                       code="insufficient_quota", headers={"Retry-After": str(got.retry_after_s)})
+    return got
 
 
 def _bearer() -> str:
@@ -98,6 +105,7 @@ def _check() -> None:
                 raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
             raise unauthorized("Incorrect API key provided.")
         g.farm_owner = owner
+        admit(owner)  # requests in progress per key: before the body is read (slow bodies, api/admission.py)
     elif not auth.cfg.api.allow_unauthenticated and not _is_loopback(request.remote_addr):
         raise unauthorized("This farm has no API keys configured and serves only local clients: set "
                            "FARM_API_KEYS on the server (or api.allow_unauthenticated behind a proxy).")

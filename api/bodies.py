@@ -7,6 +7,8 @@ deep input) or a silently accepted oddity:
   CORS preflight, so a JSON endpoint that parsed those would be reachable from any web page.
 - 413 past the route's limit (`api.max_body_bytes`), also for chunked bodies: werkzeug stops reading a
   body without Content-Length at the limit without saying so, which would run a truncated request.
+- 408 when the body does not arrive in time (`api.body_timeout_s`): api/admission.py puts the deadline on
+  `wsgi.input` itself, so it covers every read here and werkzeug's multipart parser alike.
 """
 
 from __future__ import annotations

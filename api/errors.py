@@ -13,7 +13,7 @@ import redis
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
-from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError
+from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
 from farm.models import ModelNotFoundError
 from farm.openai.errors import APIError
 
@@ -53,6 +53,11 @@ def to_api_error(err: BaseException) -> APIError:
                         headers={"Retry-After": str(err.retry_after_s)})
     if isinstance(err, GatewayTimeout):
         return APIError(504, str(err), code="timeout")
+    if isinstance(err, WorkerError):  # a lost worker no other could replace: retry later; else the engine failed
+        if err.retryable:
+            return APIError(503, f"generation failed: {err}", code=err.code,
+                            headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
+        return APIError(500, f"generation failed: {err}", code=err.code)
     if isinstance(err, ClientGone):  # nobody reads the answer; 499 as nginx logs it, for logs and metrics
         return APIError(499, str(err), code="client_disconnected")
     if isinstance(err, ModelNotFoundError):  # configured but not on disk: the operator's problem, not the client's

@@ -13,7 +13,8 @@ library (sockets, select, threading, time.sleep) before it imports the app, whic
 the Flask app cooperative. CPU-bound calls that would stall every stream meanwhile run on gevent's thread
 pool (farm.cooperative). `header_timeout_s` becomes gunicorn's keep-alive timeout, which its async workers
 apply to reading every request head, the first one included: a client that has not sent its complete head
-by then is disconnected (a slowloris client holds a connection for seconds, not forever).
+by then is disconnected (a slowloris client holds a connection for seconds, not forever). The body has a
+deadline of its own (`api.body_timeout_s`), kept by the app (api/admission.py): gunicorn has none.
 
 This module runs in gunicorn's master, which gevent does not patch: it must import nothing the request path
 uses (redis-py, for one, binds `time.sleep` at import for its retry backoff; imported here, an unpatched
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 from api.server import raise_fd_limit, settings
 from farm.config import get_config
+from farm.filemodes import private_umask
 
+private_umask()  # batch files the API writes, and anything else, are the farm user's alone (the worker inherits it)
 globals().update(settings(get_config()))  # gunicorn reads its settings from this module's attributes
 on_starting = raise_fd_limit

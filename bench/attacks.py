@@ -52,7 +52,15 @@ from bench.farms import bench_farm
 from farm import registry
 from farm.config import FarmConfig, farm_secret
 from farm.models import model_dir
-from farm.protocol import EVENT_FIELD, TASK_DECODE, GenerationRequest, SamplingParams, queue_name, stream_key
+from farm.protocol import (
+    EVENT_FIELD,
+    TASK_DECODE,
+    GenerationRequest,
+    SamplingParams,
+    decode_reply,
+    queue_name,
+    reply_stream_key,
+)
 from farm.redis_client import connect
 from farm.transfer.handle import sign_handle
 
@@ -273,7 +281,8 @@ def transfer_rogue_server(cfg: FarmConfig, celery, n: int, pause_s: float = 1.0)
     def one(endpoint: str) -> None:
         rid = "attack-" + uuid.uuid4().hex
         prompt = list(range(100, 133))  # the same each time: after the first, all but one token is cached
-        req = GenerationRequest(rid, model, prompt, SamplingParams(max_tokens=1, temperature=0))
+        reader = "attack-reader-" + uuid.uuid4().hex  # its own reply stream, no lease (never orphaned)
+        req = GenerationRequest(rid, model, prompt, SamplingParams(max_tokens=1, temperature=0), reply_to=reader)
         handle = sign_handle({
             "request_id": rid, "worker_id": "rogue", "endpoint": endpoint, "host_id": "elsewhere", "transport": "tcp",
             "block_ids": list(range(3)), "block_hashes": [], "num_tokens": len(prompt), "first_token": 1,
@@ -281,8 +290,8 @@ def transfer_rogue_server(cfg: FarmConfig, celery, n: int, pause_s: float = 1.0)
         celery.send_task(TASK_DECODE, args=[req.to_dict(), handle], queue=queue_name(model, "decode"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until the worker finished it (it prefills locally instead)
-            entries = r.xrange(stream_key(rid))
-            if any(json.loads(f[EVENT_FIELD.encode()])["type"] in ("done", "error") for _, f in entries):
+            batches = [decode_reply(f[EVENT_FIELD.encode()]) for _, f in r.xrange(reply_stream_key(reader))]
+            if any(ev.type in ("done", "error") for b in batches for ev in b.events.get(rid, [])):
                 return
             time.sleep(0.05)
 

@@ -31,6 +31,7 @@ from typing import Any
 from bench.common import finish, goal, table
 from farm.config import load_config
 from farm.models import require_model_dir
+from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, StartEvent
 from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.chaos.harness import MODEL, ChaosFarm, kill, reader_process
 
@@ -53,15 +54,14 @@ class Tracker:
     def _read(self) -> None:
         try:
             for ev in self.sub.events(first_timeout_s=WAIT_S, idle_timeout_s=WAIT_S):
-                if ev["type"] == "start" and ev.get("role") in ("decode", "both"):
-                    self.decode_worker = ev["worker"]
-                elif ev["type"] == "delta":
-                    self.n += ev.get("n", 0)
+                if isinstance(ev, StartEvent) and ev.decodes:
+                    self.decode_worker = ev.worker
+                elif isinstance(ev, DeltaEvent):
+                    self.n += ev.n
                     self.delta_times.append(time.monotonic())
-                elif ev["type"] == "done":
-                    ok = ev["usage"]["completion_tokens"] == self.tokens
-                    self.outcome = "completed" if ok else "lost"
-                elif ev["type"] == "error":
+                elif isinstance(ev, DoneEvent):
+                    self.outcome = "completed" if ev.usage.completion_tokens == self.tokens else "lost"
+                elif isinstance(ev, ErrorEvent):
                     self.outcome = "failed"
         except Exception:  # noqa: BLE001 - a timeout: the request never ended
             self.outcome = "lost"

@@ -23,7 +23,7 @@ import uuid
 from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from farm.gateway import Gateway
-from farm.protocol import GenerationRequest, SamplingParams
+from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, StartEvent
 from farm.redis_client import connect
 from farm.tokenization import chat_prompt_ids, get_tokenizer
 
@@ -48,16 +48,16 @@ def stream(gw: Gateway, ids: list[int], max_tokens: int, cfg=None) -> dict:
     first, last, itl, transfer, done = None, None, [], None, None
     for ev in sub.events(first_timeout_s=600, idle_timeout_s=600):
         now = time.perf_counter()
-        if ev["type"] == "start" and ev.get("kv_transfer"):
-            transfer = ev["kv_transfer"]
-        if ev["type"] == "delta" and ev["n"]:
+        if isinstance(ev, StartEvent) and ev.kv_transfer:
+            transfer = ev.kv_transfer
+        elif isinstance(ev, DeltaEvent) and ev.n:
             if first is None:
                 first = now
             elif last is not None:
-                itl.extend([(now - last) / ev["n"]] * ev["n"])
+                itl.extend([(now - last) / ev.n] * ev.n)
             last = now
-        if ev["type"] in ("done", "error"):
-            done = ev
+        elif isinstance(ev, (DoneEvent, ErrorEvent)):
+            done = ev.to_dict()
     return {"ttft": (first or time.perf_counter()) - t0, "itl": itl, "done": done, "transfer": transfer}
 
 

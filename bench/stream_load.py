@@ -26,7 +26,7 @@ import redis
 
 from farm import registry
 from farm.config import FarmConfig
-from farm.protocol import lease_key
+from farm.protocol.keys import active_key
 
 REFUSED_STATUSES = (429, 503)  # the farm sheds load up front with these (Retry-After)
 
@@ -165,8 +165,9 @@ def run_streams(host: str, port: int, bodies: Sequence[dict[str, Any]], timeout_
 
 
 def leases(r: redis.Redis) -> int:
-    """Requests an API is reading now: each holds a lease key while its stream is open (farm.gateway)."""
-    return sum(1 for _ in r.scan_iter(match=lease_key("*"), count=1000))
+    """Requests placed and not yet ended (the gateway's decode load entries, one per request in flight): with the
+    workers paused, the streams the API holds open."""
+    return sum(int(r.zcard(k)) for k in r.scan_iter(match=active_key("d", "*"), count=1000))
 
 
 @contextlib.contextmanager

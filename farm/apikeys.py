@@ -77,3 +77,15 @@ class KeyRing:
 def keys_configured(cfg: FarmConfig, environ: Mapping[str, str] | None = None) -> bool:
     """Whether at least one API key is configured (config or FARM_API_KEYS)."""
     return bool(_entries(cfg, os.environ if environ is None else environ))
+
+
+def tenant_cache_salt(owner: str, client_salt: str | None = None) -> str:
+    """The cache salt (GenerationRequest.cache_salt) of a generation by `owner`: prefix-cache blocks are
+    shared only among requests with the same salt, so one tenant's prompts are never found (cached_tokens,
+    the router's overlap, time to first token) by another's. A client's own `cache_salt` (vLLM's request field)
+    narrows its tenant's scope and never leaves it: both are hashed together. No salt ("", caches shared as
+    before) for the anonymous owner of a farm without API keys that sends none."""
+    if owner == OWNER_ANONYMOUS and not client_salt:
+        return ""
+    scope = hashlib.sha256(f"farm-cache-salt\0{owner}\0{client_salt or ''}".encode())
+    return "t-" + scope.hexdigest()[:32]

@@ -403,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from farm.filemodes import private_umask
+
+    private_umask()  # what the farm writes (state, logs, Redis's data, batch files) is this user's alone
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from farm.filemodes import open_private, private_umask
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -32,7 +34,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str | int, as_json: bool) -> None:
-    """The root logger of a farm process (worker, batch driver): to stderr, as text or as JSON lines."""
+    """The root logger of a farm process (worker, batch driver): to stderr, as text or as JSON lines. Also
+    the files the process creates from now on become its user's alone (umask 077, farm.filemodes), however
+    it was started (`farm up`, the Procfile, a container)."""
+    private_umask()
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if as_json else logging.Formatter(TEXT_FORMAT))
     # force (replace handlers set up earlier) only for JSON, so the text setup stays what it always was
@@ -64,7 +69,9 @@ def rotate(path: Path, max_bytes: int, backups: int) -> bool:
             older = path.with_name(f"{path.name}.{i}")
             if older.exists():
                 os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
-        shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+        with open(path, "rb") as src, os.fdopen(open_private(path.with_name(f"{path.name}.1"),  # 0600: logs
+                                                             os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as dst:
+            shutil.copyfileobj(src, dst)
     with open(path, "r+b") as f:
         f.truncate(0)
     return True

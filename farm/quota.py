@@ -6,9 +6,13 @@ windows cost one key and one round trip per request (a Lua script: check the tok
 the request) at the price of allowing up to 2x the rate across a window boundary; that is the usual
 trade for an admission limit. A request refused by the limit is not counted.
 
-Tokens (prompt + completion, from the worker's `usage`) are charged when a generation finishes, so the
-quota is checked at admission against what was already used: a key can overshoot its quota by the
-requests it had in flight when it ran out, never more.
+Tokens are reserved before a generation is queued and settled when it ends (`reserve` / `Reservation.settle`):
+the reservation is the most the request can use (its prompt plus `n` times `max_tokens`), or what is left of the
+quota when that is less (the caller then lowers `max_tokens` to fit), and a request that cannot get even its
+prompt and one token per choice is refused. So concurrent requests, many choices or clients that close their
+stream early can never take a key past its quota; at the end the unused part is given back, and a stream closed
+early is charged for its prompt and the tokens it received. A process that dies with a reservation open leaves
+it charged (the safe side).
 
 A key configured with its own `requests_per_minute` / `token_quota` (config.ApiKeyEntry) uses those
 instead of `api.limits`; the windows are the same for every key.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
@@ -50,6 +54,19 @@ return {0, 0}
 """
 
 
+# KEYS[1] token counter; ARGV: quota, tokens wanted, the least that will do, expiry (epoch s)
+# -> {0, reserved} (the wanted tokens, or what is left when that is less) | {1, used} refused
+_RESERVE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local left = tonumber(ARGV[1]) - used
+if left < tonumber(ARGV[3]) then return {1, used} end
+local take = math.min(tonumber(ARGV[2]), left)
+redis.call('INCRBY', KEYS[1], take)
+redis.call('EXPIREAT', KEYS[1], ARGV[4])
+return {0, take}
+"""
+
+
 @dataclass
 class Refusal:
     """Why a request was refused: `kind` is "rate" (requests per minute) or "quota" (tokens)."""
@@ -60,6 +77,29 @@ class Refusal:
     retry_after_s: int
 
 
+@dataclass
+class Reservation:
+    """Tokens held against an owner's quota for one request; `settle` once with what the request really used."""
+
+    limiter: Limiter | None
+    key: str = ""
+    tokens: int = 0
+    settled: bool = False
+
+    def settle(self, used: int) -> None:
+        """Give back what the request did not use (or charge what it used beyond the reservation); once."""
+        if self.settled or self.limiter is None:
+            return
+        self.settled = True
+        delta = int(used) - self.tokens
+        if delta:
+            try:
+                self.limiter.r.incrby(self.key, delta)
+            except redis.RedisError:
+                pass  # the reservation stays charged: the safe side
+
+
+
 class Limiter:
     """Admission (`admit`) and charging (`charge`) against one farm's limits."""
 
@@ -68,6 +108,7 @@ class Limiter:
         self.limits = limits
         self.overrides = dict(overrides or {})  # owner id -> that key's own limits
         self._admit = r.register_script(_ADMIT)
+        self._reserve = r.register_script(_RESERVE)
 
     def limits_of(self, owner: str) -> tuple[int, int]:
         """(requests per minute, token quota) of `owner`; 0 = unlimited."""
@@ -116,17 +157,22 @@ class Limiter:
         p.expireat(tok_key, int(tok_end) + 1)
         p.execute()
 
+    def reserve(self, owner: str, tokens: int, least: int | None = None,
+                now: float | None = None) -> Reservation | Refusal:
+        """Hold `tokens` of `owner`'s quota for one request, or all that is left when that is less but at least
+        `least` (default: all of `tokens`); a Refusal when not even `least` is left. With no quota, a
+        reservation of `tokens` that settles nothing."""
+        quota = self.quota_of(owner)
+        if not quota:
+            return Reservation(None, tokens=int(tokens))
+        now = time.time() if now is None else now
+        _, tok_key, _, tok_end = self._keys(owner, now)
+        code, n = self._reserve(keys=[tok_key], args=[quota, int(tokens), int(tokens if least is None else least),
+                                                      int(tok_end) + 1])
+        if code == 1:
+            return Refusal("quota", quota, int(n), max(1, math.ceil(tok_end - now)))
+        return Reservation(self, tok_key, int(n))
+
     def used_tokens(self, owner: str, now: float | None = None) -> int:
         _, tok_key, _, _ = self._keys(owner, time.time() if now is None else now)
         return int(self.r.get(tok_key) or 0)
-
-    def metered(self, owner: str, events: Iterator[dict]) -> Iterator[dict]:
-        """`events` passed through; the usage of the `done` event is charged to `owner`."""
-        for ev in events:
-            if ev.get("type") == "done" and self.quota_of(owner):
-                u = ev.get("usage") or {}
-                try:
-                    self.charge(owner, int(u.get("prompt_tokens", 0)) + int(u.get("completion_tokens", 0)))
-                except redis.RedisError:
-                    pass  # the answer is ready; losing one charge beats failing the request
-            yield ev

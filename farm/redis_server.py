@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from farm.config.redis import is_local, password_path, read_password, url_password
+from farm.filemodes import PRIVATE_UMASK, private_dir, private_umask, tighten
 from farm.orphans import die_with_parent
 from farm.redis_client import connect
 
@@ -100,7 +101,7 @@ def ensure_password(state_dir: Path | str) -> str:
 
 def _write_secret_conf(path: Path, lines: list[str]) -> Path:
     """A config file of mode 0600: passwords never go on a command line (which `ps` and farm.json show)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("".join(line + "\n" for line in lines))
@@ -186,13 +187,13 @@ def last_primary_port(state_dir: Path | str, master_name: str) -> int | None:
 def start(port: int, data_dir: Path | str, log_path: Path | str, appendonly: bool = True,
           env: dict[str, str] | None = None, password: str | None = None) -> subprocess.Popen:
     """Start redis-server in its own session, logging to `log_path`; does not wait for it."""
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    data_dir = private_dir(data_dir)
+    private_dir(Path(log_path).parent)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             command(port, data_dir, appendonly, password=password), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            umask=PRIVATE_UMASK,  # its AOF and RDB (cached answers, queued prompts) are 0600, not 0644
             preexec_fn=die_with_parent(signal.SIGTERM),  # never outlives its starter (AOF flushed on the way)
         )
 
@@ -254,7 +255,9 @@ def main() -> None:
         raise SystemExit("farm.redis_server: redis.ha is enabled; `farm up` starts the primary, replica and sentinels")
     _host, port, _db = parse_url(cfg.redis.url)
     data_dir = cfg.state_path / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_umask()  # redis-server creates its AOF and RDB with this process's umask: 0600, not 0644
+    private_dir(data_dir)
+    tighten(data_dir)  # data written before
     password = url_password(cfg.redis.url) or ensure_password(cfg.state_path)
     cmd = command(port, data_dir, cfg.redis.appendonly, password=password)
     os.execv(cmd[0], cmd)

@@ -48,6 +48,18 @@ def worker_gone(r: redis.Redis, worker_id: str, info: registry.WorkerInfo | None
     if info is None:
         raw = r.hget(registry.WORKERS_KEY, worker_id)
         info = registry.WorkerInfo.from_json(raw) if raw else None
+    return _process_gone(info)
+
+
+def workers_gone(r: redis.Redis, workers: dict[str, registry.WorkerInfo | None]) -> set[str]:
+    """`worker_gone` for many workers in one round trip (their records as the caller knows them)."""
+    ids = list(workers)
+    beats = r.mget([registry.alive_key(w) for w in ids])
+    return {w for w, beat in zip(ids, beats, strict=True) if beat is None or _process_gone(workers[w])}
+
+
+def _process_gone(info: registry.WorkerInfo | None) -> bool:
+    """On this host, whether the worker's process no longer runs (or its pid now belongs to another process)."""
     if info is None or info.hostname != _HOST or info.pid <= 0:
         return False
     try:

@@ -1,8 +1,14 @@
 """A worker process's runtime: one engine, its transfer server, stream writer and registry heartbeat.
 
-Celery task threads call `prefill`, `decode` and `generate`; each submits to the shared engine (so all
-requests of the process share one continuous batch) and blocks until its request is finished, which is
-when Celery acknowledges the message (acks_late).
+Celery task threads call `prefill`, `decode` and `generate`; each checks its request (one Redis round trip:
+cancelled? its reader still there? already claimed?), opens its route to the reader's reply stream, submits it to
+the shared engine and returns: all requests of the process share one continuous batch, and a worker holds as many
+requests as its engine takes (running or waiting there), not as many as Celery has task threads. Outputs leave
+through callbacks on the engine's thread; a prefill's hand-over to the decode stage (KV handle, decode task) runs
+on a small pool so the engine never waits for Redis. A message is acknowledged once its request is in the engine;
+a worker that dies after that loses nothing, because the gateway reading the request migrates it (with the tokens
+so far) to another worker (farm.gateway.submission). A warm shutdown (SIGTERM) waits for the requests in the
+engine to finish before the engine stops.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -33,13 +41,14 @@ from farm.protocol import (
     InvalidTask,
     Role,
     StartEvent,
+    Usage,
     cancel_key,
     claim_key,
     direct_queue,
     is_request_id,
-    lease_key,
     queue_name,
     queues_for_role,
+    reader_lease_key,
 )
 from farm.redis_client import connect
 from farm.reliability import WorkerGuard, ping_key
@@ -51,6 +60,23 @@ from farm.transfer.staging import StagingPool
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
 
 log = logging.getLogger(__name__)
+
+# Whether a task's request may run here, in one round trip. KEYS: cancel flag, reader lease, stage claim;
+# ARGV: this worker, claim TTL, "1" when the request has a reader lease, the heartbeat key prefix.
+# -> "cancelled" (its client left or it migrated) | "orphaned" (its reader's lease lapsed) | "claimed" (another
+# live worker runs this stage: a re-sent task) | "ok" (claimed here, also taken over from a dead holder)
+_ADMIT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'cancelled' end
+if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return 'orphaned' end
+if redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[2]) then return 'ok' end
+local holder = redis.call('GET', KEYS[3])
+if holder and redis.call('EXISTS', ARGV[4] .. holder) == 0 then
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2])
+  return 'ok'
+end
+return 'claimed'
+"""
+HANDOVER_THREADS = 4  # prefill hand-overs (read the held KV for its checksum, sign, send the decode task)
 
 
 class WorkerRuntime:
@@ -70,8 +96,10 @@ class WorkerRuntime:
         self.kv_events = KVEventPublisher(self.r, worker_id)
         self.engine = make_engine(cfg, mcfg, mdir, self.kv_events, worker_id=worker_id, role=role)  # builtin | vllm
         ha = cfg.redis.ha
-        self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.active_request_ids,
-                                    self.engine.abort, replica_ack_ms=ha.replica_ack_timeout_ms if ha.enabled else 0)
+        self.streams = StreamWriter(self.r, cfg.engine.stream_flush_ms, self.engine.abort,
+                                    replica_ack_ms=ha.replica_ack_timeout_ms if ha.enabled else 0)
+        self._admit = self.r.register_script(_ADMIT)
+        self._handover = ThreadPoolExecutor(HANDOVER_THREADS, thread_name_prefix="handover")
         self.staging = StagingPool()
         self.nixl = None
         if "nixl" in cfg.transfer.transports:
@@ -92,8 +120,10 @@ class WorkerRuntime:
         )
         self.heartbeat = registry.Heartbeat(self.r, self.info, self.engine.stats)
         self.concurrency = cfg.celery.worker_threads  # tasks.worker sets the real --concurrency
-        self.inflight = 0  # generation tasks running now (the watchdog tells a stall from a full pool)
-        self._inflight_lock = threading.Lock()
+        self.tasks_running = 0  # task threads busy now (the watchdog tells a stall from a full pool)
+        self.inflight = 0  # requests in the engine now (a warm shutdown waits for them)
+        self._count_lock = threading.Lock()
+        self._idle = threading.Condition(self._count_lock)
         self.guard = WorkerGuard(self)
 
     def _check_block_size(self) -> None:
@@ -118,9 +148,13 @@ class WorkerRuntime:
                  self.info.transfer_endpoint)
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float | None = None) -> None:
+        """Stop after the requests in the engine finished (up to `wait_s`, default celery.max_request_s): the
+        heartbeat, stream writer and transfer server keep serving them meanwhile."""
         if not self.heartbeat.is_alive():
             return  # never started (Celery stopped before it was ready)
+        self.wait_idle(self.cfg.celery.max_request_s if wait_s is None else wait_s)
+        self._handover.shutdown(wait=True)
         self.heartbeat.stop()
         self.guard.stop()
         try:
@@ -140,8 +174,24 @@ class WorkerRuntime:
             pass
         log.info("worker %s draining: %d requests in flight", self.worker_id, self.inflight)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in the engine; False when `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self.inflight > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("worker %s: stopping with %d requests still running", self.worker_id, self.inflight)
+                    return False
+                self._idle.wait(min(left, 1.0))
+        return True
+
     def busy(self) -> bool:
-        return self.inflight >= self.concurrency - 1
+        return self.tasks_running >= self.concurrency - 1
+
+    def task(self) -> _TaskSlot:
+        """`with rt.task():` around a task's work: counts the task threads in use (WorkerGuard.busy)."""
+        return _TaskSlot(self)
 
     def send_ping(self, token: str) -> None:
         """The consumer watchdog's probe (farm.reliability.WorkerGuard): a task through our own queue."""
@@ -158,72 +208,75 @@ class WorkerRuntime:
         if held is None or held.seq.block_table != handle["block_ids"]:
             raise TransferError(f"no blocks held for request {rid} (expired or already pulled)")
 
-    def _run(self, req: GenerationRequest, on_done, **submit_kw) -> RequestOutput:
-        """Submit to the engine, stream deltas, and block until the request finishes."""
-        done = threading.Event()
-        result: dict[str, RequestOutput] = {}
+    def _submit(self, req: GenerationRequest, on_finish: Callable[[RequestOutput], None], **submit_kw: Any) -> None:
+        """Hand the request to the engine and return; its deltas stream as they come, and `on_finish(out)` runs
+        with its last output (on the engine's thread: it must not block)."""
+        rid = req.request_id
 
         def on_output(out: RequestOutput) -> None:
             if out.text or (out.token_ids and not out.finished):
                 lp = [x.to_list() for x in out.logprobs] if out.logprobs else None
-                self.streams.emit(req.request_id, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp).to_dict())
+                self.streams.emit(rid, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp))
             if out.finished:
-                result["out"] = out
-                on_done(out)
-                done.set()
+                try:
+                    on_finish(out)
+                finally:
+                    self.streams.close(rid)
+                    self._ended()
 
-        if req.lease_s > 0:  # the API that reads this request died -> abort it (no orphan work)
-            self.streams.watch_lease(req.request_id, req.lease_s)
-        with self._inflight_lock:
+        with self._count_lock:
             self.inflight += 1
         try:
-            self.engine.submit(req.request_id, req.prompt_token_ids, req.sampling, on_output,
-                               max_request_s=self.cfg.celery.max_request_s, **submit_kw)
-            if not done.wait(self.cfg.celery.max_request_s + 30):
-                self.engine.abort(req.request_id)
-                done.wait(10)
-        finally:
-            with self._inflight_lock:
-                self.inflight -= 1
-            self.streams.unwatch_lease(req.request_id)
-        return result.get("out") or RequestOutput(req.request_id, finished=True, finish_reason="error:timeout")
+            self.engine.submit(rid, req.prompt_token_ids, req.sampling, on_output,
+                               max_request_s=self.cfg.celery.max_request_s, cache_salt=req.cache_salt,
+                               **submit_kw)
+        except Exception as e:  # noqa: BLE001 - the engine refused it: fail this request alone
+            log.exception("request %s: the engine refused it", rid)
+            on_output(RequestOutput(rid, finished=True, finish_reason=f"error:{e}"))
+
+    def _ended(self) -> None:
+        with self._count_lock:
+            self.inflight -= 1
+            if self.inflight <= 0:
+                self._idle.notify_all()
 
     def _finish_event(self, req: GenerationRequest, out: RequestOutput, prefill_worker: str, mode: str,
                       cached_tokens: int | None = None) -> None:
         reason = out.finish_reason or "stop"
         if reason.startswith("error:"):
-            self.streams.emit(req.request_id, ErrorEvent(reason[6:], "engine_error").to_dict())
+            self.streams.emit(req.request_id, ErrorEvent(reason[6:], "engine_error"))
             return
-        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                 "cached_tokens": out.cached_tokens if cached_tokens is None else cached_tokens}
-        self.streams.emit(req.request_id, DoneEvent(reason, usage, prefill_worker, self.worker_id, mode).to_dict())
+        usage = Usage(out.prompt_tokens, out.completion_tokens,
+                      out.cached_tokens if cached_tokens is None else cached_tokens)
+        self.streams.emit(req.request_id, DoneEvent(reason, usage, prefill_worker, self.worker_id, mode))
 
-    def _should_skip(self, request_id: str, stage: str, lease_s: float = 0.0) -> bool:
-        """Skip a request whose client is gone, whose reader's lease lapsed (a redelivered message of a
-        request migrated or abandoned long ago), or whose stage another worker already claimed (a task
-        re-sent after its first worker vanished must not run twice)."""
+    def _admitted(self, req: GenerationRequest, stage: str) -> bool:
+        """Run a request only when its client is still there, its reader's lease holds (else it is a redelivered
+        message of a request migrated or abandoned long ago, or its reader died) and no other live worker runs
+        this stage (a task re-sent after its first worker vanished must not run twice). A request refused for
+        its lapsed lease gets an `orphaned` error, so a reader that is in fact alive fails it at once instead of
+        waiting for it."""
+        leased = req.lease_s > 0 and bool(req.reply_to)
         try:
-            if self.r.exists(cancel_key(request_id)):
-                return True
-            if lease_s > 0 and not self.r.exists(lease_key(request_id)):
-                log.warning("request %s: nobody reads it any more (lease gone); skipping", request_id)
-                return True
-            key, ttl = claim_key(request_id, stage), int(self.cfg.celery.visibility_timeout_s)
-            if self.r.set(key, self.worker_id, nx=True, ex=ttl):
-                return False
-            holder = (self.r.get(key) or b"").decode()
-            if holder and not self.r.exists(registry.alive_key(holder)):
-                self.r.set(key, self.worker_id, ex=ttl)  # its worker died: redelivered, run it here
-                return False
-            return True
+            verdict = self._admit(
+                keys=[cancel_key(req.request_id), reader_lease_key(req.reply_to) if leased else cancel_key(""),
+                      claim_key(req.request_id, stage)],
+                args=[self.worker_id, int(self.cfg.celery.visibility_timeout_s), "1" if leased else "0",
+                      registry.alive_key("")])
         except redis.RedisError:
-            return False
+            return True  # Redis trouble: run it (claims only prevent duplicates, never losses)
+        verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+        if verdict == "orphaned":
+            log.warning("request %s: its reader's lease lapsed before it started; refusing it", req.request_id)
+            self.streams.emit_once(req.request_id, req.reply_to, ErrorEvent(
+                "the request's reader lost its lease before a worker took the request; retry", "orphaned"))
+        return verdict == "ok"
 
     # -- tasks --------------------------------------------------------------------------------------
     def accept(self, message: Any, handle: Any = None) -> GenerationRequest | None:
         """A task's request message as untrusted input (farm.protocol.InvalidTask): the request, or None
-        after failing only that request, with an `invalid_task` error event on its stream when its id is
-        usable. A request for another model, or a handle that is not an object, is refused too."""
+        after failing only that request, with an `invalid_task` error event for its reader when its id and
+        reader are usable. A request for another model, or a handle that is not an object, is refused too."""
         try:
             req = GenerationRequest.from_dict(message, vocab_size=self.vocab_size,
                                               max_model_len=self.cfg.model(self.model).max_model_len)
@@ -234,60 +287,71 @@ class WorkerRuntime:
             return req
         except InvalidTask as e:
             rid = message.get("request_id") if isinstance(message, dict) else None
+            reply_to = message.get("reply_to") if isinstance(message, dict) else None
             log.warning("refused an invalid task (request %r): %s", str(rid)[:80], e)
-            if is_request_id(rid):
-                self.streams.emit(rid, ErrorEvent(f"invalid task: {e}", "invalid_task").to_dict())
+            if is_request_id(rid) and is_request_id(reply_to):
+                self.streams.emit_once(rid, reply_to, ErrorEvent(f"invalid task: {e}", "invalid_task"))
             return None
 
-    def generate(self, req: GenerationRequest) -> dict[str, Any]:
+    def generate(self, req: GenerationRequest) -> None:
         """Aggregated: prefill and decode here."""
-        if self._should_skip(req.request_id, "generate", req.lease_s):
-            return {"finish_reason": "skipped"}
-        self.streams.emit(req.request_id, StartEvent(self.role, self.worker_id, self.worker_id, "local").to_dict())
-        out = self._run(req, lambda o: self._finish_event(req, o, self.worker_id, "local"))
-        return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}
+        if not self._admitted(req, "generate"):
+            return
+        self.streams.open(req.request_id, req.reply_to, req.lease_s)
+        self.streams.emit(req.request_id, StartEvent(self.role, self.worker_id, self.worker_id, "local"))
+        self._submit(req, lambda out: self._finish_event(req, out, self.worker_id, "local"))
 
-    def prefill(self, req: GenerationRequest) -> dict[str, Any] | None:
-        """Compute the prompt's KV, hold it, and pass a signed handle on to the decode queue."""
-        if self._should_skip(req.request_id, "prefill", req.lease_s):
-            return None
-        self.streams.emit(req.request_id, StartEvent("prefill", self.worker_id).to_dict())
+    def prefill(self, req: GenerationRequest) -> None:
+        """Compute the prompt's KV and hold it; the hand-over (a signed handle to the decode queue) follows on
+        the hand-over pool once the engine is done with it."""
+        if not self._admitted(req, "prefill"):
+            return
+        self.streams.open(req.request_id, req.reply_to, req.lease_s)
+        self.streams.emit(req.request_id, StartEvent("prefill", self.worker_id))
         t0 = time.monotonic()
-        out = self._run(req, lambda o: None, prefill_only=True)
-        handle = None
-        if getattr(out, "kv_transfer_params", None) is not None:  # vLLM: its KV connector holds the blocks
-            handle = self.engine.connector_handle(req, out, self.info.transfer_endpoint, shm_host_id(), self.secret)
-        elif out.finish_reason == "prefilled" and out.held_blocks is not None:
-            data = self.engine.runner.read_blocks(out.held_blocks)
-            handle = KVHandle(
-                request_id=req.request_id, worker_id=self.worker_id, endpoint=self.info.transfer_endpoint,
-                host_id=shm_host_id(),
-                transport=",".join(t for t in self.cfg.transfer.transports if t != "nixl" or self.nixl),
-                block_ids=out.held_blocks, block_hashes=[str(h) for h in (out.block_hashes or [])],
-                num_tokens=len(req.prompt_token_ids), first_token=out.first_token, cached_tokens=out.cached_tokens,
-                layout=self.engine.runner.layout.to_dict(), checksum=checksum(data),
-                expires_at=time.time() + self.cfg.transfer.handle_ttl_s,
-                first_logprobs=out.first_logprobs.to_list() if out.first_logprobs else None,
-            ).signed(self.secret)
-            log.debug("prefill %s: %d tokens in %.3fs", req.request_id, len(req.prompt_token_ids),
-                      time.monotonic() - t0)
-        elif out.finish_reason == "abort":
+        self._submit(req, lambda out: self._handover.submit(self._hand_over, req, out, t0), prefill_only=True)
+
+    def _hand_over(self, req: GenerationRequest, out: RequestOutput, t0: float) -> dict[str, Any] | None:
+        """Pass the prefilled request on to the decode stage; with no handle (prefill failed) the decode worker
+        prefills locally. An aborted prefill (client gone, reader lost) goes no further."""
+        try:
+            handle = None
+            if getattr(out, "kv_transfer_params", None) is not None:  # vLLM: its KV connector holds the blocks
+                handle = self.engine.connector_handle(req, out, self.info.transfer_endpoint, shm_host_id(), self.secret)
+            elif out.finish_reason == "prefilled" and out.held_blocks is not None:
+                data = self.engine.runner.read_blocks(out.held_blocks)
+                handle = KVHandle(
+                    request_id=req.request_id, worker_id=self.worker_id, endpoint=self.info.transfer_endpoint,
+                    host_id=shm_host_id(),
+                    transport=",".join(t for t in self.cfg.transfer.transports if t != "nixl" or self.nixl),
+                    block_ids=out.held_blocks, block_hashes=[str(h) for h in (out.block_hashes or [])],
+                    num_tokens=len(req.prompt_token_ids), first_token=out.first_token,
+                    cached_tokens=out.cached_tokens, layout=self.engine.runner.layout.to_dict(),
+                    checksum=checksum(data), expires_at=time.time() + self.cfg.transfer.handle_ttl_s,
+                    first_logprobs=out.first_logprobs.to_list() if out.first_logprobs else None,
+                ).signed(self.secret)
+                log.debug("prefill %s: %d tokens in %.3fs", req.request_id, len(req.prompt_token_ids),
+                          time.monotonic() - t0)
+            elif out.finish_reason == "abort":
+                return None
+            queue = req.decode_queue or queue_name(req.model, "decode")
+            if queue.startswith("farm.w.") and not self._direct_queue_alive(queue):
+                queue = queue_name(req.model, "decode")  # the chosen decode worker vanished: any will do
+            if self.celery is not None:
+                self.celery.send_task(TASK_DECODE, args=[req.to_dict(), handle], queue=queue)
+            return handle
+        except Exception:  # the reader migrates the request when nothing follows
+            log.exception("request %s: hand-over to decode failed", req.request_id)
             return None
-        # Hand over to decode; with no handle (prefill failed) the decode worker prefills locally.
-        queue = req.decode_queue or queue_name(req.model, "decode")
-        if queue.startswith("farm.w.") and not self._direct_queue_alive(queue):
-            queue = queue_name(req.model, "decode")  # the chosen decode worker vanished: any will do
-        if self.celery is not None:
-            self.celery.send_task(TASK_DECODE, args=[req.to_dict(), handle], queue=queue)
-        return handle
 
     def _direct_queue_alive(self, queue: str) -> bool:
         return any(direct_queue(w.worker_id) == queue for w in registry.live_workers(self.r, model=self.model))
 
-    def decode(self, req: GenerationRequest, handle: dict[str, Any] | None) -> dict[str, Any]:
+    def decode(self, req: GenerationRequest, handle: dict[str, Any] | None) -> None:
         """Pull the handle's blocks (or prefill locally if that fails) and decode in the batch."""
-        if self._should_skip(req.request_id, "decode", req.lease_s):
-            return {"finish_reason": "skipped"}
+        if not self._admitted(req, "decode"):
+            return
+        self.streams.open(req.request_id, req.reply_to, req.lease_s)
         kv_import = None
         prefill_worker, mode, cached = self.worker_id, "local", None
         pull: dict[str, Any] = {}
@@ -308,11 +372,22 @@ class WorkerRuntime:
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
             except TransferError as e:
                 log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)
-        start = StartEvent("decode", self.worker_id, prefill_worker, mode, pull if mode == "remote" else None)
-        self.streams.emit(req.request_id, start.to_dict())
-        out = self._run(req, lambda o: self._finish_event(req, o, prefill_worker, mode, cached),
-                        kv_import=kv_import)
-        return {"finish_reason": out.finish_reason, "completion_tokens": out.completion_tokens}
+        self.streams.emit(req.request_id, StartEvent("decode", self.worker_id, prefill_worker, mode,
+                                                     pull if mode == "remote" else None))
+        self._submit(req, lambda out: self._finish_event(req, out, prefill_worker, mode, cached), kv_import=kv_import)
+
+
+class _TaskSlot:
+    def __init__(self, rt: WorkerRuntime):
+        self.rt = rt
+
+    def __enter__(self) -> None:
+        with self.rt._count_lock:
+            self.rt.tasks_running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.rt._count_lock:
+            self.rt.tasks_running -= 1
 
 
 _runtime: WorkerRuntime | None = None

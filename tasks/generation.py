@@ -1,5 +1,6 @@
 """Generation tasks. Each is a few lines: check the JSON message (untrusted: anything that can write to
-Redis can send one) and hand it to the worker runtime."""
+Redis can send one) and hand it to the worker runtime, which puts it in the engine and returns (the task thread
+does not wait for the generation: farm.worker)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,25 @@ from tasks.celery_app import app
 @app.task(name=TASK_PREFILL, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def prefill(request: dict[str, Any]) -> None:
     rt = get_runtime()
-    if (req := rt.accept(request)) is not None:
-        rt.prefill(req)
+    with rt.task():
+        if (req := rt.accept(request)) is not None:
+            rt.prefill(req)
 
 
 @app.task(name=TASK_DECODE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def decode(request: dict[str, Any], handle: dict[str, Any] | None) -> None:
     rt = get_runtime()
-    if (req := rt.accept(request, handle)) is not None:
-        rt.decode(req, handle)
+    with rt.task():
+        if (req := rt.accept(request, handle)) is not None:
+            rt.decode(req, handle)
 
 
 @app.task(name=TASK_GENERATE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def generate(request: dict[str, Any]) -> None:
     rt = get_runtime()
-    if (req := rt.accept(request)) is not None:
-        rt.generate(req)
+    with rt.task():
+        if (req := rt.accept(request)) is not None:
+            rt.generate(req)
 
 
 @app.task(name=TASK_PING, ignore_result=True)

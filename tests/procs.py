@@ -62,3 +62,15 @@ def wait_registered(r: redis.Redis, procs: list[WorkerProc], timeout: float = 12
                 raise RuntimeError(f"worker {p.name} exited:\n{p.tail()}")
         time.sleep(0.2)
     raise TimeoutError(f"workers not registered: {want - have}")
+
+
+def send_and_read(gw, req, task: str, args_after_request: list, queue: str):
+    """Send `req`'s task by hand (to `queue`, e.g. a dead worker's own) and read it as the gateway reads the
+    requests it places itself: its reader named in the request, a mailbox opened before the task leaves."""
+    from farm.gateway import Dispatch, Placed, Submission
+
+    gw.replies.start()
+    req.reply_to, req.lease_s = gw.replies.reader_id, gw.cfg.reliability.lease_ttl_s
+    box = gw.replies.open(req.request_id)
+    gw.celery.send_task(task, args=[req.to_dict(), *args_after_request], queue=queue)
+    return Submission(gw._svc, req, Placed("decode-only", {}, Dispatch(task, "")), box)

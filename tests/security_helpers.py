@@ -34,7 +34,7 @@ def farm_app(redis_url: str, tmp: Path, **env: str) -> Iterator[Flask]:
         try:
             yield app
         finally:
-            app.extensions["farm"].gateway.router.stop()
+            app.extensions["farm"].gateway.stop()
             get_config.cache_clear()
 
 

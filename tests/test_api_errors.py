@@ -31,7 +31,7 @@ def farm_app(redis_url: str, tmp: Path) -> Iterator[Flask]:
         try:
             yield app
         finally:
-            app.extensions["farm"].gateway.router.stop()
+            app.extensions["farm"].gateway.stop()
             get_config.cache_clear()
 
 

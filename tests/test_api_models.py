@@ -18,7 +18,7 @@ from tests.test_api_errors import assert_error, post
 def app(farm_env, redis_client) -> Iterator[Flask]:
     app = create_app()  # no arguments: exactly what `gunicorn 'api.app:create_app()'` runs
     yield app
-    app.extensions["farm"].gateway.router.stop()
+    app.extensions["farm"].gateway.stop()
 
 
 def test_models_list_and_card(app):
@@ -67,4 +67,4 @@ def test_redis_down_is_503(tmp_path):
                            code="redis_unavailable")
         assert "Redis" in err["message"]
     finally:
-        app.extensions["farm"].gateway.router.stop()
+        app.extensions["farm"].gateway.stop()

@@ -1,8 +1,9 @@
 """Response shapes, worker headers, SSE streaming and cancellation, against a scripted worker.
 
 The worker is played by a thread on the real Redis: it takes the task from the worker's queue as
-Celery would (kombu's list, JSON body) and writes the scripted events to the request's stream, so the
-API runs exactly its production path (gateway, XREAD, cancel keys) without loading a model.
+Celery would (kombu's list, JSON body) and writes the scripted events to the reply stream the request names
+(one reply batch per event), so the API runs exactly its production path (gateway, reply reader, cancel keys)
+without loading a model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +20,7 @@ import redis
 from flask import Flask
 
 from farm import registry
-from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, stream_key
+from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, encode_reply, reply_stream_key
 from farm.protocol.queues import direct_queue
 from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post
 
@@ -42,7 +44,7 @@ def client(app, redis_client):
 
 
 class ScriptedWorker(threading.Thread):
-    """Takes one task from GHOST's queue and writes `events` to that request's stream."""
+    """Takes one task from GHOST's queue and writes `events` to that request's reader."""
 
     def __init__(self, r: redis.Redis, events: list[dict[str, Any]]):
         super().__init__(daemon=True)
@@ -56,8 +58,10 @@ class ScriptedWorker(threading.Thread):
         msg = json.loads(popped[1])
         args = json.loads(base64.b64decode(msg["body"]))[0]
         self.request = GenerationRequest.from_dict(args[0])
-        for ev in self.events:
-            self.r.xadd(stream_key(self.request.request_id), {EVENT_FIELD: json.dumps(ev)})
+        writer = "scripted-" + uuid.uuid4().hex  # a reader skips sequence numbers it has seen from a writer
+        for seq, ev in enumerate(self.events, start=1):
+            batch = encode_reply(writer, seq, {self.request.request_id: [ev]})
+            self.r.xadd(reply_stream_key(self.request.reply_to), {EVENT_FIELD: batch})
 
     @property
     def request_id(self) -> str:
@@ -71,7 +75,7 @@ def both_start(worker: str = GHOST) -> dict[str, Any]:
 
 
 def deltas(*texts: str) -> list[dict[str, Any]]:
-    return [{"type": "delta", "text": t, "n": 1} for t in texts]
+    return [{"type": "delta", "text": t, "n": 1, "ids": [100 + i]} for i, t in enumerate(texts)]
 
 
 def done(reason: str = "stop", prefill_worker: str = GHOST, prefill: str = "local") -> dict[str, Any]:

@@ -15,14 +15,15 @@ from farm.batch.driver import BatchDriver
 from farm.batch.store import BatchStore
 from farm.batch.validate import PreparedLine
 from farm.config import get_config
-from farm.protocol import BATCH_QUEUE
+from farm.gateway.reading import Answer
+from farm.protocol import BATCH_QUEUE, DoneEvent, Usage
 
 
 @pytest.fixture
 def api(farm_env, redis_client):
     app = create_app(get_config())
     yield app.test_client(), get_config(), redis_client
-    app.extensions["farm"].gateway.router.stop()
+    app.extensions["farm"].gateway.stop()
 
 
 def upload(c, data: bytes, purpose="batch", name="in.jsonl"):
@@ -223,9 +224,9 @@ def test_a_recorded_line_is_charged_once_to_the_batch_owners_token_quota(api, mo
     bid = store.create("file-x", "/v1/chat/completions", "24h", 3600, None, owner="key-owner-a")["id"]
     store.transition(bid, ("validating",), "in_progress", total=1)
     line = PreparedLine(0, 1, "a", "chat", cfg.default_model, [1, 2, 3], {"max_tokens": 4})
-    done = {"finish_reason": "stop", "usage": {"prompt_tokens": 30, "completion_tokens": 12, "cached_tokens": 0}}
-    driver._record_success(bid, line, "rid-1", "text", done)
-    driver._record_success(bid, line, "rid-2", "text", done)  # a redelivered line: recorded once, charged once
+    answer = Answer("text", DoneEvent("stop", Usage(30, 12, 0)))
+    driver._record_success(bid, line, "rid-1", answer)
+    driver._record_success(bid, line, "rid-2", answer)  # a redelivered line: recorded once, charged once
     assert driver.limiter.used_tokens("key-owner-a") == 42
     assert driver.limiter.used_tokens("anonymous") == 0
 

@@ -30,7 +30,7 @@ def replicas(redis_url, redis_client, tmp_path, monkeypatch):
         apps.append(create_app(cfg, warm_semantic=False))
     yield [a.test_client() for a in apps], redis_client
     for a in apps:
-        a.extensions["farm"].gateway.router.stop()
+        a.extensions["farm"].gateway.stop()
 
 
 def test_a_file_uploaded_to_one_replica_is_read_from_another(replicas, tmp_path):

@@ -44,6 +44,6 @@ def test_liveness_never_asks_redis_readiness_does(tmp_path):
         assert _until(lambda: c.get("/health/ready").status_code == 200), "ready again once Redis is back"
         assert c.get("/health/live").status_code == 200
     finally:
-        app.extensions["farm"].gateway.router.stop()
+        app.extensions["farm"].gateway.stop()
         proc.kill()
         proc.wait(10)

@@ -191,12 +191,14 @@ def test_keda_signal_follows_real_backlog(farm):
     for t in threads:
         t.join(timeout=120)
     assert results == [200] * n
-    # most of the burst waited for the one decode worker: in Redis and inside its engine
+    # most of the burst waited for the one decode worker, inside its engine (a worker takes every task it is
+    # sent and its engine queues what it cannot run yet, so the Redis queues stay about empty)
     assert peak >= n - MAX_NUM_SEQS - 4, f"the signal saw at most {peak} waiting of {n}"
     assert math.ceil(peak / threshold) >= 2, "KEDA (AverageValue) would add decode workers"
-    assert engine_waiting > 0 and 0 < running_max <= MAX_NUM_SEQS
-    # the dashboard's gauges of the moment moved with it (KV cache usage, Queue depth, KV blocks used)
-    assert 0 < kv_usage <= 1 and queued > 0 and kv_used > 0, (kv_usage, queued, kv_used)
+    assert engine_waiting >= n - MAX_NUM_SEQS - 4 and 0 < running_max <= MAX_NUM_SEQS, (engine_waiting, running_max)
+    assert queued <= 2, queued
+    # the dashboard's gauges of the moment moved with it (KV cache usage, KV blocks used)
+    assert 0 < kv_usage <= 1 and kv_used > 0, (kv_usage, kv_used)
     time.sleep(4.5)  # the worker's next heartbeats
     done = with_target_labels(scrape(farm))
     assert Evaluator(done, done).eval(query) == {frozenset(): 0.0}, "served: the signal drops back"

@@ -54,7 +54,7 @@ class Client(threading.Thread):
                 self.placed.set()
                 last = None
                 for ev in sub.events(first_timeout_s=120, idle_timeout_s=120):
-                    last = ev
+                    last = ev.to_dict()
                 self.results.append({"last": last, "worker": self.worker, "t_done": time.monotonic()})
             except Exception as e:  # noqa: BLE001 - a failed request is a test failure, recorded here
                 self.results.append({"last": {"type": "exception", "message": repr(e)}, "worker": self.worker,
@@ -164,7 +164,7 @@ def test_local_planner_scales_decode_up_under_load_and_back_down(farm_cfg, redis
         for c in clients + longs:
             c.join(timeout=60)
         if gw is not None:
-            gw.router.stop()
+            gw.stop()
         farm.stop()
         r.close()
 

@@ -13,6 +13,8 @@ from farm.protocol import (
     GenerationRequest,
     SamplingParams,
     StartEvent,
+    decode_reply,
+    encode_reply,
     parse_event,
 )
 
@@ -26,7 +28,8 @@ def test_generation_request_round_trips_through_json():
                               min_p=0.05, repetition_penalty=1.1, stop_token_ids=[2], logprobs=2,
                               logit_bias={7: -1.5}, response_format={"type": "json_object"})
     req = GenerationRequest(request_id="chatcmpl-1.m1", model="smol", prompt_token_ids=[1, 2, 3], sampling=sampling,
-                            decode_queue="farm.smol.decode", lease_s=10.0, origin="chatcmpl-1")
+                            reply_to="api-host-12-ab", decode_queue="farm.smol.decode", lease_s=10.0,
+                            origin="chatcmpl-1", cache_salt="t-0123456789abcdef")
     back = GenerationRequest.from_dict(_wire(req.to_dict()), vocab_size=100, max_model_len=64)
     assert back == req
 
@@ -44,6 +47,21 @@ def test_stream_events_round_trip_and_carry_only_what_is_set(event):
     assert wire["type"] == event.type and None not in wire.values()
     # the stream writer adds its id and sequence number; parsing ignores them
     assert parse_event({**wire, "w": "writer-1", "s": 7}) == event
+
+
+def test_a_reply_batch_carries_each_requests_typed_events_in_order():
+    events = {"r1": [StartEvent("both", "w1"), DeltaEvent("a", 1, [5])],
+              "r2": [DoneEvent("stop", {"prompt_tokens": 2, "completion_tokens": 1, "cached_tokens": 0})]}
+    batch = decode_reply(encode_reply("writer-1", 7, {rid: [e.to_dict() for e in evs] for rid, evs in events.items()}))
+    assert (batch.writer, batch.seq, batch.events) == ("writer-1", 7, events)
+    assert batch.events["r2"][0].usage.total == 3
+
+
+@pytest.mark.parametrize("raw", ['{"r": {}}', '{"w": "x", "s": "1", "r": {}}', '{"w": "x", "s": 1, "r": []}',
+                                 '{"w": "x", "s": 1, "r": {"a": [{"type": "nope"}]}}', "[]"])
+def test_decode_reply_refuses_what_is_not_a_reply_batch(raw):
+    with pytest.raises(ValueError):
+        decode_reply(raw)
 
 
 def test_parse_event_refuses_unknown_and_malformed_events():

@@ -52,8 +52,8 @@ def test_second_request_with_same_prefix_lands_on_holder_with_cached_tokens(two_
     gw.router.follower.synced.wait(10)
     first_req = chat(cfg, "When do you open on Sunday?", max_tokens=8)
     first, _ = collect(gw.submit(first_req))
-    holder = first[-1]["decode_worker"]
-    assert first[-1]["usage"]["cached_tokens"] == 0
+    holder = first[-1].decode_worker
+    assert first[-1].usage.cached_tokens == 0
     # wait until the holder's KV events reached this router's index
     hashes = gw.router.hashes(first_req.prompt_token_ids)
     deadline = time.time() + 10
@@ -63,8 +63,8 @@ def test_second_request_with_same_prefix_lands_on_holder_with_cached_tokens(two_
     sub = gw.submit(second_req)
     assert sub.predicted_overlap_tokens > 100
     second, _ = collect(sub)
-    assert second[-1]["decode_worker"] == holder
-    assert second[-1]["usage"]["cached_tokens"] >= sub.predicted_overlap_tokens - 16 > 0
+    assert second[-1].decode_worker == holder
+    assert second[-1].usage.cached_tokens >= sub.predicted_overlap_tokens - 16 > 0
 
 
 def test_request_placed_on_vanished_worker_is_resent_and_completes(two_workers):
@@ -89,8 +89,8 @@ def test_request_placed_on_vanished_worker_is_resent_and_completes(two_workers):
     assert sub.dispatch.worker_id == "ghost@nowhere"
     r.delete(registry.alive_key("ghost@nowhere"))  # it dies before consuming its queue
     events, text = collect(sub, timeout=60)
-    assert events[-1]["type"] == "done"
-    assert events[-1]["decode_worker"] in {p.name for p in procs}
+    assert events[-1].type == "done"
+    assert events[-1].decode_worker in {p.name for p in procs}
     assert text
 
 
@@ -108,7 +108,7 @@ def test_concurrent_shared_prefix_requests_spread_and_complete(two_workers):
         t.start()
     for t in threads:
         t.join(180)
-    assert all(ev[-1]["type"] == "done" for ev in results)
+    assert all(ev[-1].type == "done" for ev in results)
     from farm.router.load import empty_load
 
     for p in procs:
@@ -124,7 +124,7 @@ def test_workers_measured_step_costs_reach_the_router_through_redis(two_workers)
         for i in range(6):  # a few prefill and decode steps on every worker (each engine skips its first two)
             events, _ = collect(gw.submit(chat(cfg, f"Can I bring bike number {i} in on a weekday?",
                                                system=f"Shop note {i}. " + LONG_SYSTEM, max_tokens=4)))
-            assert events[-1]["type"] == "done"
+            assert events[-1].type == "done"
         names = [p.name for p in procs]
         deadline = time.time() + 20
         agreed: dict[str, tuple] = {}
@@ -144,4 +144,4 @@ def test_workers_measured_step_costs_reach_the_router_through_redis(two_workers)
             assert k.prefill_s_per_block > 0 and k.decode_step(10) > k.decode_step(0) >= 0
             assert k != gw.router.costs.prior
     finally:
-        gw.router.stop()
+        gw.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from farm.apikeys import KeyRing, owner_of
 from farm.config import ConfigError, load_config
-from farm.quota import Limiter
+from farm.quota import Limiter, Refusal
 from farm.supervisor import Farm
 from tests.security_helpers import KEY_A, KEY_B, assert_openai_error, bearer, farm_app
 
@@ -147,15 +147,16 @@ def test_token_quota_refuses_generation_once_spent(limited, redis_client):
     c = one.test_client()
     owner = owner_of(hashlib.sha256(KEY_A.encode()).hexdigest())
     limiter: Limiter = one.extensions["farm_auth"].limiter
-    # usage is charged from the done event of a generation's stream
-    events = [{"type": "start"}, {"type": "delta", "text": "x"},
-              {"type": "done", "usage": {"prompt_tokens": 70, "completion_tokens": 40}}]
-    assert list(limiter.metered(owner, iter(events))) == events
+    # a generation reserves what it may use, and settles with what it used
+    held = limiter.reserve(owner, 4096, least=10)  # more than the quota: what is left is held
+    assert held.tokens == 100 and limiter.used_tokens(owner) == 100
+    held.settle(70 + 40)
     assert limiter.used_tokens(owner) == 110
     body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]}
     resp = c.post("/v1/chat/completions", headers=bearer(KEY_A), json=body)
     err = assert_openai_error(resp, 429, "insufficient_quota", "insufficient_quota")
     assert "Limit 100" in err["message"] and int(resp.headers["Retry-After"]) >= 1
+    assert isinstance(limiter.reserve(owner, 4096, least=1), Refusal)
     assert c.get("/v1/models", headers=bearer(KEY_A)).status_code == 200  # only generation spends tokens
     # another key's quota is untouched: it gets through to the (worker-less) farm
     assert_openai_error(c.post("/v1/chat/completions", headers=bearer(KEY_B), json=body), 503, "no_workers")
@@ -180,8 +181,7 @@ def test_a_key_with_its_own_limits(redis_url, tmp_path, redis_client):
         assert [c.get("/v1/models", headers=bearer(key_c)).status_code for _ in range(5)] == [200] * 5
         assert [c.get("/v1/models", headers=bearer(KEY_A)).status_code for _ in range(4)] == [200] * 3 + [429]
         # no quota for the unlimited key: its usage is not even counted
-        done = [{"type": "done", "usage": {"prompt_tokens": 500, "completion_tokens": 500}}]
-        list(limiter.metered(owner_c, iter(done)))
+        limiter.reserve(owner_c, 1000).settle(1000)
         assert limiter.used_tokens(owner_c) == 0
 
 

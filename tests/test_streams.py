@@ -1,36 +1,114 @@
-"""The worker's stream writer batches token deltas into few Redis entries without losing what they carry."""
+"""The worker's stream writer batches token deltas into one reply-stream entry per reader and flush, without
+losing what they carry; readers skip a batch written twice; a lapsed reader lease aborts its requests."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import redis
 
-from farm.protocol import EVENT_FIELD, stream_key
+from farm.protocol import (
+    EVENT_FIELD,
+    DeltaEvent,
+    DoneEvent,
+    StartEvent,
+    Usage,
+    decode_reply,
+    encode_reply,
+    reader_lease_key,
+    reply_stream_key,
+)
 from farm.streams import StreamWriter
 from tests.conftest import start_redis
 
 
-def read(r, rid: str) -> list[dict]:
-    return [json.loads(f[EVENT_FIELD.encode()]) for _id, f in r.xrange(stream_key(rid))]
+def batches(r, reader: str):
+    return [decode_reply(f[EVENT_FIELD.encode()]) for _id, f in r.xrange(reply_stream_key(reader))]
 
 
-def test_merged_deltas_keep_ids_and_logprobs_aligned(redis_client):
+def events_of(r, reader: str, rid: str) -> list:
+    return [ev for b in batches(r, reader) for ev in b.events.get(rid, [])]
+
+
+def test_one_entry_per_reader_and_flush_with_merged_deltas_keeping_ids_and_logprobs_aligned(redis_client):
     w = StreamWriter(redis_client, flush_ms=10_000)  # never flushes on its own: the test flushes
-    w.emit("r1", {"type": "start", "role": "both", "worker": "w"})
-    w.emit("r1", {"type": "delta", "text": "He", "n": 1, "ids": [10], "lp": [[-0.1, []]]})
-    w.emit("r1", {"type": "delta", "text": "llo", "n": 1, "ids": [11], "lp": [[-0.2, [[11, -0.2]]]]})
-    w.emit("r1", {"type": "delta", "text": "!", "n": 1, "ids": [12], "lp": [[-0.3, []]]})
-    w.emit("r2", {"type": "delta", "text": "a", "n": 1, "ids": [1]})
-    w.emit("r2", {"type": "delta", "text": "b", "n": 1, "ids": [2]})
+    w.open("r1", "api-a")
+    w.open("r2", "api-a")
+    w.open("r3", "api-b")
+    w.emit("r1", StartEvent("both", "w"))
+    w.emit("r1", DeltaEvent("He", 1, [10], [[-0.1, []]]))
+    w.emit("r1", DeltaEvent("llo", 1, [11], [[-0.2, [[11, -0.2]]]]))
+    w.emit("r1", DeltaEvent("!", 1, [12], [[-0.3, []]]))
+    w.emit("r2", DeltaEvent("a", 1, [1]))
+    w.emit("r2", DeltaEvent("b", 1, [2]))
+    w.emit("r3", DeltaEvent("c", 1, [3]))
     w.flush()
-    start, delta = read(redis_client, "r1")
-    assert start["type"] == "start"
-    assert (delta["text"], delta["n"], delta["ids"]) == ("Hello!", 3, [10, 11, 12])
-    assert delta["lp"] == [[-0.1, []], [-0.2, [[11, -0.2]]], [-0.3, []]]
-    (plain,) = read(redis_client, "r2")
-    assert plain["ids"] == [1, 2] and "lp" not in plain
+    (a,) = batches(redis_client, "api-a")  # both requests of reader a in one entry
+    (b,) = batches(redis_client, "api-b")
+    assert a.writer == b.writer == w.writer_id and a.seq != b.seq
+    start, delta = a.events["r1"]
+    assert isinstance(start, StartEvent)
+    assert (delta.text, delta.n, delta.ids) == ("Hello!", 3, [10, 11, 12])
+    assert delta.lp == [[-0.1, []], [-0.2, [[11, -0.2]]], [-0.3, []]]
+    (plain,) = a.events["r2"]
+    assert plain.ids == [1, 2] and plain.lp is None
+    assert [e.text for e in b.events["r3"]] == ["c"]
+
+
+def test_closed_and_unrouted_requests_emit_nothing(redis_client):
+    w = StreamWriter(redis_client, flush_ms=10_000)
+    w.emit("never-opened", DeltaEvent("x", 1, [1]))
+    w.open("r1", "api-c")
+    w.emit("r1", DoneEvent("stop", Usage(3, 1, 0)))
+    w.close("r1")
+    w.emit("r1", DeltaEvent("late", 1, [2]))
+    w.flush()
+    assert [type(e).__name__ for e in events_of(redis_client, "api-c", "r1")] == ["DoneEvent"]
+    assert not redis_client.keys("farm:out:*never*")
+
+
+def test_a_retried_flush_repeats_its_sequence_number_and_the_reader_skips_it(redis_client):
+    """The writer resends a whole batch whose answer never came; the reply reader skips a (writer, seq) it has."""
+    from farm.config.runtime import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+
+    reader = ReplyReader(redis_client, ReliabilityConfig())
+    box = reader.open("r1")
+    w = StreamWriter(redis_client, flush_ms=10_000)
+    w.open("r1", reader.reader_id)
+    w.emit("r1", DeltaEvent("once", 1, [5]))
+    with w._flush_lock, w._lock:
+        pending, w._pending = w._pending, {}
+    batch = [(reply_stream_key(rd), encode_reply(w.writer_id, next(w._seq), ev)) for rd, ev in pending.items()]
+    w._write(batch, 1)
+    w._write(batch, 1)  # the same batch again, as after a connection error
+    reader.start()
+    try:
+        got = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(got) < 1:
+            got += box.take(0.2)
+        time.sleep(0.3)
+        got += box.take(0.1)
+        assert [e.text for e in got] == ["once"]
+    finally:
+        reader.stop()
+
+
+def test_a_lapsed_reader_lease_aborts_its_requests_and_a_cancel_flag_its_own(redis_client):
+    aborted: list[str] = []
+    w = StreamWriter(redis_client, flush_ms=10_000, on_cancel=aborted.append, cancel_poll_s=0.0)
+    redis_client.set(reader_lease_key("api-live"), "1", ex=60)
+    w.open("kept", "api-live", lease_grace_s=0.2)
+    w.open("orphan", "api-dead", lease_grace_s=0.2)
+    w.open("cancelled", "api-live", lease_grace_s=0.2)
+    redis_client.set("farm:cancel:cancelled", "1", ex=60)
+    w._poll_flags()
+    assert aborted == ["cancelled"]  # the dead reader's grace has not passed yet
+    time.sleep(0.25)
+    aborted.clear()
+    w._poll_flags()
+    assert sorted(aborted) == ["cancelled", "orphan"]
 
 
 def test_with_a_replica_each_flush_returns_only_once_the_replica_holds_it(tmp_path, caplog):
@@ -47,25 +125,26 @@ def test_with_a_replica_each_flush_returns_only_once_the_replica_holds_it(tmp_pa
             assert time.monotonic() < deadline, "the replica did not sync"
             time.sleep(0.05)
         w = StreamWriter(p, flush_ms=10_000, replica_ack_ms=5000)
+        w.open("ha", "api-ha")
         for i in range(20):
-            w.emit("ha", {"type": "delta", "text": str(i), "n": 1, "ids": [i]})
+            w.emit("ha", DeltaEvent(str(i), 1, [i]))
             w.flush()
-            assert len(read(rep, "ha")) == i + 1  # on the replica as soon as flush() returns, every time
+            assert len(events_of(rep, "api-ha", "ha")) == i + 1  # on the replica as soon as flush() returns
         assert w._no_replica_until == 0.0
 
         replica.kill()
         replica.wait()
         w.replica_ack_ms = 300
-        w.emit("ha", {"type": "delta", "text": "x", "n": 1, "ids": [99]})
+        w.emit("ha", DeltaEvent("x", 1, [99]))
         t0 = time.monotonic()
         w.flush()
         assert 0.25 < time.monotonic() - t0 < 5  # waited for the replica, up to replica_ack_ms
         assert "no replica acknowledged" in caplog.text
-        w.emit("ha", {"type": "delta", "text": "y", "n": 1, "ids": [100]})
+        w.emit("ha", DeltaEvent("y", 1, [100]))
         t0 = time.monotonic()
         w.flush()
         assert time.monotonic() - t0 < 0.25  # no waiting again at once
-        assert [e["ids"] for e in read(p, "ha")][-2:] == [[99], [100]]  # the primary has them all
+        assert [e.ids for e in events_of(p, "api-ha", "ha")][-2:] == [[99], [100]]  # the primary has them all
     finally:
         for proc in (primary, replica):
             proc.kill()

@@ -33,7 +33,7 @@ gw = Gateway(cfg, r)
 ids = chat_prompt_ids(get_tokenizer(cfg, cfg.default_model), [{"role": "user", "content": "What is 2+2?"}])
 sub = gw.submit(GenerationRequest(uuid.uuid4().hex, cfg.default_model, ids, SamplingParams(max_tokens=30, temperature=0)))
 events = list(sub.events(first_timeout_s=120, idle_timeout_s=60))
-print(json.dumps({"events": events, "workers": [w.__dict__ for w in registry.live_workers(r)]}))
+print(json.dumps({"events": [e.to_dict() for e in events], "workers": [w.__dict__ for w in registry.live_workers(r)]}))
 """
 
 

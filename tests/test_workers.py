@@ -14,7 +14,7 @@ from farm.protocol import TASK_DECODE, GenerationRequest, SamplingParams, queue_
 from farm.tokenization import chat_prompt_ids, get_tokenizer
 from farm.transfer.handle import sign_handle
 from tests.conftest import free_port, make_farm_env
-from tests.procs import WorkerProc, wait_registered
+from tests.procs import WorkerProc, send_and_read, wait_registered
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def request(cfg, text, **sampling) -> GenerationRequest:
 
 def collect(sub, timeout=120):
     events = list(sub.events(first_timeout_s=timeout, idle_timeout_s=timeout))
-    text = "".join(e.get("text", "") for e in events if e["type"] == "delta")
+    text = "".join(e.text for e in events if e.type == "delta")
     return events, text
 
 
@@ -53,13 +53,13 @@ def test_disaggregated_request_uses_handle_across_processes(farm):
     assert gw.layout(cfg.default_model) == "disaggregated"
     events, text = collect(gw.submit(request(cfg, "What is 2+2?")))
     done = events[-1]
-    assert done["type"] == "done", events
+    assert done.type == "done", events
     assert "4" in text
-    assert done["prefill"] == "remote"
-    assert done["prefill_worker"] == prefill.name and done["decode_worker"] == decode.name
+    assert done.prefill == "remote"
+    assert done.prefill_worker == prefill.name and done.decode_worker == decode.name
     assert prefill.pid != decode.pid
-    starts = [e for e in events if e["type"] == "start"]
-    assert [s["role"] for s in starts] == ["prefill", "decode"]
+    starts = [e for e in events if e.type == "start"]
+    assert [s.role for s in starts] == ["prefill", "decode"]
 
 
 def test_unpullable_handle_falls_back_to_local_prefill(farm):
@@ -73,13 +73,9 @@ def test_unpullable_handle_falls_back_to_local_prefill(farm):
         "layout": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"},
         "checksum": "0", "expires_at": time.time() + 60,
     }, b"test-secret-not-for-production")
-    sub = gw.celery.send_task(TASK_DECODE, args=[req.to_dict(), dead], queue=queue_name(req.model, "decode"))
-    assert sub is not None
-    from farm.gateway import Dispatch, Submission
-
-    events, text = collect(Submission(gw, req, "decode-only", {}, Dispatch(TASK_DECODE, [], "", "")))
-    assert events[-1]["type"] == "done" and events[-1]["prefill"] == "local"
-    assert events[-1]["prefill_worker"] == decode.name
+    events, text = collect(send_and_read(gw, req, TASK_DECODE, [dead], queue_name(req.model, "decode")))
+    assert events[-1].type == "done" and events[-1].prefill == "local"
+    assert events[-1].prefill_worker == decode.name
     assert "4" in text
 
 
@@ -105,13 +101,13 @@ def test_cancel_stops_generation_on_the_worker(farm):
     sub = gw.submit(request(cfg, "Tell me a very long story.", max_tokens=2000, ignore_eos=True))
     n = 0
     for ev in sub.events(first_timeout_s=120, idle_timeout_s=60):
-        if ev["type"] == "delta":
-            n += ev["n"]
+        if ev.type == "delta":
+            n += ev.n
             if n >= 5:
                 sub.cancel()
-        if ev["type"] == "done":
-            assert ev["finish_reason"] == "abort"
-            assert ev["usage"]["completion_tokens"] < 2000
+        if ev.type == "done":
+            assert ev.finish_reason == "abort"
+            assert ev.usage.completion_tokens < 2000
             break
     else:
         pytest.fail("stream ended without done")
@@ -126,17 +122,17 @@ def test_conditional_disaggregation_prefills_short_prompts_locally_long_ones_rem
     gw = Gateway(with_disagg(cfg, mode="conditional", remote_min_uncached_tokens=300), r)
     assert gw.layout(cfg.default_model) == "conditional"
     short, _ = collect(gw.submit(request(cfg, "What is 2+2?", max_tokens=4)))
-    assert short[-1]["prefill"] == "local" and short[-1]["prefill_worker"] == decode.name
+    assert short[-1].prefill == "local" and short[-1].prefill_worker == decode.name
     long_text = "Summarize the following notes. " + " ".join(f"Note {i}: the shipment {i} left on time." for i in range(60))
     long, _ = collect(gw.submit(request(cfg, long_text, max_tokens=4)))
-    assert long[-1]["prefill"] == "remote" and long[-1]["prefill_worker"] == prefill.name
+    assert long[-1].prefill == "remote" and long[-1].prefill_worker == prefill.name
 
 
 def test_never_mode_and_enforced_mode_without_prefill_workers(farm):
     cfg, r, (prefill, decode) = farm
     gw = Gateway(with_disagg(cfg, mode="never"), r)
     events, text = collect(gw.submit(request(cfg, "What is 2+2?")))
-    assert events[-1]["prefill"] == "local" and "4" in text
+    assert events[-1].prefill == "local" and "4" in text
     from farm.gateway import NoWorkersError
 
     r2 = redis.Redis.from_url(str(cfg.redis.url).rsplit("/", 1)[0] + "/5")

@@ -35,9 +35,9 @@ def test_aggregated_worker_serves_prefill_and_decode(both_farm):
     assert gw.layout(cfg.default_model) == "aggregated"
     events, text = collect(gw.submit(request(cfg, "What is 2+2?")))
     done = events[-1]
-    assert done["type"] == "done" and "4" in text
-    assert done["prefill_worker"] == done["decode_worker"] == worker.name
-    assert done["prefill"] == "local"
+    assert done.type == "done" and "4" in text
+    assert done.prefill_worker == done.decode_worker == worker.name
+    assert done.prefill == "local"
 
 
 def test_warm_shutdown_finishes_in_flight_requests(redis_url, tmp_path):
@@ -60,7 +60,7 @@ def test_warm_shutdown_finishes_in_flight_requests(redis_url, tmp_path):
             events = []
             for ev in sub.events(first_timeout_s=120, idle_timeout_s=120):
                 events.append(ev)
-                if ev["type"] == "delta" and sum(e["type"] == "delta" for e in events) == 1:
+                if ev.type == "delta" and sum(e.type == "delta" for e in events) == 1:
                     first_tokens.wait(120)
             results[i] = events
 
@@ -73,9 +73,9 @@ def test_warm_shutdown_finishes_in_flight_requests(redis_url, tmp_path):
             t.join(180)
         assert worker.proc.returncode == 0
         for events in results.values():
-            assert events[-1]["type"] == "done"
-            assert events[-1]["finish_reason"] == "length"
-            assert events[-1]["usage"]["completion_tokens"] == 60
+            assert events[-1].type == "done"
+            assert events[-1].finish_reason == "length"
+            assert events[-1].usage.completion_tokens == 60
         assert len(results) == 3
     finally:
         worker.kill()

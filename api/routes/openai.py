@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, jsonify
 
-from api.auth import current_owner, metered
+from api.auth import current_owner, reserve_tokens
 from api.bodies import json_body
 from api.disconnect import client_gone_check
 from api.errors import to_api_error
@@ -30,8 +30,10 @@ from api.semantic import (
     store,
 )
 from farm import metrics
+from farm.apikeys import tenant_cache_salt
 from farm.config import ModelConfig
-from farm.gateway import BusyError, NoWorkersError, Submission
+from farm.gateway import Submission, WorkerError
+from farm.gateway.reading import Answer, collect, replay, stream_choice, total_usage, until_decode_starts
 from farm.models import ModelNotFoundError
 from farm.openai import logprobs
 from farm.openai.errors import APIError, bad_request
@@ -49,7 +51,8 @@ from farm.openai.parsing import (
     validate_chat,
 )
 from farm.openai.responses import Choice, ChunkWriter, full_response
-from farm.protocol import GenerationRequest
+from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage
+from farm.quota import Reservation
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -112,25 +115,53 @@ def completions() -> Response:
 
 
 def _safe_cancel(sub: Submission) -> None:
-    """Cancel unless finished; never raises (a cancel that cannot reach Redis is logged)."""
-    if sub.finished:
-        return
+    """Stop reading `sub`, and cancel it unless it finished; never raises (a cancel that cannot reach Redis is
+    logged)."""
     try:
         sub.cancel()
     except redis.RedisError as e:
         log.warning("request %s: could not cancel: %s", sub.request_id, e)
+    finally:
+        sub.close()
 
 
-def _worker_headers(rid: str, sub: Submission, ev: dict[str, Any]) -> dict[str, str]:
-    """x-farm-* headers from the decode/both start event or the done event (both name the workers)."""
+def _worker_headers(rid: str, sub: Submission, start: StartEvent | DoneEvent, done: DoneEvent | None = None
+                    ) -> dict[str, str]:
+    """x-farm-* headers from the decode/both start event and, once known, the done event (both name the
+    workers; the done event's names win)."""
+    prefill_worker = decode_worker = prefill = None
+    for ev in (start, done):
+        if isinstance(ev, StartEvent):
+            prefill_worker, decode_worker, prefill = ev.prefill_worker, ev.worker, ev.prefill
+        elif isinstance(ev, DoneEvent):
+            prefill_worker = ev.prefill_worker or prefill_worker
+            decode_worker = ev.decode_worker or decode_worker
+            prefill = ev.prefill or prefill
     return {
         "x-request-id": rid,
-        "x-farm-prefill-worker": str(ev.get("prefill_worker") or ""),
-        "x-farm-decode-worker": str(ev.get("decode_worker") or ev.get("worker") or ""),
-        "x-farm-prefill": str(ev.get("prefill") or ""),
+        "x-farm-prefill-worker": prefill_worker or "",
+        "x-farm-decode-worker": decode_worker or "",
+        "x-farm-prefill": prefill or "",
         "x-farm-router-mode": sub.router_mode,
         "x-farm-router-overlap-tokens": str(sub.predicted_overlap_tokens),
     }
+
+
+class _Generation:
+    """The submissions of one response (one per choice) and what they may charge: the token reservation is
+    settled once, when the response ends however it ends, with the prompt and the completion tokens the
+    client received (all of them once a choice finished)."""
+
+    def __init__(self, prompt_tokens: int, reservation: Reservation):
+        self.subs: list[Submission] = []
+        self.prompt_tokens = prompt_tokens
+        self.reservation = reservation
+
+    def end(self) -> None:
+        for sub in self.subs:
+            _safe_cancel(sub)  # no-op after done/error; stops the workers on timeout, Redis failure, client gone
+        used = self.prompt_tokens + sum(sub.completion_tokens for sub in self.subs) if self.subs else 0
+        self.reservation.settle(used)
 
 
 def _generate(kind: str) -> Response:
@@ -160,44 +191,51 @@ def _generate(kind: str) -> Response:
                                            template_kwargs=reasoning_template_kwargs(verdict, tok))
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token, backend=mcfg.backend)
-    subs: list[Submission] = []
+    n_prompt = len(parsed.prompt_ids)
+    held = reserve_tokens(n_prompt + parsed.n * parsed.sampling.max_tokens, n_prompt + parsed.n)
+    quota_headers = {}
+    if held.tokens < n_prompt + parsed.n * parsed.sampling.max_tokens:  # what is left of the quota caps the answer
+        capped = (held.tokens - n_prompt) // parsed.n
+        parsed = replace(parsed, sampling=replace(parsed.sampling, max_tokens=capped))
+        quota_headers["x-farm-quota-max-tokens"] = str(capped)
+    gen = _Generation(n_prompt, held)
     try:
         for req in _choice_requests(rid, model, parsed):
-            subs.append(farm.gateway.submit(req))
-    except (NoWorkersError, BusyError):
-        metrics.REQUESTS.labels(model=model, status="503").inc()
-        for sub in subs:
-            _safe_cancel(sub)
+            gen.subs.append(farm.gateway.submit(req))
+    except BaseException as e:
+        metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        gen.end()
         raise
-    # metered: charges the usage to the caller's token quota (api.auth); a client that leaves while it waits
-    # (queued, or for a whole non-streaming answer) cancels the generation (api.disconnect)
-    streams = [metered(sub.events(client_gone=client_gone_check())) for sub in subs]
+    # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
+    gone = client_gone_check()
+    streams = [sub.events(client_gone=gone) for sub in gen.subs]
     out = _Output(kind, tok, parsed.sampling.logprobs is not None)
     cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 else None
     if parsed.stream:
-        resp = _stream_response(kind, rid, model, subs, streams, parsed.include_usage, out, on_done=cache)
+        resp = _stream_response(kind, rid, model, gen, streams, parsed.include_usage, out, on_done=cache)
         resp.headers.update(verdict.headers)
+        resp.headers.update(quota_headers)
         return resp
-    choices, dones, head = [], [], {}
+    answers: list[Answer] = []
+    head: StartEvent | DoneEvent | None = None
     try:
         for i, events in enumerate(streams):
-            start, buffered = _until_decode_starts(events)
+            start, buffered = until_decode_starts(events)
             head = head or start
-            text, done, ids, lps = _collect(buffered, events)
-            choices.append(Choice(text, done.get("finish_reason", "stop"), out.logprobs(ids, lps)))
-            dones.append(done)
+            answers.append(collect(replay(buffered, events)))
             if i == 0 and cache is not None:
-                cache(text, done.get("finish_reason", "stop"))
+                cache(answers[0].text, answers[0].finish_reason)
     except BaseException as e:
         metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         raise
     finally:
-        for sub in subs:
-            _safe_cancel(sub)  # no-op after done/error; stops the worker on timeout or Redis failure
+        gen.end()
     metrics.REQUESTS.labels(model=model, status="200").inc()
-    resp = jsonify(full_response(kind, rid, model, choices, _total_usage(dones)))
-    resp.headers.update(_worker_headers(rid, subs[0], {**head, **dones[0]}))
+    choices = [Choice(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs)) for a in answers]
+    resp = jsonify(full_response(kind, rid, model, choices, total_usage(a.usage for a in answers).to_dict()))
+    resp.headers.update(_worker_headers(rid, gen.subs[0], head or answers[0].done, answers[0].done))
     resp.headers.update(verdict.headers)
+    resp.headers.update(quota_headers)
     return resp
 
 
@@ -209,22 +247,17 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
 def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[GenerationRequest]:
     """One request per choice: the first under the response's id, the others `<id>-<i>`, each with its own
     seed (seed + i) so seeded choices differ and reproduce. They share the prompt, so the router places
-    them where its KV is and the worker computes it once."""
+    them where its KV is and the worker computes it once. Each carries the caller's cache salt: prefix-cache
+    reuse only within its tenant (and the client's own `cache_salt`, if given)."""
+    salt = tenant_cache_salt(current_owner(), parsed.cache_salt)
     reqs = []
     for i in range(parsed.n):
         sampling = parsed.sampling
         if i and sampling.seed is not None:
             sampling = replace(sampling, seed=(sampling.seed + i) % (1 << 63))
         reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_ids, sampling,
-                                      created=time.time()))
+                                      created=time.time(), cache_salt=salt))
     return reqs
-
-
-def _total_usage(dones: list[dict[str, Any]]) -> dict[str, int]:
-    """The usage of a response of several choices: the prompt counted once, the completions summed."""
-    first = dones[0].get("usage", {}) if dones else {}
-    return {"prompt_tokens": int(first.get("prompt_tokens", 0)), "cached_tokens": int(first.get("cached_tokens", 0)),
-            "completion_tokens": sum(int(d.get("usage", {}).get("completion_tokens", 0)) for d in dones)}
 
 
 class _Output:
@@ -271,130 +304,68 @@ def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str
     return completion_messages(body, farm.tokenizer(model if model not in _aliases() else farm.cfg.default_model))
 
 
-def _worker_error(ev: dict[str, Any]) -> APIError:
-    """A worker's error event: a lost worker that no other could replace is 503 (retry later), else 500."""
-    code = ev.get("code") or "engine_error"
-    status = 503 if code == "worker_lost" else 500
-    return APIError(status, f"generation failed: {ev.get('message')}", code=code)
-
-
-def _until_decode_starts(events: Iterator[dict]) -> tuple[dict, list[dict]]:
-    """Read events until the worker that will decode has started (so headers can name both workers).
-
-    Returns that start event and the non-start events read before it (replayed to the response).
-    """
-    buffered: list[dict] = []
-    for ev in events:
-        t = ev.get("type")
-        if t == "start" and ev.get("role") in ("decode", "both"):
-            return ev, buffered
-        if t == "error":
-            raise _worker_error(ev)
-        if t == "done":  # finished before any decode start (e.g. aborted): answer what we have
-            return ev, [*buffered, ev]
-        if t != "start":
-            buffered.append(ev)
-    raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
-
-
-def _chain(buffered: list[dict], events: Iterator[dict]) -> Iterator[dict]:
-    yield from buffered
-    if not (buffered and buffered[-1].get("type") in ("done", "error")):
-        yield from events
-
-
-def _collect(buffered: list[dict], events: Iterator[dict]) -> tuple[str, dict, list[int], list[list]]:
-    """The whole completion: its text, the done event, its token ids and their log-probabilities (when the
-    worker sent them); a worker error becomes a 500."""
-    parts: list[str] = []
-    ids: list[int] = []
-    lps: list[list] = []
-    for ev in _chain(buffered, events):
-        t = ev.get("type")
-        if t == "delta":
-            parts.append(ev.get("text", ""))
-            if "lp" in ev:
-                ids.extend(ev.get("ids", []))
-                lps.extend(ev["lp"])
-        elif t == "done":
-            return "".join(parts), ev, ids, lps
-        elif t == "error":
-            raise _worker_error(ev)
-    raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
-
-
-def _stream_response(kind: str, rid: str, model: str, subs: list[Submission], streams: list[Iterator[dict]],
+def _stream_response(kind: str, rid: str, model: str, gen: _Generation, streams: list[Iterator[Event]],
                      include_usage: bool, out: _Output, on_done: Callable[[str, str], None] | None = None
                      ) -> Response:
     """SSE response; errors before the (first choice's) decode worker starts are still plain JSON errors."""
     try:
-        head, buffered = _until_decode_starts(streams[0])
+        head, buffered = until_decode_starts(streams[0])
     except BaseException as e:
         metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
-        for sub in subs:
-            _safe_cancel(sub)
+        gen.end()
         raise
-    gen = _stream(kind, rid, model, subs, [_chain(buffered, streams[0]), *streams[1:]], include_usage, out,
-                  on_done)
-    resp = Response(gen, mimetype="text/event-stream", headers=_worker_headers(rid, subs[0], head))
+    body = _stream(kind, rid, model, gen, [replay(buffered, streams[0]), *streams[1:]], include_usage, out, on_done)
+    resp = Response(body, mimetype="text/event-stream", headers=_worker_headers(rid, gen.subs[0], head))
     resp.headers["Cache-Control"] = "no-cache"
     resp.headers["X-Accel-Buffering"] = "no"
     # The server closes the response even when the generator never ran (client gone at once); the
-    # generator's own `finally` covers everything after its first step.
-    resp.call_on_close(lambda: [_safe_cancel(sub) for sub in subs])
+    # generator's own `finally` covers everything after its first step. Ending twice is harmless.
+    resp.call_on_close(gen.end)
     return resp
 
 
-def _stream(kind: str, rid: str, model: str, subs: list[Submission], streams: list[Iterator[dict]],
+def _stream(kind: str, rid: str, model: str, gen: _Generation, streams: list[Iterator[Event]],
             include_usage: bool, out: _Output, on_done: Callable[[str, str], None] | None = None) -> Iterator[str]:
     """OpenAI SSE chunks, choice after choice (each chunk names its index; the choices are generated at the
     same time on the workers); a failure mid-stream ends with an error line and [DONE]. `on_done(text,
     finish_reason)` sees the whole answer once it finished (the semantic cache stores it)."""
     w = ChunkWriter(kind, rid, model)
-    dones: list[dict] = []
+    usages: list[Usage] = []
     try:
         for index, events in enumerate(streams):
             done = yield from _stream_choice(w, index, events, out, on_done)
-            if done is None:  # the choice failed: reported in-band
-                break
-            dones.append(done)
-        else:
-            metrics.REQUESTS.labels(model=model, status="200").inc()
-            if include_usage:
-                yield w.usage(_total_usage(dones))
-        yield w.done()
+            usages.append(done.usage)
+        metrics.REQUESTS.labels(model=model, status="200").inc()
+        tail = w.usage(total_usage(usages).to_dict()) if include_usage else ""
+        yield tail + w.done()
     except Exception as e:  # headers are sent: report in-band (GeneratorExit is not an Exception)
         err = to_api_error(e)
-        if err.status == 500 and not isinstance(e, APIError):
+        if err.status == 500 and not isinstance(e, (APIError, WorkerError)):
             log.exception("request %s: stream failed", rid)
         metrics.REQUESTS.labels(model=model, status=str(err.status)).inc()
-        yield w.error(err.message, err.code or "server_error")
-        yield w.done()
+        yield w.error(err.message, err.code or "server_error") + w.done()
     finally:
-        for sub in subs:
-            _safe_cancel(sub)  # client went away (GeneratorExit) or the stream broke: stop the workers
+        gen.end()  # client went away (GeneratorExit) or the stream broke: stop the workers, settle the quota
 
 
-def _stream_choice(w: ChunkWriter, index: int, events: Iterator[dict], out: _Output,
-                   on_done: Callable[[str, str], None] | None) -> Generator[str, None, dict | None]:
-    """The chunks of one choice; returns its done event (None after a worker error, reported in-band)."""
+def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,
+                   on_done: Callable[[str, str], None] | None) -> Generator[str, None, DoneEvent]:
+    """The chunks of one choice; returns its done event (a worker error raises WorkerError)."""
     parts: list[str] = []
-    first = w.role(index)
-    if first:
-        yield first
-    for ev in events:
-        t = ev.get("type")
-        if t == "delta" and (ev.get("text") or "lp" in ev):
-            lps = out.logprobs(ev.get("ids", []), ev.get("lp", []), sum(map(len, parts))) if "lp" in ev else None
-            parts.append(ev.get("text", ""))
-            yield w.delta(ev.get("text", ""), index, lps)
-        elif t == "done":
+    pending = w.role(index)  # sent with the first delta: one write instead of two
+    deltas = stream_choice(events)
+    while True:
+        try:
+            ev = next(deltas)
+        except StopIteration as stop:
+            done: DoneEvent = stop.value
             if on_done is not None and index == 0:
-                on_done("".join(parts), ev.get("finish_reason", "stop"))
-            yield w.finish(ev.get("finish_reason", "stop"), index)
-            return ev
-        elif t == "error":
-            metrics.REQUESTS.labels(model=w.model, status="500").inc()
-            yield w.error(f"generation failed: {ev.get('message')}", ev.get("code") or "engine_error")
-            return None
-    raise APIError(500, "the request's event stream ended unexpectedly", code="stream_ended")
+                on_done("".join(parts), done.finish_reason)
+            yield pending + w.finish(done.finish_reason, index)
+            return done
+        if not ev.text and ev.lp is None:
+            continue
+        lps = out.logprobs(ev.ids, ev.lp, sum(map(len, parts))) if ev.lp is not None else None
+        parts.append(ev.text)
+        yield pending + w.delta(ev.text, index, lps)
+        pending = ""

@@ -55,6 +55,7 @@ class Endpoint:
     counters: Callable[[], dict[str, float]] | None = None  # cumulative {"queried", "hit"} prompt tokens
     commands: list[str] = field(default_factory=list)
     start_s: float = 0.0
+    farm: Any = None  # the running farm.supervisor.Farm behind a farm contender (its config, processes)
 
 
 # -- prefix-cache counters ------------------------------------------------------------------------------
@@ -181,19 +182,21 @@ def farm_overrides(s: Setup, backend: str, router_mode: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def farm(s: Setup, backend: str, workers: int, router_mode: str = "kv") -> Iterator[Endpoint]:
-    """A throw-away farm (bench.farms: its own Redis, state dir, API port) with `workers` aggregated workers."""
-    from bench.farms import bench_farm
+def farm(s: Setup, backend: str, workers: int, router_mode: str = "kv",
+         extra: dict[str, Any] | None = None) -> Iterator[Endpoint]:
+    """A throw-away farm (bench.farms: its own Redis, state dir, API port) with `workers` aggregated workers;
+    `extra` is merged over farm_overrides' configuration (e.g. {"semantic": {"enabled": True}})."""
+    from bench.farms import _deep, bench_farm
 
     os.environ.setdefault("FARM_SECRET", secrets.token_hex(16))
     t0 = time.monotonic()
-    with bench_farm(both=workers, api=True, overrides=farm_overrides(s, backend, router_mode),
-                    timeout=s.start_timeout) as f:
+    overrides = _deep(farm_overrides(s, backend, router_mode), extra or {})
+    with bench_farm(both=workers, api=True, overrides=overrides, timeout=s.start_timeout) as f:
         url = f"http://127.0.0.1:{f.api_port}"
         cmd = (f"FARM_CONFIG={f.cfg.state_path / 'bench.yaml'} farm up --workers {workers} --default-only "
                f"--no-flower --router-mode {router_mode}")
         yield Endpoint(url, counters=_summed([url + "/metrics"], FARM_COUNTERS), commands=[cmd],
-                       start_s=time.monotonic() - t0)
+                       start_s=time.monotonic() - t0, farm=f)
 
 
 # -- NVIDIA Dynamo ------------------------------------------------------------------------------------

@@ -124,6 +124,7 @@ def chart_schema() -> dict[str, Any]:
             "replicas": NONNEG, "routerMode": {"enum": ["kv", "round-robin", "random"]},
             "workerConnections": {"type": "integer", "minimum": 1, "maximum": 100000},
             "headerTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 3600}, "port": PORT,
+            "bodyTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 3600}, "bodyMinRate": NONNEG,
             "gracefulTimeoutSeconds": NONNEG, "service": service, "resources": REF_("resources"), **placement,
             "podAnnotations": string_map(), "env": REF_("env"),
             "autoscaling": obj({"enabled": BOOL, "minReplicas": POS, "maxReplicas": POS,

@@ -45,7 +45,7 @@ from farm.engine.sampling import TokenLogprobs
 from farm.engine.step_costs import StepCosts
 from farm.engine.timings import from_prometheus
 from farm.protocol import SamplingParams
-from farm.protocol.hashing import block_hashes
+from farm.protocol.hashing import block_hashes, salt_root
 from farm.transfer.handle import HandleError, KVHandle, verify_handle
 
 log = logging.getLogger(__name__)
@@ -419,8 +419,9 @@ class VllmEngine:
     # -- Engine's thread-safe API ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], *, prefill_only: bool = False,
-               kv_import: Any = None, max_request_s: float | None = None) -> None:
-        """Start the request on vLLM; outputs arrive through `on_output` (from the loop thread)."""
+               kv_import: Any = None, max_request_s: float | None = None, cache_salt: str = "") -> None:
+        """Start the request on vLLM; outputs arrive through `on_output` (from the loop thread). `cache_salt`
+        goes to vLLM as its own (its prefix cache is scoped by it as the built-in engine's is)."""
         kv_params: dict[str, Any] | None = None
         if prefill_only and self.connector:
             kv_params = dict(PREFILL_PARAMS.get(self.connector, {}))
@@ -436,7 +437,8 @@ class VllmEngine:
                               kv_transfer_params=kv_params, structured=self.vllm.StructuredOutputsParams),
             output_kind=self.vllm.RequestOutputKind.DELTA,
         )
-        coro = self._generate(request_id, list(prompt_ids), sp, on_output, prefill_only, max_request_s)
+        coro = self._generate(request_id, list(prompt_ids), sp, on_output, prefill_only, max_request_s,
+                              cache_salt)
         with self._tasks_lock:  # the task removes itself under the same lock, even if it ends at once
             self._tasks[request_id] = asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -487,7 +489,7 @@ class VllmEngine:
 
     # -- the loop thread -------------------------------------------------------------------------------
     async def _generate(self, rid: str, prompt_ids: list[int], sp: Any, on_output: Callable[[RequestOutput], None],
-                        prefill_only: bool, max_request_s: float | None) -> None:
+                        prefill_only: bool, max_request_s: float | None, cache_salt: str = "") -> None:
         n_out, cached, first = 0, 0, None
         done = False
         k = sp.logprobs
@@ -503,7 +505,7 @@ class VllmEngine:
                                     logprobs=logprobs)
             if reason == "prefilled":
                 out.first_token = first
-                out.block_hashes = block_hashes(prompt_ids, self.block_size)
+                out.block_hashes = block_hashes(prompt_ids, self.block_size, salt_root(cache_salt))
                 out.connector = self.connector
                 # NIXL returns the parameters when it holds the blocks; LMCache needs none (keyed by
                 # tokens). Without them the worker sends no handle and the decode side prefills.
@@ -513,9 +515,12 @@ class VllmEngine:
                     out.kv_transfer_params = dict(params or {})
             on_output(out)
 
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt  # in the extra keys of the first block's hash and KV event
         try:
             async with asyncio.timeout(max_request_s):
-                async for ro in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, rid):
+                async for ro in self.llm.generate(prompt, sp, rid):
                     comp = ro.outputs[0] if ro.outputs else None
                     tokens = [int(t) for t in (comp.token_ids if comp else [])]
                     text = comp.text if comp else ""

@@ -19,6 +19,12 @@ recorded for that parent, and a map vLLM hash -> farm hash (reference-counted pe
 `BlockRemoved` events into removals of the right farm hashes. A stored block whose parent we never saw
 (events lost beyond the replay buffer) cannot be re-hashed: it is skipped and counted, which only makes
 the router under-estimate that worker's cache (a wasted hit, never a wrong answer).
+
+Cache salts: a salted request (GenerationRequest.cache_salt, given to vLLM as its `cache_salt`) has the salt
+in the extra keys of its first block's hash, and vLLM publishes it there (`extra_keys[0]` of a BlockStored
+from token 0: untagged, the bare salt string beside any LoRA name or multimodal pairs). A parentless stored
+block's farm chain therefore starts from `salt_root(salt)`, as the API and the built-in engine start it, so
+the router finds a tenant's vLLM blocks only under that tenant's hashes.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from farm.protocol.hashing import block_hashes
+from farm.protocol.hashing import block_hashes, salt_root
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +109,18 @@ def normalize_event(e: Any) -> dict[str, Any]:
     return out
 
 
+def first_block_salt(extra_keys: Any) -> str | None:
+    """The cache salt in a parentless BlockStored's extra keys ("" when its first block has none), or None
+    when they cannot be read (several strings: a LoRA name beside it, which is never indexed anyway)."""
+    first = extra_keys[0] if isinstance(extra_keys, (list, tuple)) and extra_keys else None
+    if not first:
+        return ""
+    salts = [k for k in (first if isinstance(first, (list, tuple)) else [first]) if isinstance(k, str)]
+    if len(salts) > 1:
+        return None
+    return salts[0] if salts else ""
+
+
 def _key(h: Any) -> Hashable:
     """vLLM hashes arrive as bytes or ints (or lists, if a decoder turned bytes into arrays)."""
     return tuple(h) if isinstance(h, list) else h
@@ -166,6 +184,11 @@ class VllmKVEventTranslator:
             parent = self._farm.get(_key(parent_vllm))
             if parent is None:
                 why = "its parent block was never reported"
+        elif why is None:  # the first blocks of a prompt: a salted one chains from its salt's root
+            salt = first_block_salt(ev.get("extra_keys"))
+            if salt is None:
+                why = f"unreadable extra keys {str(ev.get('extra_keys'))[:80]}"
+            parent = salt_root(salt)
         if why is not None:
             self.skipped += n
             log.debug("vLLM BlockStored of %d blocks not indexed: %s", n, why)

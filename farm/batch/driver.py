@@ -27,9 +27,10 @@ priority: in a disaggregated layout the prefill worker sends the decode stage at
 
 Durability. Everything lives in Redis and on disk (farm.batch.store). A driver holds a lease on the
 batch (TTL `lease_ttl_s`, refreshed while it runs); each line's result is recorded once, keyed by its
-custom_id (HSETNX + counters in one Lua script). A line whose worker dies (its heartbeat lapses) or
-that times out is cancelled and run again under a new request id, up to `max_attempts` runs, then goes
-to the error file. The driver task is acked late; if the driver process dies its lease lapses, and every
+custom_id (HSETNX + counters in one Lua script). A line whose worker dies migrates to another worker with
+the tokens so far, as interactive requests do (farm.gateway.submission); a line that times out, or whose
+worker was lost with no other to take it, is cancelled and run again under a new request id, up to
+`max_attempts` runs, then goes to the error file. The driver task is acked late; if the driver process dies its lease lapses, and every
 driver process's reaper re-sends batches that are active and unowned, so another driver (or the same
 one, restarted) resumes from Redis: recorded lines are skipped, the rest run. Output files are written
 from the recorded results with ids derived from the batch id, so finalizing twice rewrites the same
@@ -54,16 +55,25 @@ from typing import Any
 import redis
 
 from farm import metrics, registry
-from farm.apikeys import OWNER_ANONYMOUS, KeyRing
+from farm.apikeys import OWNER_ANONYMOUS, KeyRing, tenant_cache_salt
 from farm.batch.files import FileStore
 from farm.batch.schedule import Plan
 from farm.batch.store import TERMINAL, BatchStore, kick_key
 from farm.batch.validate import PreparedLine, validate_input
 from farm.config import FarmConfig
 from farm.config.batch import BatchConfig, prepared_path
+from farm.gateway.reading import Answer, collect
 from farm.openai.logprobs import for_kind
 from farm.openai.responses import Choice, full_response
-from farm.protocol import BATCH_QUEUE, TASK_BATCH_DRIVE, GenerationRequest, SamplingParams
+from farm.protocol import (
+    BATCH_QUEUE,
+    TASK_BATCH_DRIVE,
+    DeltaEvent,
+    DoneEvent,
+    GenerationRequest,
+    SamplingParams,
+    Usage,
+)
 from farm.quota import Limiter
 from farm.redis_client import connect
 
@@ -178,7 +188,6 @@ class BatchDriver:
         self.stopping = threading.Event()
         self._inflight = 0
         self._slot_lock = threading.Lock()
-        self._alive: dict[str, tuple[bool, float]] = {}
         self._reaper: threading.Thread | None = None
         self.identity = f"{socket.gethostname()}:{os.getpid()}"
         # batch lines spend their owner's token quota like interactive requests (the key ring's own
@@ -194,7 +203,8 @@ class BatchDriver:
             if self._gateway is None:
                 from farm.gateway import Gateway
 
-                self._gateway = Gateway(self.cfg, self.r, celery_app=LowPriority(self.celery, self.bcfg.priority))
+                self._gateway = Gateway(self.cfg, self.r, celery_app=LowPriority(self.celery, self.bcfg.priority),
+                                        reader_kind="batch")
             return self._gateway
 
     # -- the reaper: batches nobody drives ------------------------------------------------------------
@@ -369,15 +379,6 @@ class BatchDriver:
             self._inflight -= 1
             metrics.BATCH_INFLIGHT.set(self._inflight)
 
-    def alive(self, worker_id: str) -> bool:
-        now = time.monotonic()
-        hit = self._alive.get(worker_id)
-        if hit and now - hit[1] < 1.0:
-            return hit[0]
-        ok = bool(self.r.exists(registry.alive_key(worker_id)))
-        self._alive[worker_id] = (ok, now)
-        return ok
-
     def _run(self, bid: str, b: dict[str, Any], keeper: LeaseKeeper) -> str:
         lines = self._load_prepared(bid, b)
         if lines is None:
@@ -387,8 +388,7 @@ class BatchDriver:
         for ln in todo:  # answered by the semantic layer at validation (a guard's refusal): no worker
             if ln.answer is not None:
                 rid = ("chatcmpl-" if ln.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-                self._record_success(bid, ln, rid, ln.answer, {"finish_reason": ln.finish_reason, "usage": {
-                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}})
+                self._record_success(bid, ln, rid, Answer(ln.answer, DoneEvent(ln.finish_reason or "stop", Usage())))
         todo = [ln for ln in todo if ln.answer is None]
         if recorded:
             log.info("batch %s: resuming, %d of %d lines already recorded", bid, len(recorded), len(lines))
@@ -513,12 +513,18 @@ class BatchDriver:
     def _run_line(self, bid: str, line: PreparedLine, plan: Plan, stop: threading.Event,
                   wake: threading.Event) -> Outcome:
         """Run one line to its end; the result is recorded here, retries are decided by the caller."""
-        from farm.gateway import BusyError, GatewayTimeout, NoWorkersError
+        from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
 
-        cfg, poll = self.cfg, self.bcfg.poll_s
+        cfg = self.cfg
         rid = ("chatcmpl-" if line.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        # the batch owner's cache salt, as the API gives its interactive requests (farm.apikeys.tenant_cache_salt)
         req = GenerationRequest(rid, line.model, line.prompt_ids, SamplingParams.from_dict(line.sampling),
-                                created=time.time())
+                                created=time.time(), cache_salt=tenant_cache_salt(self._owner(bid), line.cache_salt))
+
+        def first_delta(_ev: DeltaEvent) -> None:
+            plan.prefilled(line)
+            wake.set()
+
         try:
             self.store.inflight_add(rid, time.time() + cfg.celery.max_request_s)
             try:
@@ -527,63 +533,28 @@ class BatchDriver:
                 return Outcome("retry", delay=2.0, code="no_workers", reason=str(e))
             except BusyError as e:
                 return Outcome("retry", delay=float(e.retry_after_s), code="overloaded", reason=str(e))
-            workers = {p.worker.worker_id for p in sub.placements.values()}
-            parts: list[str] = []
-            ids: list[int] = []
-            lps: list[list] = []  # the tokens' log-probabilities, when the line asks for them
-            started = first = False
-            last = time.monotonic()
-            while True:
-                try:
-                    for ev in sub.events(first_timeout_s=poll, idle_timeout_s=poll):
-                        last = time.monotonic()
-                        t = ev.get("type")
-                        if t == "start":
-                            started = True
-                            if ev.get("worker"):
-                                workers.add(ev["worker"])
-                        elif t == "delta":
-                            if ev.get("text"):
-                                parts.append(ev["text"])
-                            if "lp" in ev:
-                                ids.extend(ev.get("ids", []))
-                                lps.extend(ev["lp"])
-                            if not first:
-                                first = True
-                                plan.prefilled(line)
-                                wake.set()
-                        elif t == "done":
-                            if ev.get("finish_reason") == "abort":
-                                if stop.is_set():
-                                    return Outcome("cancelled")
-                                return Outcome("retry", count=True, code="aborted", reason="the request was aborted")
-                            self._record_success(bid, line, rid, "".join(parts), ev, ids, lps)
-                            return Outcome("recorded")
-                        elif t == "error":
-                            self._record_failure(bid, line, ev.get("code") or "engine_error",
-                                                 f"generation failed: {ev.get('message')}", rid=rid, status=500)
-                            return Outcome("recorded")
-                        if stop.is_set():  # cancelled, expired or handed over: stop generating now
-                            break
-                    else:
-                        return Outcome("retry", count=True, code="stream_ended", reason="the event stream ended")
-                except GatewayTimeout:
-                    pass
+            try:
+                # stop (cancelled, expired, handed over) is asked like a client that left
+                answer = collect(sub.events(client_gone=stop.is_set), on_first_delta=first_delta)
+            except ClientGone:
+                return Outcome("cancelled")
+            except GatewayTimeout as e:
+                return Outcome("retry", count=True, code="timeout", reason=str(e))
+            except WorkerError as e:
+                if e.retryable:  # no worker could take it over: run it again later
+                    log.warning("batch %s line %d (%s): %s; running it again", bid, line.line, line.custom_id, e)
+                    return Outcome("retry", count=True, code=e.code, reason=str(e))
+                self._record_failure(bid, line, e.code, f"generation failed: {e}", rid=rid, status=500)
+                return Outcome("recorded")
+            finally:
+                sub.cancel()  # a no-op once it finished; stops the workers when the line gives up
+                sub.close()
+            if answer.finish_reason == "abort":
                 if stop.is_set():
-                    sub.cancel()
                     return Outcome("cancelled")
-                lost = [w for w in workers if not self.alive(w)]
-                if lost:
-                    sub.cancel()
-                    log.warning("batch %s line %d (%s): worker %s lost, running it again", bid, line.line,
-                                line.custom_id, lost[0])
-                    return Outcome("retry", count=True, code="worker_lost",
-                                   reason=f"worker {lost[0]} was lost while running the request")
-                limit = cfg.api.request_timeout_s if started else cfg.api.first_event_timeout_s
-                if time.monotonic() - last > limit:
-                    sub.cancel()
-                    return Outcome("retry", count=True, code="timeout",
-                                   reason=f"no progress from the workers within {limit:.0f}s")
+                return Outcome("retry", count=True, code="aborted", reason="the request was aborted")
+            self._record_success(bid, line, rid, answer)
+            return Outcome("recorded")
         except redis.RedisError as e:
             return Outcome("retry", delay=1.0, code="redis_error", reason=str(e))
         finally:
@@ -593,15 +564,12 @@ class BatchDriver:
                 pass
 
     # -- results ----------------------------------------------------------------------------------------------
-    def _record_success(self, bid: str, line: PreparedLine, rid: str, text: str, done: dict[str, Any],
-                        ids: list[int] | None = None, lps: list[list] | None = None) -> None:
-
-        usage = done.get("usage", {})
+    def _record_success(self, bid: str, line: PreparedLine, rid: str, answer: Answer) -> None:
+        usage = answer.usage.to_dict()
         logprobs = None
         if line.sampling.get("logprobs") is not None:
-            logprobs = for_kind(line.kind, self._tokenizer(line.model), ids or [], lps or [])
-        body = full_response(line.kind, rid, line.model, [Choice(text, done.get("finish_reason", "stop"), logprobs)],
-                             usage)
+            logprobs = for_kind(line.kind, self._tokenizer(line.model), answer.token_ids, answer.logprobs)
+        body = full_response(line.kind, rid, line.model, [Choice(answer.text, answer.finish_reason, logprobs)], usage)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
         if self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1:
@@ -611,13 +579,18 @@ class BatchDriver:
     def _charge(self, bid: str, usage: dict[str, Any]) -> None:
         """A recorded line's tokens go to the batch owner's quota (once: only the first record counts).
         The quota is checked when a batch is created; a batch admitted runs to its end."""
-        owner = self._owners.get(bid)
-        if owner is None:
-            owner = self._owners[bid] = (self.store.get(bid) or {}).get("owner") or OWNER_ANONYMOUS
+        owner = self._owner(bid)
         try:
             self.limiter.charge(owner, int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0)))
         except redis.RedisError:
             log.warning("batch %s: could not charge a line's tokens to its owner's quota", bid)
+
+    def _owner(self, bid: str) -> str:
+        """The batch's owner id (its creator's key; anonymous on a farm without keys), remembered while it runs."""
+        owner = self._owners.get(bid)
+        if owner is None:
+            owner = self._owners[bid] = (self.store.get(bid) or {}).get("owner") or OWNER_ANONYMOUS
+        return owner
 
     def _record_failure(self, bid: str, line: PreparedLine, code: str, message: str, rid: str | None = None,
                         status: int | None = None) -> None:

@@ -26,6 +26,7 @@ from farm.batch.store import (
     new_file_id,
 )
 from farm.config import FarmConfig
+from farm.filemodes import open_private, private_dir
 
 # -- files ------------------------------------------------------------------------------------------------
 CHUNK_BYTES = 1 << 20  # bodies are streamed in and out in pieces of this size
@@ -48,7 +49,8 @@ def _chunks(src: IO[bytes] | bytes | Iterable[bytes]) -> Iterator[bytes]:
 
 class DiskBodies:
     """File bodies as files under `root` (written to a temp name, then renamed). Every API replica and batch
-    driver must see the same directory: one machine, or a shared (ReadWriteMany) volume."""
+    driver must see the same directory: one machine, or a shared (ReadWriteMany) volume. They are tenants'
+    prompts and answers: the directory is 0700 and every body 0600, whatever the process's umask."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -59,12 +61,12 @@ class DiskBodies:
         return self.root / file_id
 
     def write(self, file_id: str, chunks: Iterable[bytes], capped: bool) -> int:
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         dest = self.path(file_id)
         tmp = dest.with_name(f".{file_id}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
         size = 0
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
                     size += len(chunk)

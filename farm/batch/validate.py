@@ -50,6 +50,7 @@ class PreparedLine:
     sampling: dict[str, Any]
     answer: str | None = None  # set when the semantic layer answered (a guard's refusal): nothing to generate
     finish_reason: str | None = None
+    cache_salt: str | None = None  # the line's own `cache_salt` (vLLM's field), combined with its owner's
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -162,7 +163,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             errors.append(_err("unsupported_value", "'n' greater than 1 is not supported in a batch line; give each "
                                "sample a line of its own", no, "body.n"))
             continue
-        lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict()))
+        lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict(),
+                                  cache_salt=parsed.cache_salt))
     if not errors and not lines:
         errors.append(_err("empty_file", "The input file holds no requests.", None, "input_file_id"))
     return lines, errors

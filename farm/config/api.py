@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -15,6 +15,10 @@ class ApiLimitsConfig(Section):
     requests_per_minute: int = Field(0, ge=0)  # fixed 60 s windows; 0 = unlimited
     token_quota: int = Field(0, ge=0)  # prompt + completion tokens per key per window; 0 = unlimited
     token_quota_window_s: int = Field(86400, ge=1)
+    # Requests in progress per key in one API process (counted in memory, not in Redis), checked after the key
+    # and before the body is read; over it: 429 at once. "auto" = half of api.worker_connections, so one key
+    # never holds every connection; 0 = unlimited. Applies only with API keys (without, there is one tenant).
+    max_concurrent_requests: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
 
 
 class ApiKeyEntry(Section):
@@ -35,6 +39,11 @@ class ApiConfig(Section):
     # Seconds a client has to send a complete request head (and a keep-alive connection may sit idle);
     # then the connection is closed: slow-header (slowloris) clients cannot hold connections for long.
     header_timeout_s: int = Field(10, ge=1, le=3600)
+    # Seconds a client has to send a request body after its head, plus one second per `body_min_rate` bytes
+    # it sent (a large upload at a fair rate is not cut), and the longest wait for its next bytes; then 408
+    # and the connection is closed: slow-body clients cannot hold connections for long (api/admission.py).
+    body_timeout_s: int = Field(30, ge=1, le=3600)
+    body_min_rate: int = Field(16384, ge=0)  # bytes per second; 0 = the body must arrive within body_timeout_s
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600, gt=0)
     first_event_timeout_s: float = Field(300, gt=0)
@@ -53,6 +62,11 @@ class ApiConfig(Section):
     # A prompt longer than max_model_len x this many characters is refused before it is tokenized;
     # 0 = the tokenizer's longest vocabulary entry (an exact bound: no prompt that fits is refused).
     max_chars_per_token: int = Field(0, ge=0)
+
+    def max_concurrent_per_key(self) -> int:
+        """`limits.max_concurrent_requests` resolved: "auto" is half of `worker_connections`; 0 = unlimited."""
+        cap = self.limits.max_concurrent_requests
+        return max(1, self.worker_connections // 2) if cap == "auto" else cap
 
     @model_validator(mode="before")
     @classmethod

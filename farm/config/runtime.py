@@ -15,7 +15,7 @@ class ReliabilityConfig(Section):
     max_migrations: int = Field(2, ge=0)  # a request moves to another worker at most this often, then errors
     check_interval_s: float = Field(1.0, gt=0)  # how often a reading gateway checks its workers are alive
     migration_wait_s: float = Field(30, ge=0)  # wait this long for a worker to take a migrated request
-    lease_ttl_s: float = Field(10, ge=2)  # the reader's lease on a request; workers abort it when it lapses
+    lease_ttl_s: float = Field(10, ge=2)  # a reader's lease on its requests; workers abort them when it lapses
     sweep_interval_s: float = Field(3, gt=0)  # workers re-send work queued for workers that vanished
     probe_interval_s: float = Field(10, gt=0)  # consumer watchdog: a ping through the worker's own queue
     probe_timeout_s: float = Field(15, gt=0)

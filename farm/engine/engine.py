@@ -40,6 +40,7 @@ from farm.engine.step_costs import StepCosts
 from farm.engine.timings import RequestTimings
 from farm.kvcache.tiers import TieredKV
 from farm.protocol import SamplingParams
+from farm.protocol.hashing import salt_root
 from farm.tokenization import IncrementalDetokenizer, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -126,12 +127,14 @@ class Engine:
     # -- thread-safe API -------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], *, prefill_only: bool = False,
-               kv_import: KVImport | None = None, max_request_s: float | None = None) -> None:
+               kv_import: KVImport | None = None, max_request_s: float | None = None,
+               cache_salt: str = "") -> None:
+        """`cache_salt` scopes the prefix cache: blocks are only reused among requests with the same salt."""
         try:
             seq = Sequence(request_id, list(prompt_ids), params, on_output, prefill_only=prefill_only,
                            kv_import=kv_import, max_len=self.max_model_len,
                            deadline=time.monotonic() + max_request_s if max_request_s else math.inf,
-                           generator=make_generator(params))
+                           generator=make_generator(params), root=salt_root(cache_salt))
         except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # e.g. a seed torch refuses
             on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
             return

@@ -2,7 +2,8 @@
 
 Each engine step is either a prefill step (prompt chunks of waiting or partly prefilled sequences, up
 to a token budget) or a decode step (one token for every running sequence). Admission looks up the
-prompt's block hashes in the prefix cache and only computes what is not cached. When the cache runs
+prompt's block hashes in the prefix cache and only computes what is not cached (a request's hashes are
+chained from its cache salt's root, so it only finds blocks cached under the same salt). When the cache runs
 out of blocks mid-decode, the newest sequence is preempted (its blocks freed, recomputed later).
 """
 
@@ -45,6 +46,7 @@ class Sequence:
     max_len: int = 4096
     deadline: float = math.inf
     generator: torch.Generator | None = None
+    root: int | None = None  # hashing.salt_root of the request's cache salt: the parent of its first block
 
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -123,7 +125,7 @@ class Scheduler:
         if full <= have:
             return
         ids = seq.all_ids
-        parent = seq.hashes[-1] if seq.hashes else None
+        parent = seq.hashes[-1] if seq.hashes else seq.root
         new = block_hashes(ids[have * self.bs: full * self.bs], self.bs, parent)
         self.pool.cache_blocks(seq.block_table[have:full], new, parent)
         seq.hashes.extend(new)
@@ -133,7 +135,7 @@ class Scheduler:
         """Hashes of every full block of the sequence's tokens (computed once per token count)."""
         n = seq.num_tokens
         if seq.planned[0] != n:
-            seq.planned = (n, block_hashes(seq.all_ids, self.bs))
+            seq.planned = (n, block_hashes(seq.all_ids, self.bs, seq.root))
         return seq.planned[1]
 
     def _waits_for_inflight(self, seq: Sequence, inflight: set[int]) -> bool:
@@ -148,7 +150,7 @@ class Scheduler:
         ids = seq.all_ids
         # imported KV covers the prompt only: never match a block that includes the first token
         hashes = self._planned(seq) if seq.kv_import is None else \
-            block_hashes(ids[:seq.kv_import.num_tokens], self.bs)
+            block_hashes(ids[:seq.kv_import.num_tokens], self.bs, seq.root)
         cached = self.pool.cached_prefix(hashes)
         if seq.kv_import is None and len(cached) * self.bs >= len(ids):
             cached = cached[:-1]  # always compute at least one token to get logits
@@ -168,7 +170,7 @@ class Scheduler:
         if lower:  # onboard from host/disk instead of recomputing, and cache them on the device again
             start = len(cached)
             n = self.tiers.onboard(hashes[start:start + len(lower)], lower, fresh[:len(lower)])
-            self.pool.cache_blocks(fresh[:n], hashes[start:start + n], hashes[start - 1] if start else None)
+            self.pool.cache_blocks(fresh[:n], hashes[start:start + n], hashes[start - 1] if start else seq.root)
             cached_count = start + n
         else:
             cached_count = len(cached)

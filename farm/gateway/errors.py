@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from farm.router.router import BusyError
 
-__all__ = ["BusyError", "ClientGone", "GatewayTimeout", "NoWorkersError"]
+__all__ = ["BusyError", "ClientGone", "GatewayTimeout", "NoWorkersError", "WorkerError"]
 
 
 class NoWorkersError(RuntimeError):
@@ -17,3 +17,17 @@ class ClientGone(ConnectionError):
 
 class GatewayTimeout(TimeoutError):
     """No progress from the workers within the configured time: the API answers 504."""
+
+
+class WorkerError(RuntimeError):
+    """The request failed on the workers (an `error` event): `code` says why (engine_error, invalid_task,
+    worker_lost when no other worker could take it over, orphaned...). The API answers 503 for worker_lost
+    (retry later) and 500 otherwise."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in ("worker_lost", "orphaned")

@@ -1,36 +1,39 @@
-"""One request in flight: its dispatched tasks, the load it holds, its lease, and reading its stream, with
-migration to another worker when the one holding it dies (the tokens streamed so far go with it)."""
+"""One request in flight: the load it holds, its mailbox on the process's reply reader, and reading its typed
+events, with migration to another worker when the one holding it dies (the tokens streamed so far go with it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import redis
 
-from farm import metrics, registry, reliability
+from farm import metrics, registry
+from farm.config import FarmConfig
 from farm.gateway.errors import ClientGone, GatewayTimeout, NoWorkersError
+from farm.gateway.placement import Placed, Placer
+from farm.gateway.replies import Mailbox, ReplyReader
 from farm.protocol import (
     CANCEL_TTL_S,
-    EVENT_FIELD,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
     GenerationRequest,
     SamplingParams,
+    StartEvent,
+    Usage,
     cancel_key,
-    lease_key,
     migration_id,
-    stream_key,
 )
 from farm.protocol.keys import OBS_STREAM
+from farm.router.load import LoadTracker
 from farm.router.router import BusyError, Placement
 from farm.tokenization import IncrementalDetokenizer, get_tokenizer
-
-if TYPE_CHECKING:
-    from farm.gateway.gateway import Gateway
 
 log = logging.getLogger("farm.gateway")
 
@@ -38,41 +41,44 @@ OBS_MAXLEN = 20_000
 
 
 @dataclass
-class Dispatch:
-    """A task sent to one worker's queue, and where to re-send it if that worker vanishes."""
+class Services:
+    """What every submission of one gateway shares: configuration, Redis, the load tracker, the reply reader and
+    the placer (migration places the request again)."""
 
-    task: str
-    args: list[Any]
-    worker_id: str
-    fallback_queue: str
+    cfg: FarmConfig
+    r: redis.Redis
+    loads: LoadTracker
+    replies: ReplyReader
+    placer: Placer
 
 
 class Submission:
-    """One request in flight: iterate its events, or cancel it.
+    """One request in flight: iterate its typed events, or cancel it.
 
-    While it reads, it holds the request's lease (workers abort a leased request nobody reads) and checks
-    every `reliability.check_interval_s` that the workers serving the request are alive. When one died
-    mid-request, the request migrates (`_migrate`): a new attempt `<id>.m<n>` with the prompt plus the
-    tokens already streamed and `max_tokens` reduced, placed on another worker; its events continue the
-    same client stream, with usage counted as if nothing happened.
+    While it is read, it checks every `reliability.check_interval_s` that the workers serving it are alive (the
+    reply reader's liveness check). When one died mid-request, the request migrates (`_migrate`): a new attempt
+    `<id>.m<n>` with the prompt plus the tokens already streamed and `max_tokens` reduced, placed on another
+    worker; its events continue the same stream, with usage counted as if nothing happened.
     """
 
-    def __init__(self, gw: Gateway, req: GenerationRequest, layout: str, placements: dict[str, Placement],
-                 dispatch: Dispatch):
-        self.gw = gw
+    def __init__(self, svc: Services, req: GenerationRequest, placed: Placed, box: Mailbox):
+        self.svc = svc
         self.req = req
         self.request_id = req.request_id
-        self.layout = layout
-        self.placements = placements
-        self.dispatch = dispatch
+        self.layout = placed.layout
+        self.placements = placed.placements
+        self.dispatch = placed.dispatch
         self.attempt_id = req.request_id  # the request id the workers see now (changes on migration)
         self.migrations = 0
-        self._last_id = "0-0"
-        self._seen: dict[str, int] = {}  # stream writer -> last event sequence read
-        self.finished = False
+        self.finished = False  # its done or error event was read
+        self._closed = False
+        self.done: DoneEvent | None = None
+        self._box = box
         self._started = False
+        self._prefill_open = True  # the prefill load is still held
         self._loads: list[tuple[str, str, str]] = []  # (kind, worker, request id) not yet ended
-        self._open_loads(placements, req.request_id)
+        self._watching: list[str] = []  # workers this request asked the reader to watch
+        self._open_attempt(placed, req.request_id)
         self._t0 = time.monotonic()
         self.ttft_s: float | None = None
         self._last_delta: float | None = None
@@ -80,49 +86,66 @@ class Submission:
         self._ids: list[int] = []  # token ids streamed to the reader, across attempts
         self._text = ""  # their text, as streamed
         self._carried = 0  # tokens of _ids that are part of the current attempt's prompt
-        self._boundary = None  # detokenizer that renders the first text after a migration
+        self._boundary: IncrementalDetokenizer | None = None  # renders the first text after a migration
         self._stage: dict[str, str] = {}  # stage -> worker that serves it now (from start events)
         self._lost: set[str] = set()
-        self._info: dict[str, registry.WorkerInfo] = {p.worker.worker_id: p.worker for p in placements.values()}
-        self._lease_at = time.monotonic()
-        self._placed_at = time.monotonic()
 
     @property
     def predicted_overlap_tokens(self) -> int:
         p = self.placements.get("prefill") or self.placements.get("both")
-        return p.overlap_blocks * self.gw.cfg.block_size(self.req.model) if p else 0
+        return p.overlap_blocks * self.svc.cfg.block_size(self.req.model) if p else 0
 
     @property
     def router_mode(self) -> str:
-        return self.gw.cfg.router.mode
+        return self.svc.cfg.router.mode
 
-    def _open_loads(self, placements: dict[str, Placement], rid: str) -> None:
-        p = placements.get("prefill") or placements.get("both")
-        d = placements.get("decode") or placements.get("both")
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens so far: the done event's count once finished, else the tokens handed to the reader
+        (what a client that left has received)."""
+        return self.done.usage.completion_tokens if self.done is not None else len(self._ids)
+
+    # -- book-keeping of one attempt -----------------------------------------------------------------------
+    def _open_attempt(self, placed: Placed, rid: str) -> None:
+        self._placed_at = time.monotonic()
+        p = placed.placements.get("prefill") or placed.placements.get("both")
+        d = placed.placements.get("decode") or placed.placements.get("both")
         if p is not None:
             self._loads.append(("p", p.worker.worker_id, rid))
         if d is not None:
             self._loads.append(("d", d.worker.worker_id, rid))
+        self._prefill_open = True
+        for pl in placed.placements.values():
+            self._watch(pl.worker.worker_id, pl.worker)
+
+    def _watch(self, worker_id: str, info: registry.WorkerInfo | None = None) -> None:
+        if worker_id not in self._watching:
+            self._watching.append(worker_id)
+            self.svc.replies.watch(worker_id, info)
+
+    def _close_attempt(self) -> None:
+        """The current attempt is over (finished, cancelled or migrated away): no more events, load, watching."""
+        self.svc.replies.close(self.attempt_id)
+        for wid in self._watching:
+            self.svc.replies.unwatch(wid)
+        self._watching = []
+        self._end_load("p")
+        self._end_load("d")
 
     def _end_load(self, kind: str) -> None:
+        if kind == "p":
+            self._prefill_open = False
         for load in [x for x in self._loads if x[0] == kind]:
             self._loads.remove(load)
             try:
-                self.gw.router.loads.end(kind, load[1], load[2])
+                self.svc.loads.end(kind, load[1], load[2])
             except redis.RedisError:
                 pass  # the deadline reaper ends it later
-
-    def _refresh_lease(self, force: bool = False) -> None:
-        ttl = self.gw.cfg.reliability.lease_ttl_s
-        now = time.monotonic()
-        if force or now - self._lease_at >= ttl / 4:
-            self.gw.r.set(lease_key(self.attempt_id), "1", ex=max(1, math.ceil(ttl)))
-            self._lease_at = now
 
     def _watched(self) -> list[str]:
         """Workers whose death loses this request now: before any event the one whose queue holds it."""
         if not self._started:
-            waited = time.monotonic() - self._placed_at >= self.gw.cfg.router.placement_timeout_s
+            waited = time.monotonic() - self._placed_at >= self.svc.cfg.router.placement_timeout_s
             return [self.dispatch.worker_id] if self.dispatch.worker_id and waited else []
         if "decode" in self._stage:
             return [self._stage["decode"]]
@@ -134,16 +157,17 @@ class Submission:
 
     def _lost_worker(self) -> str | None:
         for wid in self._watched():
-            if wid in self._lost or reliability.worker_gone(self.gw.r, wid, self._info.get(wid)):
+            if wid in self._lost or self.svc.replies.gone(wid):
                 return wid
         return None
 
+    # -- migration -------------------------------------------------------------------------------------------
     def _clean_prefix(self) -> int:
         """How many streamed tokens to carry over: all whose text the reader already has (a multi-byte
         character still held back by the dead worker's detokenizer is generated again)."""
         n = len(self._ids)
         try:
-            tok = get_tokenizer(self.gw.cfg, self.req.model)
+            tok = get_tokenizer(self.svc.cfg, self.req.model)
         except Exception:  # noqa: BLE001 - no tokenizer here: carry everything
             return n
         for k in range(n, max(-1, n - 8), -1):
@@ -153,25 +177,19 @@ class Submission:
                 return k
         return n
 
-    def _migrate(self, lost: str) -> dict[str, Any] | None:
+    def _migrate(self, lost: str) -> Event | None:
         """Move the request off `lost`; returns the event that ends the stream instead, if any."""
-        rcfg = self.gw.cfg.reliability
+        rcfg = self.svc.cfg.reliability
         self._lost.add(lost)
-        old = self.attempt_id
-        try:
-            pipe = self.gw.r.pipeline(transaction=False)
-            pipe.set(cancel_key(old), "1", ex=CANCEL_TTL_S)  # if it was only slow, it stops now
-            pipe.delete(lease_key(old), stream_key(old))
-            pipe.execute()
+        try:  # if it was only slow, it stops now
+            self.svc.r.set(cancel_key(self.attempt_id), "1", ex=CANCEL_TTL_S)
         except redis.RedisError:
             pass
-        self._end_load("p")
-        self._end_load("d")
+        self._close_attempt()
         if self.migrations >= rcfg.max_migrations:
             metrics.MIGRATIONS.labels(outcome="limit").inc()
-            return {"type": "error", "code": "worker_lost",
-                    "message": f"worker {lost} was lost and the request already moved {self.migrations} "
-                               f"times (reliability.max_migrations)"}
+            return ErrorEvent(f"worker {lost} was lost and the request already moved {self.migrations} times "
+                              "(reliability.max_migrations)", "worker_lost")
         self.migrations += 1
         k = self._clean_prefix()
         del self._ids[k:]
@@ -180,134 +198,111 @@ class Submission:
         left = orig.sampling.max_tokens - k
         if left <= 0:  # everything was generated, only the done event was lost
             metrics.MIGRATIONS.labels(outcome="finished").inc()
-            return {"type": "done", "finish_reason": "length", "migrations": self.migrations,
-                    "usage": {"prompt_tokens": len(orig.prompt_token_ids), "completion_tokens": k,
-                              "cached_tokens": 0}}
+            return DoneEvent("length", Usage(len(orig.prompt_token_ids), k, 0), migrations=self.migrations)
         sampling = SamplingParams.from_dict({**orig.sampling.to_dict(), "max_tokens": left})
         req = GenerationRequest(migration_id(orig.request_id, self.migrations), orig.model,
-                                orig.prompt_token_ids + self._ids, sampling, created=orig.created,
-                                lease_s=orig.lease_s, origin=orig.request_id)
+                                orig.prompt_token_ids + self._ids, sampling, reply_to=orig.reply_to,
+                                created=orig.created, lease_s=orig.lease_s, origin=orig.request_id,
+                                cache_salt=orig.cache_salt)
         log.warning("request %s: worker %s lost after %d tokens; migrating as %s", orig.request_id, lost, k,
                     req.request_id)
         deadline = time.monotonic() + rcfg.migration_wait_s
         while True:
+            self.attempt_id = req.request_id
+            self._box = self.svc.replies.open(req.request_id)
             try:
-                self.attempt_id = req.request_id
-                self._refresh_lease(force=True)
-                _layout, placements, dispatch = self.gw._place(req, exclude=self._lost)
+                placed = self.svc.placer.place(req, exclude=self._lost)
                 break
             except (NoWorkersError, BusyError, redis.RedisError) as e:
+                self.svc.replies.close(req.request_id)
                 if time.monotonic() >= deadline:
                     metrics.MIGRATIONS.labels(outcome="no_worker").inc()
-                    return {"type": "error", "code": "worker_lost",
-                            "message": f"worker {lost} was lost and no other worker took the request: {e}"}
+                    return ErrorEvent(f"worker {lost} was lost and no other worker took the request: {e}",
+                                      "worker_lost")
                 time.sleep(rcfg.check_interval_s)
         metrics.MIGRATIONS.labels(outcome="migrated").inc()
-        self.placements, self.dispatch = placements, dispatch
-        self._info.update({p.worker.worker_id: p.worker for p in placements.values()})
-        self._open_loads(placements, req.request_id)
-        self._started, self._stage, self._last_id = False, {}, "0-0"
-        self._placed_at = time.monotonic()
+        self.placements, self.dispatch = placed.placements, placed.dispatch
+        self._open_attempt(placed, req.request_id)
+        self._started, self._stage = False, {}
         return None
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
+    def _on_event(self, ev: Event) -> Event:
         """Book-keeping of one event of the current attempt, before the reader sees it."""
-        kind = ev.get("type")
-        if kind == "start" and ev.get("worker"):
-            self._stage["prefill" if ev.get("role") == "prefill" else "decode"] = ev["worker"]
-        elif kind == "delta":
+        if isinstance(ev, DeltaEvent):
             if self._boundary is not None:  # first text after a migration: render it after the carried text
-                ev["text"] = self._boundary.add(list(ev.get("ids") or []))
-                if ev["text"]:
+                ev = dataclasses.replace(ev, text=self._boundary.add(list(ev.ids)))
+                if ev.text:
                     self._boundary = None
-            self._ids.extend(ev.get("ids") or [])
-            self._text += ev.get("text", "")
-        elif kind == "done" and self.migrations:
-            usage = dict(ev.get("usage") or {})
+            self._ids.extend(ev.ids)
+            self._text += ev.text
+        elif isinstance(ev, StartEvent):
+            self._stage["decode" if ev.decodes else "prefill"] = ev.worker
+            self._watch(ev.worker)
+        elif isinstance(ev, DoneEvent) and self.migrations:
             n_prompt = len(self.req.prompt_token_ids)
-            usage["prompt_tokens"] = n_prompt
-            usage["completion_tokens"] = int(usage.get("completion_tokens", 0)) + self._carried
-            usage["cached_tokens"] = min(int(usage.get("cached_tokens", 0)), n_prompt)
-            ev["usage"] = usage
-            ev["migrations"] = self.migrations
+            u = ev.usage
+            ev = dataclasses.replace(ev, migrations=self.migrations, usage=Usage(
+                n_prompt, u.completion_tokens + self._carried, min(u.cached_tokens, n_prompt)))
+        return ev
 
+    # -- reading -----------------------------------------------------------------------------------------------
     def events(self, first_timeout_s: float | None = None, idle_timeout_s: float | None = None,
-               client_gone: Callable[[], bool] | None = None) -> Iterator[dict[str, Any]]:
-        """Yield stream events in order until `done` or `error`; raise GatewayTimeout on silence.
+               client_gone: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """Yield the request's typed events in order until `done` or `error` (yielded last); raise GatewayTimeout
+        on silence (`first_timeout_s` for the first event, then `idle_timeout_s` between events).
 
-        A Redis restart while reading is waited out (the deadline still applies): workers keep their
-        tokens until Redis is back, and XREAD resumes from the last id seen. `client_gone` is asked every
-        `reliability.check_interval_s`, also while nothing arrives (queued, or a non-streaming answer
-        being collected); when it says so, ClientGone is raised."""
-        cfg = self.gw.cfg
+        A Redis restart while reading is waited out (the deadline still applies): workers keep their events
+        until Redis is back, and the reader resumes where it was. `client_gone` is asked every
+        `reliability.check_interval_s`, also while nothing arrives (queued, or a non-streaming answer being
+        collected); when it says so, ClientGone is raised."""
+        cfg = self.svc.cfg
         first = first_timeout_s if first_timeout_s is not None else cfg.api.first_event_timeout_s
         idle = idle_timeout_s if idle_timeout_s is not None else cfg.api.request_timeout_s
+        interval = cfg.reliability.check_interval_s
         got_any = False
         deadline = time.monotonic() + first
-        next_check = 0.0
+        next_check = time.monotonic() + min(interval, 0.1)
         while True:
             now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
-                raise GatewayTimeout(
-                    f"no {'progress' if got_any else 'response'} from workers within "
-                    f"{idle if got_any else first:.0f}s"
-                )
-            try:
-                if now >= next_check:
-                    next_check = now + cfg.reliability.check_interval_s
-                    if client_gone is not None and client_gone():
-                        raise ClientGone(f"request {self.request_id}: the client closed its connection")
-                    self._refresh_lease()
-                    lost = self._lost_worker()
-                    if lost is not None:
-                        end = self._migrate(lost)
-                        if end is not None:
-                            yield from self._finish(end)
-                            return
-                        deadline = time.monotonic() + first
-                        continue
-                block_ms = int(min(remaining, cfg.reliability.check_interval_s, 1.0) * 1000) or 1
-                resp = self.gw.r.xread({stream_key(self.attempt_id): self._last_id}, count=256, block=block_ms)
-            except (redis.ConnectionError, redis.TimeoutError):
-                time.sleep(0.25)  # Redis restarting: keep waiting until the deadline
-                continue
-            if not resp:
-                continue
-            for _key, entries in resp:
-                for entry_id, fields in entries:
-                    self._last_id = entry_id
-                    ev = json.loads(fields.get(EVENT_FIELD.encode()) or fields.get(EVENT_FIELD))
-                    writer, seq = ev.pop("w", None), ev.pop("s", 0)
-                    if writer is not None:  # a writer that retried after a Redis error may repeat events
-                        if seq <= self._seen.get(writer, 0):
-                            continue
-                        self._seen[writer] = seq
-                    got_any = self._started = True
-                    deadline = time.monotonic() + idle
-                    self._on_event(ev)
-                    kind = ev.get("type")
-                    if kind == "delta" or (kind == "start" and ev.get("role") == "decode"):
-                        self._end_load("p")
-                    if kind == "delta" and ev.get("n"):
-                        self._observe_delta(ev["n"])
-                    if kind in ("done", "error"):
-                        yield from self._finish(ev)
+            if now >= deadline:
+                raise GatewayTimeout(f"no {'progress' if got_any else 'response'} from workers within "
+                                     f"{idle if got_any else first:.0f}s")
+            if now >= next_check:
+                next_check = now + interval
+                if client_gone is not None and client_gone():
+                    raise ClientGone(f"request {self.request_id}: the client closed its connection")
+                lost = self._lost_worker()
+                if lost is not None:
+                    end = self._migrate(lost)
+                    if end is not None:
+                        yield self._finish(end)
                         return
-                    yield ev
+                    deadline = time.monotonic() + first
+                    continue
+            for ev in self._box.take(min(deadline, next_check) - now):
+                got_any = self._started = True
+                deadline = time.monotonic() + idle
+                ev = self._on_event(ev)
+                if isinstance(ev, DeltaEvent):
+                    if self._prefill_open:
+                        self._end_load("p")
+                    if ev.n:
+                        self._observe_delta(ev.n)
+                elif isinstance(ev, (DoneEvent, ErrorEvent)):
+                    yield self._finish(ev)
+                    return
+                elif self._prefill_open and ev.role == "decode":
+                    self._end_load("p")
+                yield ev
 
-    def _finish(self, ev: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _finish(self, ev: Event) -> Event:
         self.finished = True
-        self._end_load("p")
-        self._end_load("d")
-        if ev.get("type") == "done":
-            metrics.record_usage(self.req.model, ev.get("usage", {}), ev.get("prefill"))
+        self.close()
+        if isinstance(ev, DoneEvent):
+            self.done = ev
+            metrics.record_usage(self.req.model, ev.usage.to_dict(), ev.prefill)
             self._record_observation(ev)
-        try:
-            self.gw.r.delete(stream_key(self.attempt_id), lease_key(self.attempt_id))
-        except redis.RedisError:
-            pass  # both expire
-        yield ev
+        return ev
 
     def _observe_delta(self, n: int) -> None:
         now = time.monotonic()
@@ -322,25 +317,30 @@ class Submission:
     def itl_s(self) -> float | None:
         return self._itl_sum / self._itl_n if self._itl_n else None
 
-    def _record_observation(self, done: dict[str, Any]) -> None:
+    def _record_observation(self, done: DoneEvent) -> None:
         """What the planner plans from: observed latency and request sizes, in a capped stream."""
-        usage = done.get("usage", {})
         obs = {"model": self.req.model, "ts": time.time(), "ttft": self.ttft_s or 0.0, "itl": self.itl_s or 0.0,
-               "isl": usage.get("prompt_tokens", 0), "osl": usage.get("completion_tokens", 0),
-               "prefill": done.get("prefill", "")}
+               "isl": done.usage.prompt_tokens, "osl": done.usage.completion_tokens, "prefill": done.prefill or ""}
         metrics.observe_latency(self.req.model, self.ttft_s, self.itl_s, time.monotonic() - self._t0)
         try:
-            self.gw.r.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
+            self.svc.r.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
         except redis.RedisError:
             pass
 
     def cancel(self) -> None:
-        """Tell the workers to stop generating (client gone); idempotent."""
-        if not self.finished:
-            pipe = self.gw.r.pipeline(transaction=False)
-            for rid in {self.request_id, self.attempt_id}:
-                pipe.set(cancel_key(rid), "1", ex=CANCEL_TTL_S)
-            pipe.delete(lease_key(self.attempt_id))
-            pipe.execute()
-            self._end_load("p")
-            self._end_load("d")
+        """Ask the workers to stop generating (the client went away); the stream then ends with a `done` event
+        whose finish_reason is "abort", for whoever still reads it. A no-op once finished."""
+        if self.finished:
+            return
+        pipe = self.svc.r.pipeline(transaction=False)
+        for rid in {self.request_id, self.attempt_id}:
+            pipe.set(cancel_key(rid), "1", ex=CANCEL_TTL_S)
+        pipe.execute()
+
+    def close(self) -> None:
+        """The caller reads no more: drop the request's mailbox, liveness watch and load. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close_attempt()
+
+__all__ = ["Placement", "Services", "Submission"]

@@ -21,6 +21,7 @@ from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 Role = Literal["system", "user", "assistant", "developer"]
 MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
 MAX_TOP_K = 1 << 20
+MAX_CACHE_SALT = 128  # vLLM's limit of cache_salt
 UNSUPPORTED_NOTE = "Not supported by this server: accepted only when absent, null, false or empty."
 
 
@@ -71,6 +72,9 @@ class _Sampling(_Request):
     min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence before this many")
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that "
                                                                              "end the completion")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
+        "vLLM extension: prefix-cache reuse only among requests with this salt, within the caller's own API key's "
+        "scope (which every request has anyway); no '@', '/', '\\' or NUL"))
 
 
 class ChatCompletionRequest(_Sampling):

@@ -10,6 +10,7 @@ from typing import Any
 from farm.config import SamplingDefaults
 from farm.openai.errors import APIError, bad_request
 from farm.openai.models import (
+    MAX_CACHE_SALT,
     ChatCompletionRequest,
     CompletionRequest,
     field_bounds,
@@ -43,6 +44,7 @@ class ParsedRequest:
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     n: int = 1  # choices: n requests on the workers (seeds seed, seed+1, ...)
+    cache_salt: str | None = None  # the client's (vLLM's field): combined with its tenant's (farm.apikeys)
 
 
 def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
@@ -143,6 +145,16 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if body.get("logprobs") is None or body["logprobs"] is False:
         return None
     return _integer(body, "logprobs", 0, CompletionRequest)
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`, checked as vLLM checks it: a non-empty string of at most 128 characters without
+    '@', '/', '\\' or NUL."""
+    salt = _type_check(body, "cache_salt", (str,), "a string")
+    if salt is not None and (not 1 <= len(salt) <= MAX_CACHE_SALT or any(c in salt for c in "@/\\\0")):
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} characters "
+                          "without '@', '/', '\\' or NUL", "cache_salt", "invalid_value")
+    return salt
 
 
 def _refuse_for_backend(body: dict, backend: str | None) -> None:
@@ -320,7 +332,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
                                                vocab=len(tokenizer), backend=backend)
-    return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n)
+    return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n,
+                         cache_salt=_cache_salt(body))
 
 
 def raw_prompt(body: dict) -> Any:
@@ -374,7 +387,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
                           "(batched prompts are not supported)", "prompt")
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "prompt", defaults,
                                                kind="completion", vocab=len(tokenizer), backend=backend)
-    return ParsedRequest(body["model"], ids, params, stream, include_usage, n=n)
+    return ParsedRequest(body["model"], ids, params, stream, include_usage, n=n, cache_salt=_cache_salt(body))
 
 
 def require_model(body: Any, known: list[str]) -> str:

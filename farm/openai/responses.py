@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps(separators=...) builds one per call
 
 
 def usage(u: dict[str, int]) -> dict[str, Any]:
@@ -45,15 +48,24 @@ def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dic
 
 
 class ChunkWriter:
-    """Builds the SSE lines of one streamed response (`index`: which choice a chunk belongs to)."""
+    """Builds the SSE lines of one streamed response (`index`: which choice a chunk belongs to).
+
+    A text delta is a prefix (id, object, created, model, choice index), the JSON-escaped text and a fixed
+    suffix, so the per-token chunk is a string concatenation (about 1 us) instead of a json.dumps of a nested
+    dict (tens of us); the bytes are the same as json.dumps(..., separators=(",", ":")) would give."""
 
     def __init__(self, kind: str, rid: str, model: str):
         self.kind, self.rid, self.model = kind, rid, model
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._head = "data: " + _dumps({"id": rid, "object": self.object, "created": self.created,
+                                        "model": model})[:-1] + ',"choices":[{"index":'
+        self._text_key = ',"delta":{"content":' if kind == "chat" else ',"text":'
+        self._text_end = '},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat" else \
+            ',"logprobs":null,"finish_reason":null}]}\n\n'
 
     def _line(self, obj: dict[str, Any]) -> str:
-        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+        return f"data: {_dumps(obj)}\n\n"
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         return self._line({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
@@ -66,6 +78,8 @@ class ChunkWriter:
                              "finish_reason": None}])
 
     def delta(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
+        if logprobs is None:
+            return f"{self._head}{index}{self._text_key}{encode_basestring_ascii(text)}{self._text_end}"
         if self.kind == "chat":
             return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
                                  "finish_reason": None}])

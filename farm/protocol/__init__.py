@@ -13,7 +13,11 @@ from farm.protocol.events import (
     DoneEvent,
     ErrorEvent,
     Event,
+    ReplyBatch,
     StartEvent,
+    Usage,
+    decode_reply,
+    encode_reply,
     parse_event,
 )
 from farm.protocol.keys import (
@@ -22,9 +26,9 @@ from farm.protocol.keys import (
     STREAM_TTL_S,
     cancel_key,
     claim_key,
-    lease_key,
     migration_id,
-    stream_key,
+    reader_lease_key,
+    reply_stream_key,
 )
 from farm.protocol.queues import (
     BATCH_QUEUE,
@@ -65,7 +69,8 @@ __all__ = [
     "MAX_RESPONSE_FORMAT_CHARS", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE",
     "MAX_TOP_LOGPROBS", "OBS_STREAM", "PRIORITY_SEP", "RESPONSE_FORMATS", "ROLES", "SEED_RANGE", "STREAM_TTL_S",
     "TASK_BATCH_DRIVE", "TASK_DECODE", "TASK_GENERATE", "TASK_PING", "TASK_PREFILL", "DeltaEvent", "DoneEvent",
-    "ErrorEvent", "Event", "GenerationRequest", "InvalidTask", "Role", "SamplingParams", "StartEvent", "cancel_key",
-    "claim_key", "direct_queue", "is_request_id", "lease_key", "migration_id", "model_slug", "parse_event",
-    "queue_depths", "queue_name", "queues_for_role", "stream_key",
+    "ErrorEvent", "Event", "GenerationRequest", "InvalidTask", "ReplyBatch", "Role", "SamplingParams", "StartEvent",
+    "Usage", "cancel_key", "claim_key", "decode_reply", "direct_queue", "encode_reply", "is_request_id",
+    "migration_id", "model_slug", "parse_event", "queue_depths", "queue_name", "queues_for_role", "reader_lease_key",
+    "reply_stream_key",
 ]

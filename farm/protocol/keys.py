@@ -1,5 +1,5 @@
-"""Redis keys every process agrees on: a request's stream, cancel flag, lease and claims; the KV-block index and
-its events; the shared load; the observations the planner reads."""
+"""Redis keys every process agrees on: the reply streams and leases of the reading API processes, a request's
+cancel flag and claims; the KV-block index and its events; the shared load; the observations the planner reads."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def claim_key(request_id: str, stage: str) -> str:
     return f"farm:claim:{request_id}:{stage}"
 
 
-def stream_key(request_id: str) -> str:
-    """Redis Stream of events for one request (worker -> API)."""
-    return f"farm:out:{request_id}"
+def reply_stream_key(reader_id: str) -> str:
+    """Redis Stream of reply batches (worker -> API) for every request one reader (an API process, a batch
+    driver) has in flight: farm.protocol.events."""
+    return f"farm:out:{reader_id}"
 
 
 def cancel_key(request_id: str) -> str:
@@ -44,12 +45,12 @@ def cancel_key(request_id: str) -> str:
     return f"farm:cancel:{request_id}"
 
 
-def lease_key(request_id: str) -> str:
-    """Kept alive by the API reading the request's stream; a worker aborts a leased request whose lease
-    lapsed (the API died: nobody reads), and skips a redelivered one."""
-    return f"farm:lease:{request_id}"
+def reader_lease_key(reader_id: str) -> str:
+    """Kept alive by a reader while it follows its reply stream; a worker aborts the requests of a reader whose
+    lease lapsed (the API process died: nobody reads), and skips their redelivered tasks."""
+    return f"farm:lease:{reader_id}"
 
 
 def migration_id(request_id: str, attempt: int) -> str:
-    """The request id of the `attempt`-th migration of a request (own stream, claims, lease)."""
+    """The request id of the `attempt`-th migration of a request (its own claims and cancel flag)."""
     return f"{request_id}.m{attempt}"

@@ -19,6 +19,8 @@ class InvalidTask(ValueError):
 MAX_ID_CHARS = 256
 _ID = re.compile(rf"[A-Za-z0-9._:@-]{{1,{MAX_ID_CHARS}}}")  # request ids: chatcmpl-<hex>, <id>.m1, uuid hex
 _QUEUE = re.compile(rf"farm\.[A-Za-z0-9._:@-]{{1,{MAX_ID_CHARS}}}")
+MAX_CACHE_SALT_CHARS = 128  # vLLM's limit for cache_salt (which also refuses '@', '/', '\\' and NUL)
+_CACHE_SALT = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CACHE_SALT_CHARS}}}")
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024  # the engine scans a window of the longest stop string after every token
 MAX_TEMPERATURE = 2.0
@@ -47,10 +49,11 @@ def _number(v: Any, name: str, lo: float, hi: float, lo_open: bool = False) -> f
     return float(v)  # NaN fails both comparisons above
 
 
-def _str(v: Any, name: str, pattern: re.Pattern[str] | None = None, empty_ok: bool = True) -> str:
-    if not isinstance(v, str) or len(v) > MAX_ID_CHARS or (not v and not empty_ok) \
+def _str(v: Any, name: str, pattern: re.Pattern[str] | None = None, empty_ok: bool = True,
+         most: int = MAX_ID_CHARS) -> str:
+    if not isinstance(v, str) or len(v) > most or (not v and not empty_ok) \
             or (v and pattern is not None and pattern.fullmatch(v) is None):
-        raise InvalidTask(f"{name} must be a string of at most {MAX_ID_CHARS} allowed characters, "
+        raise InvalidTask(f"{name} must be a string of at most {most} allowed characters, "
                           f"got {str(v)[:40]!r}")
     return v
 
@@ -185,10 +188,14 @@ class GenerationRequest:
     model: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    reply_to: str = ""  # the reader whose reply stream gets the events (reply_stream_key); "": nobody reads
     decode_queue: str = ""  # where the prefill worker sends the decode task
     created: float = 0.0
-    lease_s: float = 0.0  # > 0: the API holds lease_key(request_id) for it (0: no lease, never orphaned)
+    lease_s: float = 0.0  # > 0: the reader holds reader_lease_key(reply_to); its lapse for this long orphans it
     origin: str = ""  # a migrated request: the original request id (its prompt ends with tokens generated)
+    # prefix-cache scope, its tenant's (farm.apikeys.tenant_cache_salt): blocks are shared only within one
+    # salt, the hash chain starts from hashing.salt_root(cache_salt). "": no salt (a farm without API keys)
+    cache_salt: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -214,8 +221,10 @@ class GenerationRequest:
             model=_str(d.get("model"), "model", empty_ok=False),
             prompt_token_ids=list(ids),
             sampling=SamplingParams.from_dict(d.get("sampling", {}), max_model_len, vocab_size),
+            reply_to=_str(d.get("reply_to", ""), "reply_to", _ID),
             decode_queue=_str(d.get("decode_queue", ""), "decode_queue", _QUEUE),
             created=_number(d.get("created", 0.0), "created", 0.0, 1e12),
             lease_s=_number(d.get("lease_s", 0.0), "lease_s", 0.0, 86400.0),
             origin=_str(d.get("origin", ""), "origin", _ID),
+            cache_salt=_str(d.get("cache_salt", ""), "cache_salt", _CACHE_SALT, most=MAX_CACHE_SALT_CHARS),
         )

@@ -27,7 +27,7 @@ import redis
 
 from farm import metrics, registry
 from farm.config import FarmConfig
-from farm.protocol.hashing import block_hashes
+from farm.protocol.hashing import block_hashes, salt_root
 from farm.router.costs import CostBook
 from farm.router.index import IndexFollower, KVIndex
 from farm.router.load import LoadMirror, LoadTracker, empty_load
@@ -142,8 +142,9 @@ class Router:
             self._block_sizes[model] = bs
         return bs
 
-    def hashes(self, token_ids: Sequence[int], model: str | None = None) -> list[int]:
-        return block_hashes(token_ids, self.block_size_of(model))
+    def hashes(self, token_ids: Sequence[int], model: str | None = None, salt: str = "") -> list[int]:
+        """The prompt's block hashes as its workers cache them: chained from its cache salt's root, if any."""
+        return block_hashes(token_ids, self.block_size_of(model), salt_root(salt))
 
     def _compatible(self, workers: list[registry.WorkerInfo]) -> list[registry.WorkerInfo]:
         ok = []

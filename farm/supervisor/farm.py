@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from farm import logfiles
+from farm import filemodes, logfiles
 from farm.backends.cpu_binding import bind_env
 from farm.config import (
     PROJECT_ROOT,
@@ -257,7 +257,7 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop):
         log = Path(proc.log)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._rotate_log(proc)
-        with open(log, "ab") as f:
+        with os.fdopen(filemodes.open_private(log), "ab") as f:  # 0600, as everything under the state dir
             f.write(f"\n=== farm: starting {proc.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                     f"{' '.join(proc.command)}\n".encode())
             f.flush()
@@ -265,6 +265,7 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop):
             proc.popen = subprocess.Popen(
                 proc.command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=PROJECT_ROOT, env={**self.child_env(), **proc.env}, start_new_session=True,
+                umask=filemodes.PRIVATE_UMASK,  # what children write (Redis's AOF, batch files, ...) is private
                 preexec_fn=die_with_parent(PARENT_DEATH_SIGNALS.get(proc.role, signal.SIGKILL))
                 if self.bound else None,
             )
@@ -316,7 +317,8 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop):
         """Prepare the models, then start Redis (if needed), workers, the API and Flower."""
         self._check_not_running()
         self.started_at = time.time()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._make_state_private()
+        filemodes.private_dir(self.log_dir)
         farm_secret(self.cfg)  # create the shared secret once, before children race to create it
         self._protect_managed_redis()
         self._write_resolved_config()
@@ -351,6 +353,24 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop):
             self.stop()
             raise
         return self
+
+    def _make_state_private(self) -> None:
+        """The state dir (and a batch.files_dir outside it) is this user's alone: 0700 directories, 0600 files;
+        one made before that was so (0755 and 0644 with the usual umask) is tightened, and we say so."""
+        from farm.config.batch import files_path
+
+        filemodes.private_dir(self.state_dir)
+        roots = [self.state_dir]
+        files = files_path(self.cfg)
+        if self.cfg.batch.files_backend == "disk" and not files.is_relative_to(self.state_dir):
+            roots.append(files)
+        for root in roots:
+            changed, failed = filemodes.tighten(root)
+            if changed:
+                print(f"farm: {root}: took group and other permissions off {changed} files and directories "
+                      "(the farm's state is private to its user)", file=sys.stderr)
+            if failed:
+                print(f"farm: {root}: could not make {failed} paths private (owned by another user?)", file=sys.stderr)
 
     def check_alive(self, during: str = "") -> None:
         """Raise FarmStartError with the log tail of the first child that is no longer running."""

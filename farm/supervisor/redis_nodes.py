@@ -13,6 +13,7 @@ from farm.config import (
     redis_url_with_password,
 )
 from farm.config.redis import is_local, url_password
+from farm.filemodes import private_dir
 from farm.supervisor.procs import (
     FarmError,
     FarmStartError,
@@ -68,7 +69,7 @@ class ManagedRedis:
 
     def _start_redis_node(self, name: str, port: int, replica_of: int | None = None) -> None:
         cmd = self._redis_node_command(port, replica_of)
-        self._redis_node_dir(port).mkdir(parents=True, exist_ok=True)
+        private_dir(self._redis_node_dir(port))  # its AOF and RDB: cached answers, queued prompts
         proc = self._spawn(Proc(name, "redis", cmd, str(self.log_path(name))))
         self.redis_managed = True
         try:

@@ -14,6 +14,7 @@ from typing import Any
 from farm.config import (
     FarmConfig,
 )
+from farm.filemodes import open_private
 from farm.supervisor.procs import (
     API_GRACE_S,
     FLOWER_GRACE_S,
@@ -49,7 +50,8 @@ def recorded_processes(cfg: FarmConfig) -> list[Proc]:
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:  # 0600
+        f.write(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
 
 

@@ -22,7 +22,7 @@ from farm import registry
 from farm.config import FarmConfig, load_config
 from farm.gateway import Gateway
 from farm.orphans import die_with_parent
-from farm.protocol import GenerationRequest, SamplingParams
+from farm.protocol import DeltaEvent, Event, GenerationRequest, SamplingParams
 from tests.procs import ROOT, WorkerProc, wait_registered
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -154,7 +154,7 @@ class ChaosFarm:
 
     def stop(self) -> None:
         if self._gw is not None:
-            self._gw.router.stop()
+            self._gw.stop()
         for p in self.workers.values():
             p.stop(timeout=20)
         self.redis.stop()
@@ -167,7 +167,7 @@ def reader_process(env: dict[str, str], req: GenerationRequest) -> subprocess.Po
             "from farm.protocol import GenerationRequest\n"
             "from farm.redis_client import connect\ncfg=get_config(); r=connect(cfg.redis)\n"
             "sub=Gateway(cfg,r).submit(GenerationRequest.from_dict(json.loads(sys.argv[1])))\n"
-            "for ev in sub.events():\n    print(ev['type'], flush=True)\n")
+            "for ev in sub.events():\n    print(ev.type, flush=True)\n")
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(req.to_dict())], cwd=ROOT,
                             env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
@@ -180,9 +180,9 @@ def kill(proc: subprocess.Popen | WorkerProc) -> None:
         p.wait(10)
 
 
-def collect(sub, timeout: float = 120) -> tuple[list[dict[str, Any]], str]:
+def collect(sub, timeout: float = 120) -> tuple[list[Event], str]:
     events = list(sub.events(first_timeout_s=timeout, idle_timeout_s=timeout))
-    return events, "".join(e.get("text", "") for e in events if e["type"] == "delta")
+    return events, "".join(e.text for e in events if isinstance(e, DeltaEvent))
 
 
 def per_request_keys_without_ttl(r: redis.Redis) -> list[str]:

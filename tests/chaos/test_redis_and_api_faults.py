@@ -29,26 +29,26 @@ def prompt(farm) -> list[int]:
 
 def test_redis_restart_mid_stream_loses_no_token_and_workers_consume_again(farm, prompt):
     ref_events, ref_text = collect(farm.gw.submit(farm.request(prompt, max_tokens=N, ignore_eos=True)))
-    assert ref_events[-1]["type"] == "done"
+    assert ref_events[-1].type == "done"
     sub = farm.gw.submit(farm.request(prompt, max_tokens=N, ignore_eos=True))
     events, seen, restarted = [], 0, False
     for ev in sub.events(first_timeout_s=90, idle_timeout_s=90):
         events.append(ev)
-        seen += ev.get("n", 0) if ev["type"] == "delta" else 0
+        seen += ev.n if ev.type == "delta" else 0
         if seen >= 20 and not restarted:
             farm.redis.stop()
             time.sleep(1.5)
             farm.redis.start()
             restarted = True
-    assert restarted and events[-1]["type"] == "done", events[-1]
-    assert events[-1]["usage"]["completion_tokens"] == N  # counted once, nothing missing
-    assert "".join(e.get("text", "") for e in events if e["type"] == "delta") == ref_text
+    assert restarted and events[-1].type == "done", events[-1]
+    assert events[-1].usage.completion_tokens == N  # counted once, nothing missing
+    assert "".join(e.text for e in events if e.type == "delta") == ref_text
     # Celery's Redis transport in a worker that was acking when the connection dropped can fail
     # unrecoverably (kombu: the connection's client is gone); such a worker finishes its requests (above)
     # and exits, and its supervisor starts it again. Either way, workers consume new work afterwards.
     farm.heal()
     events, text = collect(farm.gw.submit(farm.request(prompt, max_tokens=N, ignore_eos=True)), 90)
-    assert events[-1]["type"] == "done" and text == ref_text, events[-1]
+    assert events[-1].type == "done" and text == ref_text, events[-1]
 
 
 def test_api_killed_mid_stream_stops_the_orphaned_generation(farm, prompt):

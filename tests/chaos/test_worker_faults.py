@@ -12,6 +12,7 @@ from farm.protocol import TASK_DECODE
 from farm.protocol.queues import direct_queue
 from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.chaos.harness import MODEL, ChaosFarm, collect, kill, wait_all_blocks_free
+from tests.procs import send_and_read
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +35,12 @@ def prompt(farm) -> list[int]:
 def reference(farm, prompt):
     """The request's greedy output with no fault: (token ids, text)."""
     events, text = collect(farm.gw.submit(farm.request(prompt, max_tokens=N, ignore_eos=True)))
-    assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == N
-    return [i for e in events if e["type"] == "delta" for i in e["ids"]], text
+    assert events[-1].type == "done" and events[-1].usage.completion_tokens == N
+    return [i for e in events if e.type == "delta" for i in e.ids], text
 
 
 def ids_of(events) -> list[int]:
-    return [i for e in events if e["type"] == "delta" for i in e.get("ids", [])]
+    return [i for e in events if e.type == "delta" for i in e.ids]
 
 
 def test_decode_worker_killed_mid_stream_migrates_with_identical_greedy_output(farm, prompt, reference):
@@ -47,21 +48,21 @@ def test_decode_worker_killed_mid_stream_migrates_with_identical_greedy_output(f
     events, seen, victim, t_kill = [], 0, None, 0.0
     for ev in sub.events(first_timeout_s=60, idle_timeout_s=60):
         events.append(ev)
-        if ev["type"] == "start" and ev["role"] == "decode" and victim is None:
-            victim = ev["worker"]
-        seen += ev.get("n", 0) if ev["type"] == "delta" else 0
+        if ev.type == "start" and ev.role == "decode" and victim is None:
+            victim = ev.worker
+        seen += ev.n if ev.type == "delta" else 0
         if victim and seen >= 20 and not t_kill:
             kill(farm.worker(victim))
             t_kill = time.monotonic()
     recovered_s = time.monotonic() - t_kill
     done = events[-1]
-    assert done["type"] == "done", events[-3:]
-    assert done.get("migrations") == 1 and done["decode_worker"] != victim
-    assert done["finish_reason"] == "length"
-    assert done["usage"]["completion_tokens"] == N and done["usage"]["prompt_tokens"] == len(prompt)
+    assert done.type == "done", events[-3:]
+    assert done.migrations == 1 and done.decode_worker != victim
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == N and done.usage.prompt_tokens == len(prompt)
     ref_ids, ref_text = reference
     assert ids_of(events) == ref_ids  # exactly the tokens of the run without the fault
-    assert "".join(e.get("text", "") for e in events if e["type"] == "delta") == ref_text
+    assert "".join(e.text for e in events if e.type == "delta") == ref_text
     assert recovered_s < 30
     farm.start_workers(("decode", "decode-3"))  # the next tests need two decode workers again
 
@@ -76,26 +77,24 @@ def test_beyond_the_migration_limit_the_stream_ends_with_a_clean_error(farm, pro
     events = []
     for ev in sub.events(first_timeout_s=60, idle_timeout_s=60):
         events.append(ev)
-        if ev["type"] == "start" and ev["role"] == "decode" and victim is None:
-            victim = farm.worker(ev["worker"])
+        if ev.type == "start" and ev.role == "decode" and victim is None:
+            victim = farm.worker(ev.worker)
             kill(victim)
-    assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_lost", events[-1]
+    assert events[-1].type == "error" and events[-1].code == "worker_lost", events[-1]
     assert time.monotonic() - t0 < 30  # never a hang
 
 
 def test_idle_worker_that_vanishes_leaves_routing_and_its_queued_work_is_resent(farm, prompt, reference):
-    from farm.gateway import Dispatch, Submission
-
     spare = farm.start_workers(("decode", "decode-4"))[0]
     kill(spare)  # dies idle; a router that still sees its heartbeat places work on its own queue
     req = farm.request(prompt, max_tokens=N, ignore_eos=True)
-    farm.gw.celery.send_task(TASK_DECODE, args=[req.to_dict(), None], queue=direct_queue(spare.name))
+    sub = send_and_read(farm.gw, req, TASK_DECODE, [None], direct_queue(spare.name))
     t0 = time.monotonic()
     while spare.name in farm.live():
         assert time.monotonic() - t0 < 10, "a dead worker stays in routing"
         time.sleep(0.2)
-    events, text = collect(Submission(farm.gw, req, "decode-only", {}, Dispatch(TASK_DECODE, [], "", "")), 60)
-    assert events[-1]["type"] == "done" and events[-1]["decode_worker"] != spare.name
+    events, text = collect(sub, 60)
+    assert events[-1].type == "done" and events[-1].decode_worker != spare.name
     assert text == reference[1]
     assert farm.r.llen(direct_queue(spare.name)) == 0
 
@@ -107,8 +106,8 @@ def test_prefill_worker_killed_before_prefill_the_request_completes(farm, prompt
     assert sub.dispatch.worker_id == prefill.name
     kill(prefill)  # ... and it dies before prefilling
     events, text = collect(sub, 60)
-    assert events[-1]["type"] == "done", events[-1]
-    assert events[-1]["prefill"] == "local" and events[-1]["usage"]["completion_tokens"] == N
+    assert events[-1].type == "done", events[-1]
+    assert events[-1].prefill == "local" and events[-1].usage.completion_tokens == N
     assert text == reference[1]
 
 

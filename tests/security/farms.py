@@ -21,9 +21,11 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @contextmanager
 def real_farm(redis_url: str, tmp: Path, model_dir: Path, *, both: int = 0, env: dict[str, str] | None = None,
-              config: dict[str, Any] | None = None, max_model_len: int = 4096) -> Iterator[Farm]:
-    """A started, healthy farm (the API, `both` aggregated workers) serving one model from `model_dir`;
-    `config` is merged over the farm's configuration, `env` is added to its processes' environment."""
+              config: dict[str, Any] | None = None, max_model_len: int = 4096,
+              batch_drivers: int = 0) -> Iterator[Farm]:
+    """A started, healthy farm (the API, `both` aggregated workers and `batch_drivers` batch drivers) serving one
+    model from `model_dir`; `config` is merged over the farm's configuration, `env` is added to its processes'
+    environment."""
     tmp.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"models": [{"name": MODEL, "path": str(model_dir), "max_model_len": max_model_len}],
                             "api": {"port": free_port()}, "flower": {"enabled": False},
@@ -35,7 +37,8 @@ def real_farm(redis_url: str, tmp: Path, model_dir: Path, *, both: int = 0, env:
     cfg = load_config(path, environ={"FARM_REDIS__URL": redis_url, "FARM_STATE_DIR": str(tmp / "state")})
     child_env = {"FARM_API_KEYS": "", "FARM_METRICS_TOKEN": "", "FARM_REDIS_PASSWORD": "",
                  "FARM_SECRET": os.environ["FARM_SECRET"], **(env or {})}
-    farm = Farm(cfg, prefill=0, decode=0, both=both, flower=False, prepare=False, grace_s=10, env=child_env)
+    farm = Farm(cfg, prefill=0, decode=0, both=both, batch_drivers=batch_drivers, flower=False, prepare=False,
+                grace_s=10, env=child_env)
     with farm.running(240):
         yield farm
 

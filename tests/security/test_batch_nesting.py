@@ -33,7 +33,7 @@ def deep(n: int, opener: str = "[") -> str:
 def api(farm_env, redis_client):
     app = create_app(get_config())
     yield app.test_client(), get_config(), redis_client
-    app.extensions["farm"].gateway.router.stop()
+    app.extensions["farm"].gateway.stop()
 
 
 def test_a_line_nested_100k_deep_is_its_own_error_and_the_others_are_kept(api):

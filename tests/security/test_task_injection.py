@@ -26,11 +26,13 @@ from farm.protocol import (
     EVENT_FIELD,
     TASK_DECODE,
     TASK_GENERATE,
+    Event,
     GenerationRequest,
     InvalidTask,
     SamplingParams,
+    decode_reply,
     queue_name,
-    stream_key,
+    reply_stream_key,
 )
 from farm.tokenization import IncrementalDetokenizer, chat_prompt_ids, get_tokenizer
 from tests.conftest import make_farm_env
@@ -40,8 +42,12 @@ from tests.test_engine import Collector
 LEGIT = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
 
 
+INJECTED_READER = "inject-reader"  # where the workers report on the tasks sent by hand
+
+
 def good_message(**kw) -> dict:
-    d = GenerationRequest(uuid.uuid4().hex, "m", [1, 2, 3], SamplingParams(max_tokens=8)).to_dict()
+    d = GenerationRequest(uuid.uuid4().hex, "m", [1, 2, 3], SamplingParams(max_tokens=8),
+                          reply_to=INJECTED_READER).to_dict()
     d.update(kw)
     return d
 
@@ -185,14 +191,16 @@ def worker(redis_url, tmp_path_factory):
         proc.stop()
 
 
-def first_event(r: redis.Redis, rid: str, timeout: float = 60) -> dict:
+def first_event(r: redis.Redis, rid: str, timeout: float = 60) -> Event:
+    """The first event the workers sent for `rid` to the injected tasks' reader."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        entries = r.xrange(stream_key(rid))
-        if entries:
-            return json.loads(entries[0][1][EVENT_FIELD.encode()])
+        for _, fields in r.xrange(reply_stream_key(INJECTED_READER)):
+            events = decode_reply(fields[EVENT_FIELD.encode()]).events.get(rid)
+            if events:
+                return events[0]
         time.sleep(0.05)
-    raise AssertionError(f"no event on {stream_key(rid)}")
+    raise AssertionError(f"no event for {rid} on {reply_stream_key(INJECTED_READER)}")
 
 
 def test_bad_tasks_through_celery_fail_only_themselves(worker):
@@ -206,7 +214,7 @@ def test_bad_tasks_through_celery_fail_only_themselves(worker):
     seen = []
     for ev in events:  # until the legitimate request is decoding
         seen.append(ev)
-        if ev["type"] == "delta":
+        if ev.type == "delta":
             break
     bad: dict[str, tuple[str, list]] = {}
 
@@ -227,14 +235,14 @@ def test_bad_tasks_through_celery_fail_only_themselves(worker):
                         queue=queue_name(model, "generate"))
     for rid_, (task, _) in bad.items():
         ev = first_event(r, rid_)
-        assert ev["type"] == "error" and ev["code"] == "invalid_task", (task, ev)
-        assert ev["message"].startswith("invalid task: ")
-    written = [json.loads(f[EVENT_FIELD.encode()])["type"] for _, f in r.xrange(stream_key(legit.request_id))]
-    assert "done" not in written and "error" not in written  # the bad tasks came while it was decoding
-    seen.extend(events)  # the legitimate stream runs to its end
+        assert ev.type == "error" and ev.code == "invalid_task", (task, ev)
+        assert ev.message.startswith("invalid task: ")
+    rest = list(events)  # the legitimate stream runs to its end
+    assert sum(e.type == "delta" for e in rest) > 0  # it was still decoding after every bad task was refused
+    seen.extend(rest)
     done = seen[-1]
-    assert done["type"] == "done" and done["finish_reason"] == "length", seen[-3:]
-    assert sum(e.get("n", 0) for e in seen if e["type"] == "delta") == LEGIT.max_tokens
+    assert done.type == "done" and done.finish_reason == "length", seen[-3:]
+    assert sum(e.n for e in seen if e.type == "delta") == LEGIT.max_tokens
     assert proc.proc.poll() is None
     again = gw.submit(GenerationRequest(uuid.uuid4().hex, model, ids, SamplingParams(max_tokens=4, temperature=0)))
-    assert list(again.events(first_timeout_s=120, idle_timeout_s=120))[-1]["type"] == "done"
+    assert list(again.events(first_timeout_s=120, idle_timeout_s=120))[-1].type == "done"

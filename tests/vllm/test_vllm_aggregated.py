@@ -49,7 +49,7 @@ def r(farm) -> redis.Redis:
 def gateway(farm, r) -> Gateway:
     gw = Gateway(farm.cfg, r)
     yield gw
-    gw.router.stop()
+    gw.stop()
 
 
 @pytest.fixture
@@ -221,24 +221,24 @@ def test_client_disconnect_aborts_the_request_inside_vllm(farm, r):
 def test_killed_vllm_worker_stream_migrates_with_the_same_greedy_output(farm, gateway, r):
     ref = list(gateway.submit(request(farm, "Tell me a story about a lighthouse.", max_tokens=120,
                                       ignore_eos=True)).events(first_timeout_s=120, idle_timeout_s=120))
-    ref_ids = [i for e in ref if e["type"] == "delta" for i in e["ids"]]
-    assert ref[-1]["type"] == "done" and len(ref_ids) == 120
+    ref_ids = [i for e in ref if e.type == "delta" for i in e.ids]
+    assert ref[-1].type == "done" and len(ref_ids) == 120
     sub = gateway.submit(request(farm, "Tell me a story about a lighthouse.", max_tokens=120, ignore_eos=True))
     events, victim, seen = [], None, 0
     for ev in sub.events(first_timeout_s=120, idle_timeout_s=120):
         events.append(ev)
-        if ev["type"] == "start" and victim is None:
-            victim = ev["worker"]
-        seen += ev.get("n", 0) if ev["type"] == "delta" else 0
+        if ev.type == "start" and victim is None:
+            victim = ev.worker
+        seen += ev.n if ev.type == "delta" else 0
         if victim and seen >= 20 and farm_proc(farm, victim).alive():
             engine = _engine_processes(farm_proc(farm, victim).pid)
             assert engine  # vLLM runs its engine core (and its model worker) in processes of its own
             os.kill(farm_proc(farm, victim).pid, signal.SIGKILL)
     done = events[-1]
-    assert done["type"] == "done", events[-3:]
-    assert done.get("migrations") == 1 and done["decode_worker"] != victim
-    assert done["usage"]["completion_tokens"] == 120 and done["finish_reason"] == "length"
-    assert [i for e in events if e["type"] == "delta" for i in e["ids"]] == ref_ids
+    assert done.type == "done", events[-3:]
+    assert done.migrations == 1 and done.decode_worker != victim
+    assert done.usage.completion_tokens == 120 and done.finish_reason == "length"
+    assert [i for e in events if e.type == "delta" for i in e.ids] == ref_ids
     assert _all_gone(engine)  # the killed worker's vLLM processes go with it: no orphan keeps cores or memory
 
 
@@ -248,13 +248,13 @@ def test_warm_shutdown_drains_the_request_in_flight(farm, gateway, r):
     events, worker = [], None
     for ev in sub.events(first_timeout_s=120, idle_timeout_s=120):
         events.append(ev)
-        if ev["type"] == "start" and worker is None:
-            worker = ev["worker"]
+        if ev.type == "start" and worker is None:
+            worker = ev.worker
             proc = farm_proc(farm, worker)
             proc.send(signal.SIGTERM)
     done = events[-1]
-    assert done["type"] == "done" and done["decode_worker"] == worker and not done.get("migrations")
-    assert done["usage"]["completion_tokens"] == 100
+    assert done.type == "done" and done.decode_worker == worker and not done.migrations
+    assert done.usage.completion_tokens == 100
     assert proc.popen.wait(90) == 0
     assert worker not in {w.worker_id for w in registry.live_workers(r)}
 

@@ -449,7 +449,7 @@ rebinding); config.api.allowed_hosts replaces them (add an Ingress's host there)
 {{- $hosts := list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) }}
 {{- $cfg := dict
   "redis" (dict "managed" false)
-  "api" (dict "host" "0.0.0.0" "port" (int .Values.frontend.port) "worker_connections" (int .Values.frontend.workerConnections) "header_timeout_s" (int .Values.frontend.headerTimeoutSeconds) "allowed_hosts" $hosts)
+  "api" (dict "host" "0.0.0.0" "port" (int .Values.frontend.port) "worker_connections" (int .Values.frontend.workerConnections) "header_timeout_s" (int .Values.frontend.headerTimeoutSeconds) "body_timeout_s" (int .Values.frontend.bodyTimeoutSeconds) "body_min_rate" (int .Values.frontend.bodyMinRate) "allowed_hosts" $hosts)
   "flower" (dict "enabled" .Values.flower.enabled "host" "0.0.0.0" "port" (int .Values.flower.port))
   "router" (dict "mode" .Values.frontend.routerMode)
   "transfer" (dict "bind_host" "0.0.0.0")

@@ -1,0 +1,122 @@
+"""Placing one request: the model's layout from its live workers, the router's choice, the load recorded, the
+first task sent to the chosen worker's own queue.
+
+Layout per model, from the live worker registry (read once per placement):
+- prefill and decode workers present -> disaggregated (`disaggregation.mode: always`) or conditional: the router
+  picks the decode worker by KV overlap and load, and a remote prefill only when the uncached part of the prompt
+  is long enough and the prefill worker's queue short enough (Dynamo's rule); the prefill task computes the
+  prompt's KV, emits a signed KV handle and hands the decode task to the chosen decode worker's queue;
+- otherwise aggregated workers (`both`) -> one generate task on the worker the router picks;
+- decode workers alone -> the decode task prefills locally.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from farm import metrics, registry
+from farm.config import FarmConfig
+from farm.gateway.errors import NoWorkersError
+from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
+from farm.protocol.queues import direct_queue
+from farm.router.router import Placement, Router
+
+
+@dataclass
+class Dispatch:
+    """The first task of a request and the worker whose queue it was sent to."""
+
+    task: str
+    worker_id: str
+
+
+@dataclass
+class Placed:
+    """Where a request went: its layout, the router's placements by stage ("prefill", "decode", "both") and
+    the task that was sent."""
+
+    layout: str
+    placements: dict[str, Placement]
+    dispatch: Dispatch
+
+
+@dataclass
+class Pools:
+    """A model's live workers by what they can do, read once for one placement."""
+
+    prefill: list[registry.WorkerInfo]
+    decode: list[registry.WorkerInfo]  # decode workers, else aggregated ones (both decode)
+
+    @classmethod
+    def read(cls, r: Any, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> Pools:
+        by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
+        for w in registry.live_workers(r, model=model):
+            if w.worker_id not in exclude:  # e.g. just died, its heartbeat not yet lapsed
+                by_role.setdefault(w.role, []).append(w)
+        return cls(by_role["prefill"], by_role["decode"] or by_role["both"])
+
+
+class Placer:
+    """Chooses workers for requests and sends their first task (one per gateway)."""
+
+    def __init__(self, cfg: FarmConfig, r: Any, router: Router, celery: Any):
+        self.cfg, self.r, self.router, self.celery = cfg, r, router, celery
+
+    def layout(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
+        """How `model` is served now; raises NoWorkersError when nothing can serve it."""
+        return self._layout(model, Pools.read(self.r, model, exclude), bool(exclude))
+
+    def _layout(self, model: str, pools: Pools, replacing: bool) -> str:
+        """`replacing` (a request whose worker died): decode workers prefill locally when no prefill worker is
+        left, even in mode `always`: finishing the request beats refusing it."""
+        mode = self.cfg.disaggregation.mode
+        if not pools.decode or (mode == "always" and not pools.prefill and not replacing):
+            if pools.decode and not pools.prefill:
+                raise NoWorkersError(f"disaggregation.mode is 'always' but no prefill worker serves model {model!r}")
+            raise NoWorkersError(f"no live worker serves model {model!r}")
+        if pools.prefill and mode != "never":
+            return "disaggregated" if mode == "always" else "conditional"
+        return "aggregated" if pools.decode[0].role == "both" else "decode-only"
+
+    def place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Placed:
+        """Choose workers for `req`, record their load and send its first task; NoWorkersError, BusyError."""
+        pools = Pools.read(self.r, req.model, exclude)
+        layout = self._layout(req.model, pools, bool(exclude))
+        req.created = req.created or time.time()
+        t0 = time.perf_counter()
+        hashes = self.router.hashes(req.prompt_token_ids, req.model, req.cache_salt)
+        metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
+        loads = self.router.loads.loads()
+        n = len(req.prompt_token_ids)
+        bs = self.cfg.block_size(req.model)
+        dcfg = self.cfg.disaggregation
+        remote = False
+        if layout == "disaggregated":
+            d = self.router.choose(pools.decode, hashes, n, "decode", loads)
+            p = self.router.choose(pools.prefill, hashes, n, "prefill", loads)
+            remote = True
+        else:
+            # the decode worker may prefill itself: weigh its cached prefix as well as its load
+            d = p = self.router.choose(pools.decode, hashes, n, "both", loads)
+            if layout == "conditional" and n - d.overlap_blocks * bs > dcfg.remote_min_uncached_tokens:
+                cand = self.router.choose(pools.prefill, hashes, n, "prefill", loads)
+                if (loads.get(cand.worker.worker_id) or {}).get("pn", 0) < dcfg.max_prefill_queue:
+                    p, remote = cand, True
+        placements: dict[str, Placement]
+        if remote:
+            placements = {"prefill": p, "decode": d}
+            req.decode_queue = direct_queue(d.worker.worker_id)
+            task, args = TASK_PREFILL, [req.to_dict()]
+        else:
+            placements = {"both": d}
+            if d.worker.role == "both":
+                task, args = TASK_GENERATE, [req.to_dict()]
+            else:
+                task, args = TASK_DECODE, [req.to_dict(), None]
+        self.router.loads.begin("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs))
+        self.router.loads.begin("d", d.worker.worker_id, req.request_id, math.ceil(n / bs))
+        self.celery.send_task(task, args=args, queue=direct_queue(p.worker.worker_id))
+        return Placed(layout, placements, Dispatch(task, p.worker.worker_id))

@@ -1,0 +1,108 @@
+"""What a reader makes of a request's typed events (Submission.events): the one read path of the HTTP routes
+(streamed and not) and the batch driver.
+
+- `until_decode_starts`: read until the worker that generates has started, so response headers can name both
+  workers; what arrived before it is replayed (`replay`).
+- `stream_choice`: the deltas of one choice, returning its `done` event.
+- `collect`: a whole choice (text, token ids and log-probabilities, finish reason, usage).
+- `total_usage`: a response of several choices counts its prompt once and sums the completions.
+
+A worker's `error` event becomes a `WorkerError` here, so callers handle failures as exceptions (the API maps
+them to HTTP statuses in api/errors.py; the batch driver records them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from farm.gateway.errors import WorkerError
+from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, Event, StartEvent, Usage
+
+
+@dataclass
+class Answer:
+    """One choice, read to its end."""
+
+    text: str
+    done: DoneEvent
+    token_ids: list[int] = field(default_factory=list)  # only when the worker sent log-probabilities
+    logprobs: list[list] = field(default_factory=list)  # aligned with token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.done.finish_reason
+
+    @property
+    def usage(self) -> Usage:
+        return self.done.usage
+
+
+def _ended() -> WorkerError:
+    return WorkerError("the request's event stream ended unexpectedly", "stream_ended")
+
+
+def until_decode_starts(events: Iterator[Event]) -> tuple[StartEvent | DoneEvent, list[Event]]:
+    """Read until the worker that generates has started. Returns that start event (or the `done` event of a
+    request that finished before any, e.g. aborted) and the events read before it that are not starts."""
+    buffered: list[Event] = []
+    for ev in events:
+        if isinstance(ev, StartEvent):
+            if ev.decodes:
+                return ev, buffered
+        elif isinstance(ev, ErrorEvent):
+            raise WorkerError(ev.message, ev.code)
+        else:
+            buffered.append(ev)
+            if isinstance(ev, DoneEvent):
+                return ev, buffered
+    raise _ended()
+
+
+def replay(buffered: list[Event], events: Iterator[Event]) -> Iterator[Event]:
+    """The events `until_decode_starts` read, then the rest of the stream."""
+    yield from buffered
+    if not (buffered and isinstance(buffered[-1], (DoneEvent, ErrorEvent))):
+        yield from events
+
+
+def stream_choice(events: Iterable[Event]) -> Generator[DeltaEvent, None, DoneEvent]:
+    """The deltas of one choice; returns its `done` event; a worker error raises WorkerError."""
+    for ev in events:
+        if isinstance(ev, DeltaEvent):
+            yield ev
+        elif isinstance(ev, DoneEvent):
+            return ev
+        elif isinstance(ev, ErrorEvent):
+            raise WorkerError(ev.message, ev.code)
+    raise _ended()
+
+
+def collect(events: Iterable[Event], on_first_delta: Callable[[DeltaEvent], None] | None = None) -> Answer:
+    """A whole choice: its text, its done event and, when the worker sent them, token ids and log-probabilities
+    (`on_first_delta` is told when the first tokens arrive: the prompt is prefilled)."""
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list[list] = []
+    gen = stream_choice(events)
+    while True:
+        try:
+            ev = next(gen)
+        except StopIteration as stop:
+            return Answer("".join(parts), stop.value, ids, lps)
+        if on_first_delta is not None and not parts:
+            on_first_delta(ev)
+        parts.append(ev.text)
+        if ev.lp is not None:
+            ids.extend(ev.ids)
+            lps.extend(ev.lp)
+
+
+def total_usage(usages: Iterable[Usage]) -> Usage:
+    """The usage of a response of several choices: the prompt (and its cached part) counted once, the
+    completions summed."""
+    usages = list(usages)
+    if not usages:
+        return Usage()
+    first = usages[0]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)

@@ -1,0 +1,205 @@
+"""The reading side of the reply streams: one `ReplyReader` per process follows the process's own reply stream
+and hands each request's typed events to that request's `Mailbox`.
+
+Every request a process submits names the process's reader (`GenerationRequest.reply_to`); workers write the
+events of all of a reader's requests into its stream, one entry per flush (farm.streams). So one XREAD here
+serves every request in flight, however many: the API process does not hold a Redis connection per open stream,
+and Redis round trips grow with flushes, not with requests or tokens.
+
+The reader also keeps what every request of the process would otherwise ask Redis for on its own:
+- its lease (`reader_lease_key`), refreshed every quarter of `reliability.lease_ttl_s`: workers abort the
+  requests of a reader whose lease lapsed (the process died, nobody reads);
+- which of the workers serving its requests are gone (`gone`), refreshed every `reliability.check_interval_s`
+  in one round trip (farm.reliability.workers_gone), for the requests' migration.
+
+It reads from the last entry id it saw, so a Redis restart loses nothing it has not read (the workers retry their
+flushes) and a batch written twice (a retried flush) is skipped by its writer's sequence number. Entries it has
+read are trimmed from the stream; the stream and the lease expire once the reader is gone.
+
+Threads: the reader is a thread, and a mailbox a deque with an Event. Under the API's gevent worker both are
+cooperative (the standard library is monkey-patched); in the batch driver they are real threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+
+import redis
+
+from farm import registry
+from farm.config.runtime import ReliabilityConfig
+from farm.protocol import EVENT_FIELD, Event, decode_reply, reader_lease_key, reply_stream_key
+from farm.reliability import workers_gone
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 1024  # entries per XREAD: one per worker flush, each holding many requests' events
+TRIM_EVERY_S = 1.0
+SEEN_WRITERS_MAX = 4096  # writer sequence numbers remembered (a writer is a worker process's life)
+
+
+class Mailbox:
+    """The events of one request attempt, put by the reader, taken by whoever reads the request."""
+
+    __slots__ = ("_events", "_ready")
+
+    def __init__(self) -> None:
+        self._events: deque[Event] = deque()
+        self._ready = threading.Event()
+
+    def put(self, events: list[Event]) -> None:
+        self._events.extend(events)
+        self._ready.set()
+
+    def take(self, timeout: float) -> list[Event]:
+        """What arrived since the last take, waiting up to `timeout` seconds for something."""
+        if not self._events:
+            self._ready.wait(timeout)
+        self._ready.clear()
+        out = []
+        while True:  # popleft one at a time: a put from another thread meanwhile is kept, never lost
+            try:
+                out.append(self._events.popleft())
+            except IndexError:
+                return out
+
+
+def new_reader_id(kind: str) -> str:
+    """`<kind>-<host>-<pid>-<random>`: unique per process life, and a valid id on the wire."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64]
+    return f"{kind}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class ReplyReader:
+    """Follows one reply stream for a process; `open` a mailbox before the request's task is sent."""
+
+    def __init__(self, r: redis.Redis, rcfg: ReliabilityConfig, kind: str = "api"):
+        self.r = r
+        self.rcfg = rcfg
+        self.reader_id = new_reader_id(kind)
+        self.stream = reply_stream_key(self.reader_id)
+        self.lease_key = reader_lease_key(self.reader_id)
+        self.lease_ttl_s = rcfg.lease_ttl_s
+        self._boxes: dict[str, Mailbox] = {}
+        self._seen: dict[str, int] = {}  # writer -> last sequence number read
+        self._watched: dict[str, tuple[registry.WorkerInfo | None, int]] = {}  # worker -> (info, requests)
+        self._gone: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0  # batches that were not reply batches (logged)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> ReplyReader:
+        """Take the lease now (a worker may check it as soon as a task is sent), then follow the stream."""
+        with self._lock:
+            if self._thread is not None:
+                return self
+            self._renew_lease()
+            self._thread = threading.Thread(target=self._run, name=f"replies-{self.reader_id}", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.r.delete(self.stream, self.lease_key)
+        except redis.RedisError:
+            pass  # both expire
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def open(self, attempt_id: str) -> Mailbox:
+        box = Mailbox()
+        self._boxes[attempt_id] = box
+        return box
+
+    def close(self, attempt_id: str) -> None:
+        self._boxes.pop(attempt_id, None)
+
+    def watch(self, worker_id: str, info: registry.WorkerInfo | None) -> None:
+        """Keep `worker_id`'s liveness current while a request depends on it (`unwatch` when it no longer does)."""
+        with self._lock:
+            old, n = self._watched.get(worker_id, (None, 0))
+            self._watched[worker_id] = (info or old, n + 1)
+
+    def unwatch(self, worker_id: str) -> None:
+        with self._lock:
+            info, n = self._watched.get(worker_id, (None, 0))
+            if n <= 1:
+                self._watched.pop(worker_id, None)
+            else:
+                self._watched[worker_id] = (info, n - 1)
+
+    def gone(self, worker_id: str) -> bool:
+        """Whether a watched worker was found dead at the last check (at most `check_interval_s` ago)."""
+        return worker_id in self._gone
+
+    # -- the reader thread -------------------------------------------------------------------------------
+    def _renew_lease(self) -> None:
+        self.r.set(self.lease_key, "1", ex=max(1, math.ceil(self.lease_ttl_s)))
+
+    def _check_workers(self) -> None:
+        with self._lock:
+            watched = {w: info for w, (info, _) in self._watched.items()}
+        self._gone = frozenset(workers_gone(self.r, watched)) if watched else frozenset()
+
+    def _run(self) -> None:
+        last_id = "0-0"
+        trimmed = last_id
+        next_lease = next_check = next_trim = 0.0
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_lease:
+                    self._renew_lease()
+                    next_lease = now + self.lease_ttl_s / 4
+                if now >= next_check:
+                    self._check_workers()
+                    next_check = now + self.rcfg.check_interval_s
+                if now >= next_trim and last_id != trimmed:
+                    self.r.xtrim(self.stream, minid=last_id, approximate=False)
+                    trimmed, next_trim = last_id, now + TRIM_EVERY_S
+                block_ms = int(min(max(min(next_lease, next_check) - time.monotonic(), 0.001), 1.0) * 1000) or 1
+                resp = self.r.xread({self.stream: last_id}, count=READ_COUNT, block=block_ms)
+            except (redis.ConnectionError, redis.TimeoutError):
+                time.sleep(0.25)  # Redis restarting: the workers keep their batches until it is back
+                continue
+            except redis.RedisError:
+                log.warning("reply reader %s: Redis error", self.reader_id, exc_info=True)
+                time.sleep(0.25)
+                continue
+            for _key, entries in resp or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    self._deliver(fields.get(EVENT_FIELD.encode()) or fields.get(EVENT_FIELD))
+
+    def _deliver(self, raw: bytes | str | None) -> None:
+        try:
+            batch = decode_reply(raw or b"")
+        except ValueError as e:
+            self.dropped += 1
+            log.warning("reply reader %s: dropped an entry that is not a reply batch: %s", self.reader_id, e)
+            return
+        if batch.seq <= self._seen.get(batch.writer, 0):
+            return  # a flush retried after a connection error: read already
+        if len(self._seen) >= SEEN_WRITERS_MAX:
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[batch.writer] = batch.seq
+        for rid, events in batch.events.items():
+            box = self._boxes.get(rid)
+            if box is not None:  # else: finished, cancelled or migrated away; its events are moot
+                box.put(events)
