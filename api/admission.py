@@ -38,8 +38,8 @@ from typing import Any
 
 from flask import Flask, current_app, request
 
-from farm.cooperative import cooperative
-from farm.openai.errors import APIError
+from farm.infra.cooperative import cooperative
+from farm.openai.api_error import APIError
 
 RELEASE_KEY = "farm.admission.release"  # environ: gives this request's slot back (idempotent)
 CLOSE_KEY = "farm.admission.close"  # environ: close the connection after this response

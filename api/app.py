@@ -8,14 +8,14 @@ import time
 
 from flask import Flask
 
-from api.errors import register_error_handlers
+from api.error_handlers import register_error_handlers
 from farm.config import FarmConfig, get_config
-from farm.cooperative import cooperative
 from farm.gateway import Gateway
-from farm.metrics import FarmCollector
-from farm.models import ModelNotFoundError
-from farm.redis_client import connect
-from farm.tokenization import get_tokenizer
+from farm.infra.cooperative import cooperative
+from farm.infra.redis_client import connect
+from farm.models.directories import ModelNotFoundError
+from farm.models.tokenization import get_tokenizer
+from farm.telemetry.prometheus import FarmCollector
 
 REDIS_CONNECT_TIMEOUT_S = 5  # an unreachable Redis answers 503 in seconds instead of hanging a request
 # Redis connections beyond one per open connection: the KV-event follower, metrics, warm-up
@@ -56,14 +56,14 @@ class FarmContext:
         """Models with a live worker now (cached for a second): MoM only picks a model that can answer."""
         at, names = self._served
         if time.monotonic() - at > 1.0:
-            from farm import registry
+            from farm.cluster import registry
 
             names = {w.model for w in registry.live_workers(self.redis)}
             self._served = (time.monotonic(), names)
         return names
 
     def tokenizer(self, model: str):
-        """The model's tokenizer, loaded on first use and cached per process (farm.tokenization)."""
+        """The model's tokenizer, loaded on first use and cached per process (farm.models.tokenization)."""
         with self._lock:
             return get_tokenizer(self.cfg, model)
 
@@ -77,7 +77,7 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
     from api import admission, auth, http_policy, openapi
-    from api.routes import batches, files, health, metrics, openai
+    from api.routes import batches, files, health, openai, scrape
 
     http_policy.install(app)  # Host allow-list, Origin check and CORS (before the key check)
     auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
@@ -87,7 +87,7 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)
     app.register_blueprint(health.bp)
-    app.register_blueprint(metrics.bp)
+    app.register_blueprint(scrape.bp)
     logging.getLogger("farm").setLevel(logging.INFO)
     ctx = app.extensions["farm"]
     if cooperative():

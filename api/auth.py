@@ -10,12 +10,12 @@ Rules (checked before every request, in this order):
   `farm up` also refuses a non-local `api.host` without keys, so this is a second line.
 - Per-key requests in progress in this process (api.admission, `api.limits.max_concurrent_requests`): a
   slot is taken right after the key is checked, before the body is read; over the cap: 429 at once.
-- Per-key request-rate limit and token quota (farm.quota; `api.limits`, or a key's own in its
+- Per-key request-rate limit and token quota (farm.tenancy.quota; `api.limits`, or a key's own in its
   `api.api_keys` entry) on `/v1/*`: 429 `rate_limit_exceeded` / `insufficient_quota` with
   `Retry-After`. The token quota is checked only by routes that generate, and a generation reserves the most
   it can use (`reserve_tokens`) before it is queued.
 
-The owner id (farm.apikeys.owner_of) is what files and batches are recorded under.
+The owner id (farm.tenancy.api_keys.owner_of) is what files and batches are recorded under.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import ipaddress
 from flask import Flask, current_app, g, request
 
 from api.admission import admit
-from farm.apikeys import OWNER_ANONYMOUS, KeyRing
-from farm.openai.errors import APIError
-from farm.quota import Limiter, Refusal, Reservation
+from farm.openai.api_error import APIError
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
+from farm.tenancy.quota import Limiter, Refusal, Reservation
 
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})
 METRICS_PATH = "/metrics"

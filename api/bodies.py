@@ -18,8 +18,8 @@ from typing import Any
 from flask import request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from farm.jsonsafe import JSONTooDeep, loads_bounded
-from farm.openai.errors import APIError, bad_request
+from farm.openai.api_error import APIError, bad_request
+from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
 
 MAX_JSON_DEPTH = 32  # an OpenAI request nests about 5 deep; anything far past that is an attack or a bug
 _READ_CHUNK = 64 * 1024

@@ -11,7 +11,7 @@ down); the gevent worker gives each connection a greenlet, so thousands of strea
 connection that dribbles its headers costs memory, not service. The worker monkey-patches the standard
 library (sockets, select, threading, time.sleep) before it imports the app, which makes redis-py, kombu and
 the Flask app cooperative. CPU-bound calls that would stall every stream meanwhile run on gevent's thread
-pool (farm.cooperative). `header_timeout_s` becomes gunicorn's keep-alive timeout, which its async workers
+pool (farm.infra.cooperative). `header_timeout_s` becomes gunicorn's keep-alive timeout, which its async workers
 apply to reading every request head, the first one included: a client that has not sent its complete head
 by then is disconnected (a slowloris client holds a connection for seconds, not forever). The body has a
 deadline of its own (`api.body_timeout_s`), kept by the app (api/admission.py): gunicorn has none.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from api.server import raise_fd_limit, settings
 from farm.config import get_config
-from farm.filemodes import private_umask
+from farm.infra.filemodes import private_umask
 
 private_umask()  # batch files the API writes, and anything else, are the farm user's alone (the worker inherits it)
 globals().update(settings(get_config()))  # gunicorn reads its settings from this module's attributes

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from flask import Flask, Response, current_app, request
 
 from farm.config import ApiConfig
-from farm.openai.errors import APIError
+from farm.openai.api_error import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})

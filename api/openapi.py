@@ -1,4 +1,4 @@
-"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from farm/openai/models.py.
+"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from farm/openai/schemas.py.
 
 The operation table below names, per route, its request model and response models; the schemas
 themselves are the pydantic models' JSON Schema (draft 2020-12, which OpenAPI 3.1 uses as is).
@@ -15,7 +15,7 @@ from flask import Blueprint, Response, current_app, jsonify
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from farm.openai import models as m
+from farm.openai import schemas as m
 
 bp = Blueprint("openapi", __name__)
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from flask import Response, jsonify, request
 
-from farm import metrics
+from farm.models.tokenization import template_reads
 from farm.openai.parsing import local_params
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.semantic.layer import H_INJECTED, H_REASONING_APPLIED, SemanticLayer, Verdict
-from farm.tokenization import template_reads
+from farm.telemetry import prometheus
 
 log = logging.getLogger(__name__)
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # nothing was generated
@@ -53,13 +53,13 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
     v = layer.before(model, messages, no_cache=no_cache, tenant=tenant)
     if v.action == "cached" and fits is not None and not fits(v):
         v = v.as_miss()
-    metrics.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
+    prometheus.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
     if v.action == "block":
-        metrics.SEMANTIC_BLOCKS.labels(guard="jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else "pii").inc()
+        prometheus.SEMANTIC_BLOCKS.labels(guard="jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else "pii").inc()
     elif "cache" in v.timings_ms:
-        metrics.SEMANTIC_CACHE.labels(result="hit" if v.action == "cached" else "miss").inc()
+        prometheus.SEMANTIC_CACHE.labels(result="hit" if v.action == "cached" else "miss").inc()
     if layer.is_alias(model) and v.action != "block":
-        metrics.SEMANTIC_ROUTES.labels(category=v.category or "none", model=v.model).inc()
+        prometheus.SEMANTIC_ROUTES.labels(category=v.category or "none", model=v.model).inc()
     if not inject and v.headers.get(H_INJECTED):
         v.headers.pop(H_INJECTED)
         v.messages = messages
@@ -79,7 +79,7 @@ def reasoning_template_kwargs(v: Verdict, tokenizer) -> dict[str, Any]:
 
 def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage: bool) -> Response:
     """A blocked request or a cache hit, answered by the API: one choice, the verdict's text."""
-    metrics.REQUESTS.labels(model=v.model, status="200").inc()  # blocks are counted by SEMANTIC_BLOCKS too
+    prometheus.REQUESTS.labels(model=v.model, status="200").inc()  # blocks are counted by SEMANTIC_BLOCKS too
     headers = {"x-request-id": rid, **v.headers}
     if not stream:
         resp = jsonify(full_response(kind, rid, v.model, [Choice(v.answer or "", v.finish_reason or "stop")],

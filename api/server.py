@@ -11,7 +11,7 @@ import resource
 from typing import Any
 
 from farm.config import FarmConfig
-from farm.logfiles import gunicorn_logconfig
+from farm.infra.logfiles import gunicorn_logconfig
 
 # Descriptors one connection may need: its socket, and a Redis connection while its stream waits.
 FDS_PER_CONNECTION = 2

@@ -44,8 +44,8 @@ import redis
 from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from bench.stream_load import hold_streams, run_streams, stream_body
+from farm.infra.redis_client import connect
 from farm.protocol.keys import OBS_STREAM
-from farm.redis_client import connect
 
 DEFAULT_NS = [500, 1000, 2000, 5000]
 GOAL_STREAMS = 2000

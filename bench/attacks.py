@@ -49,9 +49,10 @@ import requests
 
 from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
-from farm import registry
+from farm.cluster import registry
 from farm.config import FarmConfig, farm_secret
-from farm.models import model_dir
+from farm.infra.redis_client import connect
+from farm.models.directories import model_dir
 from farm.protocol import (
     EVENT_FIELD,
     TASK_DECODE,
@@ -61,7 +62,6 @@ from farm.protocol import (
     queue_name,
     reply_stream_key,
 )
-from farm.redis_client import connect
 from farm.transfer.handle import sign_handle
 
 SLOWLORIS_CONNECTIONS = 300
@@ -387,7 +387,7 @@ def main() -> None:
         transfer = worker.transfer_endpoint
         for _ in range(3):
             user_request(url, model)  # warm: the semantic layer, the tokenizer, the engine
-        from farm.broker import make_celery
+        from farm.infra.broker import make_celery
 
         celery = make_celery(cfg)
         attacks: dict[str, Attack | None] = {

@@ -30,9 +30,9 @@ from typing import Any
 
 from bench.common import finish, goal, table
 from farm.config import load_config
-from farm.models import require_model_dir
+from farm.models.directories import require_model_dir
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, StartEvent
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.chaos.harness import MODEL, ChaosFarm, kill, reader_process
 
 WAIT_S = 120  # a stream silent this long counts as lost

@@ -23,9 +23,9 @@ import uuid
 from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from farm.gateway import Gateway
+from farm.infra.redis_client import connect
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, StartEvent
-from farm.redis_client import connect
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 
 WORDS = ("river mountain ledger harbor copper violet engine garden signal lantern orbit canyon meadow "
          "falcon quartz timber").split()

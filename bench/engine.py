@@ -161,7 +161,7 @@ class Tracker:
 
 
 def chat_ids(tok, system: str, user: str) -> list[int]:
-    from farm.tokenization import chat_prompt_ids
+    from farm.models.tokenization import chat_prompt_ids
 
     return chat_prompt_ids(tok, [{"role": "system", "content": system}, {"role": "user", "content": user}])
 
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from farm.config import get_config
     from farm.engine.engine import Engine
-    from farm.models import require_model_dir
+    from farm.models.directories import require_model_dir
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

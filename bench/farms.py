@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from farm.config import get_config, load_config
-from farm.models import model_dir
+from farm.models.directories import model_dir
 from farm.supervisor import Farm
 
 

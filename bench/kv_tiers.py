@@ -30,7 +30,7 @@ from pathlib import Path
 from bench.common import finish, goal, table
 from farm.config import KVTiersConfig, load_config
 from farm.engine.engine import Engine
-from farm.models import model_dir
+from farm.models.directories import model_dir
 from farm.protocol import SamplingParams
 
 WORDS = ("amber basalt cinder dune ember fjord glacier harbor island jungle kelp lagoon mesa nebula "

@@ -39,11 +39,12 @@ from pathlib import Path
 import redis
 
 from bench.common import finish, goal, percentile, table
-from farm import redis_server, registry
+from farm.cluster import registry
 from farm.config import load_config
+from farm.infra import redis_server
 from farm.protocol.keys import LOAD_EVENTS_STREAM
-from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower
+from farm.router.kv_publisher import KVEventPublisher
 from farm.router.load import LoadMirror, LoadTracker
 from farm.router.router import Router
 

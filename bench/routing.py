@@ -50,9 +50,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import BENCH_DIR, OUT_DIR, finish, goal, load_average, percentile, table
 from bench.farms import bench_farm
 from bench.peers.load import RequestTiming, stream_chat
-from farm.models import model_dir
+from farm.models.directories import model_dir
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol.hashing import block_hashes
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 
 AIPERF_VENV = BENCH_DIR / ".venv-aiperf"
 WORKLOADS = ("shared-prefix", "multi-turn", "no-sharing")

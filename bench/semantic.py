@@ -38,14 +38,14 @@ import numpy as np
 import redis
 
 from bench.common import CpuShare, finish, goal, load_average, percentile, table
-from farm import redis_server
-from farm.apikeys import OWNER_ANONYMOUS
 from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
+from farm.infra import redis_server
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
 from farm.semantic.heads import heads_meta, load_heads
 from farm.semantic.jailbreak import SHIPPED_HEADS, JailbreakDetector
 from farm.semantic.layer import SemanticLayer
+from farm.tenancy.api_keys import OWNER_ANONYMOUS
 from tools.semantic import datasets, pii_data, wheels
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy as acc_ci

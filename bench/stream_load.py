@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import FarmConfig
 from farm.protocol.keys import active_key
 
@@ -173,7 +173,7 @@ def leases(r: redis.Redis) -> int:
 @contextlib.contextmanager
 def consumers_paused(cfg: FarmConfig, r: redis.Redis) -> Iterator[None]:
     """Every live worker stops consuming its queues until the block ends (Celery's cancel/add_consumer)."""
-    from farm.broker import make_celery
+    from farm.infra.broker import make_celery
 
     app = make_celery(cfg)
     paused = [(w.worker_id, q) for w in registry.live_workers(r) for q in w.queues]

@@ -17,7 +17,7 @@ import logging
 import socket
 import sys
 
-from farm.broker import make_celery, survive_broker_reconnects
+from farm.infra.broker import make_celery, survive_broker_reconnects
 from farm.protocol import BATCH_QUEUE, TASK_BATCH_DRIVE
 
 # Its own app: the batch driver consumes only farm.batch and must not import the generation tasks (the engine, torch).
@@ -41,7 +41,7 @@ def drive(batch_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from farm.config import ConfigError, get_config
-    from farm.logfiles import configure_logging
+    from farm.infra.logfiles import configure_logging
 
     p = argparse.ArgumentParser(prog="python -m tasks.batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,13 +1,13 @@
 """The workers' Celery application (`celery -A tasks.celery_app worker|flower`): the farm's app with the generation
 tasks, and kombu's reconnect fix that consumers need.
 
-Publishers (the API, the batch driver's gateway) build their app with `farm.broker.make_celery` and never import
+Publishers (the API, the batch driver's gateway) build their app with `farm.infra.broker.make_celery` and never import
 this module; the batch driver has its own app (tasks/batch.py), so neither loads the engine.
 """
 
 from __future__ import annotations
 
-from farm.broker import make_celery, survive_broker_reconnects
+from farm.infra.broker import make_celery, survive_broker_reconnects
 
 app = make_celery(include=["tasks.generation"])
 survive_broker_reconnects()

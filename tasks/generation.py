@@ -1,13 +1,13 @@
 """Generation tasks. Each is a few lines: check the JSON message (untrusted: anything that can write to
 Redis can send one) and hand it to the worker runtime, which puts it in the engine and returns (the task thread
-does not wait for the generation: farm.worker)."""
+does not wait for the generation: farm.worker.runtime)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PING, TASK_PREFILL
-from farm.worker import get_runtime
+from farm.worker.runtime import get_runtime
 from tasks.celery_app import app
 
 
@@ -37,7 +37,7 @@ def generate(request: dict[str, Any]) -> None:
 
 @app.task(name=TASK_PING, ignore_result=True)
 def ping(worker_id: str, token: str) -> None:
-    """The consumer watchdog's probe (farm.reliability): answering proves this worker still consumes."""
+    """The consumer watchdog's probe (farm.worker.watchdog): answering proves this worker still consumes."""
     rt = get_runtime()
     if rt.worker_id == worker_id:
         rt.pong(token)

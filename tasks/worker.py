@@ -17,7 +17,7 @@ import sys
 from celery import signals
 
 from farm.config import ConfigError, get_config
-from farm.logfiles import configure_logging
+from farm.infra.logfiles import configure_logging
 from farm.protocol import ROLES, queues_for_role
 from farm.protocol.queues import direct_queue
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{name}@{socket.gethostname()}"
 
     configure_logging(args.loglevel, cfg.logs.format == "json")  # text, or JSON lines (logs.format)
-    from farm.worker import WorkerRuntime, set_runtime
+    from farm.worker.runtime import WorkerRuntime, set_runtime
     from tasks.celery_app import app
 
     # Load the model and run the start-up checks (block size, model files) before Celery starts, so a
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     @signals.worker_shutdown.connect(weak=False)
     def _stop_runtime(**_kw) -> None:
-        from farm.worker import _runtime
+        from farm.worker.runtime import _runtime
 
         if _runtime is not None:
             _runtime.stop()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from farm.orphans import die_with_parent
+from farm.infra.orphans import die_with_parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -155,7 +155,7 @@ def make_farm_env(redis_url: str, tmp_path: Path) -> dict[str, str]:
     directory instead of converting again.
     """
     from farm.config import load_config
-    from farm.models import model_dir
+    from farm.models.directories import model_dir
 
     cfg = load_config(environ={})
     env = {
@@ -194,7 +194,7 @@ def _model_path_override(tmp_path: Path, cfg, path: Path) -> Path:
 def real_model_dir() -> Path:
     """The prepared default model (SmolLM2-135M-Instruct); `make test` prepares it first."""
     from farm.config import load_config
-    from farm.models import require_model_dir
+    from farm.models.directories import require_model_dir
 
     cfg = load_config(environ={})
     return require_model_dir(cfg, cfg.model(cfg.default_model))

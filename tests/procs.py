@@ -11,8 +11,8 @@ from pathlib import Path
 
 import redis
 
-from farm import registry
-from farm.orphans import die_with_parent
+from farm.cluster import registry
+from farm.infra.orphans import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 from flask import Flask
 
 from api.app import create_app
-from farm import registry
+from farm.cluster import registry
 from farm.config import get_config
 from farm.protocol.queues import direct_queue
 from tests.conftest import make_farm_env
@@ -262,7 +262,7 @@ def test_every_worker_busy_is_shed_with_503_and_retry_after(app, app_client, wit
 
 
 def test_unexpected_exceptions_are_json_500_without_traceback(app, app_client, monkeypatch):
-    from farm.models import ModelNotFoundError
+    from farm.models.directories import ModelNotFoundError
 
     c, cfg = app_client
     farm = app.extensions["farm"]

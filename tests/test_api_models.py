@@ -8,7 +8,7 @@ import pytest
 from flask import Flask
 
 from api.app import create_app
-from farm import registry
+from farm.cluster import registry
 from farm.config import load_config
 from tests.conftest import free_port, make_farm_env
 from tests.test_api_errors import assert_error, post

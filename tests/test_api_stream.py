@@ -19,7 +19,7 @@ import pytest
 import redis
 from flask import Flask
 
-from farm import registry
+from farm.cluster import registry
 from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, encode_reply, reply_stream_key
 from farm.protocol.queues import direct_queue
 from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post

@@ -14,9 +14,9 @@ import pytest
 import redis
 import requests
 
-from farm import registry
-from farm.batch.store import lease_key
+from farm.cluster import registry
 from farm.config import load_config
+from farm.protocol.keys import batch_lease_key
 from farm.supervisor import Farm
 from tests.conftest import free_port, make_farm_env
 
@@ -181,7 +181,7 @@ def test_survives_killing_a_worker_and_the_driver_mid_run(farm, client):
     wait_status(client, b.id, set(), until=lambda x: x.request_counts.completed >= 1)
     r = redis.Redis.from_url(farm.cfg.redis.url)
     deadline = time.time() + 15  # the lease may be between holders for a moment (a slow refresh on 2 busy cores)
-    while not (holder := (r.get(lease_key(b.id)) or b"").decode()) and time.time() < deadline:  # "<host>:<pid>:<token>"
+    while not (holder := (r.get(batch_lease_key(b.id)) or b"").decode()) and time.time() < deadline:  # "<host>:<pid>:<token>"
         time.sleep(0.1)
     victim_driver = next((p for p in farm.procs if p.role == "batch" and f":{p.pid}:" in holder), None)
     assert victim_driver is not None, f"no batch driver of this farm holds the lease: {holder!r}"

@@ -10,8 +10,9 @@ import os
 import pytest
 
 from api.app import create_app
-from farm.batch.files import BODY_BYTES_KEY, CHUNK_BYTES, FileStorageFull, FileStore
+from farm.batch.file_store import CHUNK_BYTES, FileStorageFull, FileStore
 from farm.config import load_config
+from farm.protocol.keys import FILE_BYTES_KEY
 
 
 def upload(c, data: bytes, name="in.jsonl"):
@@ -42,10 +43,10 @@ def test_a_file_uploaded_to_one_replica_is_read_from_another(replicas, tmp_path)
     assert got.status_code == 200 and got.data == data
     assert b.get(f"/v1/files/{f['id']}").get_json()["bytes"] == len(data)
     assert not any(p.is_file() for p in tmp_path.rglob("file-*")), "nothing on either pod's disk"
-    assert int(r.get(BODY_BYTES_KEY)) == len(data)
+    assert int(r.get(FILE_BYTES_KEY)) == len(data)
     assert b.delete(f"/v1/files/{f['id']}").get_json()["deleted"] is True
     assert a.get(f"/v1/files/{f['id']}/content").status_code == 404
-    assert int(r.get(BODY_BYTES_KEY)) == 0
+    assert int(r.get(FILE_BYTES_KEY)) == 0
     assert not r.keys("farm:file:*"), "metadata, body and upload keys are all gone"
 
 
@@ -58,18 +59,18 @@ def test_the_cap_refuses_uploads_but_not_a_batchs_output(replicas, redis_url, tm
     assert full.status_code == 413
     err = full.get_json()["error"]
     assert err["code"] == "file_storage_full" and err["param"] == "file" and "files_redis_max_mb" in err["message"]
-    assert int(r.get(BODY_BYTES_KEY)) == len(two_mb) and not r.keys("farm:file:*:upload:*")
+    assert int(r.get(FILE_BYTES_KEY)) == len(two_mb) and not r.keys("farm:file:*:upload:*")
     # a batch's output file is stored whatever the cap (the work was accepted), and counted
     cfg = load_config(environ={"FARM_REDIS__URL": redis_url, "FARM_STATE_DIR": str(tmp_path / "driver"),
                                "FARM_BATCH__FILES_BACKEND": "redis", "FARM_BATCH__FILES_REDIS_MAX_MB": "3"})
     store = FileStore.from_config(r, cfg)
     out = store.create([two_mb[:CHUNK_BYTES], two_mb[CHUNK_BYTES:]], "batch_out.jsonl", "batch_output")
     assert store.read(out["id"]) == two_mb
-    assert int(r.get(BODY_BYTES_KEY)) == 2 * len(two_mb)
+    assert int(r.get(FILE_BYTES_KEY)) == 2 * len(two_mb)
     with pytest.raises(FileStorageFull):
         store.create(b"x" * 10, "more.jsonl", "batch")
     # replacing a file (a finalizing batch rewrites its output) counts the new size, not both
     store.create(b"short\n", "batch_out.jsonl", "batch_output", file_id=out["id"])
-    assert int(r.get(BODY_BYTES_KEY)) == len(two_mb) + len(b"short\n")
+    assert int(r.get(FILE_BYTES_KEY)) == len(two_mb) + len(b"short\n")
     assert a.delete(f"/v1/files/{first.get_json()['id']}").status_code == 200
     assert upload(b, two_mb).status_code == 200, "deleting made room again"

@@ -10,8 +10,8 @@ import pytest
 from farm.batch.schedule import Plan, prefix_order
 from farm.batch.validate import PreparedLine, validate_input
 from farm.config import load_config
+from farm.models.tokenization import get_tokenizer
 from farm.protocol.hashing import block_hashes
-from farm.tokenization import get_tokenizer
 
 CHAT = "/v1/chat/completions"
 

@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 
-from farm.apikeys import OWNER_ANONYMOUS, digest, owner_of, tenant_cache_salt
 from farm.backends.vllm_events import VllmKVEventTranslator, first_block_salt
 from farm.config import EngineConfig
 from farm.engine.engine import Engine
 from farm.protocol import GenerationRequest, InvalidTask, SamplingParams
 from farm.protocol.hashing import block_hashes, chain_hash, local_block_hash, salt_root
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, digest, owner_of, tenant_cache_salt
 from tests.test_engine import Collector
 
 BS = 16

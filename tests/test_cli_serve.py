@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from farm import logfiles
-from farm.cli import build_parser, main, serve_config
+from farm.cli.main import build_parser, main, serve_config
 from farm.config import load_config
-from farm.models import _builtin_gguf
-from farm.progress import ProgressPrinter, describe
+from farm.infra import logfiles
+from farm.models.directories import _builtin_gguf
+from farm.supervisor.progress import ProgressPrinter, describe
 from tests.conftest import free_port, make_farm_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from farm import registry
-from farm.cli import main
+from farm.cli.main import main
+from farm.cluster import registry
 from farm.config import load_config
 from farm.protocol import PRIORITY_SEP, queue_name
 from farm.supervisor import worker_counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from farm.config import ConfigError, load_config
-from farm.models import ModelNotFoundError, require_model_dir
+from farm.models.directories import ModelNotFoundError, require_model_dir
 
 
 def test_defaults_load_and_env_overrides_apply():

@@ -22,8 +22,8 @@ import redis
 import yaml
 from compose_spec import PyCompose
 
-from farm import registry
-from farm.cli import build_parser
+from farm.cli.main import build_parser
+from farm.cluster import registry
 from farm.config import load_config
 from farm.supervisor import API_APP, API_SERVER_CONFIG
 

@@ -32,8 +32,8 @@ import pytest
 import redis
 import yaml
 
-from farm import registry
-from farm.cli import build_parser
+from farm.cli.main import build_parser
+from farm.cluster import registry
 from farm.config import load_config
 from farm.config.planner import load_planner_config
 from farm.planner.actuators import deployment_name
@@ -513,7 +513,7 @@ def _probe_code(case: str = "default") -> tuple[list[str], list[str]]:
 
 def test_worker_probe_tracks_the_heartbeat_in_redis(redis_url):
     """The exec probe from the rendered chart, run against a real Redis: it passes only while the
-    worker's heartbeat key (written by farm.registry every 2 s, TTL 6 s) exists."""
+    worker's heartbeat key (written by farm.cluster.registry every 2 s, TTL 6 s) exists."""
     startup, liveness = _probe_code()
     wid = "decode@farm-inference-farm-smollm2-decode-5c8f-x2x4q"
     env = {"WORKER_ID": wid, "FARM_REDIS__URL": redis_url, "PATH": "/usr/bin:/bin"}
@@ -832,7 +832,7 @@ def test_redis_ha_bundles_a_primary_a_replica_and_three_sentinels(tmp_path):
     expected = [f"{SENTINEL_STS}-{i}.{sentinel_sts['spec']['serviceName']}.{NAMESPACE}.svc:{port}" for i in range(3)]
 
     # every farm container (API, workers, batch driver, Flower, planner) goes through those sentinels
-    from farm.redis_client import celery_broker
+    from farm.infra.redis_client import celery_broker
 
     for _, env, cfg in ha_farm_configs(objs, tmp_path, expected):
         ha = cfg.redis.ha
@@ -867,17 +867,17 @@ def test_master_names_yaml_would_misread_are_quoted(tmp_path):
 
 def test_ha_worker_probe_finds_the_primary_through_a_real_sentinel(tmp_path):
     """The redis.ha heartbeat probe from the rendered chart, run against a real redis-server watched by a real
-    redis-sentinel: it asks the sentinel for the primary (farm.redis_client), like every farm process."""
+    redis-sentinel: it asks the sentinel for the primary (farm.infra.redis_client), like every farm process."""
     import shutil
     import time
 
-    from farm.orphans import die_with_parent
+    from farm.infra.orphans import die_with_parent
     from tests.conftest import free_port, start_redis
 
     dep = next(iter(workers(objects("redis-ha")).values()))
     c = container(dep["spec"]["template"]["spec"], "worker")
     startup, liveness = c["startupProbe"]["exec"]["command"], c["livenessProbe"]["exec"]["command"]
-    assert "farm.redis_client" in startup[2]
+    assert "farm.infra.redis_client" in startup[2]
     proc, url = start_redis(tmp_path / "redis")
     sport = free_port()
     conf = tmp_path / "sentinel.conf"

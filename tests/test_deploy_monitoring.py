@@ -101,13 +101,13 @@ def test_dashboard_parses_and_is_well_formed():
 def metric_catalog() -> dict[str, set[str]]:
     """Every series name the API's /metrics can carry, with its label names (`le` for buckets): the API
     process's own metrics, as registered when its modules are imported, and the farm-wide series exactly as
-    farm.metrics yields them for a worker whose heartbeat carries a real engine's stats."""
+    farm.telemetry.prometheus yields them for a worker whose heartbeat carries a real engine's stats."""
     from prometheus_client import REGISTRY
 
     import api.app  # noqa: F401 - registers every metric the API process serves
+    from farm.cluster.registry import WorkerInfo
     from farm.engine.timings import RequestTimings
-    from farm.metrics import _FarmWide
-    from farm.registry import WorkerInfo
+    from farm.telemetry.prometheus import _FarmWide
 
     out: dict[str, set[str]] = {}
     for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - names and labels of every metric

@@ -10,7 +10,7 @@ import pytest
 import redis
 import requests
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import load_config
 from farm.supervisor import Farm
 from tests.conftest import free_port, make_farm_env

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from farm.config import EngineConfig
-from farm.engine.engine import Engine, RequestOutput
+from farm.engine.contract import RequestOutput
+from farm.engine.engine import Engine
 from farm.engine.scheduler import KVImport
+from farm.models.tokenization import chat_prompt_ids
 from farm.protocol import SamplingParams
-from farm.tokenization import chat_prompt_ids
 
 
 class Collector:

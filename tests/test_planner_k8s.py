@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from farm import registry
+from farm.cluster import registry
 from farm.config.planner import Bounds, KubernetesConfig, LoadPolicyConfig, PlannerConfig
 from farm.planner.actuators import ActuatorError, KubernetesActuator, deployment_name
 from farm.planner.planner import Planner

@@ -18,12 +18,12 @@ import redis
 from farm.config import get_config, load_config
 from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig
 from farm.gateway import Gateway
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.planner.actuators import LocalActuator
 from farm.planner.planner import Planner, read_state
 from farm.planner.signals import RedisSignals
 from farm.protocol import GenerationRequest, SamplingParams
 from farm.supervisor import Farm
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.conftest import make_farm_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

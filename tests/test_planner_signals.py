@@ -7,14 +7,15 @@ import time
 
 import pytest
 
-from farm import registry
-from farm.cli import collect_status, main
+from farm.cli.main import main
+from farm.cli.status import collect_status
+from farm.cluster import registry
 from farm.config import load_config
 from farm.config.planner import Bounds, LoadPolicyConfig, PlannerConfig
-from farm.planner.planner import EVENTS_KEY, Planner, read_state
+from farm.planner.planner import Planner, read_state
 from farm.planner.signals import RedisSignals
 from farm.protocol import PRIORITY_SEP, queue_name
-from farm.protocol.keys import OBS_STREAM
+from farm.protocol.keys import OBS_STREAM, PLANNER_EVENTS_KEY
 from farm.protocol.queues import direct_queue
 from farm.router.load import LoadTracker
 
@@ -94,7 +95,7 @@ def test_dry_run_decides_logs_and_publishes_but_changes_nothing(busy_farm, caplo
     assert state["dry_run"] is True and state["mode"] == "load"
     assert state["models"][MODEL]["prefill"]["target"] == 3
     assert state["traffic"][MODEL]["requests"] == 3
-    assert json.loads(busy_farm.lindex(EVENTS_KEY, 0))["action"] == "scale_up"
+    assert json.loads(busy_farm.lindex(PLANNER_EVENTS_KEY, 0))["action"] == "scale_up"
 
 
 def test_farm_status_shows_the_planner(busy_farm, redis_url, tmp_path, monkeypatch, capsys):

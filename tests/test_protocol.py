@@ -1,8 +1,13 @@
-"""Every message that crosses processes survives its wire form (JSON) unchanged: the request, each stream event."""
+"""Every message that crosses processes survives its wire form (JSON) unchanged: the request, each stream event,
+the KV event, the KV handle; and every Redis key is spelled in one module, farm/protocol/keys.py."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import tokenize
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +22,7 @@ from farm.protocol import (
     encode_reply,
     parse_event,
 )
+from farm.protocol.kv_events import KVEvent, KVEventKind
 
 
 def _wire(d: dict) -> dict:
@@ -86,3 +92,61 @@ def test_kv_handle_round_trips_through_its_signed_json_form():
         assert KVHandle.from_signed(wire, secret, now=1e9) == h
         with pytest.raises(HandleError, match="signature"):
             KVHandle.from_signed({**wire, "endpoint": "10.0.0.1:9"}, secret, now=1e9)
+
+
+@pytest.mark.parametrize("event", [
+    KVEvent("w1", 1700000000000000000, 1, KVEventKind.CLEARED),
+    KVEvent("w1", 1700000000000000000, 2, KVEventKind.STORED, [2**63 - 1, 5], 17, "host"),
+    KVEvent("w1", 1700000000000000000, 3, KVEventKind.REMOVED, [5], None, "disk"),
+])
+def test_kv_events_round_trip_in_their_wire_form(event):
+    wire = _wire(event.to_dict())
+    assert wire == {"worker_id": "w1", "epoch": event.epoch, "event_id": event.event_id, "kind": event.kind.value,
+                    "blocks": event.blocks, "parent_hash": event.parent_hash, "tier": event.tier}
+    assert KVEvent.from_dict(wire) == event
+
+
+def test_kv_events_as_the_first_workers_wrote_them_and_what_is_not_one():
+    old = {"worker_id": "w1", "event_id": "4", "kind": "stored", "blocks": ["9"], "parent_hash": None}
+    assert KVEvent.from_dict(old) == KVEvent("w1", 0, 4, KVEventKind.STORED, [9], None, "device")
+    assert KVEventKind.STORED == "stored"  # a StrEnum: the engines' hooks may still name a kind by its string
+    with pytest.raises(ValueError):
+        KVEvent.from_dict({**old, "kind": "evicted"})
+    with pytest.raises(KeyError):
+        KVEvent.from_dict({"worker_id": "w1", "event_id": 1, "kind": "cleared"})  # no blocks
+
+
+# A Redis key of the farm spelled as a string literal ("farm:...", f"farm:{...}"): keys live in
+# farm/protocol/keys.py.
+FARM_KEY_LITERAL = re.compile(r"farm:[\w{*]")
+KEY_LITERALS_ALLOWED = {
+    # a setting's default (farm/config imports nothing of the farm, so it cannot name farm.protocol.keys); the
+    # semantic cache builds its keys, in Python and in its Lua script, under this configurable prefix
+    ("farm/config/semantic.py", "farm:sc"),
+}
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, contents) of every string literal of a module, f-strings included, without prefix and quotes."""
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.STRING:
+            body = tok.string.lstrip("rbfuRBFU")
+            quote = body[:3] if body[:3] in ('"""', "'''") else body[:1]
+            out.append((tok.start[0], body[len(quote):-len(quote)]))
+    return out
+
+
+def test_every_redis_key_is_spelled_in_farm_protocol_keys():
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted((root / "farm").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "farm/protocol/keys.py":
+            continue
+        for line, text in _string_literals(path):
+            if FARM_KEY_LITERAL.match(text) and (rel, text) not in KEY_LITERALS_ALLOWED:
+                found.append(f"{rel}:{line}: {text!r}")
+    assert found == [], "Redis keys belong in farm/protocol/keys.py:\n" + "\n".join(found)
+    # and the check sees a key where one is: the module that holds them all
+    assert any(FARM_KEY_LITERAL.match(t) for _, t in _string_literals(root / "farm/protocol/keys.py"))

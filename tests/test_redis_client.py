@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from farm.config import ConfigError, load_config
-from farm.redis_client import celery_broker, primary_address
+from farm.infra.redis_client import celery_broker, primary_address
 
 
 def test_without_ha_celery_uses_the_url_as_it_is(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import CostPrior, load_config
 from farm.engine.step_costs import LinearFit, StepCosts
 from farm.router.costs import CostBook, WorkerCosts

@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
-from farm import registry
+from farm.cluster import registry
 from farm.protocol.keys import EVENTS_STREAM, worker_blocks_key
-from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower, KVIndex
+from farm.router.kv_publisher import KVEventPublisher
 from tests.procs import ROOT
 
 

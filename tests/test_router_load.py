@@ -9,7 +9,7 @@ import sys
 
 import redis
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import load_config
 from farm.router.index import IndexFollower, forget_worker
 from farm.router.load import LoadMirror, LoadTracker, empty_load
@@ -123,8 +123,8 @@ from gevent import monkey
 monkey.patch_all()
 import json, sys
 import gevent, redis
-from farm import registry
-from farm.router.events import KVEventPublisher
+from farm.cluster import registry
+from farm.router.kv_publisher import KVEventPublisher
 from farm.router.index import IndexFollower
 r = redis.Redis.from_url(sys.argv[1])
 registry.register(r, registry.WorkerInfo("g", "both", "m", "h", 1, 16, num_blocks=100))

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import load_config
 from farm.router.load import LoadTracker
 from farm.router.policy import Candidate, RoundRobin, dynamo_costs, softmax_pick

@@ -8,10 +8,10 @@ import time
 import pytest
 import redis
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import load_config
 from farm.gateway import Gateway
-from farm.router.events import KVEventPublisher
+from farm.router.kv_publisher import KVEventPublisher
 from tests.conftest import make_farm_env
 from tests.procs import WorkerProc, wait_registered
 from tests.test_workers import collect, request
@@ -37,7 +37,7 @@ def two_workers(redis_url, tmp_path_factory):
 
 
 def chat(cfg, user, system=LONG_SYSTEM, **kw):
-    from farm.tokenization import chat_prompt_ids, get_tokenizer
+    from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 
     req = request(cfg, user, **kw)
     tok = get_tokenizer(cfg, cfg.default_model)

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from farm.apikeys import KeyRing, owner_of
 from farm.config import ConfigError, load_config
-from farm.quota import Limiter, Refusal
 from farm.supervisor import Farm
+from farm.tenancy.api_keys import KeyRing, owner_of
+from farm.tenancy.quota import Limiter, Refusal
 from tests.security_helpers import KEY_A, KEY_B, assert_openai_error, bearer, farm_app
 
 REMOTE = {"REMOTE_ADDR": "10.9.8.7"}

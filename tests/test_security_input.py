@@ -75,7 +75,7 @@ def test_unknown_fields_are_named(c, path, body):
 
 def test_every_documented_field_is_accepted_as_known(c):
     """The schema's field list and the validator agree: no documented field is 'unknown'."""
-    from farm.openai.models import ChatCompletionRequest, CompletionRequest
+    from farm.openai.schemas import ChatCompletionRequest, CompletionRequest
 
     for path, model in ((CHAT, ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
         base = chat() if path == CHAT else {"model": "SmolLM2-135M-Instruct", "prompt": "x"}

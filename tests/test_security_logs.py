@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from farm import registry
+from farm.cluster import registry
 from farm.protocol.queues import direct_queue
 from tests.security_helpers import farm_app
 

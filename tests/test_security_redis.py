@@ -10,9 +10,9 @@ import psutil
 import pytest
 import redis
 
-from farm import redis_server
 from farm.config import ConfigError, load_config, redact_url
 from farm.config.redis import url_password
+from farm.infra import redis_server
 from farm.supervisor import Farm
 from tests.conftest import free_port
 

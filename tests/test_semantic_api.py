@@ -12,7 +12,7 @@ import pytest
 from flask import Flask
 from prometheus_client.parser import text_string_to_metric_families
 
-from farm.apikeys import OWNER_ANONYMOUS
+from farm.tenancy.api_keys import OWNER_ANONYMOUS
 from tests.test_api_errors import farm_app
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from api.semantic import reasoning_template_kwargs
+from farm.models.tokenization import _load, chat_prompt_ids, template_reads
 from farm.openai.parsing import parse_chat
 from farm.semantic.layer import SemanticLayer, Verdict
-from farm.tokenization import _load, chat_prompt_ids, template_reads
 
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

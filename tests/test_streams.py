@@ -18,7 +18,7 @@ from farm.protocol import (
     reader_lease_key,
     reply_stream_key,
 )
-from farm.streams import StreamWriter
+from farm.worker.stream_writer import StreamWriter
 from tests.conftest import start_redis
 
 
@@ -69,7 +69,7 @@ def test_closed_and_unrouted_requests_emit_nothing(redis_client):
 
 def test_a_retried_flush_repeats_its_sequence_number_and_the_reader_skips_it(redis_client):
     """The writer resends a whole batch whose answer never came; the reply reader skips a (writer, seq) it has."""
-    from farm.config.runtime import ReliabilityConfig
+    from farm.config.processes import ReliabilityConfig
     from farm.gateway.replies import ReplyReader
 
     reader = ReplyReader(redis_client, ReliabilityConfig())

@@ -18,9 +18,9 @@ import psutil
 import pytest
 import redis
 
-from farm import redis_server
 from farm.config import ConfigError, load_config
 from farm.config.redis import is_local
+from farm.infra import redis_server
 from farm.supervisor import Farm, FarmStartError, Proc, read_state, stop_ordered
 from tests.conftest import free_port
 
@@ -396,7 +396,7 @@ _FAKE_WORKER = textwrap.dedent("""
     # deregisters on SIGTERM (warm shutdown).
     import signal, sys, time
     import redis
-    from farm import registry
+    from farm.cluster import registry
     role, model, wid, url = sys.argv[1:5]
     if sys.argv[5:] == ["ignore-term"]:  # a warm shutdown that never ends
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -419,7 +419,7 @@ _FAKE_WORKER = textwrap.dedent("""
 
 
 def test_wait_healthy_waits_for_each_worker_in_its_role(tmp_path, redis_url, redis_client):
-    from farm import registry
+    from farm.cluster import registry
 
     script = tmp_path / "fake_worker.py"
     script.write_text(_FAKE_WORKER)
@@ -472,8 +472,8 @@ def _role(url: str) -> str:
 
 
 def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path):
-    from farm.broker import make_celery
-    from farm.redis_client import connect, primary_address
+    from farm.infra.broker import make_celery
+    from farm.infra.redis_client import connect, primary_address
 
     env = _ha_env(tmp_path)
     cfg = load_config(environ=env)

@@ -21,8 +21,8 @@ import json, sys, time, uuid, redis
 from farm.config import get_config
 from farm.gateway import Gateway
 from farm.protocol import GenerationRequest, SamplingParams
-from farm.tokenization import chat_prompt_ids, get_tokenizer
-from farm import registry
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
+from farm.cluster import registry
 cfg = get_config()
 r = redis.Redis.from_url(cfg.redis.url)
 deadline = time.time() + 120

@@ -23,15 +23,7 @@ import yaml
 import zmq
 
 from farm.backends import connector_import, make_engine
-from farm.backends.vllm import (
-    PREFILL_PARAMS,
-    ConnectorImport,
-    VllmRequestOutput,
-    build_engine_args,
-    import_from_handle,
-    make_connector_handle,
-    sampling_kwargs,
-)
+from farm.backends.vllm_args import PREFILL_PARAMS, build_engine_args, sampling_kwargs
 from farm.backends.vllm_events import (
     END_SEQ,
     VllmKVEventSubscriber,
@@ -40,12 +32,18 @@ from farm.backends.vllm_events import (
     decode_event_batch,
     medium_tier,
 )
+from farm.backends.vllm_handles import (
+    ConnectorImport,
+    VllmRequestOutput,
+    import_from_handle,
+    make_connector_handle,
+)
 from farm.config import ConfigError, ModelConfig, load_config
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import block_hashes
 from farm.protocol.keys import worker_blocks_key
-from farm.router.events import KVEventPublisher
 from farm.router.index import IndexFollower
+from farm.router.kv_publisher import KVEventPublisher
 from farm.transfer.handle import SIGNED_FIELDS, HandleError, sign_handle, verify_handle
 
 SECRET = b"test-secret-not-for-production"

@@ -10,8 +10,8 @@ import redis
 
 from farm.config import load_config
 from farm.gateway import Gateway
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol import TASK_DECODE, GenerationRequest, SamplingParams, queue_name
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 from farm.transfer.handle import sign_handle
 from tests.conftest import free_port, make_farm_env
 from tests.procs import WorkerProc, send_and_read, wait_registered
@@ -137,7 +137,7 @@ def test_never_mode_and_enforced_mode_without_prefill_workers(farm):
 
     r2 = redis.Redis.from_url(str(cfg.redis.url).rsplit("/", 1)[0] + "/5")
     r2.flushdb()
-    from farm import registry
+    from farm.cluster import registry
 
     registry.register(r2, registry.WorkerInfo("lonely-decode", "decode", cfg.default_model, "h", 1, 16))
     with pytest.raises(NoWorkersError, match="always"):
@@ -148,7 +148,7 @@ def test_block_pools_return_to_their_starting_state(farm):
     """After every request above (including cancelled and fallen-back ones) nothing is held or leaked."""
     import json
 
-    from farm import registry
+    from farm.cluster import registry
 
     cfg, r, procs = farm
     deadline = time.time() + 15
@@ -169,6 +169,6 @@ def test_worker_with_another_block_size_refuses_to_start(farm, tmp_path, redis_u
     assert proc.proc.wait(60) == 3
     assert "KV block size mismatch" in proc.tail()
     cfg, r, _ = farm
-    from farm import registry
+    from farm.cluster import registry
 
     assert proc.name not in {w.worker_id for w in registry.live_workers(r)}

@@ -17,11 +17,11 @@ from flask import Blueprint, current_app, jsonify, request
 
 from api.bodies import json_body
 from api.routes.files import batch_ctx, limit_arg, request_owner
-from farm.batch.driver import send_to_driver
+from farm.batch.handoff import send_to_driver
 from farm.batch.store import public_batch
 from farm.batch.validate import ENDPOINT_KINDS
-from farm.openai.errors import APIError, bad_request
-from farm.openai.models import BatchCreateRequest, reject_unknown_fields
+from farm.openai.api_error import APIError, bad_request
+from farm.openai.schemas import BatchCreateRequest, reject_unknown_fields
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
 

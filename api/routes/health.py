@@ -12,7 +12,7 @@ from __future__ import annotations
 import redis
 from flask import Blueprint, Response, current_app, jsonify
 
-from farm import registry
+from farm.cluster import registry
 
 bp = Blueprint("health", __name__)
 

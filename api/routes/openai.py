@@ -20,7 +20,7 @@ from flask import Blueprint, Response, current_app, jsonify
 from api.auth import current_owner, reserve_tokens
 from api.bodies import json_body
 from api.disconnect import client_gone_check
-from api.errors import to_api_error
+from api.error_handlers import to_api_error
 from api.semantic import (
     answer_fits,
     answer_locally,
@@ -29,14 +29,12 @@ from api.semantic import (
     reasoning_template_kwargs,
     store,
 )
-from farm import metrics
-from farm.apikeys import tenant_cache_salt
 from farm.config import ModelConfig
 from farm.gateway import Submission, WorkerError
 from farm.gateway.reading import Answer, collect, replay, stream_choice, total_usage, until_decode_starts
-from farm.models import ModelNotFoundError
+from farm.models.directories import ModelNotFoundError
 from farm.openai import logprobs
-from farm.openai.errors import APIError, bad_request
+from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     ParsedRequest,
     check_prompt_chars,
@@ -52,7 +50,9 @@ from farm.openai.parsing import (
 )
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage
-from farm.quota import Reservation
+from farm.telemetry import prometheus
+from farm.tenancy.api_keys import tenant_cache_salt
+from farm.tenancy.quota import Reservation
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -203,7 +203,7 @@ def _generate(kind: str) -> Response:
         for req in _choice_requests(rid, model, parsed):
             gen.subs.append(farm.gateway.submit(req))
     except BaseException as e:
-        metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         gen.end()
         raise
     # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
@@ -226,11 +226,11 @@ def _generate(kind: str) -> Response:
             if i == 0 and cache is not None:
                 cache(answers[0].text, answers[0].finish_reason)
     except BaseException as e:
-        metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         raise
     finally:
         gen.end()
-    metrics.REQUESTS.labels(model=model, status="200").inc()
+    prometheus.REQUESTS.labels(model=model, status="200").inc()
     choices = [Choice(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs)) for a in answers]
     resp = jsonify(full_response(kind, rid, model, choices, total_usage(a.usage for a in answers).to_dict()))
     resp.headers.update(_worker_headers(rid, gen.subs[0], head or answers[0].done, answers[0].done))
@@ -311,7 +311,7 @@ def _stream_response(kind: str, rid: str, model: str, gen: _Generation, streams:
     try:
         head, buffered = until_decode_starts(streams[0])
     except BaseException as e:
-        metrics.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         gen.end()
         raise
     body = _stream(kind, rid, model, gen, [replay(buffered, streams[0]), *streams[1:]], include_usage, out, on_done)
@@ -335,14 +335,14 @@ def _stream(kind: str, rid: str, model: str, gen: _Generation, streams: list[Ite
         for index, events in enumerate(streams):
             done = yield from _stream_choice(w, index, events, out, on_done)
             usages.append(done.usage)
-        metrics.REQUESTS.labels(model=model, status="200").inc()
+        prometheus.REQUESTS.labels(model=model, status="200").inc()
         tail = w.usage(total_usage(usages).to_dict()) if include_usage else ""
         yield tail + w.done()
     except Exception as e:  # headers are sent: report in-band (GeneratorExit is not an Exception)
         err = to_api_error(e)
         if err.status == 500 and not isinstance(e, (APIError, WorkerError)):
             log.exception("request %s: stream failed", rid)
-        metrics.REQUESTS.labels(model=model, status=str(err.status)).inc()
+        prometheus.REQUESTS.labels(model=model, status=str(err.status)).inc()
         yield w.error(err.message, err.code or "server_error") + w.done()
     finally:
         gen.end()  # client went away (GeneratorExit) or the stream broke: stop the workers, settle the quota

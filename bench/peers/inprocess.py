@@ -41,7 +41,7 @@ class InProcessEngine:
         return RequestTiming(tr.submitted, tr.first_at, tr.done_at, tr.completion_tokens, len(ids), tr.cached_tokens)
 
     def run_level(self, tag: str, clients: int, per_client: int, max_tokens: int) -> dict[str, Any]:
-        from farm.tokenization import chat_prompt_ids
+        from farm.models.tokenization import chat_prompt_ids
 
         tok = self.engine.tokenizer
         sets = [[chat_prompt_ids(tok, m) for m in convs] for convs in request_sets(tag, clients, per_client)]
@@ -74,7 +74,7 @@ class InProcessEngine:
 def inprocess_engine(cfg: FarmConfig, model_name: str) -> Iterator[InProcessEngine]:
     """The model's built-in engine, made exactly as a farm worker of `cfg` makes it (make_engine)."""
     from farm.backends import make_engine
-    from farm.models import require_model_dir
+    from farm.models.directories import require_model_dir
 
     mcfg = cfg.model(model_name)
     eng = make_engine(cfg, mcfg, require_model_dir(cfg, mcfg)).start()

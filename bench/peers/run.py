@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     t_run = time.monotonic()
     tools = install.all_peers() if args.multi else {}
     from farm.config import load_config
-    from farm.models import model_dir
+    from farm.models.directories import model_dir
 
     base = load_config(environ={})
     mdir = model_dir(base, base.model(base.default_model))

@@ -8,7 +8,7 @@
 The image's HEALTHCHECK is liveness (`api`): a Redis outage must not mark every API container unhealthy (an
 orchestrator that restarts unhealthy containers would drop every stream in flight for nothing).
 
-A worker refreshes its heartbeat key every 2 s with a TTL of 6 s (farm/registry.py), and only once its
+A worker refreshes its heartbeat key every 2 s with a TTL of 6 s (farm/cluster/registry.py), and only once its
 model is loaded and it consumes its queues: the key is missing while the model loads, after the worker
 stopped, and when its heartbeat thread hangs. The worker id is `$FARM_WORKER_ID` when set, otherwise
 it is worked out from the running `tasks.worker` process (`$FARM_WORKER_PID`, default the first one,
@@ -73,7 +73,7 @@ def check_worker() -> int:
     import redis
 
     from farm.config import load_config
-    from farm.redis_client import connect
+    from farm.infra.redis_client import connect
 
     wid = worker_id()
     r = connect(load_config().redis, timeout=3)  # FARM_REDIS__URL / FARM_REDIS__HA__* from the environment

@@ -1,8 +1,8 @@
 """Worker engine backends, chosen per model by `models[].backend`: `builtin` (farm.engine) or `vllm`.
 
 The worker calls `make_engine` once; everything else it does goes through the interface both engines
-share (submit, abort, release_held, stats, active_request_ids, held, runner, pool). vLLM is imported only
-when a model uses it, so the farm installs and runs without it.
+share, farm.engine.contract.ServingEngine (submit, abort, release_held, stats, active_request_ids, held, runner,
+pool, costs, start, stop). vLLM is imported only when a model uses it, so the farm installs and runs without it.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from farm.config import FarmConfig, ModelConfig
+from farm.engine.contract import ServingEngine
+from farm.protocol.kv_events import KVEventHook
 
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_event: Any = None, *,
-                worker_id: str = "", role: str = "both") -> Any:
-    """The engine for `model`: farm.engine.Engine, or a VllmEngine over vLLM's AsyncLLM."""
+def make_engine(cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_event: KVEventHook | None = None, *,
+                worker_id: str = "", role: str = "both") -> ServingEngine:
+    """The engine for `model`: farm.engine.engine.Engine, or a VllmEngine over vLLM's AsyncLLM."""
     if model.backend == "vllm":
         from farm.backends.vllm import VllmEngine
 
@@ -30,11 +32,11 @@ def make_engine(cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_even
                   handle_ttl_s=cfg.transfer.handle_ttl_s, kv_tier_dir=cfg.state_path / "kvcache")
 
 
-def connector_import(engine: Any, handle: dict[str, Any], secret: bytes) -> Any | None:
+def connector_import(engine: ServingEngine, handle: dict[str, Any], secret: bytes) -> Any | None:
     """For a handle whose KV moves through vLLM's KV connector: what the decode side passes to
     `engine.submit(kv_import=...)`, or None when this engine cannot use it (a built-in engine, another
     connector, a bad or expired handle); the caller then prefills locally."""
-    from farm.backends.vllm import import_from_handle
+    from farm.backends.vllm_handles import import_from_handle
     from farm.transfer.handle import HandleError
 
     connector = getattr(engine, "connector", None)

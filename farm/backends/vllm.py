@@ -1,12 +1,13 @@
 """The vLLM backend: vLLM's async engine (AsyncLLM) in the worker process, behind the Engine interface.
 
-(Over 400 lines: the one adapter to vLLM's API — engine args, sampling mapping, KV-connector handles, the
-event loop bridge — kept together so a vLLM upgrade touches one file.)
+The adapter is in three modules: the mapping of the farm's configuration and requests onto vLLM's API
+(vllm_args.py), the KV-connector handles (vllm_handles.py), and here the engine and its event loop bridge.
 
-WorkerRuntime talks to an engine through a few methods (submit, abort, release_held, stats,
-active_request_ids, start, stop) and attributes (held, runner, pool); `VllmEngine` provides them, so
-the Celery tasks, streams, claims and registry work unchanged. vLLM is imported lazily: a farm without
-GPUs never needs it, and a worker configured for it without the `vllm` extra fails with a clear error.
+WorkerRuntime talks to an engine through farm.engine.contract.ServingEngine (submit, abort, release_held, stats,
+active_request_ids, start, stop; held, runner, pool, costs); `VllmEngine` provides it, with a KV connector's
+`connector_handle` (ConnectorEngine), so the Celery tasks, streams, claims and registry work unchanged. vLLM is
+imported lazily: a farm without GPUs never needs it, and a worker configured for it without the `vllm` extra
+fails with a clear error.
 
 - Prefix caching is always on, and vLLM's KV events are translated into the farm's (vllm_events.py).
 - Disaggregation goes through vLLM's KV connector (NixlConnector, or LMCacheConnectorV1): a prefill-only
@@ -25,7 +26,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,210 +33,25 @@ from types import SimpleNamespace
 from typing import Any
 
 from farm.backends.reaper import start_reaper
-from farm.backends.vllm_events import (
-    KVEventFn,
-    VllmKVEventSubscriber,
-    VllmKVEventTranslator,
-    VllmNotInstalled,
+from farm.backends.vllm_args import (
+    PREFILL_PARAMS,
+    build_engine_args,
+    import_vllm,
+    sampling_kwargs,
+    token_logprobs,
 )
+from farm.backends.vllm_events import VllmKVEventSubscriber, VllmKVEventTranslator
+from farm.backends.vllm_handles import ConnectorImport, VllmRequestOutput, make_connector_handle
 from farm.config import FarmConfig, ModelConfig, VllmOptions
-from farm.engine.engine import RequestOutput
+from farm.engine.contract import RequestOutput
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.step_costs import StepCosts
 from farm.engine.timings import from_prometheus
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import block_hashes, salt_root
-from farm.transfer.handle import HandleError, KVHandle, verify_handle
+from farm.protocol.kv_events import KVEventHook
 
 log = logging.getLogger(__name__)
-
-# What a prefill-only request asks of each connector. NixlConnector: "keep the blocks for a remote
-# decode and tell me where they are" (vLLM's disaggregation proxy sends exactly this). LMCache pushes
-# the KV into its store by token hashes, so its prefill needs no per-request parameters.
-PREFILL_PARAMS: dict[str, dict[str, Any]] = {
-    "NixlConnector": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                      "remote_block_ids": None, "remote_host": None, "remote_port": None},
-    "LMCacheConnectorV1": {},
-}
-
-
-def import_vllm(model: str = "") -> SimpleNamespace:
-    """The parts of vLLM's public API the backend uses; VllmNotInstalled with the fix if it is missing."""
-    try:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.config import KVEventsConfig, KVTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-    except ImportError as e:
-        who = f"model {model!r} is configured with `backend: vllm`, but " if model else ""
-        raise VllmNotInstalled(
-            f"{who}vLLM is not installed in this environment ({e}). On a GPU host install the extra: "
-            "`.venv/bin/pip install -e '.[vllm]'` (see README, 'GPU workers with vLLM')"
-        ) from e
-    try:
-        from vllm.v1.engine.async_llm import AsyncLLM
-    except ImportError:  # older layout: the documented alias
-        from vllm import AsyncLLMEngine as AsyncLLM
-    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=VSamplingParams,
-                           RequestOutputKind=RequestOutputKind, KVEventsConfig=KVEventsConfig,
-                           KVTransferConfig=KVTransferConfig, StructuredOutputsParams=StructuredOutputsParams)
-
-
-# A worker's KV role for vLLM's connector, from its farm role (unless models[].vllm.kv_role names one).
-WORKER_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
-
-# engine_args with which a model entry sizes vLLM's KV cache itself (else engine.kv_cache_mb does). Without
-# either, vLLM's CPU backend would claim 92% of the machine's RAM and refuse to start when less is free.
-KV_SIZING_ARGS = frozenset({"kv_cache_memory_bytes", "gpu_memory_utilization"})
-
-
-# -- mapping our request onto vLLM's -------------------------------------------------------------------
-def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, prefill_only: bool = False,
-                    kv_transfer_params: dict[str, Any] | None = None,
-                    structured: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """Keyword arguments for vllm.SamplingParams that reproduce the farm's sampling semantics.
-
-    max_tokens is capped by the room left in max_model_len (the built-in engine stops there with
-    `length`; vLLM would reject the request instead). A prefill-only request samples one token. A
-    response_format becomes vLLM's structured outputs (`structured` builds StructuredOutputsParams).
-    """
-    room = max(1, max_model_len - prompt_len)
-    kw: dict[str, Any] = {
-        "n": 1,
-        "max_tokens": 1 if prefill_only else max(1, min(int(p.max_tokens), room)),
-        "temperature": max(0.0, float(p.temperature)),
-        "top_p": float(p.top_p) if 0.0 < p.top_p <= 1.0 else 1.0,
-        "seed": p.seed,
-        "stop": list(p.stop) or None,
-        "ignore_eos": bool(p.ignore_eos),
-        "skip_special_tokens": True,
-        "presence_penalty": float(p.presence_penalty),
-        "frequency_penalty": float(p.frequency_penalty),
-        "repetition_penalty": float(p.repetition_penalty),
-        "top_k": int(p.top_k),
-        "min_p": float(p.min_p),
-        "min_tokens": 0 if prefill_only else min(int(p.min_tokens), room),
-        "stop_token_ids": list(p.stop_token_ids) or None,
-        "logprobs": None if prefill_only else p.logprobs,
-        "logit_bias": dict(p.logit_bias) or None,
-    }
-    if p.response_format is not None:
-        fmt = p.response_format
-        spec = {"json_object": True} if fmt["type"] == "json_object" else {"json": fmt["json_schema"]["schema"]}
-        kw["structured_outputs"] = structured(**spec) if structured else spec
-    if kv_transfer_params is not None:
-        kw["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
-    return kw
-
-
-def token_logprobs(token_ids: list[int], positions: Any, k: int) -> list[TokenLogprobs]:
-    """vLLM's per-token logprobs (one {token id: Logprob} per generated token, the sampled token always
-    among them) in the farm's form: the sampled token's and the `k` best ranked."""
-    out = []
-    for tok, entries in zip(token_ids, positions or [], strict=False):
-        entries = entries or {}
-        chosen = entries.get(tok)
-        top = sorted(((i, e) for i, e in entries.items() if e.rank is not None and e.rank <= k),
-                     key=lambda ie: ie[1].rank)
-        out.append(TokenLogprobs(float(chosen.logprob) if chosen is not None else float("nan"),
-                                 [(int(i), float(e.logprob)) for i, e in top]))
-    return out
-
-
-def build_engine_args(cfg: FarmConfig, model: ModelConfig, model_dir: Path, kv_events_endpoint: str,
-                      kv_events_replay: str | None, known_fields: set[str] | None = None,
-                      vllm: SimpleNamespace | None = None, device: str = "cuda", role: str = "both"
-                      ) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments: the farm's settings, then the model's `vllm.engine_args`.
-
-    With `known_fields` (the dataclass fields of the installed AsyncEngineArgs), unknown passthrough keys
-    are refused by name here instead of deep inside vLLM. `vllm` (import_vllm()) builds the config
-    objects; without it they stay plain dicts (for inspection and tests).
-    """
-    opts = model.vllm or VllmOptions()
-    if known_fields is not None:
-        unknown = sorted(set(opts.engine_args) - known_fields)
-        if unknown:
-            raise ValueError(f"model {model.name!r}: vllm.engine_args {unknown} are not fields of this vLLM's "
-                             "AsyncEngineArgs (check the spelling against `vllm serve --help`)")
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_endpoint,
-              "replay_endpoint": kv_events_replay, "topic": ""}
-    args: dict[str, Any] = {
-        "model": str(model_dir), "tokenizer": str(model_dir), "max_model_len": model.max_model_len,
-        "block_size": cfg.block_size(model.name), "enable_prefix_caching": True,
-        "kv_events_config": vllm.KVEventsConfig(**events) if vllm else events,
-    }
-    if not KV_SIZING_ARGS & set(opts.engine_args):  # the farm's KV budget, unless the entry sizes it itself
-        args["kv_cache_memory_bytes"] = cfg.engine.kv_cache_mb * 2**20
-    dtype = cfg.engine.dtype
-    if dtype == "auto" and device == "cpu":
-        dtype = "float32"  # the farm's `auto` is fp32 on CPUs for every backend (vLLM's own picks bf16)
-    if dtype != "auto":
-        args["dtype"] = dtype
-    if opts.kv_connector:
-        transfer = {"kv_connector": opts.kv_connector, "kv_role": opts.kv_role or WORKER_KV_ROLES[role]}
-        if opts.kv_connector == "NixlConnector" and device == "cpu":  # NIXL without its busy polling thread
-            transfer.update(kv_connector="FarmNixlConnector", kv_connector_module_path="farm.backends.vllm_nixl")
-        if opts.kv_connector_extra_config:
-            transfer["kv_connector_extra_config"] = dict(opts.kv_connector_extra_config)
-        args["kv_transfer_config"] = vllm.KVTransferConfig(**transfer) if vllm else transfer
-    args.update(opts.engine_args)
-    return args
-
-
-# -- handles ------------------------------------------------------------------------------------------
-@dataclass
-class ConnectorImport:
-    """The decode side of a vLLM handle: what engine.submit(kv_import=...) gets instead of KV tensors."""
-
-    kv_transfer_params: dict[str, Any]
-    connector: str
-    num_tokens: int
-    first_token: int | None
-    cached_tokens: int = 0
-
-
-@dataclass
-class VllmRequestOutput(RequestOutput):
-    """RequestOutput plus what a vLLM prefill returns for the decode side."""
-
-    kv_transfer_params: dict[str, Any] | None = None
-    connector: str | None = None
-
-
-def make_connector_handle(*, request_id: str, worker_id: str, endpoint: str, host_id: str,
-                          out: VllmRequestOutput, num_tokens: int, block_size: int, ttl_s: float,
-                          secret: bytes, now: float | None = None) -> dict[str, Any]:
-    """A signed KV handle for blocks vLLM's connector holds: the usual fields (so routing, logs and
-    expiry work as for the built-in engine) plus `connector` and `kv_transfer_params` (signed)."""
-    params = out.kv_transfer_params or {}
-    return KVHandle(
-        request_id=request_id, worker_id=worker_id, endpoint=endpoint, host_id=host_id,
-        transport=f"vllm:{out.connector}", block_ids=list(params.get("remote_block_ids") or []),
-        block_hashes=[str(h) for h in (out.block_hashes or [])], num_tokens=num_tokens,
-        first_token=out.first_token, cached_tokens=out.cached_tokens,
-        layout={"block_size": block_size, "backend": "vllm"}, checksum="",
-        expires_at=(now if now is not None else time.time()) + ttl_s,
-        connector=out.connector, kv_transfer_params=params,
-    ).signed(secret)
-
-
-def import_from_handle(handle: dict[str, Any], secret: bytes, connector: str | None,
-                       now: float | None = None) -> ConnectorImport:
-    """Verify a vLLM handle and turn it into the decode request's connector parameters.
-
-    Raises HandleError when the signature or expiry is wrong, or when this worker's connector is not
-    the one that holds the blocks (a NIXL decode cannot pull from LMCache, and the reverse).
-    """
-    h = verify_handle(handle, secret, now=now)
-    params = h.get("kv_transfer_params")
-    if not isinstance(params, dict):
-        raise HandleError("KV handle carries no kv_transfer_params")
-    if connector is None or h.get("connector") != connector:
-        raise HandleError(f"KV handle is for connector {h.get('connector')!r}; this worker has {connector!r}")
-    return ConnectorImport(dict(params), connector, int(h["num_tokens"]),
-                           None if h["first_token"] is None else int(h["first_token"]),
-                           int(h.get("cached_tokens") or 0))
 
 
 # -- the engine adapter -------------------------------------------------------------------------------
@@ -274,7 +89,7 @@ class _Stats:
 class VllmEngine:
     """Engine's interface over vLLM's AsyncLLM (see the module docstring)."""
 
-    def __init__(self, cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_event: KVEventFn | None,
+    def __init__(self, cfg: FarmConfig, model: ModelConfig, model_dir: Path, on_kv_event: KVEventHook | None,
                  worker_id: str = "", role: str = "both", vllm: SimpleNamespace | None = None):
         self.vllm = vllm or import_vllm(model.name)
         self.cfg = cfg

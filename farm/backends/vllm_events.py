@@ -1,4 +1,4 @@
-"""vLLM's KV cache events -> the farm's KV events (farm/router/events.py), so the router sees vLLM's blocks.
+"""vLLM's KV cache events -> the farm's KV events (farm/router/kv_publisher.py), so the router sees vLLM's blocks.
 
 vLLM (with `kv_events_config`, publisher `zmq`) publishes from its engine core a ZMQ PUB stream of
 multipart messages `(topic, seq: 8-byte big-endian, payload)`, where the payload is a msgpack-encoded
@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 from farm.protocol.hashing import block_hashes, salt_root
+from farm.protocol.kv_events import KVEventHook, KVEventKind
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,6 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "AllBlocksCleared": (),
 }
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end-of-replay marker
-
-KVEventFn = Callable[..., None]  # KVEventPublisher.__call__(kind, hashes, parent, tier)
-
 
 class VllmNotInstalled(RuntimeError):
     """A model is configured with `backend: vllm` but vllm (or one of its dependencies) is missing."""
@@ -129,7 +127,7 @@ def _key(h: Any) -> Hashable:
 class VllmKVEventTranslator:
     """Applies decoded vLLM events and publishes the farm's events through `publish` (KVEventPublisher)."""
 
-    def __init__(self, publish: KVEventFn, block_size: int):
+    def __init__(self, publish: KVEventHook, block_size: int):
         self.publish = publish
         self.block_size = block_size
         self._farm: dict[Hashable, int] = {}  # vLLM hash -> farm hash (whatever tier holds it)
@@ -162,7 +160,7 @@ class VllmKVEventTranslator:
         self._farm.clear()
         self._tiers.clear()
         self._refs.clear()
-        self.publish("cleared", [], None)
+        self.publish(KVEventKind.CLEARED, [], None)
 
     def _stored(self, ev: dict[str, Any]) -> None:
         hashes = [_key(h) for h in ev.get("block_hashes") or []]
@@ -208,7 +206,7 @@ class VllmKVEventTranslator:
                 new.append(fh)
         if new:
             self.stored += len(new)
-            self.publish("stored", new, parent, tier)
+            self.publish(KVEventKind.STORED, new, parent, tier)
 
     def _removed(self, ev: dict[str, Any]) -> None:
         tier = medium_tier(ev.get("medium"))
@@ -232,7 +230,7 @@ class VllmKVEventTranslator:
                 del self._farm[vh]
         if gone:
             self.removed += len(gone)
-            self.publish("removed", gone, None, tier)
+            self.publish(KVEventKind.REMOVED, gone, None, tier)
 
 
 class VllmKVEventSubscriber:

@@ -1,7 +1,7 @@
-"""Durable state of batches (metadata and progress in Redis), and the keys and ids files and batches share;
-files themselves (metadata and bodies) are in files.py.
+"""Durable state of batches (metadata and progress in Redis), and the ids files and batches share; files
+themselves (metadata and bodies) are in file_store.py.
 
-Keys (all under `farm:file:` / `farm:batch:`):
+Keys (farm.protocol.keys, all under `farm:file:` / `farm:batch:`):
 - `farm:file:<id>` hash: the file's metadata; `farm:files` zset lists them. The body is at `<files_dir>/<id>`
   (`batch.files_backend: disk`) or in `farm:file:<id>:body` (`redis`; `farm:files:bytes` = all bodies'
   bytes, held under `batch.files_redis_max_mb`).
@@ -31,18 +31,21 @@ from typing import Any
 
 import redis
 
-from farm.apikeys import OWNER_ANONYMOUS
+from farm.protocol.keys import (
+    BATCH_ACTIVE_KEY,
+    BATCH_INFLIGHT_KEY,
+    BATCH_SEQ_KEY,
+    BATCHES_KEY,
+    batch_key,
+    batch_kick_key,
+    batch_lease_key,
+    batch_results_key,
+)
+from farm.tenancy.api_keys import OWNER_ANONYMOUS
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 COUNTERS = ("total", "completed", "failed", "input_tokens", "cached_tokens", "output_tokens")
-
-FILES_KEY = "farm:files"
-BATCHES_KEY = "farm:batches"
-ACTIVE_KEY = "farm:batch:active"
-SEQ_KEY = "farm:batch:seq"
-INFLIGHT_KEY = "farm:batch:inflight"
-
 
 # Client-supplied ids address Redis keys and files: only ids of the shapes made here are looked up, so no
 # id reaches an internal key ("seq" would be farm:batch:seq) or another batch's sub-key ("<id>:results").
@@ -68,26 +71,6 @@ def clean_filename(name: str | None, default: str = "upload.jsonl") -> str:
     name = "".join(c for c in (name or "") if unicodedata.category(c) not in _UNSAFE_CATEGORIES)
     name = name.replace("/", "_").replace("\\", "_").strip().lstrip(".")
     return name[:MAX_FILENAME_CHARS] or default
-
-
-def file_key(file_id: str) -> str:
-    return f"farm:file:{file_id}"
-
-
-def batch_key(batch_id: str) -> str:
-    return f"farm:batch:{batch_id}"
-
-
-def results_key(batch_id: str) -> str:
-    return f"farm:batch:{batch_id}:results"
-
-
-def lease_key(batch_id: str) -> str:
-    return f"farm:batch:{batch_id}:lease"
-
-
-def kick_key(batch_id: str) -> str:
-    return f"farm:batch:{batch_id}:kick"
 
 
 def new_file_id() -> str:
@@ -191,8 +174,8 @@ class BatchStore:
         fields.update({c: 0 for c in COUNTERS})
         pipe = self.r.pipeline()
         pipe.hset(batch_key(bid), mapping={k: json.dumps(v) for k, v in fields.items()})
-        pipe.zadd(BATCHES_KEY, {bid: self.r.incr(SEQ_KEY)})
-        pipe.sadd(ACTIVE_KEY, bid)
+        pipe.zadd(BATCHES_KEY, {bid: self.r.incr(BATCH_SEQ_KEY)})
+        pipe.sadd(BATCH_ACTIVE_KEY, bid)
         pipe.execute()
         return self.get(bid)  # type: ignore[return-value]
 
@@ -231,7 +214,7 @@ class BatchStore:
         return out[:limit], len(out) > limit
 
     def active_ids(self) -> list[str]:
-        return [_s(b) for b in self.r.smembers(ACTIVE_KEY)]
+        return [_s(b) for b in self.r.smembers(BATCH_ACTIVE_KEY)]
 
     # status changes
     def transition(self, batch_id: str, from_states: Iterable[str], to: str,
@@ -240,7 +223,7 @@ class BatchStore:
         args: list[Any] = [json.dumps(list(from_states)), to, batch_id, len(fields)]
         for k, v in fields.items():
             args += [k, json.dumps(v)]
-        ok, st = self._transition(keys=[batch_key(batch_id), ACTIVE_KEY], args=args)
+        ok, st = self._transition(keys=[batch_key(batch_id), BATCH_ACTIVE_KEY], args=args)
         return bool(ok), (_s(st) if st else None)
 
     def set_fields(self, batch_id: str, **fields: Any) -> None:
@@ -251,49 +234,49 @@ class BatchStore:
                usage: dict[str, int] | None = None) -> int:
         """Record one line's result once; 1 recorded, 0 already recorded, -1 the batch is not running."""
         u = usage or {}
-        return int(self._record(keys=[results_key(batch_id), batch_key(batch_id)], args=[
+        return int(self._record(keys=[batch_results_key(batch_id), batch_key(batch_id)], args=[
             custom_id, json.dumps(result, separators=(",", ":")), "1" if ok else "0",
             int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0)), int(u.get("completion_tokens", 0))]))
 
     def recorded_ids(self, batch_id: str) -> set[str]:
-        return {_s(k) for k in self.r.hkeys(results_key(batch_id))}
+        return {_s(k) for k in self.r.hkeys(batch_results_key(batch_id))}
 
     def results(self, batch_id: str) -> Iterator[dict[str, Any]]:
-        for _k, v in self.r.hscan_iter(results_key(batch_id), count=1000):
+        for _k, v in self.r.hscan_iter(batch_results_key(batch_id), count=1000):
             yield json.loads(v)
 
     # driver lease
     def acquire_lease(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        return bool(self.r.set(lease_key(batch_id), token, nx=True, px=int(ttl_s * 1000)))
+        return bool(self.r.set(batch_lease_key(batch_id), token, nx=True, px=int(ttl_s * 1000)))
 
     def refresh_lease(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        return bool(self._refresh(keys=[lease_key(batch_id)], args=[token, int(ttl_s * 1000)]))
+        return bool(self._refresh(keys=[batch_lease_key(batch_id)], args=[token, int(ttl_s * 1000)]))
 
     def release_lease(self, batch_id: str, token: str) -> None:
-        self._release(keys=[lease_key(batch_id)], args=[token])
+        self._release(keys=[batch_lease_key(batch_id)], args=[token])
 
     def leased(self, batch_id: str) -> bool:
-        return bool(self.r.exists(lease_key(batch_id)))
+        return bool(self.r.exists(batch_lease_key(batch_id)))
 
     def mark_kicked(self, batch_id: str, ttl_s: float, force: bool = False) -> bool:
         """True when the batch should be (re-)sent to the driver queue now."""
         if force:
-            self.r.set(kick_key(batch_id), "1", px=int(ttl_s * 1000))
+            self.r.set(batch_kick_key(batch_id), "1", px=int(ttl_s * 1000))
             return True
-        return bool(self.r.set(kick_key(batch_id), "1", nx=True, px=int(ttl_s * 1000)))
+        return bool(self.r.set(batch_kick_key(batch_id), "1", nx=True, px=int(ttl_s * 1000)))
 
     # farm-wide in-flight batch lines
     def inflight_add(self, request_id: str, deadline: float) -> None:
-        self.r.zadd(INFLIGHT_KEY, {request_id: deadline})
+        self.r.zadd(BATCH_INFLIGHT_KEY, {request_id: deadline})
 
     def inflight_remove(self, request_id: str) -> None:
-        self.r.zrem(INFLIGHT_KEY, request_id)
+        self.r.zrem(BATCH_INFLIGHT_KEY, request_id)
 
     def inflight_count(self) -> int:
         now = time.time()
         pipe = self.r.pipeline()
-        pipe.zremrangebyscore(INFLIGHT_KEY, "-inf", now)
-        pipe.zcard(INFLIGHT_KEY)
+        pipe.zremrangebyscore(BATCH_INFLIGHT_KEY, "-inf", now)
+        pipe.zcard(BATCH_INFLIGHT_KEY)
         return int(pipe.execute()[1])
 
 

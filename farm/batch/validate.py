@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from farm.jsonsafe import JSONTooDeep, loads_bounded
-from farm.openai.errors import APIError
+from farm.openai.api_error import APIError
 from farm.openai.parsing import (
     completion_messages,
     local_params,
@@ -32,6 +31,7 @@ from farm.openai.parsing import (
     require_model,
     validate_chat,
 )
+from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
 
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # A line is {custom_id, method, url, body}: one level above a request body (api.bodies.MAX_JSON_DEPTH, 32).

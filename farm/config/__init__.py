@@ -1,5 +1,6 @@
-"""Farm configuration, one module per section (redis, api, engine, router, runtime, models, batch, planner,
-semantic), `FarmConfig` over them (farm.py), and loading (load.py: defaults, override file, environment).
+"""Farm configuration, one module per section (redis, api, engine, router, batch, planner, semantic; the model
+entries in model_entries.py, reliability and logs in processes.py), `FarmConfig` over them (root.py), and loading
+(loader.py: defaults, override file, environment).
 
 This package's surface is what the rest of the farm imports (`from farm.config import FarmConfig, load_config`),
 so a section can move between modules here without touching its users.
@@ -8,10 +9,10 @@ so a section can move between modules here without touching its users.
 from farm.config.api import ApiConfig, ApiKeyEntry, ApiLimitsConfig, FlowerConfig
 from farm.config.base import DEFAULT_CONFIG_PATH, PROJECT_ROOT, ConfigError
 from farm.config.engine import CeleryConfig, EngineConfig, KVTiersConfig, TransferConfig, validate_batch_sizes
-from farm.config.farm import FarmConfig
-from farm.config.load import farm_secret, get_config, load_config
-from farm.config.models import ModelConfig, SamplingDefaults, VllmOptions, WorkersConfig
+from farm.config.loader import farm_secret, get_config, load_config
+from farm.config.model_entries import ModelConfig, SamplingDefaults, VllmOptions, WorkersConfig
 from farm.config.redis import RedisConfig, RedisHAConfig, redact_url, redis_url_with_password
+from farm.config.root import FarmConfig
 from farm.config.router import CostPrior, DisaggregationConfig, RouterConfig
 
 __all__ = [

@@ -1,19 +1,15 @@
 """Settings of the OpenAI Batch API (files, batches, the batch driver): the `batch` section of the config.
 
-`FarmConfig` (farm/config/farm.py) holds it as `batch`.
+`FarmConfig` (farm/config/root.py) holds it as `batch`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from farm.config.base import Section
-
-if TYPE_CHECKING:
-    from farm.config.farm import FarmConfig
 
 
 class BatchConfig(Section):
@@ -60,16 +56,3 @@ class BatchConfig(Section):
             raise ValueError("batch.min_inflight must not exceed batch.max_inflight")
         return self
 
-
-def files_path(cfg: FarmConfig) -> Path:
-    """The folder of file bodies: batch.files_dir, by default <state_dir>/files."""
-    d = cfg.batch.files_dir
-    if not d:
-        return cfg.state_path / "files"
-    p = Path(d)
-    return p if p.is_absolute() else cfg.state_path / p
-
-
-def prepared_path(cfg: FarmConfig) -> Path:
-    """Validated, tokenized lines of running batches (internal; re-derivable from the input file)."""
-    return files_path(cfg) / "prepared"

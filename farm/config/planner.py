@@ -7,15 +7,12 @@ a separate file instead (how the Helm chart's planner pod gets its settings).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from farm.config.base import Section
-
-if TYPE_CHECKING:
-    from farm.config.farm import FarmConfig
 
 PlannerRole = Literal["prefill", "decode", "both"]
 
@@ -131,8 +128,8 @@ def load_planner_config(path: str | Path | None = None, data: dict[str, Any] | N
         raise ValueError(f"invalid planner configuration{where}:\n" + "\n".join(lines)) from None
 
 
-def planner_config(farm_cfg: FarmConfig, path: str | Path | None = None) -> PlannerConfig:
-    """The planner settings: from `path` when given, else the farm configuration's `planner` section."""
+def planner_config(section: PlannerConfig, path: str | Path | None = None) -> PlannerConfig:
+    """The planner settings: from `path` when given, else `section` (the farm configuration's `planner`)."""
     if path is not None:
         return load_planner_config(path)
-    return farm_cfg.planner
+    return section

@@ -1,6 +1,6 @@
 """Settings of the semantic layer: the `semantic` section of the farm configuration.
 
-`FarmConfig` (farm/config/farm.py) holds it as `semantic`. Cross-checks against the configured models (every model named in scores
+`FarmConfig` (farm/config/root.py) holds it as `semantic`. Cross-checks against the configured models (every model named in scores
 and PII policies must exist; aliases must not shadow a model) run in `check_models`, called from
 `FarmConfig`'s validator so a typo is reported with the rest of the configuration errors.
 """

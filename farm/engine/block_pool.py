@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-KVEventFn = Callable[[str, list[int], int | None], None]  # (kind, block hashes, parent hash)
+from farm.protocol.kv_events import KVEventHook, KVEventKind
+
 # (block id, hash, parent hash, reuse count): a cached block is about to be overwritten; its data is intact
 EvictFn = Callable[[int, int, int | None, int], None]
 
@@ -35,7 +36,7 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, on_event: KVEventFn | None = None,
+    def __init__(self, num_blocks: int, block_size: int, on_event: KVEventHook | None = None,
                  on_evict: EvictFn | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -90,7 +91,7 @@ class BlockPool:
                 if self.cached.get(b.block_hash) == bid:
                     del self.cached[b.block_hash]
                     if self.on_event:
-                        self.on_event("removed", [b.block_hash], None)
+                        self.on_event(KVEventKind.REMOVED, [b.block_hash], None)
                     if self.on_evict:
                         self.on_evict(bid, b.block_hash, b.parent_hash, b.reuse)
                 b.block_hash = b.parent_hash = None
@@ -123,7 +124,7 @@ class BlockPool:
             parent = h
         if stored and self.on_event:
             first_parent = self.blocks[self.cached[stored[0]]].parent_hash
-            self.on_event("stored", stored, first_parent)
+            self.on_event(KVEventKind.STORED, stored, first_parent)
 
     def reset(self) -> None:
         """Forget every cached block (only when nothing is referenced)."""
@@ -133,4 +134,4 @@ class BlockPool:
             b.block_hash = b.parent_hash = None
         self.cached.clear()
         if self.on_event:
-            self.on_event("cleared", [], None)
+            self.on_event(KVEventKind.CLEARED, [], None)

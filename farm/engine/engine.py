@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -32,38 +32,20 @@ from typing import Any
 import torch
 
 from farm.config import EngineConfig
-from farm.engine.block_pool import BlockPool, KVEventFn
+from farm.engine.block_pool import BlockPool
+from farm.engine.contract import RequestOutput
 from farm.engine.model_runner import ModelRunner
 from farm.engine.sampling import History, TokenLogprobs, logprobs_of, make_generator, sample
 from farm.engine.scheduler import DecodeBatch, KVImport, PrefillBatch, Scheduler, Sequence
 from farm.engine.step_costs import StepCosts
 from farm.engine.timings import RequestTimings
 from farm.kvcache.tiers import TieredKV
+from farm.models.tokenization import IncrementalDetokenizer, eos_token_ids
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import salt_root
-from farm.tokenization import IncrementalDetokenizer, eos_token_ids
+from farm.protocol.kv_events import KVEventHook
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None  # per token of token_ids, when the request asks for them
-    # prefill-only results
-    held_blocks: list[int] | None = None
-    block_hashes: list[int] | None = None
-    first_token: int | None = None
-    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -74,7 +56,7 @@ class HeldBlocks:
 
 class Engine:
     def __init__(self, model_dir: Path, cfg: EngineConfig, max_model_len: int,
-                 on_kv_event: KVEventFn | None = None, max_num_blocks: int | None = None,
+                 on_kv_event: KVEventHook | None = None, max_num_blocks: int | None = None,
                  handle_ttl_s: float = 120.0, kv_tier_dir: Path | None = None):
         from transformers import AutoTokenizer
 

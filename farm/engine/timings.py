@@ -7,7 +7,7 @@ latency, per token, not a per-request mean). `RequestTimings` records the same o
 thread; `from_prometheus` reads what vLLM's own engine recorded in this process. Both give the
 `histograms` entry of an engine's `stats()`: {name: {"le": bounds, "counts": cumulative, "sum", "count"}},
 with vLLM's metric names (without the `vllm:` prefix) and vLLM's buckets, which the API exports per worker
-(farm.metrics) so vLLM's dashboards and autoscaling recipes work unchanged.
+(farm.telemetry.prometheus) so vLLM's dashboards and autoscaling recipes work unchanged.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class Gateway:
         self.cfg = cfg
         self.r = r
         if celery_app is None:
-            from farm.broker import make_celery
+            from farm.infra.broker import make_celery
 
             celery_app = make_celery(cfg)
         self.celery = celery_app

@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from farm import metrics, registry
+from farm.cluster import registry
 from farm.config import FarmConfig
-from farm.gateway.errors import NoWorkersError
+from farm.gateway.failures import NoWorkersError
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
 from farm.protocol.queues import direct_queue
 from farm.router.router import Placement, Router
+from farm.telemetry import prometheus
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Placer:
         req.created = req.created or time.time()
         t0 = time.perf_counter()
         hashes = self.router.hashes(req.prompt_token_ids, req.model, req.cache_salt)
-        metrics.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
+        prometheus.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
         loads = self.router.loads.loads()
         n = len(req.prompt_token_ids)
         bs = self.cfg.block_size(req.model)

@@ -8,7 +8,7 @@
 - `total_usage`: a response of several choices counts its prompt once and sums the completions.
 
 A worker's `error` event becomes a `WorkerError` here, so callers handle failures as exceptions (the API maps
-them to HTTP statuses in api/errors.py; the batch driver records them).
+them to HTTP statuses in api/error_handlers.py; the batch driver records them).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from farm.gateway.errors import WorkerError
+from farm.gateway.failures import WorkerError
 from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, Event, StartEvent, Usage
 
 

@@ -2,15 +2,15 @@
 and hands each request's typed events to that request's `Mailbox`.
 
 Every request a process submits names the process's reader (`GenerationRequest.reply_to`); workers write the
-events of all of a reader's requests into its stream, one entry per flush (farm.streams). So one XREAD here
-serves every request in flight, however many: the API process does not hold a Redis connection per open stream,
+events of all of a reader's requests into its stream, one entry per flush (farm.worker.stream_writer). So one XREAD
+here serves every request in flight, however many: the API process does not hold a Redis connection per open stream,
 and Redis round trips grow with flushes, not with requests or tokens.
 
 The reader also keeps what every request of the process would otherwise ask Redis for on its own:
 - its lease (`reader_lease_key`), refreshed every quarter of `reliability.lease_ttl_s`: workers abort the
   requests of a reader whose lease lapsed (the process died, nobody reads);
 - which of the workers serving its requests are gone (`gone`), refreshed every `reliability.check_interval_s`
-  in one round trip (farm.reliability.workers_gone), for the requests' migration.
+  in one round trip (farm.cluster.liveness.workers_gone), for the requests' migration.
 
 It reads from the last entry id it saw, so a Redis restart loses nothing it has not read (the workers retry their
 flushes) and a batch written twice (a retried flush) is skipped by its writer's sequence number. Entries it has
@@ -34,10 +34,10 @@ from collections import deque
 
 import redis
 
-from farm import registry
-from farm.config.runtime import ReliabilityConfig
+from farm.cluster import registry
+from farm.cluster.liveness import workers_gone
+from farm.config.processes import ReliabilityConfig
 from farm.protocol import EVENT_FIELD, Event, decode_reply, reader_lease_key, reply_stream_key
-from farm.reliability import workers_gone
 
 log = logging.getLogger(__name__)
 

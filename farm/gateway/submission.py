@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import redis
 
-from farm import metrics, registry
+from farm.cluster import registry
 from farm.config import FarmConfig
-from farm.gateway.errors import ClientGone, GatewayTimeout, NoWorkersError
+from farm.gateway.failures import ClientGone, GatewayTimeout, NoWorkersError
 from farm.gateway.placement import Placed, Placer
 from farm.gateway.replies import Mailbox, ReplyReader
+from farm.models.tokenization import IncrementalDetokenizer, get_tokenizer
 from farm.protocol import (
     CANCEL_TTL_S,
     DeltaEvent,
@@ -33,7 +34,7 @@ from farm.protocol import (
 from farm.protocol.keys import OBS_STREAM
 from farm.router.load import LoadTracker
 from farm.router.router import BusyError, Placement
-from farm.tokenization import IncrementalDetokenizer, get_tokenizer
+from farm.telemetry import prometheus
 
 log = logging.getLogger("farm.gateway")
 
@@ -187,7 +188,7 @@ class Submission:
             pass
         self._close_attempt()
         if self.migrations >= rcfg.max_migrations:
-            metrics.MIGRATIONS.labels(outcome="limit").inc()
+            prometheus.MIGRATIONS.labels(outcome="limit").inc()
             return ErrorEvent(f"worker {lost} was lost and the request already moved {self.migrations} times "
                               "(reliability.max_migrations)", "worker_lost")
         self.migrations += 1
@@ -197,7 +198,7 @@ class Submission:
         orig = self.req
         left = orig.sampling.max_tokens - k
         if left <= 0:  # everything was generated, only the done event was lost
-            metrics.MIGRATIONS.labels(outcome="finished").inc()
+            prometheus.MIGRATIONS.labels(outcome="finished").inc()
             return DoneEvent("length", Usage(len(orig.prompt_token_ids), k, 0), migrations=self.migrations)
         sampling = SamplingParams.from_dict({**orig.sampling.to_dict(), "max_tokens": left})
         req = GenerationRequest(migration_id(orig.request_id, self.migrations), orig.model,
@@ -216,11 +217,11 @@ class Submission:
             except (NoWorkersError, BusyError, redis.RedisError) as e:
                 self.svc.replies.close(req.request_id)
                 if time.monotonic() >= deadline:
-                    metrics.MIGRATIONS.labels(outcome="no_worker").inc()
+                    prometheus.MIGRATIONS.labels(outcome="no_worker").inc()
                     return ErrorEvent(f"worker {lost} was lost and no other worker took the request: {e}",
                                       "worker_lost")
                 time.sleep(rcfg.check_interval_s)
-        metrics.MIGRATIONS.labels(outcome="migrated").inc()
+        prometheus.MIGRATIONS.labels(outcome="migrated").inc()
         self.placements, self.dispatch = placed.placements, placed.dispatch
         self._open_attempt(placed, req.request_id)
         self._started, self._stage = False, {}
@@ -300,7 +301,7 @@ class Submission:
         self.close()
         if isinstance(ev, DoneEvent):
             self.done = ev
-            metrics.record_usage(self.req.model, ev.usage.to_dict(), ev.prefill)
+            prometheus.record_usage(self.req.model, ev.usage.to_dict(), ev.prefill)
             self._record_observation(ev)
         return ev
 
@@ -321,7 +322,7 @@ class Submission:
         """What the planner plans from: observed latency and request sizes, in a capped stream."""
         obs = {"model": self.req.model, "ts": time.time(), "ttft": self.ttft_s or 0.0, "itl": self.itl_s or 0.0,
                "isl": done.usage.prompt_tokens, "osl": done.usage.completion_tokens, "prefill": done.prefill or ""}
-        metrics.observe_latency(self.req.model, self.ttft_s, self.itl_s, time.monotonic() - self._t0)
+        prometheus.observe_latency(self.req.model, self.ttft_s, self.itl_s, time.monotonic() - self._t0)
         try:
             self.svc.r.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
         except redis.RedisError:

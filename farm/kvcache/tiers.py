@@ -15,20 +15,18 @@ Every change is a KV event with its tier, so routers can tell a device hit from 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from farm.kvcache.arena import DiskArena
-from farm.kvcache.store import BlockStore, RamSlots
-
-TierEventFn = Callable[..., None]  # (kind, hashes, parent, tier=...)
+from farm.kvcache.block_store import BlockStore, RamSlots
+from farm.protocol.kv_events import KVEventHook, KVEventKind
 
 
 class TieredKV:
     def __init__(self, kv: torch.Tensor, host_mb: float, disk_mb: float, disk_dir: Path | None,
-                 disk_min_reuse: int = 1, on_event: TierEventFn | None = None):
+                 disk_min_reuse: int = 1, on_event: KVEventHook | None = None):
         self.kv = kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         layers, two, _, bs, heads, dim = kv.shape
         self.block_shape = (layers, two, bs, heads, dim)
@@ -56,7 +54,7 @@ class TieredKV:
     def enabled(self) -> bool:
         return self.host is not None or self.disk is not None
 
-    def _emit(self, kind: str, h: int, parent: int | None, tier: str) -> None:
+    def _emit(self, kind: KVEventKind, h: int, parent: int | None, tier: str) -> None:
         if self.on_event:
             self.on_event(kind, [h], parent, tier=tier)
 
@@ -67,21 +65,22 @@ class TieredKV:
         if self.host is not None:
             if h not in self.host:
                 self.host.put(h, parent, data, reuse, on_evict=self._demote)
-                self._emit("stored", h, parent, "host")
+                self._emit(KVEventKind.STORED, h, parent, "host")
                 self.offloads += 1
         elif self.disk is not None and reuse >= self.disk_min_reuse:
             self._to_disk(h, parent, reuse, data)
 
     def _demote(self, h: int, parent: int | None, reuse: int, data: torch.Tensor) -> None:
-        self._emit("removed", h, parent, "host")
+        self._emit(KVEventKind.REMOVED, h, parent, "host")
         if self.disk is not None and reuse >= self.disk_min_reuse:
             self._to_disk(h, parent, reuse, data)
 
     def _to_disk(self, h: int, parent: int | None, reuse: int, data: torch.Tensor) -> None:
         if h in self.disk:
             return
-        self.disk.put(h, parent, data, reuse, on_evict=lambda old, p, _r, _d: self._emit("removed", old, p, "disk"))
-        self._emit("stored", h, parent, "disk")
+        self.disk.put(h, parent, data, reuse,
+                      on_evict=lambda old, p, _r, _d: self._emit(KVEventKind.REMOVED, old, p, "disk"))
+        self._emit(KVEventKind.STORED, h, parent, "disk")
         self.offloads += 1
 
     # -- onboard path -------------------------------------------------------------------------------

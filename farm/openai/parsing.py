@@ -1,5 +1,5 @@
 """Validation of OpenAI request bodies into token ids and sampling parameters (400s name the param), with the
-ranges the request models declare (farm/openai/models.py)."""
+ranges the request models declare (farm/openai/schemas.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from farm.config import SamplingDefaults
-from farm.openai.errors import APIError, bad_request
-from farm.openai.models import (
+from farm.models.tokenization import chat_prompt_ids, max_token_chars, text_prompt_ids
+from farm.openai.api_error import APIError, bad_request
+from farm.openai.schemas import (
     MAX_CACHE_SALT,
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,7 +25,6 @@ from farm.protocol import (
     SEED_RANGE,
     SamplingParams,
 )
-from farm.tokenization import chat_prompt_ids, max_token_chars, text_prompt_ids
 
 CHAT_ROLES = {"system", "user", "assistant", "developer"}  # developer is sent to the template as system
 UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
@@ -44,7 +44,7 @@ class ParsedRequest:
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     n: int = 1  # choices: n requests on the workers (seeds seed, seed+1, ...)
-    cache_salt: str | None = None  # the client's (vLLM's field): combined with its tenant's (farm.apikeys)
+    cache_salt: str | None = None  # the client's (vLLM's field): combined with its tenant's (farm.tenancy.api_keys)
 
 
 def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
@@ -60,7 +60,7 @@ def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
 
 
 def _number(body: dict, name: str, default: float, model: type = ChatCompletionRequest) -> float:
-    """body[name] in the range `model` declares for it (farm/openai/models.py), else `default`."""
+    """body[name] in the range `model` declares for it (farm/openai/schemas.py), else `default`."""
     lo, hi, lo_open = field_bounds(model, name)
     v = _type_check(body, name, (int, float), "a number")
     if v is None:

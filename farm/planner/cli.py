@@ -44,7 +44,7 @@ def cmd_profile(cfg: FarmConfig, args: argparse.Namespace) -> int:
 def _planner_cfg(cfg: FarmConfig, args: argparse.Namespace):
     from farm.config.planner import planner_config
 
-    pcfg = planner_config(cfg, args.planner_config)
+    pcfg = planner_config(cfg.planner, args.planner_config)
     updates: dict[str, Any] = {}
     for flag in ("mode", "actuator"):
         if getattr(args, flag):
@@ -104,8 +104,8 @@ def cmd_run(cfg: FarmConfig, args: argparse.Namespace) -> int:
 
 def _planner(cfg: FarmConfig, actuator: Any, pcfg: PlannerConfig, args: argparse.Namespace) -> Planner:
     """The planner over the farm's Redis, with its metrics served when asked."""
+    from farm.infra.redis_client import connect
     from farm.planner.planner import Planner
-    from farm.redis_client import connect
 
     planner = Planner.for_farm(cfg, connect(cfg.redis, timeout=2.0), actuator, pcfg)
     if args.metrics_port:

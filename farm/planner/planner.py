@@ -21,18 +21,17 @@ from typing import Any
 import redis
 
 from farm.config.planner import PlannerConfig
-from farm.planner import metrics
+from farm.planner import telemetry
 from farm.planner.actuators import Actuator, ActuatorError
 from farm.planner.guard import Guard
 from farm.planner.load_policy import LoadPolicy, Proposal
 from farm.planner.profile import Profile
 from farm.planner.signals import ModelSignals, RedisSignals, RoleSignals
 from farm.planner.sla_policy import SlaPolicy
+from farm.protocol.keys import PLANNER_EVENTS_KEY, PLANNER_STATE_KEY
 
 log = logging.getLogger("farm.planner")
 
-STATE_KEY = "farm:planner:state"
-EVENTS_KEY = "farm:planner:events"
 EVENTS_KEPT = 200
 STARTUP_GRACE_S = 300.0  # a worker asked for longer ago than this is not waited for any more
 
@@ -100,7 +99,7 @@ class Planner:
         """A planner reading the farm's Redis, with the farm's disaggregation rule and default model."""
         from farm.config.planner import planner_config
 
-        cfg = cfg or planner_config(farm_cfg)
+        cfg = cfg or planner_config(farm_cfg.planner)
         d = farm_cfg.disaggregation
         rule = {"always": 0, "never": 1 << 62}.get(d.mode, d.remote_min_uncached_tokens)
         models = cfg.models or [farm_cfg.default_model]
@@ -124,14 +123,14 @@ class Planner:
         if self.cfg.mode == "sla":
             props = self.sla[model].plan(model, sig.traffic, current, sig.roles, self.cfg.interval_s)
             pred = self.sla[model].predicted(model)
-            metrics.PREDICTED_RATE.labels(model=model).set(pred.rate if pred else 0.0)
+            telemetry.PREDICTED_RATE.labels(model=model).set(pred.rate if pred else 0.0)
             return props
         return {role: self.load.propose((model, role), sig.roles.get(role) or RoleSignals(role), n)
                 for role, n in current.items()}
 
     def step(self) -> list[Decision]:
         """Plan every model once; returns the decisions (also logged, counted and published)."""
-        metrics.STEPS.inc()
+        telemetry.STEPS.inc()
         out: list[Decision] = []
         now = self.clock()
         for model in self.models:
@@ -140,12 +139,12 @@ class Planner:
                 current = {role: self._current(model, role, sig.roles.get(role) or RoleSignals(role))
                            for role in self.cfg.roles}
             except (redis.RedisError, ActuatorError, OSError) as e:
-                metrics.ERRORS.labels(stage="signals").inc()
+                telemetry.ERRORS.labels(stage="signals").inc()
                 log.warning("planner: cannot read the state of %s: %s", model, e)
                 continue
             self.last_signals[model] = sig
             t = sig.traffic
-            metrics.record_traffic(model, t.rate, t.isl, t.osl, t.ttft_p90, t.itl_mean)
+            telemetry.record_traffic(model, t.rate, t.isl, t.osl, t.ttft_p90, t.itl_mean)
             for role, prop in self._proposals(model, sig, current).items():
                 out.append(self._decide(model, role, current[role], sig.roles.get(role) or RoleSignals(role), prop,
                                         now))
@@ -172,11 +171,11 @@ class Planner:
                     d.applied = self.actuator.scale(model, role, target)
                 except (ActuatorError, OSError, ValueError) as e:
                     d.error = str(e)
-                    metrics.ERRORS.labels(stage="actuate").inc()
+                    telemetry.ERRORS.labels(stage="actuate").inc()
             if not d.error:
                 self.guard.record(key, now)
                 self.load.reset(key)
-        metrics.record_decision(model, role, cur, rs.workers, prop.desired, target if not d.error else cur,
+        telemetry.record_decision(model, role, cur, rs.workers, prop.desired, target if not d.error else cur,
                                 util, self.dry_run)
         level = logging.INFO if action != "hold" or self.dry_run else logging.DEBUG
         if d.error:
@@ -188,7 +187,7 @@ class Planner:
 
     # -- visibility -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """The JSON published in STATE_KEY."""
+        """The JSON published in PLANNER_STATE_KEY."""
         models: dict[str, Any] = {}
         for (model, role), d in self.last.items():
             models.setdefault(model, {})[role] = asdict(d)
@@ -204,14 +203,14 @@ class Planner:
             return
         try:
             pipe = self.r.pipeline(transaction=False)
-            pipe.set(STATE_KEY, json.dumps(self.state()))
+            pipe.set(PLANNER_STATE_KEY, json.dumps(self.state()))
             for d in decisions:
                 if d.action != "hold":
-                    pipe.lpush(EVENTS_KEY, json.dumps(asdict(d)))
-            pipe.ltrim(EVENTS_KEY, 0, EVENTS_KEPT - 1)
+                    pipe.lpush(PLANNER_EVENTS_KEY, json.dumps(asdict(d)))
+            pipe.ltrim(PLANNER_EVENTS_KEY, 0, EVENTS_KEPT - 1)
             pipe.execute()
         except redis.RedisError as e:
-            metrics.ERRORS.labels(stage="publish").inc()
+            telemetry.ERRORS.labels(stage="publish").inc()
             log.warning("planner: cannot publish its state: %s", e)
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -231,7 +230,7 @@ class Planner:
 
 def read_state(r: redis.Redis) -> dict[str, Any] | None:
     """The planner's last published state, or None when no planner ever ran on this Redis."""
-    raw = r.get(STATE_KEY)
+    raw = r.get(PLANNER_STATE_KEY)
     if not raw:
         return None
     try:

@@ -265,7 +265,7 @@ def profile_engine(engine, model: str, isls: Sequence[int] = (128, 512, 2048),
 def profile_model(farm_cfg, model: str | None = None, **kw: Any) -> Profile:
     """Start an Engine for a configured model, profile it, stop it."""
     from farm.engine.engine import Engine
-    from farm.models import require_model_dir
+    from farm.models.directories import require_model_dir
 
     name = model or farm_cfg.default_model
     mcfg = farm_cfg.model(name)

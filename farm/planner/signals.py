@@ -18,9 +18,9 @@ from typing import Any
 
 import redis
 
-from farm import registry
+from farm.cluster import registry
 from farm.protocol import queue_depths, queue_name
-from farm.protocol.keys import OBS_STREAM
+from farm.protocol.keys import OBS_STREAM, alive_key
 from farm.protocol.queues import direct_queue
 from farm.router.load import LoadTracker
 
@@ -167,7 +167,7 @@ class RedisSignals:
         now = self.clock()
         workers = registry.live_workers(self.r, model=model)
         loads = self.loads.loads()
-        stats_raw = self.r.mget([registry.alive_key(w.worker_id) for w in workers]) if workers else []
+        stats_raw = self.r.mget([alive_key(w.worker_id) for w in workers]) if workers else []
         roles = {role: RoleSignals(role) for role in ROLE_QUEUES}
         queues: dict[str, list[str]] = {role: [queue_name(model, k) for k in ks] for role, ks in ROLE_QUEUES.items()}
         for w, raw in zip(workers, stats_raw, strict=True):

@@ -1,5 +1,6 @@
 """Contracts that cross processes, one module each: Celery task names and queues (`queues`), Redis keys
-(`keys`), the request message (`request`), stream events (`events`), block hashing (`hashing`).
+(`keys`), the request message (`request`), stream events (`stream_events`), KV events (`kv_events`), block
+hashing (`hashing`), and JSON from untrusted peers with bounded nesting (`jsonsafe`).
 
 Everything here travels as JSON (Celery's only serializer in the farm) and is small: token ids and
 sampling parameters go through the broker, KV tensors never do (only signed handles to them, farm/transfer).
@@ -7,19 +8,6 @@ This package's surface re-exports the names most processes use, so `from farm.pr
 one way to name a contract.
 """
 
-from farm.protocol.events import (
-    EVENT_FIELD,
-    DeltaEvent,
-    DoneEvent,
-    ErrorEvent,
-    Event,
-    ReplyBatch,
-    StartEvent,
-    Usage,
-    decode_reply,
-    encode_reply,
-    parse_event,
-)
 from farm.protocol.keys import (
     CANCEL_TTL_S,
     OBS_STREAM,
@@ -62,6 +50,19 @@ from farm.protocol.request import (
     InvalidTask,
     SamplingParams,
     is_request_id,
+)
+from farm.protocol.stream_events import (
+    EVENT_FIELD,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    ReplyBatch,
+    StartEvent,
+    Usage,
+    decode_reply,
+    encode_reply,
+    parse_event,
 )
 
 __all__ = [

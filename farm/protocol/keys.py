@@ -1,17 +1,51 @@
-"""Redis keys every process agrees on: the reply streams and leases of the reading API processes, a request's
-cancel flag and claims; the KV-block index and its events; the shared load; the observations the planner reads."""
+"""Every Redis key the farm's processes agree on, and nowhere else (tests/test_protocol.py checks that no other
+module of farm/ spells a `farm:` key): the reply streams and leases of the reading processes, a request's cancel
+flag and claims; the KV-block index and its events; the shared load; the worker registry and its heartbeats; the
+consumer watchdog's pings and the orphan-queue sweep; the Batch API's files and batches; per-owner rate limits
+and quotas; metrics counters; the planner's state; the observations the planner reads.
+
+(The semantic cache's prefix is a setting, `semantic.cache.key_prefix`, default `farm:sc`.)
+"""
 
 from __future__ import annotations
 
-EVENTS_STREAM = "farm:kv:events"  # every worker's KV events, in batches
-EVENTS_MAXLEN = 200_000  # stream entries kept; a reader that falls further behind resyncs from sets
-LOAD_KEY = "farm:load"  # hash: "<worker>|p" pending prefill tokens, "<worker>|d" active decode blocks
-DEADLINES_KEY = "farm:active:deadlines"  # zset "<kind>|<worker>|<request>" -> expiry time
-LOAD_EVENTS_STREAM = "farm:load:events"  # every change of LOAD_KEY: f=<worker>|<kind>, a=amount, n=+-1 requests
-LOAD_EVENTS_MAXLEN = 50_000  # entries kept; a reader further behind is corrected by its next reset
-OBS_STREAM = "farm:obs"  # one entry per finished request: ttft, itl, isl, osl (written by the API, read by the planner)
+from typing import Literal
+
+# -- requests in flight: reply streams, leases, cancel flags, claims ----------------------------------------
 STREAM_TTL_S = 600
 CANCEL_TTL_S = 600
+
+
+def reply_stream_key(reader_id: str) -> str:
+    """Redis Stream of reply batches (worker -> API) for every request one reader (an API process, a batch
+    driver) has in flight: farm.protocol.stream_events."""
+    return f"farm:out:{reader_id}"
+
+
+def reader_lease_key(reader_id: str) -> str:
+    """Kept alive by a reader while it follows its reply stream; a worker aborts the requests of a reader whose
+    lease lapsed (the API process died: nobody reads), and skips their redelivered tasks."""
+    return f"farm:lease:{reader_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Set by the API when the client went away; workers abort the request when they see it."""
+    return f"farm:cancel:{request_id}"
+
+
+def claim_key(request_id: str, stage: str) -> str:
+    """Set once by the worker that runs a request's stage: a re-sent task never runs twice."""
+    return f"farm:claim:{request_id}:{stage}"
+
+
+def migration_id(request_id: str, attempt: int) -> str:
+    """The request id of the `attempt`-th migration of a request (its own claims and cancel flag)."""
+    return f"{request_id}.m{attempt}"
+
+
+# -- the KV-block index (farm.router.kv_publisher writes, farm.router.index follows) ----------------------
+EVENTS_STREAM = "farm:kv:events"  # every worker's KV events, in batches
+EVENTS_MAXLEN = 200_000  # stream entries kept; a reader that falls further behind resyncs from sets
 
 
 def worker_blocks_key(worker_id: str) -> str:
@@ -24,33 +58,92 @@ def worker_seq_key(worker_id: str) -> str:
     return f"farm:kv:seq:{worker_id}"
 
 
+# -- the shared load (farm.router.load) -------------------------------------------------------------------
+LOAD_KEY = "farm:load"  # hash: "<worker>|p" pending prefill tokens, "<worker>|d" active decode blocks
+DEADLINES_KEY = "farm:active:deadlines"  # zset "<kind>|<worker>|<request>" -> expiry time
+LOAD_EVENTS_STREAM = "farm:load:events"  # every change of LOAD_KEY: f=<worker>|<kind>, a=amount, n=+-1 requests
+LOAD_EVENTS_MAXLEN = 50_000  # entries kept; a reader further behind is corrected by its next reset
+
+
 def active_key(kind: str, worker_id: str) -> str:
     """zset request -> load amount, per worker and kind (p: prefill tokens, d: decode blocks)."""
     return f"farm:active:{kind}:{worker_id}"
 
 
-def claim_key(request_id: str, stage: str) -> str:
-    """Set once by the worker that runs a request's stage: a re-sent task never runs twice."""
-    return f"farm:claim:{request_id}:{stage}"
+# -- workers: the registry, heartbeats, the consumer watchdog, the orphan-queue sweep ----------------------
+WORKERS_KEY = "farm:workers"  # hash worker id -> WorkerInfo JSON (farm.cluster.registry)
+SWEEP_LOCK_KEY = "farm:sweep:lock"  # one worker at a time sweeps the direct queues of vanished workers
 
 
-def reply_stream_key(reader_id: str) -> str:
-    """Redis Stream of reply batches (worker -> API) for every request one reader (an API process, a batch
-    driver) has in flight: farm.protocol.events."""
-    return f"farm:out:{reader_id}"
+def alive_key(worker_id: str) -> str:
+    """A worker's heartbeat (with its engine stats), expiring when the worker stops refreshing it.
+    `alive_key("")` is the prefix every heartbeat key starts with."""
+    return f"farm:alive:{worker_id}"
 
 
-def cancel_key(request_id: str) -> str:
-    """Set by the API when the client went away; workers abort the request when they see it."""
-    return f"farm:cancel:{request_id}"
+def ping_key(worker_id: str) -> str:
+    """The token of the last ping the worker's own Celery consumer answered (farm.worker.watchdog)."""
+    return f"farm:ping:{worker_id}"
 
 
-def reader_lease_key(reader_id: str) -> str:
-    """Kept alive by a reader while it follows its reply stream; a worker aborts the requests of a reader whose
-    lease lapsed (the API process died: nobody reads), and skips their redelivered tasks."""
-    return f"farm:lease:{reader_id}"
+# -- the Batch API: files and batches (farm.batch.store, farm.batch.file_store) ----------------------------------
+FILES_KEY = "farm:files"  # zset of file ids by creation sequence
+FILE_BYTES_KEY = "farm:files:bytes"  # redis bodies backend: the bytes of every stored body together
+BATCHES_KEY = "farm:batches"  # zset of batch ids by creation sequence
+BATCH_ACTIVE_KEY = "farm:batch:active"  # set of batches not yet final
+BATCH_SEQ_KEY = "farm:batch:seq"  # the creation sequence of files and batches (list order)
+BATCH_INFLIGHT_KEY = "farm:batch:inflight"  # zset request id -> deadline: batch lines in flight
 
 
-def migration_id(request_id: str, attempt: int) -> str:
-    """The request id of the `attempt`-th migration of a request (its own claims and cancel flag)."""
-    return f"{request_id}.m{attempt}"
+def file_key(file_id: str) -> str:
+    """Hash of a file's metadata."""
+    return f"farm:file:{file_id}"
+
+
+def file_body_key(file_id: str) -> str:
+    """A file's body, with the redis bodies backend."""
+    return f"{file_key(file_id)}:body"
+
+
+def file_upload_key(file_id: str, token: str) -> str:
+    """An upload in progress, renamed to `file_body_key` once complete (expires if cut off half-way)."""
+    return f"{file_body_key(file_id)}:upload:{token}"
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash of a batch's state and counters."""
+    return f"farm:batch:{batch_id}"
+
+
+def batch_results_key(batch_id: str) -> str:
+    """Hash custom_id -> recorded result of a batch's lines."""
+    return f"farm:batch:{batch_id}:results"
+
+
+def batch_lease_key(batch_id: str) -> str:
+    """The lease of the batch driver that runs a batch (not a reader's lease, `reader_lease_key`)."""
+    return f"farm:batch:{batch_id}:lease"
+
+
+def batch_kick_key(batch_id: str) -> str:
+    """Set while a batch waits on the driver queue, so it is sent there once."""
+    return f"farm:batch:{batch_id}:kick"
+
+
+# -- per-owner rate limits and token quotas (farm.tenancy.quota) ---------------------------------------------
+def rate_key(counter: Literal["req", "tok"], owner: str, window: int) -> str:
+    """A counter of `owner` in one fixed window (number `window` since the epoch): its requests (`req`, in the
+    rate window) or the tokens charged to it (`tok`, in the quota window)."""
+    return f"farm:rl:{counter}:{owner}:{window}"
+
+
+# -- metrics (farm.telemetry.prometheus) and the planner (farm.planner.planner) -------------------------------
+METRICS_EXPORTER_KEY = "farm:metrics:exporter"  # the API replica that exports the farm-wide series now
+OBS_STREAM = "farm:obs"  # per finished request: ttft, itl, isl, osl (written by the API, read by the planner)
+PLANNER_STATE_KEY = "farm:planner:state"  # the planner's last decisions, as JSON
+PLANNER_EVENTS_KEY = "farm:planner:events"  # list of its recent scaling decisions, newest first
+
+
+def stats_key(name: str) -> str:
+    """Hash label value -> count of a farm-wide counter (`farm_batches`, `farm_batch_lines`, ...)."""
+    return f"farm:stats:{name}"

@@ -12,7 +12,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 TASK_PREFILL = "farm.prefill"
 TASK_DECODE = "farm.decode"
 TASK_GENERATE = "farm.generate"
-TASK_PING = "farm.ping"  # the consumer watchdog's probe through a worker's own queue (farm.reliability)
+TASK_PING = "farm.ping"  # the consumer watchdog's probe through a worker's own queue (farm.worker.watchdog)
 TASK_BATCH_DRIVE = "farm.batch.drive"  # drives one batch (farm.batch.driver)
 BATCH_QUEUE = "farm.batch"  # consumed only by batch-driver processes (`python -m tasks.batch`)
 

@@ -193,7 +193,7 @@ class GenerationRequest:
     created: float = 0.0
     lease_s: float = 0.0  # > 0: the reader holds reader_lease_key(reply_to); its lapse for this long orphans it
     origin: str = ""  # a migrated request: the original request id (its prompt ends with tokens generated)
-    # prefix-cache scope, its tenant's (farm.apikeys.tenant_cache_salt): blocks are shared only within one
+    # prefix-cache scope, its tenant's (farm.tenancy.api_keys.tenant_cache_salt): blocks are shared only within one
     # salt, the hash chain starts from hashing.salt_root(cache_salt). "": no salt (a farm without API keys)
     cache_salt: str = ""
 

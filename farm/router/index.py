@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
-from farm import registry
+from farm.cluster import registry
 from farm.protocol.keys import (
     EVENTS_STREAM,
     LOAD_EVENTS_STREAM,
@@ -28,6 +28,7 @@ from farm.protocol.keys import (
     worker_blocks_key,
     worker_seq_key,
 )
+from farm.protocol.kv_events import KVEvent, KVEventKind
 from farm.router.load import LoadMirror
 
 log = logging.getLogger(__name__)
@@ -119,10 +120,9 @@ class KVIndex:
             self.last_event.pop(worker, None)
             self.epochs.pop(worker, None)
 
-    def apply(self, ev: dict) -> bool:
+    def apply(self, ev: KVEvent) -> bool:
         """Apply one event; returns False when it reveals a gap (the caller resyncs the worker)."""
-        w, eid = ev["worker_id"], int(ev["event_id"])
-        epoch = int(ev.get("epoch", 0))
+        w, eid, epoch = ev.worker_id, ev.event_id, ev.epoch
         if self.epochs.get(w) != epoch:
             if w in self.epochs and epoch < self.epochs[w]:
                 return True  # a late event from the worker's previous life
@@ -132,18 +132,17 @@ class KVIndex:
         last = self.last_event.get(w)
         if last is not None and eid <= last:
             return True  # already in the snapshot
-        if last is not None and eid != last + 1 and ev["kind"] != "cleared":
+        if last is not None and eid != last + 1 and ev.kind is not KVEventKind.CLEARED:
             return False
-        kind, tier = ev["kind"], ev.get("tier") or "device"
-        if kind == "stored":
-            self.store(w, (int(h) for h in ev["blocks"]), tier)
-        elif kind == "removed":
-            self.remove(w, (int(h) for h in ev["blocks"]), tier)
-        elif kind == "cleared":
+        if ev.kind is KVEventKind.STORED:
+            self.store(w, ev.blocks, ev.tier)
+        elif ev.kind is KVEventKind.REMOVED:
+            self.remove(w, ev.blocks, ev.tier)
+        else:  # cleared
             self.clear_worker(w)
             self._bit(w)
         self.last_event[w] = eid
-        self.events_applied += len(ev["blocks"]) or 1
+        self.events_applied += len(ev.blocks) or 1
         return True
 
     def overlaps(self, hashes: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
@@ -292,9 +291,17 @@ class IndexFollower:
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 batch = json.loads(fields[b"d"])
-                for ev in batch:
+                for raw in batch:
+                    try:
+                        ev = KVEvent.from_dict(raw)
+                    except (KeyError, TypeError, ValueError) as e:  # not a KV event: start that worker over
+                        log.warning("KV index follower: unreadable KV event from %s (%s); resyncing it",
+                                    fields.get(b"w"), e)
+                        if fields.get(b"w"):
+                            self.resync_worker(fields[b"w"].decode())
+                        break
                     if not self.index.apply(ev):
-                        self.resync_worker(ev["worker_id"])
+                        self.resync_worker(ev.worker_id)
                         break
                     n += 1
                 time.sleep(0)  # yield (gevent) after each batch of events

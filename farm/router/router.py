@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from farm import metrics, registry
+from farm.cluster import registry
 from farm.config import FarmConfig
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.router.costs import CostBook
@@ -40,6 +40,7 @@ from farm.router.policy import (
     predicted_ttft,
     softmax_pick,
 )
+from farm.telemetry import prometheus
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class Router:
             self.predicted.record(chosen.worker_id, hashes)
         timings = {"hash": 0.0, "index": (t2 - t1) * 1e6, "load": (t3 - t2) * 1e6,
                    "schedule": ((t4 - t3) + (t1 - t0)) * 1e6}
-        metrics.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
+        prometheus.record_routing(mode, stage, timings, cands[i].overlap_blocks, len(hashes))
         ttft = ttfts[i] if ttfts is not None else None
         return Placement(chosen, int(overlaps.get(chosen.worker_id, 0)) if overlaps else 0, mode, cost, ttft,
                          timings)
@@ -238,5 +239,5 @@ class Router:
             why = f"too loaded to start this request within router.ttft_target_ms ({self.rc.ttft_target_ms:.0f} ms)"
         else:
             return
-        metrics.REQUESTS_SHED.labels(stage=stage).inc()
+        prometheus.REQUESTS_SHED.labels(stage=stage).inc()
         raise BusyError(f"all {len(cands)} {stage} workers are {why}", retry_after_s=self.rc.retry_after_s)

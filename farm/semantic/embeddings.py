@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from farm.cooperative import offload
+from farm.infra.cooperative import offload
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,14 @@ class Embedder:
                  backend: str = "onnx") -> None:
         import torch
 
-        from farm.tokenization import HF_LOAD_LOCK
+        from farm.models.tokenization import HF_LOAD_LOCK
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._torch = torch
         if threads > 0:
             torch.set_num_threads(threads)
         path = path or model_path()
-        with HF_LOAD_LOCK:  # not beside another thread's first tokenizer load (see farm.tokenization)
+        with HF_LOAD_LOCK:  # not beside another thread's first tokenizer load (see farm.models.tokenization)
             from transformers import AutoModel, AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

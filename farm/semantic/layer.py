@@ -49,7 +49,7 @@ import numpy as np
 
 from farm.config import FarmConfig
 from farm.config.semantic import SemanticConfig
-from farm.cooperative import offload
+from farm.infra.cooperative import offload
 from farm.semantic.cache import (
     CacheQuery,
     SemanticCache,
@@ -124,7 +124,7 @@ class SemanticLayer:
         cache = None
         if scfg.cache.enabled:
             if scfg.cache.backend == "redis" and redis_client is None:
-                from farm.redis_client import connect
+                from farm.infra.redis_client import connect
 
                 redis_client = connect(cfg.redis)
             cache = make_cache(scfg.cache, redis_client)

@@ -22,7 +22,7 @@ BATCH_GRACE_S = 30.0  # a batch driver gives in-flight lines batch.shutdown_grac
 RESTARTED_ROLES = (*WORKER_ROLES, "batch")  # restarted when they die; anything else dying stops the farm
 REDIS_GRACE_S = 30.0
 REDIS_KILL_GRACE_S = 10.0  # killing at once still lets Redis flush its AOF (it exits in milliseconds)
-# What a child gets when the process that started it dies without stopping it (farm.orphans): Redis flushes
+# What a child gets when the process that started it dies without stopping it (farm.infra.orphans): Redis flushes
 # its AOF and exits, gunicorn's quick shutdown takes its worker along, everything else is killed.
 PARENT_DEATH_SIGNALS = {"redis": signal.SIGTERM, "api": signal.SIGQUIT}
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, `farm down`, a closed terminal

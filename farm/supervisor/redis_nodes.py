@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from farm import redis_client, redis_server
 from farm.config import (
     redact_url,
     redis_url_with_password,
 )
 from farm.config.redis import is_local, url_password
-from farm.filemodes import private_dir
+from farm.infra import redis_client, redis_server
+from farm.infra.filemodes import private_dir
 from farm.supervisor.procs import (
     FarmError,
     FarmStartError,
     Proc,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 class ManagedRedis:

@@ -8,9 +8,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
-from farm.progress import ProgressPrinter
 from farm.supervisor.procs import (
     MAX_WORKER_RESTARTS,
     RESTARTED_ROLES,
@@ -20,16 +19,14 @@ from farm.supervisor.procs import (
     _kill_now,
     stop_ordered,
 )
-
-if TYPE_CHECKING:
-    from farm.supervisor.farm import Farm
+from farm.supervisor.progress import ProgressPrinter
 
 
 class ServeLoop:
     """Farm's serve loop and ordered stop (a part of Farm, which holds the state they use)."""
 
     @contextlib.contextmanager
-    def running(self, timeout: float = 300.0) -> Iterator[Farm]:
+    def running(self, timeout: float = 300.0) -> Iterator[Self]:
         """Start, wait until healthy, hand the farm over, and stop it whatever happens (tests, benches)."""
         try:
             self.start()

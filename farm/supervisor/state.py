@@ -14,7 +14,7 @@ from typing import Any
 from farm.config import (
     FarmConfig,
 )
-from farm.filemodes import open_private
+from farm.infra.filemodes import open_private
 from farm.supervisor.procs import (
     API_GRACE_S,
     FLOWER_GRACE_S,

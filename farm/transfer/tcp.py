@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import xxhash
 
-from farm.jsonsafe import loads_bounded
+from farm.protocol.jsonsafe import loads_bounded
 from farm.transfer import shm
 from farm.transfer.handle import HandleError, verify_handle
 from farm.transfer.staging import StagingPool

@@ -18,10 +18,10 @@ from typing import Any
 import redis
 import yaml
 
-from farm import registry
+from farm.cluster import registry
 from farm.config import FarmConfig, load_config
 from farm.gateway import Gateway
-from farm.orphans import die_with_parent
+from farm.infra.orphans import die_with_parent
 from farm.protocol import DeltaEvent, Event, GenerationRequest, SamplingParams
 from tests.procs import ROOT, WorkerProc, wait_registered
 
@@ -165,7 +165,7 @@ def reader_process(env: dict[str, str], req: GenerationRequest) -> subprocess.Po
     code = ("import json,sys\n"
             "from farm.config import get_config\nfrom farm.gateway import Gateway\n"
             "from farm.protocol import GenerationRequest\n"
-            "from farm.redis_client import connect\ncfg=get_config(); r=connect(cfg.redis)\n"
+            "from farm.infra.redis_client import connect\ncfg=get_config(); r=connect(cfg.redis)\n"
             "sub=Gateway(cfg,r).submit(GenerationRequest.from_dict(json.loads(sys.argv[1])))\n"
             "for ev in sub.events():\n    print(ev.type, flush=True)\n")
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(req.to_dict())], cwd=ROOT,

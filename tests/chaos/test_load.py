@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from farm.config import load_config
-from farm.redis_client import connect
+from farm.infra.redis_client import connect
 from farm.supervisor import Farm
 from tests.chaos.harness import per_request_keys_without_ttl, wait_all_blocks_free
 from tests.conftest import free_port, make_farm_env

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from farm.tokenization import chat_prompt_ids, get_tokenizer
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from tests.chaos.harness import MODEL, ChaosFarm, collect, kill, per_request_keys_without_ttl, reader_process
 
 pytestmark = pytest.mark.slow

@@ -18,9 +18,9 @@ import openai
 import pytest
 import redis
 
-from farm import redis_server
 from farm.config import load_config
-from farm.redis_client import primary_address
+from farm.infra import redis_server
+from farm.infra.redis_client import primary_address
 from farm.supervisor import Farm
 from tests.chaos.harness import MODEL, farm_env, free_port
 

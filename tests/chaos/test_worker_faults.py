@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol import TASK_DECODE
 from farm.protocol.queues import direct_queue
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.chaos.harness import MODEL, ChaosFarm, collect, kill, wait_all_blocks_free
 from tests.procs import send_and_read
 

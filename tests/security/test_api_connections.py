@@ -23,7 +23,7 @@ import redis
 import requests
 
 from bench.stream_load import hold_streams, raise_fd_limit, stream_body
-from farm import registry
+from farm.cluster import registry
 from farm.supervisor import Farm
 from tests.procs import ROOT
 from tests.security.farms import MODEL, api_process, base_url, real_farm
@@ -74,7 +74,7 @@ def test_the_gunicorn_master_imports_nothing_the_request_path_needs_unpatched(tm
 _OFFLOAD_PROBE = """
 from gevent import monkey; monkey.patch_all()
 import json, threading, time, gevent
-from farm.cooperative import offload
+from farm.infra.cooperative import offload
 ticks = []
 def tick():
     while True:
@@ -90,14 +90,14 @@ print(json.dumps({"other_thread": worker != threading.get_native_id(), "ticks": 
 
 
 def test_offloaded_cpu_work_leaves_the_hub_serving():
-    """farm.cooperative under gevent: the call runs on a native thread and other greenlets (open streams) keep
+    """farm.infra.cooperative under gevent: the call runs on a native thread and other greenlets (open streams) keep
     running meanwhile; without gevent it runs in place."""
     out = subprocess.run([sys.executable, "-c", _OFFLOAD_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     probe = json.loads(out.stdout)
     assert probe["other_thread"] and probe["ticks"] >= 20, probe  # ~50 ticks of 10 ms in 0.5 s
 
-    from farm.cooperative import cooperative, offload
+    from farm.infra.cooperative import cooperative, offload
 
     assert not cooperative() and offload(threading.get_native_id) == threading.get_native_id()
 

@@ -55,7 +55,7 @@ def test_a_line_nested_100k_deep_is_its_own_error_and_the_others_are_kept(api):
 
 def test_moderate_nesting_still_gets_the_endpoints_own_checks(api):
     _, cfg, _ = api
-    from farm.tokenization import get_tokenizer
+    from farm.models.tokenization import get_tokenizer
 
     tok = get_tokenizer(cfg, cfg.default_model)
     line = json.dumps({"custom_id": "s", "method": "POST", "url": CHAT,

@@ -3,7 +3,7 @@ naming a secret; key A sent the same template once per guess with `max_tokens: 1
 with more `usage.prompt_tokens_details.cached_tokens` (and `x-farm-router-overlap-tokens`, and a shorter time to
 first token) than the wrong ones.
 
-Now every generation carries its tenant's cache salt (farm.apikeys.tenant_cache_salt, from the API key's owner),
+Now every generation carries its tenant's cache salt (farm.tenancy.api_keys.tenant_cache_salt, from the API key's owner),
 and every block hash of a salted prompt is chained from the salt (farm.protocol.hashing.salt_root): the router's
 index, the engine's prefix cache and the KV events never match one tenant's prompt with another's. The probe is
 replayed here on a real farm (the API as `farm up` serves it, one built-in worker on the tiny model, two keys)."""
@@ -22,11 +22,11 @@ import redis
 import requests
 from transformers import AutoTokenizer
 
-from farm.apikeys import digest, owner_of, tenant_cache_salt
+from farm.models.tokenization import text_prompt_ids
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.router.index import IndexFollower
 from farm.supervisor import Farm
-from farm.tokenization import text_prompt_ids
+from farm.tenancy.api_keys import digest, owner_of, tenant_cache_salt
 from tests.security.farms import MODEL, base_url, real_farm
 from tests.security_helpers import KEY_A, KEY_B, bearer
 

@@ -2,7 +2,7 @@
 `appendonlydir` were 0755, batch files and the AOF 0644: as `nobody`, `head .farm/files/file-...` printed
 another tenant's batch prompts and `grep -a` on the AOF printed a cached answer.
 
-Now (farm/filemodes.py) every farm process runs with umask 077, the farm gives 0700/0600 where it creates
+Now (farm/infra/filemodes.py) every farm process runs with umask 077, the farm gives 0700/0600 where it creates
 directories and files itself, and `farm up` tightens a state dir made before. Checked on a real farm (managed
 redis-server with its AOF, the API under gunicorn writing an upload), then as `nobody`."""
 
@@ -21,8 +21,8 @@ import pytest
 import redis
 import requests
 
-from farm import filemodes, logfiles, redis_server
-from farm.batch.files import DiskBodies
+from farm.batch.file_store import DiskBodies
+from farm.infra import filemodes, logfiles, redis_server
 from tests.conftest import free_port
 from tests.security.farms import base_url, real_farm
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from flask import Flask
 
-from farm import registry
-from farm.apikeys import owner_of
+from farm.cluster import registry
+from farm.tenancy.api_keys import owner_of
 from tests.security_helpers import KEY_A, assert_openai_error, bearer, farm_app
 from tests.test_api_stream import GHOST, ScriptedWorker, both_start, deltas, done
 

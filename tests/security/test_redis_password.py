@@ -19,9 +19,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from farm import redis_server
 from farm.config import load_config
 from farm.config.redis import PASSWORD_FILE, url_password
+from farm.infra import redis_server
 from farm.supervisor import Farm
 from tests.conftest import free_port
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from farm.apikeys import OWNER_ANONYMOUS, KeyRing
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
 from tests.security_helpers import KEY_A, KEY_B, bearer, farm_app
 
 QUESTION = "Which river flows through Budapest?"

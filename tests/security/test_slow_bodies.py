@@ -24,7 +24,7 @@ import requests
 from flask import Flask, Response
 
 from api.admission import Admission, DeadlineInput, InFlight, admit
-from api.errors import register_error_handlers
+from api.error_handlers import register_error_handlers
 from farm.supervisor import Farm
 from tests.security.farms import MODEL, base_url, real_farm
 from tests.security_helpers import KEY_A, KEY_B, assert_openai_error, bearer, farm_app

@@ -22,6 +22,7 @@ from farm.config import EngineConfig, load_config
 from farm.engine.engine import Engine
 from farm.engine.scheduler import Sequence
 from farm.gateway import Gateway
+from farm.models.tokenization import IncrementalDetokenizer, chat_prompt_ids, get_tokenizer
 from farm.protocol import (
     EVENT_FIELD,
     TASK_DECODE,
@@ -34,7 +35,6 @@ from farm.protocol import (
     queue_name,
     reply_stream_key,
 )
-from farm.tokenization import IncrementalDetokenizer, chat_prompt_ids, get_tokenizer
 from tests.conftest import make_farm_env
 from tests.procs import WorkerProc, wait_registered
 from tests.test_engine import Collector

@@ -17,11 +17,11 @@ import pytest
 import redis
 import requests
 
-from farm import registry
+from farm.cluster import registry
 from farm.gateway import Gateway
+from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol import GenerationRequest, SamplingParams
 from farm.supervisor import Farm
-from farm.tokenization import chat_prompt_ids, get_tokenizer
 from tests.vllm.conftest import MODEL, vllm_farm
 
 pytestmark = pytest.mark.slow

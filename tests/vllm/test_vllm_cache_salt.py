@@ -16,11 +16,11 @@ import redis
 import requests
 from transformers import AutoTokenizer
 
-from farm.apikeys import digest, owner_of, tenant_cache_salt
+from farm.models.tokenization import text_prompt_ids
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.router.index import IndexFollower
 from farm.supervisor import Farm
-from farm.tokenization import text_prompt_ids
+from farm.tenancy.api_keys import digest, owner_of, tenant_cache_salt
 from tests.security_helpers import KEY_A, KEY_B, bearer
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, vllm_farm
 

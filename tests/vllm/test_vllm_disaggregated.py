@@ -15,7 +15,7 @@ import openai
 import pytest
 import redis
 
-from farm import registry
+from farm.cluster import registry
 from farm.supervisor import Farm
 from tests.vllm.conftest import MODEL, vllm_farm
 

@@ -71,7 +71,7 @@ app.kubernetes.io/part-of: inference-farm
 
 {{/*
 The KEDA signal of a worker entry: the requests waiting for its model and role, as the API exports them
-(farm.metrics: one API replica exports the farm-wide series, so sum() counts each once). Args: dict "root" $ "w" $worker
+(farm.telemetry.prometheus: one API replica exports the farm-wide series, so sum() counts each once). Args: dict "root" $ "w" $worker
 */}}
 {{- define "farm.kedaQuery" -}}
 {{- $matchers := .root.Values.keda.prometheus.extraMatchers | default (printf "namespace=%q" .root.Release.Namespace) }}
@@ -203,7 +203,7 @@ random one. Args: dict "root" $ "secret" NAME "key" KEY "value" GIVEN
 {{- end }}
 {{- with .Values.redis.ha }}
 {{- if .enabled }}
-{{- /* redis.ha as farm.redis_client reads it: every process finds the primary through the sentinels */}}
+{{- /* redis.ha as farm.infra.redis_client reads it: every process finds the primary through the sentinels */}}
 - name: FARM_REDIS__HA__ENABLED
   value: "true"
 - name: FARM_REDIS__HA__MASTER_NAME
@@ -376,7 +376,7 @@ exec:
       wid = os.environ["WORKER_ID"]
       {{- if .ha }}
       from farm.config import load_config
-      from farm.redis_client import connect
+      from farm.infra.redis_client import connect
       r = connect(load_config().redis, timeout=3)  # through the sentinels (redis.ha), to the primary
       {{- else }}
       r = redis.Redis.from_url(os.environ["FARM_REDIS__URL"], socket_timeout=3, socket_connect_timeout=3)

@@ -1,0 +1,99 @@
+"""OpenAI-shaped errors: every failure is `{"error": {"message", "type", "param", "code"}}` JSON with the
+right status, never an HTML page or a traceback.
+
+`to_api_error` is the one mapping from exceptions (ours, the gateway's, werkzeug's, Redis's) to that shape,
+used both by the Flask error handlers and by SSE streams that fail after their headers were sent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from flask import Flask, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
+from farm.models.directories import ModelNotFoundError
+from farm.openai.api_error import APIError
+
+log = logging.getLogger(__name__)
+
+NO_WORKERS_RETRY_AFTER_S = 5  # workers take seconds to start and register
+REDIS_DOWN_RETRY_AFTER_S = 2
+
+
+_HTTP_MESSAGES = {
+    400: "Bad request.",
+    404: "Not found: no such route. See /v1/models, /v1/chat/completions, /v1/completions and /health.",
+    413: "Request body too large.",
+}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def to_api_error(err: BaseException) -> APIError:
+    """Map any exception to the APIError the client should see (unexpected ones: a bare 500)."""
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, HTTPException):
+        status = err.code or 500
+        if status == 405:
+            message = "Method not allowed for this route."
+            if getattr(err, "valid_methods", None):
+                message = f"Method not allowed; this route accepts {', '.join(sorted(err.valid_methods))}."
+        else:
+            message = _HTTP_MESSAGES.get(status) or (err.description if status < 500 else None) or err.name
+        # keep headers such as Allow (405) or Retry-After, never werkzeug's Content-Type
+        headers = {k: v for k, v in err.get_headers() if k.lower() not in ("content-type", "content-length")}
+        return APIError(status, message, code=_HTTP_CODES.get(status), headers=headers)
+    if isinstance(err, NoWorkersError):
+        return APIError(503, str(err), code="no_workers", headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
+    if isinstance(err, BusyError):
+        return APIError(503, f"The farm is at capacity: {err}", code="overloaded",
+                        headers={"Retry-After": str(err.retry_after_s)})
+    if isinstance(err, GatewayTimeout):
+        return APIError(504, str(err), code="timeout")
+    if isinstance(err, WorkerError):  # a lost worker no other could replace: retry later; else the engine failed
+        if err.retryable:
+            return APIError(503, f"generation failed: {err}", code=err.code,
+                            headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
+        return APIError(500, f"generation failed: {err}", code=err.code)
+    if isinstance(err, ClientGone):  # nobody reads the answer; 499 as nginx logs it, for logs and metrics
+        return APIError(499, str(err), code="client_disconnected")
+    if isinstance(err, ModelNotFoundError):  # configured but not on disk: the operator's problem, not the client's
+        return APIError(503, str(err), code="model_unavailable")
+    if isinstance(err, redis.RedisError):
+        return APIError(503, "The farm's Redis is unreachable.", code="redis_unavailable",
+                        headers={"Retry-After": str(REDIS_DOWN_RETRY_AFTER_S)})
+    return APIError(500, "Internal server error.", code="internal_error")
+
+
+def error_response(err: APIError) -> Response:
+    resp = jsonify(err.body())
+    resp.status_code = err.status
+    for k, v in err.headers.items():
+        resp.headers[k] = v
+    return resp
+
+
+def register_error_handlers(app: Flask) -> None:
+    """Route every error, including werkzeug's and unexpected exceptions, through `to_api_error`."""
+
+    @app.errorhandler(APIError)
+    def _api_error(err: APIError):
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(err: HTTPException):
+        if err.code is not None and err.code < 400:  # redirects (e.g. RequestRedirect) are not errors
+            return err
+        return error_response(to_api_error(err))
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        api_err = to_api_error(err)
+        if api_err.status == 500:
+            log.exception("unhandled error")
+        else:
+            log.warning("request failed: %s: %s", type(err).__name__, err)
+        return error_response(api_err)

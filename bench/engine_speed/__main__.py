@@ -1,0 +1,3 @@
+from bench.engine_speed.run import main
+
+raise SystemExit(main())

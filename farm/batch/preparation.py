@@ -1,0 +1,122 @@
+"""The validating stage of a batch: its input file read and every line checked, tokenized and run through the
+semantic layer (farm.batch.validate), then written as prepared lines beside the file bodies (`validating` ->
+`in_progress`, or `failed` with line-numbered errors). A driver that resumes a batch prepared on another host (or
+whose prepared lines are gone) derives them again from the input file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from farm.batch.file_store import FileStore
+from farm.batch.store import BatchStore
+from farm.batch.validate import PreparedLine, validate_input
+from farm.cluster import registry
+from farm.config import FarmConfig
+
+log = logging.getLogger(__name__)
+
+
+class Preparation:
+    """One per driver: the tokenizers and the semantic layer its batches' lines are validated with (each built on
+    first use); `end` moves a batch to a final status (farm.batch.results.Results.end)."""
+
+    def __init__(self, cfg: FarmConfig, r: redis.Redis, store: BatchStore, files: FileStore,
+                 end: Callable[..., str]):
+        self.cfg = cfg
+        self.bcfg = cfg.batch
+        self.r = r
+        self.store = store
+        self.files = files
+        self.end = end
+        self._semantic = None  # farm.semantic.layer.SemanticLayer, built by the first batch that needs it
+        self._sem_lock = threading.Lock()
+
+    def tokenizer(self, model: str):
+        from farm.models.tokenization import get_tokenizer
+
+        if model in self.cfg.semantic.aliases:  # only decoding a token-id prompt for the guards asks this
+            model = self.cfg.default_model
+        return get_tokenizer(self.cfg, model)
+
+    def semantic_layer(self):
+        """The semantic layer of this driver process (built on first use): guards and MoM for batch lines."""
+        with self._sem_lock:
+            if self._semantic is None:
+                from farm.semantic.layer import SemanticLayer
+
+                self._semantic = SemanticLayer.from_config(self.cfg, redis_client=self.r, served=self._served_models)
+            return self._semantic
+
+    def _served_models(self) -> set[str]:
+        return {w.model for w in registry.live_workers(self.r)}
+
+    def _decide(self, model: str, messages: list[dict]):
+        """A batch line's semantic verdict: as the API's, but never answered from (or stored in) the cache."""
+        return self.semantic_layer().before(model, messages, no_cache=True)
+
+    def prepare(self, b: dict[str, Any]) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
+        meta = self.files.get(b["input_file_id"])
+        try:
+            data = self.files.read(b["input_file_id"]) if meta else None
+        except FileNotFoundError:
+            data = None
+        if data is None:
+            return [], [{"code": "input_file_missing", "message": f"The input file {b['input_file_id']} "
+                         "no longer exists.", "param": "input_file_id", "line": None}]
+        try:
+            semantic = self.cfg.semantic.enabled
+            return validate_input(data, b["endpoint"], [m.name for m in self.cfg.models], self.tokenizer,
+                                  lambda m: self.cfg.model(m).max_model_len, self.bcfg.max_lines,
+                                  self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults,
+                                  self._decide if semantic else None, self.cfg.semantic.aliases,
+                                  lambda m: self.cfg.model(m).backend)
+        except redis.RedisError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. the model's tokenizer is missing on this host
+            log.exception("batch validation")
+            return [], [{"code": "validation_error", "message": f"the input could not be validated: {e}",
+                         "param": None, "line": None}]
+
+    def prepared_file(self, bid: str) -> Path:
+        return self.cfg.batch_prepared_path / f"{bid}.jsonl"
+
+    def validate(self, bid: str, b: dict[str, Any]) -> str:
+        lines, errors = self.prepare(b)
+        now = int(time.time())
+        if errors:
+            log.info("batch %s failed validation: %d error(s), first: %s", bid, len(errors), errors[0])
+            return self.end(bid, ("validating",), "failed", failed_at=now,
+                             errors={"object": "list", "data": errors})
+        path = self.prepared_file(bid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            for ln in lines:
+                f.write(ln.to_json() + "\n")
+        os.replace(tmp, path)
+        ok, st = self.store.transition(bid, ("validating",), "in_progress", in_progress_at=now, total=len(lines),
+                                       model=lines[0].model)
+        if ok:
+            log.info("batch %s: %d requests validated, running", bid, len(lines))
+        return st or "missing"
+
+    def load_prepared(self, bid: str, b: dict[str, Any]) -> list[PreparedLine] | None:
+        try:
+            with open(self.prepared_file(bid), "rb") as f:
+                return [PreparedLine.from_json(raw) for raw in f if raw.strip()]
+        except FileNotFoundError:
+            pass
+        lines, errors = self.prepare(b)  # prepared on another host, or lost: derive again from the input
+        if errors:
+            self.end(bid, ("in_progress",), "failed", failed_at=int(time.time()),
+                      errors={"object": "list", "data": errors})
+            return None
+        return lines

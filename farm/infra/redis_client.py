@@ -1,0 +1,102 @@
+"""The one way a farm process connects to Redis: `connect()` for redis-py clients, `celery_broker()` for
+Celery/kombu.
+
+Without `redis.ha`, both use `redis.url`. With it, both go through Redis Sentinel: the client asks the
+sentinels where the primary of `redis.ha.master_name` is, connects there, and asks again whenever a
+connection breaks or the server it reached turned into a replica (a failover), so every process follows
+the primary without a restart. `redis.url` still gives the password, user and database; the sentinels
+require the same password (the managed ones are started so, farm.infra.redis_server).
+
+redis is imported inside the functions: loading the configuration must not import it in gunicorn's
+unpatched master process (the API's gevent worker imports it after patching, api/gunicorn_conf.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote, urlsplit
+
+if TYPE_CHECKING:
+    import redis
+    from redis.sentinel import Sentinel
+
+    from farm.config import RedisConfig
+
+
+def connect(target: RedisConfig | str, *, timeout: float | None = None, **options: Any) -> redis.Redis:
+    """A client of the farm's Redis (`RedisConfig`: through the sentinels when `ha.enabled`), or of the one
+    server a URL names. `timeout` bounds connecting and each command; `options` go to redis-py."""
+    import redis
+
+    if timeout is not None:
+        options.setdefault("socket_timeout", timeout)
+        options.setdefault("socket_connect_timeout", timeout)
+    if isinstance(target, str):
+        return redis.Redis.from_url(target, **options)
+    if not target.ha.enabled:
+        return redis.Redis.from_url(target.url, **options)
+    return sentinel(target, timeout).master_for(target.ha.master_name, **{**_url_options(target.url), **options})
+
+
+def sentinel(cfg: RedisConfig, timeout: float | None = None) -> Sentinel:
+    """A redis-py Sentinel for `cfg.ha` (authenticating with the URL's password)."""
+    from redis.sentinel import Sentinel
+
+    kwargs: dict[str, Any] = {"socket_timeout": timeout or 2.0, "socket_connect_timeout": timeout or 2.0}
+    password = _password(cfg.url)
+    if password:
+        kwargs["password"] = password
+    return Sentinel(cfg.ha.sentinel_addresses(), sentinel_kwargs=kwargs)
+
+
+def primary_address(cfg: RedisConfig, timeout: float = 2.0) -> tuple[str, int] | None:
+    """Where the sentinels say the primary is now; None when no sentinel answers (or knows none)."""
+    import redis
+    from redis.sentinel import MasterNotFoundError
+
+    try:
+        host, port = sentinel(cfg, timeout).discover_master(cfg.ha.master_name)
+    except (MasterNotFoundError, redis.RedisError, OSError):
+        return None
+    return str(host), int(port)
+
+
+def celery_broker(cfg: RedisConfig) -> tuple[str, dict[str, Any]]:
+    """Celery's broker URL and the transport options it needs besides the farm's own: kombu's
+    `sentinel://` URLs (one per sentinel, `;`-separated) and `master_name` with HA, else `redis.url`."""
+    if not cfg.ha.enabled:
+        return cfg.url, {}
+    u = urlsplit(cfg.url)
+    userinfo = ""
+    if u.username or u.password:
+        userinfo = quote(unquote(u.username or ""), safe="")
+        userinfo += (":" + quote(unquote(u.password), safe="")) if u.password else ""
+        userinfo += "@"
+    path = u.path or "/0"
+    urls = ";".join(f"sentinel://{userinfo}{_hostport(h, p)}{path}" for h, p in cfg.ha.sentinel_addresses())
+    options: dict[str, Any] = {"master_name": cfg.ha.master_name}
+    password = _password(cfg.url)
+    if password:
+        options["sentinel_kwargs"] = {"password": password}
+    return urls, options
+
+
+def _password(url: str) -> str | None:
+    pw = urlsplit(url).password
+    return unquote(pw) if pw else None
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _url_options(url: str) -> dict[str, Any]:
+    """What `url` says besides where the server is (password, user, db, TLS), as redis-py keywords."""
+    from redis.connection import SSLConnection, parse_url
+
+    opts = parse_url(url)
+    for key in ("host", "port", "path"):
+        opts.pop(key, None)
+    if opts.pop("connection_class", None) is SSLConnection:
+        opts["ssl"] = True
+    return opts

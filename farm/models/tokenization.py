@@ -1,0 +1,107 @@
+"""Tokenizers and chat templates, loaded once per process from the model's own directory."""
+
+from __future__ import annotations
+
+import re
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from farm.config import FarmConfig
+from farm.models.directories import require_model_dir
+
+# One process-wide lock around first-time `transformers` loads (tokenizers here, the semantic layer's
+# embedder): transformers resolves its classes through lazy submodule imports that are not safe to run
+# from two threads at once ("cannot import name 'AutoTokenizer'" while the API's warm-up thread loads
+# the embedder and a request thread loads a tokenizer). Loads happen once per process, so this costs nothing.
+HF_LOAD_LOCK = threading.RLock()
+
+
+@lru_cache(maxsize=16)
+def _load(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def get_tokenizer(cfg: FarmConfig, model_name: str):
+    """The model's tokenizer (fast, with its chat template); raises ModelNotFoundError if absent."""
+    d: Path = require_model_dir(cfg, cfg.model(model_name))
+    with HF_LOAD_LOCK:
+        return _load(str(d))
+
+
+_LONGEST_TOKEN: dict[int, tuple[Any, int]] = {}
+
+
+def max_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry: no token covers more of a text than that, so a text of
+    more than `n * max_token_chars` characters has more than n tokens (for byte-level BPE each entry's
+    characters are its bytes, and a character is at least one byte; for other vocabularies the bound is
+    looser, unless a normalizer deletes characters, which api.max_chars_per_token then overrides).
+    Computed once per tokenizer."""
+    key = id(tokenizer)
+    hit = _LONGEST_TOKEN.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, max((len(t) for t in tokenizer.get_vocab()), default=1))
+        _LONGEST_TOKEN[key] = hit
+    return max(1, hit[1])
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]],
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the model's chat template (with the generation prompt) and return token ids. `template_kwargs`
+    are variables the template may read (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}))
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def template_reads(tokenizer, variable: str) -> bool:
+    """Whether the model's chat template uses `variable` (e.g. `enable_thinking`): passing a variable the
+    template never reads changes nothing, and the caller should say so instead of claiming it applied."""
+    tpl = getattr(tokenizer, "chat_template", None)
+    texts = tpl.values() if isinstance(tpl, dict) else [tpl]
+    return any(isinstance(t, str) and re.search(rf"\b{re.escape(variable)}\b", t) for t in texts)
+
+
+def text_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
+    """End-of-sequence ids: the tokenizer's plus the generation config's (which may be a list)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_dir is not None:
+        try:
+            from transformers import GenerationConfig
+
+            gc = GenerationConfig.from_pretrained(model_dir)
+            e = gc.eos_token_id
+            ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if x is not None)
+        except (OSError, ValueError):
+            pass
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 pieces."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta

@@ -1,0 +1,268 @@
+"""Pydantic models of the API's request and response bodies: the one source of `/openapi.json`
+(api/openapi.py) and of the set of fields each request accepts (an unknown field is a 400
+`unknown_parameter`, as OpenAI answers).
+
+farm/openai/parsing.py validates with these models' own bounds (`field_bounds`: the ranges of the
+sampling fields are declared once, here) and adds what a schema cannot say (errors naming the exact
+parameter and code, context length, vocabulary, the model's backend). A new request field goes here
+first, or the API rejects it. Response models are loose (extra fields allowed): they document what clients can rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from annotated_types import Ge, Gt, Le, MaxLen
+from pydantic import BaseModel, ConfigDict, Field
+
+from farm.openai.api_error import bad_request
+from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
+
+Role = Literal["system", "user", "assistant", "developer"]
+MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
+MAX_TOP_K = 1 << 20
+MAX_CACHE_SALT = 128  # vLLM's limit of cache_salt
+UNSUPPORTED_NOTE = "Not supported by this server: accepted only when absent, null, false or empty."
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- requests ------------------------------------------------------------------------------------
+class TextPart(_Loose):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Loose):
+    role: Role = Field(description="developer is handed to the chat template as system")
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str = Field(description="a configured model (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens must fit max_model_len")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N, description="choices (each generated as a request of its own)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="at most 4 sequences")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    user: str | None = None
+    ignore_eos: bool | None = Field(None, description="vLLM extension: generate max_tokens tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], at most 300")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension: sample among the k most likely (0, -1: all)")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension: minimum probability relative "
+                                                              "to the most likely token")
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="vLLM extension: > 1 discourages "
+                                                                            "tokens of prompt and completion")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence before this many")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that "
+                                                                             "end the completion")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
+        "vLLM extension: prefix-cache reuse only among requests with this salt, within the caller's own API key's "
+        "scope (which every request has anyway); no '@', '/', '\\' or NUL"))
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    logprobs: bool | None = Field(None, description="log-probabilities of the generated tokens")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (with logprobs)")
+    tools: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
+    tool_choice: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
+    functions: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
+    function_call: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema (structured output: models with backend vllm)")
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str | list[int]] = Field(
+        description="a string, a list of token ids, or a list holding one of those")
+    echo: bool | None = Field(None, description=UNSUPPORTED_NOTE)
+    suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
+    best_of: Literal[1] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probabilities with this many alternatives")
+
+
+class BatchCreateRequest(_Request):
+    """POST /v1/batches."""
+
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    schedule: Literal["prefix", "input"] | None = Field(None, description="extension: line order of this batch")
+
+
+class FileUploadRequest(_Request):
+    """POST /v1/files (multipart/form-data)."""
+
+    purpose: Literal["batch"]
+    file: bytes = Field(json_schema_extra={"format": "binary"})
+
+
+# -- responses -----------------------------------------------------------------------------------
+class ErrorDetail(_Loose):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Loose):
+    """Every 4xx/5xx body."""
+
+    error: ErrorDetail
+
+
+class ModelCard(_Loose):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Loose):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Usage(_Loose):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Loose):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Loose):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatCompletion(_Loose):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(_Loose):
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class TextCompletion(_Loose):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class FileObject(_Loose):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+class _Page(_Loose):
+    object: Literal["list"]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileList(_Page):
+    data: list[FileObject]
+
+
+class FileDeleted(_Loose):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class Batch(_Loose):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    request_counts: dict[str, int]
+
+
+class BatchList(_Page):
+    data: list[Batch]
+
+
+class Health(_Loose):
+    status: str
+    redis: str
+
+
+class Liveness(_Loose):
+    status: str
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, BatchCreateRequest,
+                                               FileUploadRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (ErrorResponse, ModelCard, ModelList, ChatCompletion,
+                                                TextCompletion, FileObject, FileList, FileDeleted, Batch,
+                                                BatchList, Health, Liveness)
+
+
+def reject_unknown_fields(body: dict[str, Any], model: type[BaseModel]) -> None:
+    """400 `unknown_parameter` naming the first field `model` does not declare (OpenAI's answer)."""
+    for name in body:
+        if name not in model.model_fields:
+            raise bad_request(f"Unknown parameter: '{name}'.", str(name), "unknown_parameter")
+
+
+def field_bounds(model: type[BaseModel], name: str) -> tuple[float | None, float | None, bool]:
+    """(low, high, low excluded) of a numeric request field as declared above: the validator's ranges and the
+    OpenAPI document's are the same numbers."""
+    lo = hi = None
+    lo_open = False
+    for m in model.model_fields[name].metadata:
+        if isinstance(m, Ge):
+            lo = m.ge
+        elif isinstance(m, Gt):
+            lo, lo_open = m.gt, True
+        elif isinstance(m, Le):
+            hi = m.le
+        elif isinstance(m, MaxLen):
+            hi = m.max_length
+    return lo, hi, lo_open

@@ -1,0 +1,99 @@
+"""Worker side of the KV-block index: publish what happens to the worker's KV blocks.
+
+The block pool reports `stored` / `removed` / `cleared` with chained block hashes; this publisher
+buffers them and flushes in batches. Each flush is one Redis transaction that appends the batch to the
+shared event stream and applies it to the worker's snapshot set, with the last event id, so a router can
+start from a consistent snapshot and then follow the stream. Event ids are monotonic per worker; a
+reader that sees a gap resyncs that worker from its set. A (re)starting worker begins with `cleared`.
+
+The event and its wire form are farm.protocol.kv_events.KVEvent; `epoch` changes when the worker process restarts
+(ids start again at 1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import redis
+
+from farm.protocol.keys import EVENTS_MAXLEN, EVENTS_STREAM, worker_blocks_key, worker_seq_key
+from farm.protocol.kv_events import KVEvent, KVEventKind
+from farm.router.index import member
+
+log = logging.getLogger(__name__)
+
+
+class KVEventPublisher:
+    def __init__(self, r: redis.Redis, worker_id: str, flush_ms: float = 50.0, tier: str = "device"):
+        self.r = r
+        self.worker_id = worker_id
+        self.flush_s = flush_ms / 1000.0
+        self.tier = tier
+        self._buf: list[KVEvent] = []
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self.epoch = time.time_ns()  # a new incarnation of the worker: readers reset its view
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self.published = 0
+
+    def __call__(self, kind: KVEventKind | str, hashes: list[int], parent: int | None,
+                 tier: str | None = None) -> None:
+        """The engines' KV event hook (farm.protocol.kv_events.KVEventHook), on the engine thread: buffer only,
+        never block."""
+        with self._lock:
+            self._buf.append(KVEvent(self.worker_id, self.epoch, self._next_id, KVEventKind(kind), list(hashes),
+                                     parent, tier or self.tier))
+            self._next_id += 1
+
+    def start(self) -> KVEventPublisher:
+        self(KVEventKind.CLEARED, [], None)  # a (re)started worker holds nothing
+        self.flush()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.flush()
+        except redis.RedisError:
+            pass
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._buf = self._buf, []
+        if not batch:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        bkey = worker_blocks_key(self.worker_id)
+        for ev in batch:
+            if ev.kind is KVEventKind.CLEARED:
+                pipe.delete(bkey)
+            elif ev.kind is KVEventKind.STORED and ev.blocks:
+                pipe.sadd(bkey, *(member(h, ev.tier) for h in ev.blocks))
+            elif ev.kind is KVEventKind.REMOVED and ev.blocks:
+                pipe.srem(bkey, *(member(h, ev.tier) for h in ev.blocks))
+        pipe.set(worker_seq_key(self.worker_id), f"{self.epoch}:{batch[-1].event_id}")
+        pipe.xadd(EVENTS_STREAM, {"w": self.worker_id, "d": json.dumps([ev.to_dict() for ev in batch])},
+                  maxlen=EVENTS_MAXLEN, approximate=True)
+        for attempt in range(20):
+            try:
+                pipe.execute()
+                self.published += sum(len(e.blocks) for e in batch)
+                return
+            except redis.ConnectionError:
+                time.sleep(min(0.1 * (attempt + 1), 1.0))
+        with self._lock:  # Redis unreachable: keep the events, in order, for the next flush
+            self._buf = batch + self._buf
+        log.error("KV events for %s not published yet: Redis unreachable", self.worker_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            try:
+                self.flush()
+            except redis.RedisError:
+                log.warning("KV event flush failed", exc_info=True)

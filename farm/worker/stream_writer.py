@@ -1,0 +1,210 @@
+"""Token streams from a worker to the readers (API processes, batch drivers) over Redis Streams, batched.
+
+A request is `open`ed with its reader (`reply_to`) before its first event; `emit(request_id, event)` may then be
+called from any thread. A pump thread flushes every `flush_ms`: per reader one XADD of a *reply batch* holding the
+events of all of that reader's requests since the last flush (farm.protocol.stream_events), consecutive text deltas
+of a request merged, all readers in one pipeline. Redis round trips therefore grow with readers and flushes, not
+with requests or tokens: a worker streaming 256 requests to one API process writes one entry per flush. Redis
+Streams keep order and never drop entries, and a reader reads from its last seen id, so tokens are neither lost nor
+reordered. The first token of a request is flushed at once (batching must not add to TTFT).
+
+The same thread polls the cancel flags of the open requests and the leases of their readers (farm.protocol.keys):
+a flag aborts its request (the client went away); a reader lease that stays missing for the request's grace
+period means the API process that reads died, so nobody will ever read the tokens (no orphan work).
+
+Every batch carries (writer id, sequence number): a flush whose answer never came (Redis restarting, or with
+Sentinel the primary died) is sent again, whole, and readers skip what they already have. With
+`replica_ack_ms` each flush also waits (WAIT) until a replica holds it, so a failover cannot lose events a reader
+has not seen.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from farm.protocol import (
+    EVENT_FIELD,
+    STREAM_TTL_S,
+    Event,
+    cancel_key,
+    encode_reply,
+    reader_lease_key,
+    reply_stream_key,
+)
+
+log = logging.getLogger(__name__)
+NO_REPLICA_RETRY_S = 5.0  # after a WAIT no replica answered, flushes do not wait for this long
+FLUSH_ATTEMPTS = 30  # a flush is retried this many times (about 25 s) while Redis is unreachable
+
+
+@dataclass(slots=True)
+class _Route:
+    """Where one open request's events go, and how long its reader's lease may be missing."""
+
+    reply_to: str
+    grace_s: float  # 0: the request has no reader lease (never orphaned)
+    streaming: bool = False  # its first token was sent (later deltas wait for the flush window)
+
+
+class StreamWriter:
+    def __init__(self, r: redis.Redis, flush_ms: float = 20.0, on_cancel: Callable[[str], None] | None = None,
+                 cancel_poll_s: float = 0.2, replica_ack_ms: int = 0):
+        self.r = r
+        self.replica_ack_ms = replica_ack_ms
+        self._no_replica_until = 0.0  # WAIT found no replica: do not wait for one again before this
+        self.flush_s = max(flush_ms, 1.0) / 1000.0
+        self.on_cancel = on_cancel
+        self.cancel_poll_s = cancel_poll_s
+        self._routes: dict[str, _Route] = {}  # open requests
+        self._pending: dict[str, dict[str, list[dict[str, Any]]]] = {}  # reader -> request -> events
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # one flush at a time: a reader skips sequence numbers it has seen
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
+        self._last_cancel_poll = 0.0
+        self._lease_missing: dict[str, float] = {}  # reader -> when its lease was first seen missing
+        self.writer_id = uuid.uuid4().hex[:12]
+        self._seq = itertools.count(1)
+
+    def start(self) -> StreamWriter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def open(self, request_id: str, reply_to: str, lease_grace_s: float = 0.0) -> None:
+        """Route `request_id`'s events to reader `reply_to`; with a grace, abort the request once that reader's
+        lease has been missing for that long. A request without a reader (`reply_to` "") emits nothing."""
+        with self._lock:
+            self._routes[request_id] = _Route(reply_to, lease_grace_s)
+
+    def close(self, request_id: str) -> None:
+        """The request ended (its last event was emitted): stop polling its flags. Idempotent."""
+        with self._lock:
+            self._routes.pop(request_id, None)
+
+    def open_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._routes)
+
+    def emit(self, request_id: str, event: Event | dict[str, Any], urgent: bool = False) -> None:
+        """Queue one event of an open request (typed, or its wire dict)."""
+        ev = event if isinstance(event, dict) else event.to_dict()
+        kind = ev["type"]
+        with self._lock:
+            route = self._routes.get(request_id)
+            if route is None or not route.reply_to:
+                return  # closed (its reader gave up) or nobody reads it
+            q = self._pending.setdefault(route.reply_to, {}).setdefault(request_id, [])
+            if kind == "delta" and q and q[-1]["type"] == "delta" and ("lp" in q[-1]) == ("lp" in ev):
+                last = q[-1]
+                last["text"] += ev["text"]
+                last["n"] += ev["n"]
+                for key in ("ids", "lp"):  # token ids and their log-probabilities stay aligned
+                    if key in ev:
+                        last[key] = last[key] + ev[key]  # never extend the caller's list in place
+            else:
+                q.append(ev)
+            if kind == "delta" and not route.streaming:
+                route.streaming = True
+                urgent = True  # the first token goes out at once: batching must not add to TTFT
+        if urgent or kind != "delta":
+            self._wake.set()
+
+    def emit_once(self, request_id: str, reply_to: str, event: Event) -> None:
+        """One event for a request that is not open (a refused task's error), flushed soon."""
+        self.open(request_id, reply_to)
+        self.emit(request_id, event, urgent=True)
+        self.close(request_id)
+
+    # -- the pump --------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        with self._flush_lock:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            if not pending:
+                return
+            batch = [(reply_stream_key(reader), encode_reply(self.writer_id, next(self._seq), events))
+                     for reader, events in pending.items()]
+            self._write(batch, sum(len(e) for e in pending.values()))
+
+    def _write(self, batch: list[tuple[str, str]], requests: int) -> None:
+        """XADD each reader's batch (and refresh its stream's TTL) in one pipeline, again after a connection
+        error; the pipeline is rebuilt per attempt (a failed execute() clears its commands)."""
+        for attempt in range(FLUSH_ATTEMPTS):
+            pipe = self.r.pipeline(transaction=False)
+            for key, payload in batch:
+                pipe.xadd(key, {EVENT_FIELD: payload})
+                pipe.expire(key, STREAM_TTL_S)
+            wait = self.replica_ack_ms > 0 and time.monotonic() >= self._no_replica_until
+            if wait:
+                pipe.execute_command("WAIT", 1, self.replica_ack_ms)
+            try:
+                replies = pipe.execute()
+            except redis.ConnectionError:
+                time.sleep(min(0.1 * (attempt + 1), 1.0))  # Redis restarting: keep the tokens
+                continue
+            if wait and not replies[-1]:  # no replica holds them (none connected, or far behind)
+                self._no_replica_until = time.monotonic() + NO_REPLICA_RETRY_S
+                log.warning("stream writer: no replica acknowledged within %d ms; a failover now could lose "
+                            "tokens not yet read (checking again in %.0f s)", self.replica_ack_ms, NO_REPLICA_RETRY_S)
+            return
+        log.error("dropping stream events for %d requests: Redis unreachable", requests)
+
+    def _poll_flags(self) -> None:
+        """Abort open requests whose cancel flag is set or whose reader's lease stayed missing past its grace."""
+        if self.on_cancel is None:
+            return
+        now = time.monotonic()
+        if now - self._last_cancel_poll < self.cancel_poll_s:
+            return
+        self._last_cancel_poll = now
+        with self._lock:
+            routes = list(self._routes.items())
+        if not routes:
+            self._lease_missing.clear()
+            return
+        readers = sorted({rt.reply_to for _, rt in routes if rt.grace_s > 0})
+        flags = self.r.mget([cancel_key(rid) for rid, _ in routes] + [reader_lease_key(x) for x in readers])
+        cancelled = {rid for (rid, _), flag in zip(routes, flags[:len(routes)], strict=True) if flag is not None}
+        orphaned: set[str] = set()
+        for reader, lease in zip(readers, flags[len(routes):], strict=True):
+            if lease is not None:
+                self._lease_missing.pop(reader, None)
+                continue
+            since = self._lease_missing.setdefault(reader, now)
+            grace = min(rt.grace_s for _, rt in routes if rt.reply_to == reader and rt.grace_s > 0)
+            if now - since >= grace:
+                orphaned.add(reader)
+                log.warning("reader %s: its lease lapsed (the API process died?); aborting its requests", reader)
+        for reader in [x for x in self._lease_missing if x not in readers]:
+            del self._lease_missing[reader]
+        for rid, rt in routes:
+            if rid in cancelled or rt.reply_to in orphaned:
+                self.on_cancel(rid)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            try:
+                self.flush()
+                self._poll_flags()
+            except redis.RedisError:
+                log.warning("stream writer: Redis error", exc_info=True)
+                time.sleep(0.5)
