@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from flask import Flask
 
@@ -36,6 +37,7 @@ class FarmContext:
         self.farm_collector = FarmCollector(self.redis, cfg)
         self.started = int(time.time())
         self._lock = threading.Lock()
+        self._tokenizers: dict[str, Any] = {}
         self._semantic_lock = threading.Lock()
         self._semantic = None
         self._served: tuple[float, set[str]] = (0.0, set())
@@ -63,9 +65,12 @@ class FarmContext:
         return names
 
     def tokenizer(self, model: str):
-        """The model's tokenizer, loaded on first use and cached per process (farm.models.tokenization)."""
-        with self._lock:
-            return get_tokenizer(self.cfg, model)
+        """The model's tokenizer, loaded on first use and kept for the process (farm.models.tokenization)."""
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            with self._lock:
+                tok = self._tokenizers[model] = get_tokenizer(self.cfg, model)
+        return tok
 
 
 def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, warm_semantic: bool = True) -> Flask:

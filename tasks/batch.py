@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app.worker_main([
         "worker", "--pool", "threads", "--concurrency", str(args.concurrency or cfg.batch.driver_concurrency),
-        "--queues", BATCH_QUEUE, "--hostname", name, "--without-gossip", "--without-mingle", "--task-events",
+        "--queues", BATCH_QUEUE, "--hostname", name, "--without-gossip", "--without-mingle",
+        *(["--task-events"] if cfg.celery.task_events else []),
         "--loglevel", args.loglevel,
     ])
     return 0

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     app.worker_main([
         "worker", "--pool", "threads", "--concurrency", str(args.concurrency or cfg.celery.worker_threads),
         "--queues", ",".join(queues_for_role(model, args.role) + [direct_queue(name)]), "--hostname", name,
-        "--without-gossip", "--without-mingle", "--task-events", "--loglevel", args.loglevel,
+        "--without-gossip", "--without-mingle", *(["--task-events"] if cfg.celery.task_events else []),
+        "--loglevel", args.loglevel,
     ])
     return 0
 

@@ -47,3 +47,42 @@ def bind_env(index: int, count: int, environ: dict[str, str] | None = None) -> d
     if BIND_ENV in environ or count <= 1:
         return {}
     return {BIND_ENV: core_shares(usable_cores(), count)[index % count]}
+
+
+# -- the engine's processes and the request path on shared cores ---------------------------------------------
+# vLLM's engine core and model executor wait for each other in busy loops (a shared-memory ring polled with
+# sched_yield). On a CPU-only machine those loops run on the same cores as the farm's request path (the worker's
+# Celery consumer and stream writer, the API, Redis): measured on 2 cores, a process that wanted to run every
+# millisecond waited up to 300-800 ms for a core while vLLM's two processes spun, and requests sat that long
+# between Redis and the engine. Lowered in priority, the loops give way at once to anything else that has work,
+# and keep every core when nothing else has: the engine loses no throughput (it computes whenever the request
+# path is idle), the request path stops queueing behind spinning. On a GPU host the spinning is off the path's
+# cores, so nothing is changed there by default.
+CPU_ENGINE_NICE = 19
+
+
+def engine_nice(setting: int | None, device: str) -> int:
+    """The nice value for the vLLM engine's processes: the model's `vllm.engine_nice`, else 19 on CPU, 0 elsewhere."""
+    if setting is not None:
+        return setting
+    return CPU_ENGINE_NICE if device == "cpu" else 0
+
+
+def lower_priority(pids: list[int], nice: int) -> int:
+    """Set `nice` on every thread of the processes `pids` (Linux keeps a nice value per thread, and the threads
+    these processes start later take their creator's); returns how many threads were changed. Raising nice needs
+    no privilege; a thread that is gone or not ours is skipped."""
+    changed = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            tids = [pid]
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    changed += 1
+            except OSError:
+                continue
+    return changed

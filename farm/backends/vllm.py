@@ -32,6 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from farm.backends.cpu_binding import engine_nice, lower_priority
 from farm.backends.reaper import start_reaper
 from farm.backends.vllm_args import (
     PREFILL_PARAMS,
@@ -144,6 +145,18 @@ class VllmEngine:
             raise
         cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
         self.pool = SimpleNamespace(num_blocks=int(getattr(cache, "num_gpu_blocks", 0) or 0))
+        self._yield_cores()
+
+    def _yield_cores(self) -> None:
+        """Lower vLLM's own processes (everything this process started but the reaper) so their busy waiting
+        gives way to the request path on shared cores (farm.backends.cpu_binding.engine_nice)."""
+        nice = engine_nice(self.opts.engine_nice, self.device)
+        if nice <= 0:
+            return
+        import psutil
+
+        pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != self._reaper.pid]
+        log.info("vLLM engine processes %s run at nice %d (%d threads)", pids, nice, lower_priority(pids, nice))
 
     async def _create(self) -> Any:
         args = self.vllm.AsyncEngineArgs(**self.engine_args)

@@ -68,3 +68,6 @@ class CeleryConfig(Section):
     visibility_timeout_s: int = Field(3600, ge=10)
     worker_threads: int = Field(96, ge=1)
     max_request_s: int = Field(1800, ge=1)
+    # task events (received, started, succeeded per task) from the start; Flower turns them on itself when it
+    # runs (its enable_events), so this matters only without Flower: a few Redis writes per request otherwise
+    task_events: bool = False

@@ -20,6 +20,7 @@ from typing import Any
 from farm.cluster import registry
 from farm.config import FarmConfig
 from farm.gateway.failures import NoWorkersError
+from farm.infra.broker import send_generation
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
 from farm.protocol.queues import direct_queue
 from farm.router.router import Placement, Router
@@ -52,10 +53,10 @@ class Pools:
     decode: list[registry.WorkerInfo]  # decode workers, else aggregated ones (both decode)
 
     @classmethod
-    def read(cls, r: Any, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> Pools:
+    def of(cls, live: list[registry.WorkerInfo], model: str, exclude: set[str] | frozenset[str] = frozenset()) -> Pools:
         by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
-        for w in registry.live_workers(r, model=model):
-            if w.worker_id not in exclude:  # e.g. just died, its heartbeat not yet lapsed
+        for w in live:
+            if w.model == model and w.worker_id not in exclude:  # e.g. just died, its heartbeat not yet lapsed
                 by_role.setdefault(w.role, []).append(w)
         return cls(by_role["prefill"], by_role["decode"] or by_role["both"])
 
@@ -66,9 +67,25 @@ class Placer:
     def __init__(self, cfg: FarmConfig, r: Any, router: Router, celery: Any):
         self.cfg, self.r, self.router, self.celery = cfg, r, router, celery
 
+    def _read(self, model: str, exclude: set[str] | frozenset[str]) -> tuple[Pools, str]:
+        """The model's live workers and the layout they serve it in. From the router's view of the live workers,
+        refreshed about every second by its follower (no Redis round trip per placement); from Redis when that
+        view is missing or stale, when re-placing a request, and before refusing one (a worker that registered
+        within the last second is not in the view yet). A worker that died since the view was taken is left
+        by the request's own watch (Submission re-places it after router.placement_timeout_s)."""
+        live = None if exclude else self.router.live_workers()  # re-placing a request: ask Redis
+        if live is not None:
+            pools = Pools.of(live, model, exclude)
+            try:
+                return pools, self._layout(model, pools, False)
+            except NoWorkersError:
+                pass
+        pools = Pools.of(registry.live_workers(self.r, model=model), model, exclude)
+        return pools, self._layout(model, pools, bool(exclude))
+
     def layout(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """How `model` is served now; raises NoWorkersError when nothing can serve it."""
-        return self._layout(model, Pools.read(self.r, model, exclude), bool(exclude))
+        return self._read(model, exclude)[1]
 
     def _layout(self, model: str, pools: Pools, replacing: bool) -> str:
         """`replacing` (a request whose worker died): decode workers prefill locally when no prefill worker is
@@ -84,8 +101,7 @@ class Placer:
 
     def place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Placed:
         """Choose workers for `req`, record their load and send its first task; NoWorkersError, BusyError."""
-        pools = Pools.read(self.r, req.model, exclude)
-        layout = self._layout(req.model, pools, bool(exclude))
+        pools, layout = self._read(req.model, exclude)
         req.created = req.created or time.time()
         t0 = time.perf_counter()
         hashes = self.router.hashes(req.prompt_token_ids, req.model, req.cache_salt)
@@ -117,7 +133,7 @@ class Placer:
                 task, args = TASK_GENERATE, [req.to_dict()]
             else:
                 task, args = TASK_DECODE, [req.to_dict(), None]
-        self.router.loads.begin("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs))
-        self.router.loads.begin("d", d.worker.worker_id, req.request_id, math.ceil(n / bs))
-        self.celery.send_task(task, args=args, queue=direct_queue(p.worker.worker_id))
+        self.router.loads.begin_soon([("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs)),
+                                      ("d", d.worker.worker_id, req.request_id, math.ceil(n / bs))])
+        send_generation(self.celery, task, args, direct_queue(p.worker.worker_id))
         return Placed(layout, placements, Dispatch(task, p.worker.worker_id))

@@ -17,6 +17,7 @@ from farm.config import FarmConfig
 from farm.gateway.failures import ClientGone, GatewayTimeout, NoWorkersError
 from farm.gateway.placement import Placed, Placer
 from farm.gateway.replies import Mailbox, ReplyReader
+from farm.infra.redis_batch import Job
 from farm.models.tokenization import IncrementalDetokenizer, get_tokenizer
 from farm.protocol import (
     CANCEL_TTL_S,
@@ -139,7 +140,7 @@ class Submission:
         for load in [x for x in self._loads if x[0] == kind]:
             self._loads.remove(load)
             try:
-                self.svc.loads.end(kind, load[1], load[2])
+                self.svc.loads.end_soon(kind, load[1], load[2])
             except redis.RedisError:
                 pass  # the deadline reaper ends it later
 
@@ -323,8 +324,18 @@ class Submission:
         obs = {"model": self.req.model, "ts": time.time(), "ttft": self.ttft_s or 0.0, "itl": self.itl_s or 0.0,
                "isl": done.usage.prompt_tokens, "osl": done.usage.completion_tokens, "prefill": done.prefill or ""}
         prometheus.observe_latency(self.req.model, self.ttft_s, self.itl_s, time.monotonic() - self._t0)
+        entry = {"o": json.dumps(obs)}
+
+        def add(pipe: redis.client.Pipeline) -> int:
+            pipe.xadd(OBS_STREAM, entry, maxlen=OBS_MAXLEN, approximate=True)
+            return 1
+
+        batcher = self.svc.loads.batcher
         try:
-            self.svc.r.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
+            if batcher is not None:  # with the load writes of the next few milliseconds, in one round trip
+                batcher.submit(Job(add))
+            else:
+                self.svc.r.xadd(OBS_STREAM, entry, maxlen=OBS_MAXLEN, approximate=True)
         except redis.RedisError:
             pass
 

@@ -14,6 +14,10 @@ transaction reads the hash and the stream's last id together, so the two agree).
 changes count at once: a placement before its script even runs (two requests placed at the same moment
 in one process never both see an idle worker), an end when its script returns; each is tagged in the
 stream with this process's origin and a sequence number, so reading it back never counts it twice.
+
+On the request path the scripts need not run before the request goes on: with a `PipelineBatcher`, `begin_soon`
+and `end_soon` count the change in the mirror at once (an end whose amount this process does not know: when
+its script returns) and queue the script, which runs with the other requests' of the next few milliseconds in one round trip.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import itertools
 import threading
 import time
 import uuid
+from typing import Any
 
 import redis
 
+from farm.infra.redis_batch import Job, PipelineBatcher
 from farm.protocol.keys import DEADLINES_KEY, LOAD_EVENTS_MAXLEN, LOAD_EVENTS_STREAM, LOAD_KEY, active_key
 
 # Both scripts return the id of the stream entry that records the change (END: with the amount ended), or 0
@@ -57,6 +63,7 @@ return 0
 """
 
 Loads = dict[str, dict[str, int]]
+MAX_REMEMBERED = 100_000  # begun contributions whose amount end_soon may take off the mirror at once
 
 
 def empty_load() -> dict[str, int]:
@@ -179,26 +186,120 @@ class LoadMirror:
 
 
 class LoadTracker:
-    def __init__(self, r: redis.Redis, max_request_s: float = 1800, mirror: LoadMirror | None = None):
+    def __init__(self, r: redis.Redis, max_request_s: float = 1800, mirror: LoadMirror | None = None,
+                 batcher: PipelineBatcher | None = None):
         self.r = r
         self.max_request_s = max_request_s
         self.mirror = mirror
+        self.batcher = batcher
+        self._begun: dict[tuple[str, str, str], int] = {}  # (kind, worker, request id): amount, by begin_soon
         self._begin = r.register_script(_BEGIN)
         self._end = r.register_script(_END)
 
     def begin(self, kind: str, worker: str, request_id: str, amount: int) -> None:
-        member = f"{kind}|{worker}|{request_id}"
-        field = f"{worker}|{kind}"
         m = self.mirror
-        k = m.expect(field, int(amount), 1) if m is not None else 0
+        k = m.expect(f"{worker}|{kind}", int(amount), 1) if m is not None else 0
         entry = None
         try:
-            entry = self._begin(keys=[active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM],
-                                args=[request_id, int(amount), field, time.time() + self.max_request_s, member,
-                                      LOAD_EVENTS_MAXLEN, m.origin if m else "", k])
+            keys, args = self._begin_args(kind, worker, request_id, amount, k)
+            entry = self._begin(keys=keys, args=args)
         finally:
             if m is not None:
                 m.settle(k, entry or None)
+
+    def begin_many(self, contributions: list[tuple[str, str, str, int]]) -> None:
+        """`begin` for several (kind, worker, request id, amount) in one round trip (a placement's prefill and
+        decode load)."""
+        m = self.mirror
+        pipe = self.r.pipeline(transaction=False)
+        seqs = []
+        for kind, worker, request_id, amount in contributions:
+            seqs.append(m.expect(f"{worker}|{kind}", int(amount), 1) if m is not None else 0)
+            keys, args = self._begin_args(kind, worker, request_id, amount, seqs[-1])
+            self._begin(keys=keys, args=args, client=pipe)
+        entries: list = [None] * len(seqs)
+        try:
+            entries = pipe.execute()
+        finally:
+            if m is not None:
+                for k, entry in zip(seqs, entries, strict=True):
+                    m.settle(k, entry or None)
+
+    def _begin_args(self, kind: str, worker: str, request_id: str, amount: int, k: int) -> tuple[list, list]:
+        field = f"{worker}|{kind}"
+        m = self.mirror
+        return ([active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM],
+                [request_id, int(amount), field, time.time() + self.max_request_s, f"{kind}|{worker}|{request_id}",
+                 LOAD_EVENTS_MAXLEN, m.origin if m else "", k])
+
+    def begin_soon(self, contributions: list[tuple[str, str, str, int]]) -> None:
+        """`begin_many` without waiting: counted in the mirror now, the scripts queued on the batcher."""
+        if self.batcher is None:
+            self.begin_many(contributions)
+            return
+        m = self.mirror
+        calls = []
+        for kind, worker, request_id, amount in contributions:
+            k = m.expect(f"{worker}|{kind}", int(amount), 1) if m is not None else 0
+            calls.append((k, *self._begin_args(kind, worker, request_id, amount, k)))
+            if len(self._begun) < MAX_REMEMBERED:
+                self._begun[(kind, worker, request_id)] = int(amount)
+
+        def add(pipe: redis.client.Pipeline) -> int:
+            for _k, keys, args in calls:  # EVALSHA itself: a Script in a pipeline asks SCRIPT EXISTS each time
+                pipe.evalsha(self._begin.sha, len(keys), *keys, *args)
+            return len(calls)
+
+        def done(replies: list | None) -> None:
+            for i, (k, keys, args) in enumerate(calls):
+                entry = replies[i] if replies else None
+                if isinstance(entry, redis.exceptions.NoScriptError):  # Redis restarted: load it and run it now
+                    entry = self._run_now(self._begin, keys, args)
+                if isinstance(entry, Exception):
+                    entry = None
+                if m is not None:
+                    m.settle(k, entry or None)
+
+        self.batcher.submit(Job(add, done))
+
+    def end_soon(self, kind: str, worker: str, request_id: str) -> None:
+        """`end` without waiting: the script queued on the batcher. A contribution this process began with
+        `begin_soon` is taken off the mirror at once (a client's next request, sent the moment this one ended,
+        sees the worker as free as it is); another one when the script returns with its amount."""
+        if self.batcher is None:
+            self.end(kind, worker, request_id)
+            return
+        field, m = f"{worker}|{kind}", self.mirror
+        amount_begun = self._begun.pop((kind, worker, request_id), None)
+        known = m is not None and amount_begun is not None
+        k = (m.expect(field, -amount_begun, -1) if known else m.next_seq()) if m is not None else 0
+        keys = [active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM]
+        args = [request_id, field, f"{kind}|{worker}|{request_id}", LOAD_EVENTS_MAXLEN, m.origin if m else "", k]
+
+        def add(pipe: redis.client.Pipeline) -> int:
+            pipe.evalsha(self._end.sha, len(keys), *keys, *args)
+            return 1
+
+        def done(replies: list | None) -> None:
+            ended = replies[0] if replies else None
+            if isinstance(ended, redis.exceptions.NoScriptError):
+                ended = self._run_now(self._end, keys, args)
+            if isinstance(ended, Exception):
+                ended = None
+            if known:  # counted already: kept until its entry is read, or taken back if nothing ended
+                m.settle(k, ended[0] if ended else None)  # type: ignore[union-attr]
+            elif m is not None and ended:
+                entry, amount = ended
+                m.settle(k, entry, field, -int(float(amount)), -1)
+
+        self.batcher.submit(Job(add, done))
+
+    @staticmethod
+    def _run_now(script: Any, keys: list, args: list) -> Any:
+        try:
+            return script(keys=keys, args=args)
+        except redis.RedisError:
+            return None  # the deadline reaper ends what this left behind
 
     def end(self, kind: str, worker: str, request_id: str) -> bool:
         member = f"{kind}|{worker}|{request_id}"

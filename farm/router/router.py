@@ -27,6 +27,7 @@ import redis
 
 from farm.cluster import registry
 from farm.config import FarmConfig
+from farm.infra.redis_batch import PipelineBatcher
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.router.costs import CostBook
 from farm.router.index import IndexFollower, KVIndex
@@ -43,6 +44,7 @@ from farm.router.policy import (
 from farm.telemetry import prometheus
 
 log = logging.getLogger(__name__)
+LIVE_VIEW_MAX_AGE_S = 2.0  # a placement trusts the follower's list of live workers for this long
 
 
 class BusyError(RuntimeError):
@@ -101,11 +103,14 @@ class Router:
         self.r = r
         self.block_size = cfg.engine.block_size
         self._block_sizes: dict[str | None, int] = {}
-        self.loads = LoadTracker(r, cfg.celery.max_request_s, LoadMirror() if follow else None)
+        # a following router serves requests: their load writes go out batched (farm.infra.redis_batch)
+        self.batcher = PipelineBatcher(r, name="redis-batch") if follow else None
+        self.loads = LoadTracker(r, cfg.celery.max_request_s, LoadMirror() if follow else None, self.batcher)
         self.costs = CostBook(self.rc.cost_prior)
         self.rng = random.Random()
         self.rr: dict[str, RoundRobin] = {}
         self._warned: set[str] = set()
+        self._live: tuple[float, list[registry.WorkerInfo]] = (-math.inf, [])
         self.follower: IndexFollower | None = None
         # Placements not yet confirmed by KV events (the prefill is still running) are predicted for
         # a short while, so concurrent requests sharing a new prefix follow the first one instead of
@@ -120,11 +125,21 @@ class Router:
     def stop(self) -> None:
         if self.follower:
             self.follower.stop()
+        if self.batcher is not None:
+            self.batcher.stop()
 
     def maintain(self, live: list[registry.WorkerInfo]) -> None:
-        """About every second (the follower's prune): end expired load, refresh the workers' step costs."""
+        """About every second (the follower's prune): end expired load, refresh the workers' step costs, keep
+        the live workers for placements."""
+        self._live = (time.monotonic(), live)
         self.loads.reap()
         self.refresh_costs(live)
+
+    def live_workers(self, max_age_s: float = LIVE_VIEW_MAX_AGE_S) -> list[registry.WorkerInfo] | None:
+        """The live workers as the follower saw them at its last prune (about every second), or None when that
+        view is older than `max_age_s` (no follower, or it cannot reach Redis): placements then read Redis."""
+        at, live = self._live
+        return live if time.monotonic() - at <= max_age_s else None
 
     def refresh_costs(self, live: list[registry.WorkerInfo]) -> None:
         """Each live worker's measured step costs, from its heartbeat (one round trip)."""

@@ -30,6 +30,7 @@ from farm.config import FarmConfig, farm_secret
 from farm.engine.contract import ConnectorEngine, RequestOutput, ServingEngine
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.scheduler import KVImport
+from farm.infra.broker import send_generation
 from farm.infra.redis_client import connect
 from farm.models.directories import model_vocab_size, require_model_dir
 from farm.protocol import (
@@ -341,7 +342,7 @@ class WorkerRuntime:
             if queue.startswith("farm.w.") and not self._direct_queue_alive(queue):
                 queue = queue_name(req.model, "decode")  # the chosen decode worker vanished: any will do
             if self.celery is not None:
-                self.celery.send_task(TASK_DECODE, args=[req.to_dict(), handle], queue=queue)
+                send_generation(self.celery, TASK_DECODE, [req.to_dict(), handle], queue)
             return handle
         except Exception:  # the reader migrates the request when nothing follows
             log.exception("request %s: hand-over to decode failed", req.request_id)

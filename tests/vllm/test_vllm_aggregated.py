@@ -169,7 +169,7 @@ def test_vllm_kv_events_reach_the_router_and_cached_tokens_confirm_them(client):
         max_tokens=4, temperature=0)
     assert first.headers["x-farm-router-overlap-tokens"] == "0"
     assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
-    worker = first.headers["x-farm-decode-worker"]
+    holders = {first.headers["x-farm-decode-worker"]}  # the workers that computed the prefix
     deadline = time.monotonic() + 15
     while True:  # the events travel worker -> Redis stream -> the API's index: allow them a moment
         raw = client.chat.completions.with_raw_response.create(
@@ -179,11 +179,12 @@ def test_vllm_kv_events_reach_the_router_and_cached_tokens_confirm_them(client):
         predicted = int(raw.headers["x-farm-router-overlap-tokens"])
         if predicted or time.monotonic() > deadline:
             break
+        holders.add(raw.headers["x-farm-decode-worker"])  # placed before the events came: it holds it now too
         time.sleep(0.5)
     resp = raw.parse()
     prompt_tokens = resp.usage.prompt_tokens
     assert predicted >= 32 * ((prompt_tokens - 16) // 32) - 32 and predicted % 32 == 0
-    assert raw.headers["x-farm-decode-worker"] == worker  # placed where the prefix is
+    assert raw.headers["x-farm-decode-worker"] in holders, holders  # placed where the prefix is
     assert resp.usage.prompt_tokens_details.cached_tokens == predicted
 
 
