@@ -54,6 +54,19 @@ class FarmContext:
                 self._semantic = SemanticLayer.from_config(self.cfg, self.redis, served=self.served_models)
             return self._semantic
 
+    def embedder(self):
+        """The MiniLM sentence embedder /v1/embeddings answers with: the semantic layer's own, one copy per
+        process (farm.semantic.embeddings.get_embedder, which the layer takes too: while the layer is still being
+        built, a request waits only for the embedder). With the layer disabled, that instance is loaded on first
+        use: the first request waits for the load (seconds)."""
+        layer = self._semantic
+        if layer is not None:
+            return layer.embedder
+        from farm.semantic.embeddings import get_embedder
+
+        sem = self.cfg.semantic
+        return get_embedder(threads=sem.embedding_threads, backend=sem.embedding_backend)
+
     def served_models(self) -> set[str]:
         """Models with a live worker now (cached for a second): MoM only picks a model that can answer."""
         at, names = self._served
@@ -82,13 +95,15 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
     from api import admission, auth, http_policy, openapi
-    from api.routes import batches, files, health, openai, scrape
+    from api.routes import batches, embeddings, files, health, openai, scrape, utility
 
     http_policy.install(app)  # Host allow-list, Origin check and CORS (before the key check)
     auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
     admission.install(app)  # the request body's deadline, requests in progress per key (slow bodies)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(openai.bp)
+    app.register_blueprint(embeddings.bp)
+    app.register_blueprint(utility.bp)
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)
     app.register_blueprint(health.bp)

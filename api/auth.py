@@ -1,7 +1,8 @@
 """Who is asking, and may they: Bearer API keys, the no-key loopback rule, per-key limits.
 
 Rules (checked before every request, in this order):
-- `/health`, `/health/live`, `/health/ready` and `/openapi.json` are public (probes, clients' code generators).
+- `/health`, `/health/live`, `/health/ready`, `/openapi.json` and `/version` are public (probes, clients' code
+  generators, vLLM clients checking the server).
 - With API keys configured, every other route needs `Authorization: Bearer <key>`; else 401
   `invalid_api_key`. `/metrics` also takes `FARM_METRICS_TOKEN` (a scrape token that is not an
   API key), or nothing when `api.metrics_public` is true.
@@ -11,9 +12,10 @@ Rules (checked before every request, in this order):
 - Per-key requests in progress in this process (api.admission, `api.limits.max_concurrent_requests`): a
   slot is taken right after the key is checked, before the body is read; over the cap: 429 at once.
 - Per-key request-rate limit and token quota (farm.tenancy.quota; `api.limits`, or a key's own in its
-  `api.api_keys` entry) on `/v1/*`: 429 `rate_limit_exceeded` / `insufficient_quota` with
-  `Retry-After`. The token quota is checked only by routes that generate, and a generation reserves the most
-  it can use (`reserve_tokens`) before it is queued.
+  `api.api_keys` entry) on `/v1/*` and vLLM's `/tokenize` and `/detokenize`: 429 `rate_limit_exceeded` /
+  `insufficient_quota` with `Retry-After`. The token quota is checked only by routes that spend tokens, and a
+  generation reserves the most it can use (`reserve_tokens`) before it is queued; /v1/embeddings reserves its
+  inputs' tokens before it embeds them.
 
 The owner id (farm.tenancy.api_keys.owner_of) is what files and batches are recorded under.
 """
@@ -29,10 +31,13 @@ from farm.openai.api_error import APIError
 from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
 from farm.tenancy.quota import Limiter, Refusal, Reservation
 
-PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json", "/version"})
+# vLLM's routes outside /v1 that count against the request-rate limit as /v1 routes do
+LIMITED_PATHS = frozenset({"/tokenize", "/detokenize"})
 METRICS_PATH = "/metrics"
 # endpoints whose requests spend tokens: the token quota is checked before them
-GENERATING_ENDPOINTS = frozenset({"openai.chat_completions", "openai.completions", "batches.create_batch"})
+GENERATING_ENDPOINTS = frozenset({"openai.chat_completions", "openai.completions", "batches.create_batch",
+                                  "embeddings.create_embeddings"})
 
 
 class Auth:
@@ -109,7 +114,7 @@ def _check() -> None:
     elif not auth.cfg.api.allow_unauthenticated and not _is_loopback(request.remote_addr):
         raise unauthorized("This farm has no API keys configured and serves only local clients: set "
                            "FARM_API_KEYS on the server (or api.allow_unauthenticated behind a proxy).")
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in LIMITED_PATHS:
         _limit(auth, current_owner())
 
 

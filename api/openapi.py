@@ -1,4 +1,5 @@
-"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from farm/openai/schemas.py.
+"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from farm/openai/schemas.py and
+farm/openai/utility_schemas.py.
 
 The operation table below names, per route, its request model and response models; the schemas
 themselves are the pydantic models' JSON Schema (draft 2020-12, which OpenAPI 3.1 uses as is).
@@ -15,12 +16,14 @@ from flask import Blueprint, Response, current_app, jsonify
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from farm import __version__
 from farm.openai import schemas as m
+from farm.openai import utility_schemas as u
 
 bp = Blueprint("openapi", __name__)
 
 REF = "#/components/schemas/{model}"
-PUBLIC = ("/health", "/health/live", "/health/ready", "/openapi.json")
+PUBLIC = ("/health", "/health/live", "/health/ready", "/openapi.json", "/version")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ OPERATIONS: tuple[Op, ...] = (
        ok=m.ChatCompletion, stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
     Op("post", "/v1/completions", "Text completion (stream or not)", m.CompletionRequest, ok=m.TextCompletion,
        stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
+    Op("post", "/v1/embeddings", "Sentence embeddings (all-MiniLM-L6-v2, 384 dimensions)", u.EmbeddingRequest,
+       ok=u.EmbeddingResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("openai",)),
     Op("get", "/v1/models", "The configured models", ok=m.ModelList, errors=(401, 429), tags=("openai",)),
     Op("get", "/v1/models/{model_id}", "One model", ok=m.ModelCard, errors=(401, 404, 429), tags=("openai",)),
     Op("post", "/v1/files", "Upload a batch input file", m.FileUploadRequest, "multipart/form-data",
@@ -63,6 +68,12 @@ OPERATIONS: tuple[Op, ...] = (
     Op("get", "/v1/batches/{batch_id}", "One batch", ok=m.Batch, errors=(401, 404, 429), tags=("batches",)),
     Op("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch", ok=m.Batch, errors=(401, 404, 409, 429, 503),
        tags=("batches",)),
+    Op("post", "/tokenize", "vLLM's /tokenize: a prompt's or chat messages' token ids (as a completion's prompt)",
+       u.TokenizeRequest, ok=u.TokenizeResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("vllm",)),
+    Op("post", "/detokenize", "vLLM's /detokenize: token ids to text", u.DetokenizeRequest,
+       ok=u.DetokenizeResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("vllm",)),
+    Op("get", "/version", "The farm's version (vLLM's /version)", ok=u.VersionResponse, errors=(),
+       tags=("operations",)),
     Op("get", "/health", "Redis reachable; live workers per model and role", ok=m.Health, errors=(503,),
        tags=("operations",)),
     Op("get", "/health/live", "Liveness: the process answers (never depends on Redis)", ok=m.Liveness, errors=(),
@@ -114,10 +125,10 @@ _ERROR_TEXT = {400: "invalid request (param names the field)", 401: "missing or 
                "(Retry-After)", 504: "no worker progress"}
 
 
-def build_document(version: str = "0.1.0") -> dict[str, Any]:
+def build_document(version: str = __version__) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
-    _, schemas = models_json_schema([(model, "validation") for model in (*m.REQUEST_MODELS, *m.RESPONSE_MODELS)],
-                                    ref_template=REF)
+    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *m.RESPONSE_MODELS, *u.RESPONSE_MODELS)
+    _, schemas = models_json_schema([(model, "validation") for model in models], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op)

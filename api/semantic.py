@@ -66,21 +66,25 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
     return v
 
 
-def reasoning_template_kwargs(v: Verdict, tokenizer) -> dict[str, Any]:
+def reasoning_template_kwargs(v: Verdict, tokenizer, client_kwargs: Any = None) -> dict[str, Any]:
     """The chat-template variables that carry the category's reasoning mode to the answering model, and
     `x-vsr-reasoning-applied` on the verdict: true when the model's template reads `enable_thinking`
-    (the farm applies chat templates for every backend, vLLM included), false when it cannot honour it."""
+    (the farm applies chat templates for every backend, vLLM included), false when it cannot honour it or
+    when the client's own `chat_template_kwargs` set it (the client's choice wins, as in vLLM)."""
     if v.reasoning is None:
         return {}
-    applied = template_reads(tokenizer, THINKING_FLAG)
+    applied = template_reads(tokenizer, THINKING_FLAG) and not (
+        isinstance(client_kwargs, dict) and THINKING_FLAG in client_kwargs)
     v.headers[H_REASONING_APPLIED] = "true" if applied else "false"
     return {THINKING_FLAG: v.reasoning} if applied else {}
 
 
-def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage: bool) -> Response:
-    """A blocked request or a cache hit, answered by the API: one choice, the verdict's text."""
+def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage: bool,
+                   header_id: str | None = None) -> Response:
+    """A blocked request or a cache hit, answered by the API: one choice, the verdict's text; `rid` is the
+    response's id, `header_id` its x-request-id (the client's own, when it sent one; else `rid`)."""
     prometheus.REQUESTS.labels(model=v.model, status="200").inc()  # blocks are counted by SEMANTIC_BLOCKS too
-    headers = {"x-request-id": rid, **v.headers}
+    headers = {"x-request-id": header_id or rid, **v.headers}
     if not stream:
         resp = jsonify(full_response(kind, rid, v.model, [Choice(v.answer or "", v.finish_reason or "stop")],
                                      NO_USAGE))

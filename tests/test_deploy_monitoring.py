@@ -106,7 +106,7 @@ def metric_catalog() -> dict[str, set[str]]:
 
     import api.app  # noqa: F401 - registers every metric the API process serves
     from farm.cluster.registry import WorkerInfo
-    from farm.engine.timings import RequestTimings
+    from farm.engine.timings import RequestTimings, RequestTokens
     from farm.telemetry.prometheus import _FarmWide
 
     out: dict[str, set[str]] = {}
@@ -123,10 +123,12 @@ def metric_catalog() -> dict[str, set[str]]:
         else:
             out[name] = labels
     wide = _FarmWide()
+    tokens = RequestTokens(2048).snapshot()
     stats = {"running": 1, "waiting": 2, "kv_usage": 0.5, "blocks_total": 10, "blocks_free": 5, "cached_blocks": 1,
              "prefix_query_tokens": 10, "prefix_hit_tokens": 4, "preemptions": 0, "tokens_generated": 3,
              "tiers": {"host": {"used": 1, "capacity_blocks": 4}, "disk": {"used": 0, "capacity_blocks": 8}},
-             "histograms": RequestTimings().snapshot()}
+             "prompt_tokens": tokens["prompt_tokens"], "request_success": tokens["request_success"],
+             "histograms": {**RequestTimings().snapshot(), **tokens["histograms"]}}
     wide.exporting = True
     wide.workers = [(WorkerInfo("decode-1@h", "decode", "m", "h", 1, 16), stats)]
     wide.queues, wide.waiting = {"farm.m.decode": 0}, {("m", "decode"): 2.0}
@@ -157,6 +159,29 @@ def test_dashboard_queries_only_series_the_farm_exports():
     for q in template_queries(dash):
         m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", q)
         assert m and m.group(1) in catalog and m.group(2) in catalog[m.group(1)], q
+
+
+# What vLLM's own Grafana dashboard (and llm-d's, KEDA recipes) read of a `vllm serve`, by model_name: the farm's
+# /metrics carries each with vLLM's labels, so those dashboards work against the farm unchanged
+VLLM_DASHBOARD_SERIES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    *(f"vllm:{h}_{part}" for h in ("request_prompt_tokens", "request_generation_tokens",
+                                    "request_max_num_generation_tokens", "e2e_request_latency_seconds",
+                                    "time_to_first_token_seconds", "inter_token_latency_seconds",
+                                    "request_queue_time_seconds", "request_prefill_time_seconds",
+                                    "request_decode_time_seconds", "request_inference_time_seconds")
+      for part in ("bucket", "sum", "count")),
+)
+
+
+def test_vllm_dashboard_series_are_exported_with_vllms_labels():
+    catalog = metric_catalog()
+    for name in VLLM_DASHBOARD_SERIES:
+        assert name in catalog, name
+        assert {"model_name", "engine"} <= catalog[name], (name, catalog[name])
+    assert "finished_reason" in catalog["vllm:request_success_total"]
 
 
 def test_grafana_provisioning():

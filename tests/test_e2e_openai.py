@@ -208,3 +208,156 @@ def test_metrics_expose_the_farm_after_traffic(farm, client):
     assert total("farm_workers", role="prefill") == 1 and total("farm_workers", role="decode") == 1
     assert {s.labels["tier"] for s in samples["farm_kv_blocks"]} >= {"device"}
     assert all(s.value >= 0 for s in samples["farm_queue_depth"])
+
+
+# -- what a `vllm serve` user expects (issue 28), on the real model through the disaggregated path ---------------
+def one_token_ids(farm, *texts: str) -> list[int]:
+    """The token ids of words that are one token each for the default model (for logit_bias)."""
+    from farm.models.tokenization import get_tokenizer
+
+    tok = get_tokenizer(farm.cfg, farm.cfg.default_model)
+    out = []
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        out.append(ids[0])
+    return out
+
+
+NO_CACHE = {"Cache-Control": "no-cache"}  # generated, never a semantic-cache answer
+
+
+def test_continue_final_message_and_echo(farm, client):
+    """vLLM's prefill of the answer: the prompt ends inside the assistant's message (no end of turn, no new
+    header: exactly those tokens fewer), the model continues it and echo puts the prefilled text first."""
+    from farm.models.tokenization import get_tokenizer
+
+    m = farm.cfg.default_model
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    plain = client.chat.completions.create(model=m, messages=msgs, max_tokens=6, temperature=0, extra_headers=NO_CACHE)
+    cont = client.chat.completions.create(model=m, messages=msgs, max_tokens=6, temperature=0, extra_headers=NO_CACHE,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                      "echo": True})
+    tail = get_tokenizer(farm.cfg, m).encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert plain.usage.prompt_tokens - cont.usage.prompt_tokens == len(tail)
+    text = cont.choices[0].message.content
+    assert cont.choices[0].message.role == "assistant"
+    assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")
+    assert cont.usage.completion_tokens > 0
+
+
+def test_special_tokens_and_stop_strings_kept_when_asked(farm, client):
+    """skip_special_tokens and include_stop_str_in_output on the built-in engine, the first token sampled on the
+    prefill worker and the rest on the decode worker (the options travel in the request message)."""
+    m = farm.cfg.default_model
+    end, word = one_token_ids(farm, "<|im_end|>", "Hello")
+
+    def ask(token: int, stream: bool = False, **extra) -> tuple[str, str]:
+        kw = {"model": m, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4,
+              "temperature": 0, "logit_bias": {str(token): 100}, "extra_headers": NO_CACHE, "extra_body": extra}
+        if not stream:
+            resp = client.chat.completions.create(**kw)
+            return resp.choices[0].message.content, resp.choices[0].finish_reason
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+    assert ask(end, skip_special_tokens=False, include_stop_str_in_output=True) == ("<|im_end|>", "stop")
+    assert ask(end, include_stop_str_in_output=True) == ("", "stop")  # kept, but a skipped special token
+    assert ask(end, skip_special_tokens=False) == ("", "stop")  # shown, but the stop token is not kept
+    assert ask(end, skip_special_tokens=False, ignore_eos=True) == ("<|im_end|>" * 4, "length")
+    assert ask(end, ignore_eos=True) == ("", "length")
+    assert ask(word, stop=["ell"]) == ("H", "stop")
+    for stream in (False, True):
+        assert ask(word, stream, stop=["ell"], include_stop_str_in_output=True) == ("Hell", "stop")
+
+
+def test_client_request_id_echoed_and_two_requests_sharing_it_complete(farm):
+    """vLLM's X-Request-Id: echoed, and the response's id is chatcmpl-<it>. Two concurrent requests sending the
+    same one each get their own answer (each forced to a different token: nothing crosses between them)."""
+    m = farm.cfg.default_model
+    url = f"http://127.0.0.1:{farm.api_port}/v1/chat/completions"
+    tokens = dict(zip(("Hello", "Yes"), one_token_ids(farm, "Hello", "Yes"), strict=True))
+    results: dict[str, tuple] = {}
+
+    def one(word: str, stream: bool) -> None:
+        body = {"model": m, "messages": [{"role": "user", "content": f"Say {word}."}], "max_tokens": 3,
+                "temperature": 0, "ignore_eos": True, "logit_bias": {str(tokens[word]): 100}, "stream": stream}
+        resp = requests.post(url, json=body, headers={"X-Request-Id": "e2e-shared:1", **NO_CACHE}, timeout=120)
+        if stream:
+            import json
+
+            chunks = [json.loads(line[6:]) for line in resp.text.split("\n") if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            ids = {c["id"] for c in chunks}
+        else:
+            text, ids = resp.json()["choices"][0]["message"]["content"], {resp.json()["id"]}
+        results[word] = (resp.status_code, resp.headers.get("x-request-id"), ids, text)
+
+    threads = [threading.Thread(target=one, args=("Hello", True)), threading.Thread(target=one, args=("Yes", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    for word in ("Hello", "Yes"):
+        assert results[word] == (200, "e2e-shared:1", {"chatcmpl-e2e-shared:1"}, word * 3)
+
+
+def test_vllm_request_series_follow_a_known_request(farm, client):
+    """The five series vLLM's Grafana dashboard reads besides the engine gauges, after one request of known usage:
+    vllm:prompt_tokens_total grows by its prompt tokens (counted once, though a prefill and a decode worker served
+    it), vllm:request_success_total{finished_reason} by one, and the per-request histograms observe its prompt
+    and generation tokens in vLLM's 1-2-5 buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = farm.cfg.default_model
+
+    def scrape() -> dict[tuple, float]:
+        text = requests.get(f"http://127.0.0.1:{farm.api_port}/metrics", timeout=10).text
+        out: dict[tuple, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name.startswith("vllm:") and s.labels.get("model_name") == m:
+                    key = (s.name, s.labels.get("finished_reason"), s.labels.get("le"))
+                    out[key] = out.get(key, 0.0) + s.value  # summed over the engines (workers)
+        return out
+
+    def settled() -> dict[tuple, float]:
+        prev = scrape()
+        for _ in range(10):
+            time.sleep(2.5)  # a heartbeat
+            cur = scrape()
+            if cur == prev:
+                return cur
+            prev = cur
+        raise AssertionError("the engine series did not settle")
+
+    before = settled()
+    reasons = {k[1] for k in before if k[0] == "vllm:request_success_total"}
+    assert reasons >= {"stop", "length", "abort", "error", "repetition"}  # all of vLLM's, 0 included
+    resp = client.chat.completions.create(model=m, max_tokens=5, temperature=0, extra_headers=NO_CACHE,
+                                          messages=[{"role": "user", "content": "Count from one to ten."}])
+    u, reason = resp.usage, resp.choices[0].finish_reason
+
+    def delta(name: str, reason: str | None = None, le: str | None = None) -> float:
+        return after.get((name, reason, le), 0.0) - before.get((name, reason, le), 0.0)
+
+    deadline = time.monotonic() + 20
+    while True:
+        after = scrape()
+        if (delta("vllm:request_success_total", reason) >= 1 and delta("vllm:prompt_tokens_total") >= u.prompt_tokens) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert delta("vllm:prompt_tokens_total") == u.prompt_tokens
+    assert delta("vllm:request_success_total", reason) == 1
+    assert sum(delta("vllm:request_success_total", r) for r in reasons) == 1
+    for name, value in (("vllm:request_prompt_tokens", u.prompt_tokens),
+                        ("vllm:request_generation_tokens", u.completion_tokens),
+                        ("vllm:request_max_num_generation_tokens", u.completion_tokens)):
+        assert (delta(f"{name}_count"), delta(f"{name}_sum")) == (1, value), name
+        buckets = {float(k[2]): delta(k[0], le=k[2]) for k in after if k[0] == f"{name}_bucket"}
+        bounds = sorted(buckets)
+        assert bounds[:4] == [1, 2, 5, 10] and bounds[-1] == float("inf")
+        # cumulative: the value's bucket and every one above it count it, those below do not
+        assert all(buckets[b] == (1 if b >= value else 0) for b in bounds), (name, value, buckets)

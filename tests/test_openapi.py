@@ -18,7 +18,7 @@ from schemathesis.checks import not_a_server_error
 from api.openapi import build_document
 from tests.conftest import free_port, make_farm_env
 from tests.procs import ROOT
-from tests.security_helpers import KEY_A, farm_app, fuzz, schema_operation
+from tests.security_helpers import KEY_A, bearer, farm_app, fuzz, schema_operation
 
 MAX_EXAMPLES = 15  # per operation: ~16 operations, each request answered in milliseconds
 REQUEST_TIMEOUT_S = 10  # "no hang": any answer slower than this fails the run
@@ -100,6 +100,10 @@ def server(redis_url, tmp_path_factory) -> Iterator[str]:
                 pass
             assert time.monotonic() < deadline, "the API did not start"
             time.sleep(0.2)
+        # gthread loads the embedding model on a thread after it starts serving (gevent before it accepts, as
+        # deployed): let the first /v1/embeddings wait for it here, not within a fuzzed request's time limit
+        warm = requests.post(base + "/v1/embeddings", json={"input": "warm up"}, headers=bearer(KEY_A), timeout=120)
+        assert warm.status_code == 200, warm.text
         yield base
     finally:
         proc.terminate()

@@ -32,8 +32,10 @@ def _wire(d: dict) -> dict:
 def test_generation_request_round_trips_through_json():
     sampling = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], top_k=5,
                               min_p=0.05, repetition_penalty=1.1, stop_token_ids=[2], logprobs=2,
-                              logit_bias={7: -1.5}, response_format={"type": "json_object"})
-    req = GenerationRequest(request_id="chatcmpl-1.m1", model="smol", prompt_token_ids=[1, 2, 3], sampling=sampling,
+                              logit_bias={7: -1.5}, response_format={"type": "json_object"},
+                              skip_special_tokens=False, include_stop_str_in_output=True)
+    req = GenerationRequest(request_id="chatcmpl-client_id:1@0123456789abcdef.m1", model="smol",
+                            prompt_token_ids=[1, 2, 3], sampling=sampling,
                             reply_to="api-host-12-ab", decode_queue="farm.smol.decode", lease_s=10.0,
                             origin="chatcmpl-1", cache_salt="t-0123456789abcdef")
     back = GenerationRequest.from_dict(_wire(req.to_dict()), vocab_size=100, max_model_len=64)

@@ -246,7 +246,8 @@ def test_sampling_param_mapping():
     p = SamplingParams(max_tokens=50, temperature=0.0, top_p=0.9, seed=7, stop=["\n\n", "END"], ignore_eos=True)
     kw = sampling_kwargs(p, prompt_len=100, max_model_len=4096)
     assert kw == {"n": 1, "max_tokens": 50, "temperature": 0.0, "top_p": 0.9, "seed": 7, "stop": ["\n\n", "END"],
-                  "ignore_eos": True, "skip_special_tokens": True, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "ignore_eos": True, "skip_special_tokens": True, "include_stop_str_in_output": False,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0,
                   "repetition_penalty": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": None,
                   "logprobs": None, "logit_bias": None}
     full = SamplingParams(max_tokens=9, top_k=5, min_p=0.1, min_tokens=3, stop_token_ids=[2], logprobs=4,
@@ -258,6 +259,10 @@ def test_sampling_param_mapping():
     # the room left in max_model_len caps max_tokens (vLLM would reject the request instead)
     assert sampling_kwargs(p, prompt_len=4090, max_model_len=4096)["max_tokens"] == 6
     assert sampling_kwargs(SamplingParams(stop=[]), 10, 4096)["stop"] is None
+    # vLLM's own detokenizer honours the request's text options (the built-in engine's does the same)
+    kept = sampling_kwargs(SamplingParams(stop=["END"], skip_special_tokens=False, include_stop_str_in_output=True),
+                           10, 4096)
+    assert (kept["skip_special_tokens"], kept["include_stop_str_in_output"]) == (False, True)
     pre = sampling_kwargs(SamplingParams(max_tokens=200, temperature=0.7), 10, 4096, prefill_only=True,
                           kv_transfer_params=PREFILL_PARAMS["NixlConnector"])
     assert pre["max_tokens"] == 1 and pre["temperature"] == 0.7

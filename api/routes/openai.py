@@ -8,14 +8,15 @@ Redis error), the submission is cancelled so the worker stops generating for nob
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, current_app, jsonify, request
 
 from api.auth import current_owner, reserve_tokens
 from api.bodies import json_body
@@ -37,6 +38,7 @@ from farm.openai import logprobs
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     ParsedRequest,
+    chat_options,
     check_prompt_chars,
     completion_messages,
     messages_chars,
@@ -56,6 +58,9 @@ from farm.tenancy.quota import Reservation
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/v1")
+# A client's own id for its request (the X-Request-Id header, as vLLM takes it): used when it is 1-128 of these
+# characters, else ignored (a fresh id as without one)
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def _farm():
@@ -104,6 +109,27 @@ def _model_card(m: ModelConfig) -> dict[str, Any]:
 
 
 # --- generation -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestIds:
+    """A request's ids. `internal` names it inside the farm (task messages, Redis keys, Celery task ids, logs):
+    unique per request whatever the client sends, with the client's X-Request-Id in it when it sent one
+    (`chatcmpl-<client id>@<uuid hex>`, '@' being outside the client's characters). `response` is the body's `id`
+    and `header` the x-request-id header: `chatcmpl-<client id>` / `cmpl-<client id>` and the client's id as
+    sent, as vLLM answers; without a client id both are the internal id."""
+
+    internal: str
+    response: str
+    header: str
+
+
+def request_ids(kind: str, client_id: str | None) -> RequestIds:
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    own = uuid.uuid4().hex
+    if client_id is None or CLIENT_REQUEST_ID.fullmatch(client_id) is None:
+        return RequestIds(prefix + own, prefix + own, prefix + own)
+    return RequestIds(f"{prefix}{client_id}@{own}", prefix + client_id, client_id)
+
+
 @bp.post("/chat/completions")
 def chat_completions() -> Response:
     return _generate("chat")
@@ -125,7 +151,7 @@ def _safe_cancel(sub: Submission) -> None:
         sub.close()
 
 
-def _worker_headers(rid: str, sub: Submission, start: StartEvent | DoneEvent, done: DoneEvent | None = None
+def _worker_headers(header_id: str, sub: Submission, start: StartEvent | DoneEvent, done: DoneEvent | None = None
                     ) -> dict[str, str]:
     """x-farm-* headers from the decode/both start event and, once known, the done event (both name the
     workers; the done event's names win)."""
@@ -138,7 +164,7 @@ def _worker_headers(rid: str, sub: Submission, start: StartEvent | DoneEvent, do
             decode_worker = ev.decode_worker or decode_worker
             prefill = ev.prefill or prefill
     return {
-        "x-request-id": rid,
+        "x-request-id": header_id,
         "x-farm-prefill-worker": prefill_worker or "",
         "x-farm-decode-worker": decode_worker or "",
         "x-farm-prefill": prefill or "",
@@ -168,7 +194,7 @@ def _generate(kind: str) -> Response:
     farm = _farm()
     body = _json_body()
     model = require_model(body, [m.name for m in farm.cfg.models] + _aliases())
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    ids = request_ids(kind, request.headers.get("X-Request-Id"))
     # the semantic layer (guards, cache, MoM selection) runs before anything is tokenized or queued
     layer = farm.semantic()
     messages = validate_chat(body) if kind == "chat" else None
@@ -180,7 +206,7 @@ def _generate(kind: str) -> Response:
     else:  # text completions: guards and selection on the prompt's text; no cache, no system prompt
         verdict = decide(layer, model, _completion_messages(body, model), no_cache=True, inject=False)
     if verdict.action != "forward":
-        return answer_locally(kind, rid, verdict, *stream_flags(body, kind))
+        return answer_locally(kind, ids.response, verdict, *stream_flags(body, kind), header_id=ids.header)
     model = verdict.model
     mcfg = farm.cfg.model(model)
     tok = farm.tokenizer(model)
@@ -188,7 +214,8 @@ def _generate(kind: str) -> Response:
     if kind == "chat":
         parsed: ParsedRequest = parse_chat(body, tok, mcfg.max_model_len, verdict.messages, mcfg.defaults,
                                            per_token, backend=mcfg.backend,
-                                           template_kwargs=reasoning_template_kwargs(verdict, tok))
+                                           template_kwargs=reasoning_template_kwargs(
+                                               verdict, tok, body.get("chat_template_kwargs")))
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token, backend=mcfg.backend)
     n_prompt = len(parsed.prompt_ids)
@@ -200,7 +227,7 @@ def _generate(kind: str) -> Response:
         quota_headers["x-farm-quota-max-tokens"] = str(capped)
     gen = _Generation(n_prompt, held)
     try:
-        for req in _choice_requests(rid, model, parsed):
+        for req in _choice_requests(ids.internal, model, parsed):
             gen.subs.append(farm.gateway.submit(req))
     except BaseException as e:
         prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
@@ -212,7 +239,7 @@ def _generate(kind: str) -> Response:
     out = _Output(kind, tok, parsed.sampling.logprobs is not None)
     cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 else None
     if parsed.stream:
-        resp = _stream_response(kind, rid, model, gen, streams, parsed.include_usage, out, on_done=cache)
+        resp = _stream_response(kind, ids, model, gen, streams, parsed, out, on_done=cache)
         resp.headers.update(verdict.headers)
         resp.headers.update(quota_headers)
         return resp
@@ -231,22 +258,27 @@ def _generate(kind: str) -> Response:
     finally:
         gen.end()
     prometheus.REQUESTS.labels(model=model, status="200").inc()
-    choices = [Choice(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs)) for a in answers]
-    resp = jsonify(full_response(kind, rid, model, choices, total_usage(a.usage for a in answers).to_dict()))
-    resp.headers.update(_worker_headers(rid, gen.subs[0], head or answers[0].done, answers[0].done))
+    choices = [Choice(parsed.echo + a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs)) for a in answers]
+    resp = jsonify(full_response(kind, ids.response, model, choices, total_usage(a.usage for a in answers).to_dict(),
+                                 role=parsed.role))
+    resp.headers.update(_worker_headers(ids.header, gen.subs[0], head or answers[0].done, answers[0].done))
     resp.headers.update(verdict.headers)
     resp.headers.update(quota_headers)
     return resp
 
 
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
-    """n > 1 or log-probabilities: what a cached answer (one sample, text only) cannot give."""
-    return body.get("n") not in (None, 1) or body.get("logprobs") not in (None, False)
+    """n > 1, log-probabilities, or vLLM's options that change the prompt or the answer's text (the chat-template
+    fields, echo, special tokens shown, the stop string kept): what a cached answer (one sample of the plain
+    prompt, text only) cannot give, and what must not be stored as one. (The body passed validate_chat.)"""
+    return (body.get("n") not in (None, 1) or body.get("logprobs") not in (None, False)
+            or not chat_options(body).default or body.get("skip_special_tokens") is False
+            or body.get("include_stop_str_in_output") is True)
 
 
 def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[GenerationRequest]:
-    """One request per choice: the first under the response's id, the others `<id>-<i>`, each with its own
-    seed (seed + i) so seeded choices differ and reproduce. They share the prompt, so the router places
+    """One request per choice: the first under the request's internal id (RequestIds), the others `<id>-<i>`, each
+    with its own seed (seed + i) so seeded choices differ and reproduce. They share the prompt, so the router places
     them where its KV is and the worker computes it once. Each carries the caller's cache salt: prefix-cache
     reuse only within its tenant (and the client's own `cache_salt`, if given)."""
     salt = tenant_cache_salt(current_owner(), parsed.cache_salt)
@@ -304,8 +336,8 @@ def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str
     return completion_messages(body, farm.tokenizer(model if model not in _aliases() else farm.cfg.default_model))
 
 
-def _stream_response(kind: str, rid: str, model: str, gen: _Generation, streams: list[Iterator[Event]],
-                     include_usage: bool, out: _Output, on_done: Callable[[str, str], None] | None = None
+def _stream_response(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: list[Iterator[Event]],
+                     parsed: ParsedRequest, out: _Output, on_done: Callable[[str, str], None] | None = None
                      ) -> Response:
     """SSE response; errors before the (first choice's) decode worker starts are still plain JSON errors."""
     try:
@@ -314,8 +346,8 @@ def _stream_response(kind: str, rid: str, model: str, gen: _Generation, streams:
         prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         gen.end()
         raise
-    body = _stream(kind, rid, model, gen, [replay(buffered, streams[0]), *streams[1:]], include_usage, out, on_done)
-    resp = Response(body, mimetype="text/event-stream", headers=_worker_headers(rid, gen.subs[0], head))
+    body = _stream(kind, ids, model, gen, [replay(buffered, streams[0]), *streams[1:]], parsed, out, on_done)
+    resp = Response(body, mimetype="text/event-stream", headers=_worker_headers(ids.header, gen.subs[0], head))
     resp.headers["Cache-Control"] = "no-cache"
     resp.headers["X-Accel-Buffering"] = "no"
     # The server closes the response even when the generator never ran (client gone at once); the
@@ -324,24 +356,24 @@ def _stream_response(kind: str, rid: str, model: str, gen: _Generation, streams:
     return resp
 
 
-def _stream(kind: str, rid: str, model: str, gen: _Generation, streams: list[Iterator[Event]],
-            include_usage: bool, out: _Output, on_done: Callable[[str, str], None] | None = None) -> Iterator[str]:
+def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: list[Iterator[Event]],
+            parsed: ParsedRequest, out: _Output, on_done: Callable[[str, str], None] | None = None) -> Iterator[str]:
     """OpenAI SSE chunks, choice after choice (each chunk names its index; the choices are generated at the
     same time on the workers); a failure mid-stream ends with an error line and [DONE]. `on_done(text,
     finish_reason)` sees the whole answer once it finished (the semantic cache stores it)."""
-    w = ChunkWriter(kind, rid, model)
+    w = ChunkWriter(kind, ids.response, model, parsed.role)
     usages: list[Usage] = []
     try:
         for index, events in enumerate(streams):
-            done = yield from _stream_choice(w, index, events, out, on_done)
+            done = yield from _stream_choice(w, index, events, out, on_done, parsed.echo)
             usages.append(done.usage)
         prometheus.REQUESTS.labels(model=model, status="200").inc()
-        tail = w.usage(total_usage(usages).to_dict()) if include_usage else ""
+        tail = w.usage(total_usage(usages).to_dict()) if parsed.include_usage else ""
         yield tail + w.done()
     except Exception as e:  # headers are sent: report in-band (GeneratorExit is not an Exception)
         err = to_api_error(e)
         if err.status == 500 and not isinstance(e, (APIError, WorkerError)):
-            log.exception("request %s: stream failed", rid)
+            log.exception("request %s: stream failed", ids.internal)
         prometheus.REQUESTS.labels(model=model, status=str(err.status)).inc()
         yield w.error(err.message, err.code or "server_error") + w.done()
     finally:
@@ -349,10 +381,11 @@ def _stream(kind: str, rid: str, model: str, gen: _Generation, streams: list[Ite
 
 
 def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,
-                   on_done: Callable[[str, str], None] | None) -> Generator[str, None, DoneEvent]:
-    """The chunks of one choice; returns its done event (a worker error raises WorkerError)."""
+                   on_done: Callable[[str, str], None] | None, echo: str = "") -> Generator[str, None, DoneEvent]:
+    """The chunks of one choice (after its role, the `echo` text as a delta of its own, as vLLM sends it); returns
+    its done event (a worker error raises WorkerError)."""
     parts: list[str] = []
-    pending = w.role(index)  # sent with the first delta: one write instead of two
+    pending = w.role(index) + (w.delta(echo, index) if echo else "")  # sent with the first delta: one write
     deltas = stream_choice(events)
     while True:
         try:

@@ -47,7 +47,7 @@ from farm.config import FarmConfig, ModelConfig, VllmOptions
 from farm.engine.contract import RequestOutput
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.step_costs import StepCosts
-from farm.engine.timings import from_prometheus
+from farm.engine.timings import RequestTokens, from_prometheus
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.protocol.kv_events import KVEventHook
@@ -133,6 +133,7 @@ class VllmEngine:
         self._tasks: dict[str, Any] = {}  # request id -> concurrent Future of its task on the loop
         self._tasks_lock = threading.Lock()
         self.tokens_generated = 0
+        self.tokens = RequestTokens(self.max_model_len)  # vLLM's per-request series, counted once per request
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -266,7 +267,7 @@ class VllmEngine:
             output_kind=self.vllm.RequestOutputKind.DELTA,
         )
         coro = self._generate(request_id, list(prompt_ids), sp, on_output, prefill_only, max_request_s,
-                              cache_salt)
+                              cache_salt, imported=isinstance(kv_import, ConnectorImport))
         with self._tasks_lock:  # the task removes itself under the same lock, even if it ends at once
             self._tasks[request_id] = asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -292,6 +293,7 @@ class VllmEngine:
 
     def stats(self) -> dict[str, Any]:
         s, total = self._stats, self.pool.num_blocks
+        tokens = self.tokens.snapshot()
         return {
             "backend": "vllm",
             "running": max(0, len(self._tasks) - s.waiting),
@@ -306,7 +308,11 @@ class VllmEngine:
             "vllm_unfinished": int(self.llm.get_num_unfinished_requests()),  # requests vLLM still holds
             "preemptions": s.preemptions,
             "kv_usage": s.kv_usage,
-            "histograms": from_prometheus(),  # vLLM's own request timings (its Prometheus logger)
+            "prompt_tokens": tokens["prompt_tokens"],
+            "request_success": tokens["request_success"],
+            # vLLM's own request timings (its Prometheus logger); the token series counted here (RequestTokens:
+            # vLLM's logger would count a disaggregated request on both its prefill and its decode worker)
+            "histograms": {**from_prometheus(), **tokens["histograms"]},
             "costs": self.costs.snapshot(),
             "connector": {"hit_tokens": s.connector_hits, "transfers": s.kv_transfers,
                           "bytes": s.kv_transfer_bytes},
@@ -317,7 +323,9 @@ class VllmEngine:
 
     # -- the loop thread -------------------------------------------------------------------------------
     async def _generate(self, rid: str, prompt_ids: list[int], sp: Any, on_output: Callable[[RequestOutput], None],
-                        prefill_only: bool, max_request_s: float | None, cache_salt: str = "") -> None:
+                        prefill_only: bool, max_request_s: float | None, cache_salt: str = "",
+                        imported: bool = False) -> None:
+        """`imported`: the prompt's KV comes through the connector (a remote prefill counted the prompt)."""
         n_out, cached, first = 0, 0, None
         done = False
         k = sp.logprobs
@@ -328,6 +336,8 @@ class VllmEngine:
             if done:
                 return
             done = True
+            if not prefill_only or reason == "abort":  # else the decode stage goes on (and ends the request)
+                self.tokens.finished(reason, len(prompt_ids), n_out)
             out = VllmRequestOutput(rid, text=text, token_ids=tokens or [], finished=True, finish_reason=reason,
                                     prompt_tokens=len(prompt_ids), completion_tokens=n_out, cached_tokens=cached,
                                     logprobs=logprobs)
@@ -358,6 +368,8 @@ class VllmEngine:
                     cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
                     if first is None and tokens:
                         first = tokens[0]
+                        if not imported:  # the prompt was computed here
+                            self.tokens.prefilled(len(prompt_ids))
                     if ro.finished:
                         if prefill_only:
                             finish("prefilled", params=getattr(ro, "kv_transfer_params", None))

@@ -53,7 +53,8 @@ class Results:
         logprobs = None
         if line.sampling.get("logprobs") is not None:
             logprobs = for_kind(line.kind, self.tokenizer(line.model), answer.token_ids, answer.logprobs)
-        body = full_response(line.kind, rid, line.model, [Choice(answer.text, answer.finish_reason, logprobs)], usage)
+        choice = Choice(line.echo + answer.text, answer.finish_reason, logprobs)
+        body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
         if self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1:

@@ -51,6 +51,8 @@ class PreparedLine:
     answer: str | None = None  # set when the semantic layer answered (a guard's refusal): nothing to generate
     finish_reason: str | None = None
     cache_salt: str | None = None  # the line's own `cache_salt` (vLLM's field), combined with its owner's
+    role: str = "assistant"  # chat: the answer's role and the text it starts with (vLLM's echo; ParsedRequest)
+    echo: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -164,7 +166,7 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                                "sample a line of its own", no, "body.n"))
             continue
         lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict(),
-                                  cache_salt=parsed.cache_salt))
+                                  cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.echo))
     if not errors and not lines:
         errors.append(_err("empty_file", "The input file holds no requests.", None, "input_file_id"))
     return lines, errors

@@ -38,7 +38,7 @@ from farm.engine.model_runner import ModelRunner
 from farm.engine.sampling import History, TokenLogprobs, logprobs_of, make_generator, sample
 from farm.engine.scheduler import DecodeBatch, KVImport, PrefillBatch, Scheduler, Sequence
 from farm.engine.step_costs import StepCosts
-from farm.engine.timings import RequestTimings
+from farm.engine.timings import RequestTimings, RequestTokens
 from farm.kvcache.tiers import TieredKV
 from farm.models.tokenization import IncrementalDetokenizer, eos_token_ids
 from farm.protocol import SamplingParams
@@ -91,6 +91,7 @@ class Engine:
         self.tokens_generated = 0
         self.costs = StepCosts(cfg.block_size)  # measured step costs: the router's weights (heartbeat stats)
         self.timings = RequestTimings()  # queue/prefill/decode times, TTFT, per-token ITL (heartbeat stats)
+        self.tokens = RequestTokens(max_model_len)  # prompt tokens, finish reasons, tokens per request (heartbeat)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -120,7 +121,7 @@ class Engine:
         except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # e.g. a seed torch refuses
             on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
             return
-        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         if kv_import is not None:
             seq.output_ids = [kv_import.first_token]
             seq.last_logprobs = kv_import.first_logprobs
@@ -145,6 +146,7 @@ class Engine:
         return list(self._by_id)
 
     def stats(self) -> dict[str, Any]:
+        tokens = self.tokens.snapshot()
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self.scheduler.prefilling),
@@ -160,7 +162,9 @@ class Engine:
             "tiers": self.tiers.stats(),
             "costs": self.costs.snapshot(),
             "kv_usage": 1.0 - self.pool.num_free / self.pool.num_blocks if self.pool.num_blocks else 0.0,
-            "histograms": self.timings.snapshot(),
+            "prompt_tokens": tokens["prompt_tokens"],
+            "request_success": tokens["request_success"],
+            "histograms": {**self.timings.snapshot(), **tokens["histograms"]},
         }
 
     def _post(self, msg: tuple) -> None:
@@ -281,6 +285,8 @@ class Engine:
                 self.scheduler.register_full_blocks(seq)
                 if complete:
                     self.scheduler.prefilling.remove(seq)
+                    if not seq.output_ids:  # its prompt, computed here (not a resumed or imported sequence)
+                        self.tokens.prefilled(len(seq.prompt_ids))
                     if seq.prefill_only:
                         self._hold(seq, tokens[i])
                     else:
@@ -393,15 +399,19 @@ class Engine:
         if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = "stop"
             delta = ""
+            if p.include_stop_str_in_output:  # vLLM: the stop token's text too (empty for a skipped special one)
+                delta = seq.detok.add([tok])
+                seq.text += delta
         else:
             delta = seq.detok.add([tok])
             seq.text += delta
         if reason is None and p.stop and delta and may_stop:
             window = seq.text[max(0, len(seq.text) - len(delta) - max(map(len, p.stop)) + 1):]
             base = len(seq.text) - len(window)
-            hits = [base + window.find(s) for s in p.stop if s and s in window]
+            hits = [(base + window.find(s), len(s)) for s in p.stop if s and s in window]
             if hits:
-                cut = min(hits)
+                start, length = min(hits, key=lambda h: h[0] + h[1])  # the stop string that ends first
+                cut = start + length if p.include_stop_str_in_output else start
                 delta = delta[: max(0, cut - (len(seq.text) - len(delta)))]
                 seq.text = seq.text[:cut]
                 reason = "stop"
@@ -418,6 +428,8 @@ class Engine:
         self.scheduler.release(seq)
         self._by_id.pop(seq.request_id, None)
         self.timings.finished(seq.request_id)
+        if not seq.prefill_only or reason == "abort":  # else the decode stage goes on (and ends the request)
+            self.tokens.finished(reason, len(seq.prompt_ids), len(seq.output_ids))
         seq.finish_reason = reason
         out = RequestOutput(seq.request_id, text=text, token_ids=token_ids or [], finished=True,
                             finish_reason=reason, prompt_tokens=len(seq.prompt_ids),

@@ -172,9 +172,10 @@ class Submission:
             tok = get_tokenizer(self.svc.cfg, self.req.model)
         except Exception:  # noqa: BLE001 - no tokenizer here: carry everything
             return n
+        skip = self.req.sampling.skip_special_tokens
         for k in range(n, max(-1, n - 8), -1):
-            if tok.decode(self._ids[:k], skip_special_tokens=True) == self._text:
-                self._boundary = IncrementalDetokenizer(tok)
+            if tok.decode(self._ids[:k], skip_special_tokens=skip) == self._text:
+                self._boundary = IncrementalDetokenizer(tok, skip_special_tokens=skip)
                 self._boundary.ids, self._boundary.text = list(self._ids[:k]), self._text
                 return k
         return n

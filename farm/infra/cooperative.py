@@ -33,3 +33,12 @@ def offload(fn: Callable[..., T], *args: object) -> T:
     import gevent
 
     return gevent.get_hub().threadpool.apply(fn, args)
+
+
+def pause() -> None:
+    """Let the hub run the other greenlets, where there is a hub: between the steps of a loop that computes on it
+    (each step short, the whole loop not); nothing in a plain process."""
+    if cooperative():
+        import gevent
+
+        gevent.sleep(0)

@@ -49,12 +49,31 @@ def max_token_chars(tokenizer) -> int:
     return max(1, hit[1])
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]],
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Apply the model's chat template (with the generation prompt) and return token ids. `template_kwargs`
-    are variables the template may read (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **(template_kwargs or {}))
+class PromptTooLong(ValueError):
+    """A rendered prompt longer than the caller allowed (`chars` characters), found before tokenizing it."""
+
+    def __init__(self, chars: int, limit: int):
+        super().__init__(f"the prompt has {chars} characters, more than {limit}")
+        self.chars = chars
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    max_chars: int | None = None) -> list[int]:
+    """Apply the model's chat template and return token ids. `template_kwargs` are variables the template may
+    read (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); `add_generation_prompt` appends the
+    header that opens the assistant's turn, `continue_final_message` leaves the last message open for the model
+    to continue (vLLM's fields of the same names: at most one of them). With `max_chars`, the rendered text is
+    measured before it is tokenized (PromptTooLong): template variables can make a prompt longer than its
+    messages."""
+    kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+              "continue_final_message": continue_final_message}
+    if max_chars is not None:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        if len(text) > max_chars:
+            raise PromptTooLong(len(text), max_chars)
+        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -68,8 +87,8 @@ def template_reads(tokenizer, variable: str) -> bool:
     return any(isinstance(t, str) and re.search(rf"\b{re.escape(variable)}\b", t) for t in texts)
 
 
-def text_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+def text_prompt_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
 def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
@@ -90,16 +109,18 @@ def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 pieces."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 pieces. Special tokens
+    (end of turn, ...) are left out of the text unless `skip_special_tokens` is false (vLLM's parameter)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if full.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
         delta = full[len(self.text):] if full.startswith(self.text) else full

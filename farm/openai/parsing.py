@@ -3,12 +3,13 @@ ranges the request models declare (farm/openai/schemas.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from farm.config import SamplingDefaults
-from farm.models.tokenization import chat_prompt_ids, max_token_chars, text_prompt_ids
+from farm.models.tokenization import PromptTooLong, chat_prompt_ids, max_token_chars, text_prompt_ids
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.schemas import (
     MAX_CACHE_SALT,
@@ -31,6 +32,18 @@ UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "function
                "function_call": "function calling"}
 # Parameters only some engines honour: refused with a 400 naming the model's backend elsewhere.
 BACKEND_ONLY = {"response_format": {"vllm"}}
+# The chat template's own parameters (transformers' apply_chat_template, and the names the template is rendered
+# with): not variables of the template, so not accepted in `chat_template_kwargs` (vLLM refuses chat_template and
+# tokenize there; the output-shaping ones would change what a prompt is, padding to max_length its size).
+TEMPLATE_PARAMETERS = frozenset({"conversation", "conversations", "messages", "tools", "documents", "chat_template",
+                                 "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs"})
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message")  # request fields of their own
+# The tokenizer's special tokens, which every template may read (often once per message): a request does not
+# redefine them (a long "eos_token" would be repeated after every message of the prompt)
+SPECIAL_TOKEN_NAMES = frozenset({"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                                 "mask_token", "additional_special_tokens"})
+MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs as JSON: switches and short texts, not prompts
 
 
 @dataclass
@@ -45,6 +58,23 @@ class ParsedRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     n: int = 1  # choices: n requests on the workers (seeds seed, seed+1, ...)
     cache_salt: str | None = None  # the client's (vLLM's field): combined with its tenant's (farm.tenancy.api_keys)
+    role: str = "assistant"  # chat: the response message's role (the last message's without a generation prompt)
+    echo: str = ""  # chat: text every choice starts with (vLLM's `echo`: the last message, when it has `role`)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """vLLM's chat-template fields of a chat request, checked (`chat_options`)."""
+
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @property
+    def default(self) -> bool:
+        """Nothing asked beyond the plain template: a semantic-cache answer may stand for this request."""
+        return self == ChatOptions()
 
 
 def _type_check(body: dict, name: str, types: tuple, desc: str) -> Any:
@@ -157,6 +187,34 @@ def _cache_salt(body: dict) -> str | None:
     return salt
 
 
+def chat_options(body: dict) -> ChatOptions:
+    """vLLM's chat-template extensions, with vLLM's defaults and checks: `chat_template_kwargs` (an object of
+    template variables), `add_generation_prompt` (true), `continue_final_message` (false; not with a generation
+    prompt, as vLLM refuses both true), `echo` (false)."""
+    kwargs = _type_check(body, "chat_template_kwargs", (dict,), "an object") or {}
+    for key in kwargs:
+        if key in TEMPLATE_FIELDS:
+            raise bad_request(f"'chat_template_kwargs.{key}' is a request field here: set '{key}' itself",
+                              "chat_template_kwargs", "invalid_value")
+        if key in TEMPLATE_PARAMETERS or key in SPECIAL_TOKEN_NAMES:
+            what = "a parameter of the template's rendering" if key in TEMPLATE_PARAMETERS else \
+                "one of the tokenizer's special tokens"
+            raise bad_request(f"'chat_template_kwargs' may only hold variables of the chat template; {key!r} is "
+                              f"{what}", "chat_template_kwargs", "invalid_value")
+    if kwargs and len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise bad_request(f"'chat_template_kwargs' may take at most {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON",
+                          "chat_template_kwargs", "invalid_value")
+    add = _type_check(body, "add_generation_prompt", (bool,), "a boolean")
+    add = True if add is None else add
+    cont = _type_check(body, "continue_final_message", (bool,), "a boolean") or False
+    if cont and add:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                          "('add_generation_prompt' is true unless set to false)", "continue_final_message",
+                          "invalid_value")
+    echo = _type_check(body, "echo", (bool,), "a boolean") or False
+    return ChatOptions(dict(kwargs), add, cont, echo)
+
+
 def _refuse_for_backend(body: dict, backend: str | None) -> None:
     """A 400 naming the model's engine for a parameter it cannot honour (never silently ignored)."""
     asked = {"response_format": _response_format(body) is not None}
@@ -227,6 +285,8 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                           "completion). Reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
     ignore_eos = _type_check(body, "ignore_eos", (bool,), "a boolean") or False  # vLLM extension
+    skip_special = _type_check(body, "skip_special_tokens", (bool,), "a boolean")  # vLLM extension, default true
+    include_stop = _type_check(body, "include_stop_str_in_output", (bool,), "a boolean") or False  # vLLM extension
     min_tokens = _integer(body, "min_tokens", 0, hi=max_tokens)
     stream = _type_check(body, "stream", (bool,), "a boolean") or False
     opts = _type_check(body, "stream_options", (dict,), "an object") or {}
@@ -239,7 +299,8 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                             stop=stops, ignore_eos=ignore_eos, presence_penalty=presence,
                             frequency_penalty=frequency, repetition_penalty=repetition, top_k=max(0, top_k),
                             min_p=min_p, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                            logit_bias=logit_bias, response_format=response_format)
+                            logit_bias=logit_bias, response_format=response_format,
+                            skip_special_tokens=skip_special is not False, include_stop_str_in_output=include_stop)
     return params, stream, include_usage, n
 
 
@@ -298,9 +359,12 @@ def normalize_messages(body: dict) -> list[dict[str, str]]:
 
 
 def validate_chat(body: dict) -> list[dict[str, str]]:
-    """The checks of a chat body that need no model: declared fields, then the messages (normalized)."""
+    """The checks of a chat body that need no model: declared fields, the messages (normalized), the
+    chat-template options."""
     reject_unknown_fields(body, ChatCompletionRequest)
-    return normalize_messages(body)
+    messages = normalize_messages(body)
+    chat_options(body)
+    return messages
 
 
 def local_params(body: dict, kind: str = "chat") -> tuple[SamplingParams, bool, bool, int]:
@@ -321,19 +385,31 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
     """Validate a /v1/chat/completions body (model already checked) and apply the chat template to
     `messages` (the body's, normalized, unless the semantic layer rewrote them); `backend` is the model's
     engine (what it cannot do is refused); `template_kwargs` reach the template (the semantic layer's
-    reasoning mode: api.semantic.reasoning_template_kwargs)."""
+    reasoning mode: api.semantic.reasoning_template_kwargs; the client's own `chat_template_kwargs` win over
+    them). vLLM's template fields apply: `add_generation_prompt`, `continue_final_message`, and `echo` (every
+    choice starts with the last message's content when that message has the response's role, which is the last
+    message's own without a generation prompt)."""
     if messages is None:
         messages = validate_chat(body)
-    check_prompt_chars(messages_chars(messages), prompt_char_limit(tokenizer, max_model_len, chars_per_token),
-                       max_model_len, "messages")
-    try:
-        ids = chat_prompt_ids(tokenizer, messages, template_kwargs)
-    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+    opts = chat_options(body)
+    limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
+    check_prompt_chars(messages_chars(messages), limit, max_model_len, "messages")
+    try:  # with template variables, the rendered prompt's size is checked again before it is tokenized
+        ids = chat_prompt_ids(tokenizer, messages, {**(template_kwargs or {}), **opts.template_kwargs},
+                              add_generation_prompt=opts.add_generation_prompt,
+                              continue_final_message=opts.continue_final_message,
+                              max_chars=limit if opts.template_kwargs else None)
+    except PromptTooLong as e:
+        check_prompt_chars(e.chars, limit, max_model_len, "messages")
+        raise
+    except Exception as e:  # a template that rejects the conversation (e.g. role order, nothing to continue)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
                                                vocab=len(tokenizer), backend=backend)
+    role = "assistant" if opts.add_generation_prompt else messages[-1]["role"]
+    echo = messages[-1]["content"] if opts.echo and messages[-1]["role"] == role else ""
     return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n,
-                         cache_salt=_cache_salt(body))
+                         cache_salt=_cache_salt(body), role=role, echo=echo)
 
 
 def raw_prompt(body: dict) -> Any:

@@ -33,11 +33,12 @@ class Choice:
     logprobs: dict[str, Any] | None = None
 
 
-def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dict[str, int]) -> dict[str, Any]:
-    """The non-streamed `chat.completion` (kind "chat") or `text_completion` object."""
+def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dict[str, int],
+                  role: str = "assistant") -> dict[str, Any]:
+    """The non-streamed `chat.completion` (kind "chat", its messages' `role`) or `text_completion` object."""
     created = int(time.time())
     if kind == "chat":
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+        out = [{"index": i, "message": {"role": role, "content": c.text}, "logprobs": c.logprobs,
                 "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(choices)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
                 "usage": usage(u)}
@@ -54,8 +55,8 @@ class ChunkWriter:
     suffix, so the per-token chunk is a string concatenation (about 1 us) instead of a json.dumps of a nested
     dict (tens of us); the bytes are the same as json.dumps(..., separators=(",", ":")) would give."""
 
-    def __init__(self, kind: str, rid: str, model: str):
-        self.kind, self.rid, self.model = kind, rid, model
+    def __init__(self, kind: str, rid: str, model: str, role: str = "assistant"):
+        self.kind, self.rid, self.model, self.message_role = kind, rid, model, role
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = "data: " + _dumps({"id": rid, "object": self.object, "created": self.created,
@@ -74,7 +75,7 @@ class ChunkWriter:
     def role(self, index: int = 0) -> str:
         if self.kind != "chat":
             return ""
-        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._chunk([{"index": index, "delta": {"role": self.message_role, "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
     def delta(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:

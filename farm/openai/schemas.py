@@ -72,6 +72,10 @@ class _Sampling(_Request):
     min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence before this many")
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that "
                                                                              "end the completion")
+    skip_special_tokens: bool | None = Field(None, description="vLLM extension: leave special tokens out of the "
+                                                               "text (default true)")
+    include_stop_str_in_output: bool | None = Field(None, description=(
+        "vLLM extension: keep the stop string (or the stop token's text) that ended the completion (default false)"))
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
         "vLLM extension: prefix-cache reuse only among requests with this salt, within the caller's own API key's "
         "scope (which every request has anyway); no '@', '/', '\\' or NUL"))
@@ -90,6 +94,18 @@ class ChatCompletionRequest(_Sampling):
     function_call: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object or json_schema (structured output: models with backend vllm)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
+        "vLLM extension: variables for the model's chat template (e.g. enable_thinking); not the template's own "
+        "parameters (tokenize, tools, ..., and add_generation_prompt / continue_final_message, which are fields here)"))
+    add_generation_prompt: bool | None = Field(None, description=(
+        "vLLM extension: end the prompt with the header of a new assistant turn (default true); false: the "
+        "response's role is the last message's"))
+    continue_final_message: bool | None = Field(None, description=(
+        "vLLM extension: leave the last message open and let the model continue it (default false; needs "
+        "add_generation_prompt false)"))
+    echo: bool | None = Field(None, description=(
+        "vLLM extension: the answer starts with the last message's content when that message has the response's "
+        "role (an assistant message to continue, with continue_final_message)"))
 
 
 class CompletionRequest(_Sampling):
@@ -154,7 +170,8 @@ class Usage(_Loose):
 
 
 class AssistantMessage(_Loose):
-    role: Literal["assistant"]
+    role: Literal["assistant", "user", "system"] = Field(
+        description="assistant; with add_generation_prompt false, the last message's role (as vLLM answers)")
     content: str
 
 

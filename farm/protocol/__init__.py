@@ -53,6 +53,7 @@ from farm.protocol.request import (
 )
 from farm.protocol.stream_events import (
     EVENT_FIELD,
+    FINISH_REASONS,
     DeltaEvent,
     DoneEvent,
     ErrorEvent,
@@ -66,7 +67,7 @@ from farm.protocol.stream_events import (
 )
 
 __all__ = [
-    "BATCH_QUEUE", "CANCEL_TTL_S", "EVENT_FIELD", "GREEDY_BELOW_TEMPERATURE", "MAX_ID_CHARS", "MAX_LOGIT_BIAS",
+    "BATCH_QUEUE", "CANCEL_TTL_S", "EVENT_FIELD", "FINISH_REASONS", "GREEDY_BELOW_TEMPERATURE", "MAX_ID_CHARS", "MAX_LOGIT_BIAS",
     "MAX_RESPONSE_FORMAT_CHARS", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE",
     "MAX_TOP_LOGPROBS", "OBS_STREAM", "PRIORITY_SEP", "RESPONSE_FORMATS", "ROLES", "SEED_RANGE", "STREAM_TTL_S",
     "TASK_BATCH_DRIVE", "TASK_DECODE", "TASK_GENERATE", "TASK_PING", "TASK_PREFILL", "DeltaEvent", "DoneEvent",

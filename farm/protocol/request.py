@@ -128,6 +128,8 @@ _SAMPLING_CHECKS: dict[str, Any] = {
     "logprobs": lambda v, b: None if v is None else _int(v, "sampling.logprobs", 0, MAX_TOP_LOGPROBS),
     "logit_bias": lambda v, b: _logit_bias(v, b.vocab),
     "response_format": lambda v, b: _response_format(v),
+    "skip_special_tokens": lambda v, b: _bool(v, "sampling.skip_special_tokens"),
+    "include_stop_str_in_output": lambda v, b: _bool(v, "sampling.include_stop_str_in_output"),
 }
 
 
@@ -151,6 +153,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
     response_format: dict[str, Any] | None = None  # json_object / json_schema: structured output (vLLM)
+    skip_special_tokens: bool = True  # the completion's text leaves out special tokens (vLLM's default)
+    # the stop string (or the text of the stop token: EOS, stop_token_ids) that ended the completion is kept
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:

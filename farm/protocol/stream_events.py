@@ -18,6 +18,9 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 EVENT_FIELD = "e"
+# Why a request ended, as vLLM names it (its FinishReason: vllm:request_success_total's finished_reason label);
+# an engine's done event says stop, length or abort, and an engine error becomes an error event
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 @dataclass(frozen=True, slots=True)

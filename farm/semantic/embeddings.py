@@ -24,12 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from farm.infra.cooperative import offload
+from farm.infra.cooperative import offload, pause
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 256  # the model's own max_seq_length (sentence_bert_config.json)
 DIM = 384
+# What /v1/embeddings calls this model: its name, and its Hugging Face id (what `vllm serve` users send)
+MODEL_NAME = "all-MiniLM-L6-v2"
+MODEL_NAMES = (MODEL_NAME, "sentence-transformers/all-MiniLM-L6-v2")
 
 
 def model_path() -> Path:
@@ -147,12 +150,32 @@ class Embedder:
         """(unit vector, whether the text was longer than the embedding window) with one tokenization."""
         ids = self.tokenizer(text, truncation=False)["input_ids"]
         truncated = len(ids) > self.max_tokens
-        if truncated:  # keep [CLS] + the first tokens + [SEP], as truncation=True would
-            ids = ids[: self.max_tokens - 1] + ids[-1:]
+        if truncated:
+            ids = truncate_ids(ids, self.max_tokens)
+        return self.embed_ids(ids), truncated
+
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids, [CLS] and [SEP] included, untruncated (/v1/embeddings counts and checks them). On the
+        calling thread, as `encode_one` tokenizes (a fast tokenizer used from two threads at once can fail), one
+        text at a time, letting the API's gevent hub serve open streams between texts."""
+        out = []
+        for text in texts:
+            out.append([int(t) for t in self.tokenizer(text, truncation=False)["input_ids"]])
+            pause()
+        return out
+
+    def embed_ids(self, ids: list[int]) -> np.ndarray:
+        """The unit vector of one tokenized text (as `token_ids` gives it, at most MAX_TOKENS ids): the same
+        vector `encode_one` gives the text."""
         with self._lock:  # one forward at a time, off the API's gevent hub (it would stall every stream)
-            hidden = offload(self._hidden, ids)
+            hidden = offload(self._hidden, list(ids))
         vec = hidden[0].mean(0)
-        return (vec / max(float(np.linalg.norm(vec)), 1e-12)).astype(np.float32), truncated
+        return (vec / max(float(np.linalg.norm(vec)), 1e-12)).astype(np.float32)
+
+
+def truncate_ids(ids: list[int], n: int) -> list[int]:
+    """`ids` cut to `n` tokens keeping [CLS] + the first tokens + [SEP], as the tokenizer's truncation=True would."""
+    return list(ids) if len(ids) <= n else list(ids[: n - 1]) + list(ids[-1:])
 
 
 _shared: Embedder | None = None

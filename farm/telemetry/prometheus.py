@@ -6,6 +6,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from farm.protocol import FINISH_REASONS
 from farm.protocol.keys import METRICS_EXPORTER_KEY, stats_key
 
 ROUTING_DECISIONS = Counter("farm_routing_decisions_total", "Routing decisions", ["mode", "stage"])
@@ -124,7 +125,10 @@ VLLM_COUNTERS: dict[str, tuple[str, str]] = {  # exposed with the _total suffix,
     "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "prefix_hit_tokens"),
     "vllm:num_preemptions": ("Cumulative number of preemption from the engine.", "preemptions"),
     "vllm:generation_tokens": ("Number of generation tokens processed.", "tokens_generated"),
+    "vllm:prompt_tokens": ("Number of prefill tokens processed.", "prompt_tokens"),
 }
+# vllm:request_success_total{finished_reason}: requests ended, by vLLM's finish reasons (all present, 0 included)
+REQUEST_SUCCESS = ("vllm:request_success", "Count of successfully processed requests.", "request_success")
 VLLM_HISTOGRAMS: dict[str, str] = {  # farm.engine.timings.HISTOGRAMS, with vLLM's help texts
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
@@ -133,6 +137,10 @@ VLLM_HISTOGRAMS: dict[str, str] = {  # farm.engine.timings.HISTOGRAMS, with vLLM
     "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
     "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
     "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    # farm.engine.timings.TOKEN_HISTOGRAMS (buckets 1, 2, 5, 10, ... up to the model's max_model_len)
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
 }
 ROLES = ("prefill", "decode", "both")
 # Which role's workers take a shared queue's messages (farm.protocol.queues_for_role): the kind's own role,
@@ -222,6 +230,12 @@ class _FarmWide:
             for w, stats in self.workers:
                 fam.add_metric([w.model, w.worker_id, w.role], float(stats.get(key) or 0))
             yield fam
+        name, doc, key = REQUEST_SUCCESS
+        fam = counter(name, doc, labels=[*VLLM_LABELS, "finished_reason"])
+        for w, stats in self.workers:
+            for reason, n in {**dict.fromkeys(FINISH_REASONS, 0), **(stats.get(key) or {})}.items():
+                fam.add_metric([w.model, w.worker_id, w.role, str(reason)], float(n or 0))
+        yield fam
         for name, doc in VLLM_HISTOGRAMS.items():
             fam = histogram(f"vllm:{name}", doc, labels=list(VLLM_LABELS))
             for w, stats in self.workers:
