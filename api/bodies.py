@@ -13,6 +13,7 @@ deep input) or a silently accepted oddity:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from flask import request
@@ -21,6 +22,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from farm.openai.api_error import APIError, bad_request
 from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into valid UTF-8 JSON
 MAX_JSON_DEPTH = 32  # an OpenAI request nests about 5 deep; anything far past that is an attack or a bug
 _READ_CHUNK = 64 * 1024
 
@@ -68,12 +70,36 @@ def parse_json(data: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
     try:
-        return loads_bounded(text, MAX_JSON_DEPTH)
+        body = loads_bounded(text, MAX_JSON_DEPTH)
     except JSONTooDeep:
         raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
                           code="json_too_deep") from None
     except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(text):  # an escaped pair is one character; a lone half is no text at all
+        _refuse_lone_surrogates(body)
+    return body
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    """400 naming the first string that holds half a UTF-16 surrogate pair (`"\\ud800"`): valid JSON, but no
+    tokenizer, Redis client or log line takes it, so it is refused here rather than failing deep inside as a 500."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            for k, item in reversed(v.items()):
+                stack.append((path, k))  # a key is text too
+                stack.append((f"{path}.{k}" if path else str(k), item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = path or None
+                raise bad_request(f"'{where or 'body'}' is not valid Unicode: a lone UTF-16 surrogate "
+                                  f"(\\u{ord(v[e.start]):04x}) at character {e.start}", where, "invalid_value") from None
 
 
 def json_body() -> Any:

@@ -340,6 +340,21 @@ def test_engine_include_stop_str_in_output(tiny):
         assert (out.text, out.last.finish_reason) == (text, "stop")
 
 
+def test_engine_holds_back_a_stop_string_split_across_tokens(tiny):
+    """A stop string that begins in one token and ends in the next is never sent in part (vLLM holds the tail
+    back): "Hello" forced twice, stop "loH" spans the two; a tail that turns out not to stop is sent later."""
+    word = one_token(tiny.tokenizer, "Hello")
+    prompt = list(range(300, 310))
+    out = run(tiny, prompt, forced(word, max_tokens=6, stop=["loH"]))
+    assert (out.text, out.last.finish_reason) == ("Hel", "stop")
+    assert [o.text for o in out.outs] == ["Hel", ""]  # "lo" held back from the first token's delta, then cut
+    kept = run(tiny, prompt, forced(word, max_tokens=6, stop=["loH"], include_stop_str_in_output=True))
+    assert kept.text == "HelloH"
+    loose = run(tiny, prompt, forced(word, max_tokens=3, stop=["lox"]))  # "lo" begins it, "H" does not go on
+    assert [o.text for o in loose.outs] == ["Hel", "loHel", "loHello"] and loose.text == "Hello" * 3
+    assert loose.last.finish_reason == "length"
+
+
 # -- vLLM's per-request token series, once per request ---------------------------------------------------------
 def test_token_buckets_are_vllms():
     assert token_buckets(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)

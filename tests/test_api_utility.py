@@ -323,6 +323,14 @@ def test_lone_surrogates_are_400_not_500(c):
                         "invalid_value", param="messages[0].content")
     assert_openai_error(post("/v1/embeddings", '{"input": ["ok", "a\\udc00"]}'), 400, "invalid_value",
                         param="input[1]")
+    # every JSON route: refused as the body is read (api/bodies.py), before any tokenizer sees it
+    assert_openai_error(post("/v1/completions", '{"model": "m", "prompt": "a\\ud800"}'), 400, "invalid_value",
+                        param="prompt")
+    assert_openai_error(post("/v1/chat/completions",
+                             '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "\\udfff"}]}]}'), 400, "invalid_value", param="messages[0].content[0].text")
+    ok = post("/tokenize", '{"prompt": "\\ud83d\\ude00"}')  # an escaped pair is one character: fine
+    assert ok.status_code == 200 and ok.get_json()["count"] >= 1
 
 
 # -- keys, limits, quota ----------------------------------------------------------------------------

@@ -54,6 +54,18 @@ class HeldBlocks:
     expires_at: float
 
 
+def partial_stop(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` without completing it: the characters
+    a stream holds back, since the next token may complete the stop string (which is then never sent)."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
 class Engine:
     def __init__(self, model_dir: Path, cfg: EngineConfig, max_model_len: int,
                  on_kv_event: KVEventHook | None = None, max_num_blocks: int | None = None,
@@ -398,25 +410,25 @@ class Engine:
         may_stop = len(seq.output_ids) > p.min_tokens or not p.min_tokens
         if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason = "stop"
-            delta = ""
             if p.include_stop_str_in_output:  # vLLM: the stop token's text too (empty for a skipped special one)
-                delta = seq.detok.add([tok])
-                seq.text += delta
+                seq.text += seq.detok.add([tok])
         else:
-            delta = seq.detok.add([tok])
-            seq.text += delta
-        if reason is None and p.stop and delta and may_stop:
-            window = seq.text[max(0, len(seq.text) - len(delta) - max(map(len, p.stop)) + 1):]
-            base = len(seq.text) - len(window)
-            hits = [(base + window.find(s), len(s)) for s in p.stop if s and s in window]
-            if hits:
-                start, length = min(hits, key=lambda h: h[0] + h[1])  # the stop string that ends first
-                cut = start + length if p.include_stop_str_in_output else start
-                delta = delta[: max(0, cut - (len(seq.text) - len(delta)))]
-                seq.text = seq.text[:cut]
-                reason = "stop"
+            new = seq.detok.add([tok])
+            seq.text += new
+            if p.stop and new and may_stop:
+                window = seq.text[max(0, len(seq.text) - len(new) - max(map(len, p.stop)) + 1):]
+                base = len(seq.text) - len(window)
+                hits = [(base + window.find(s), len(s)) for s in p.stop if s and s in window]
+                if hits:
+                    start, length = min(hits, key=lambda h: h[0] + h[1])  # the stop string that ends first
+                    seq.text = seq.text[:start + length if p.include_stop_str_in_output else start]
+                    reason = "stop"
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
             reason = "length"
+        end = len(seq.text)
+        if reason is None and p.stop:  # hold back a tail that may begin a stop string (vLLM does the same)
+            end -= partial_stop(seq.text, p.stop)
+        delta, seq.sent = seq.text[seq.sent:end], max(seq.sent, end)
         lps = [seq.last_logprobs] if p.logprobs is not None and seq.last_logprobs is not None else None
         if reason is not None:
             self._finish(seq, reason, text=delta, token_ids=[tok], logprobs=lps)

@@ -60,6 +60,7 @@ class Sequence:
     # engine-side text state (stop strings work on text)
     detok: Any = None
     text: str = ""
+    sent: int = 0  # characters of `text` sent: the tail that may begin a stop string is held back until it cannot
     last_logprobs: Any = None  # TokenLogprobs of the newest token, when the request asks for them
 
     @property

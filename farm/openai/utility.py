@@ -61,16 +61,6 @@ def validated(model: type[BaseModel], body: Any) -> Any:
         raise bad_request(f"'{param}': {err['msg']}", param, "invalid_value") from None
 
 
-def check_unicode(text: str, param: str) -> str:
-    """`text` unless it holds a lone surrogate (JSON's "\\ud800" decodes to one), which no tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad_request(f"'{param}' is not valid Unicode: a lone surrogate at character {e.start}", param,
-                          "invalid_value") from None
-    return text
-
-
 def resolve_model(asked: str | None, models: Sequence[str], default: str, aliases: Sequence[str] = ()) -> str:
     """The configured model a /tokenize or /detokenize request names (the farm's default when it names none)."""
     if asked is None:
@@ -107,8 +97,6 @@ def parse_tokenize(body: Any) -> TokenizeJob:
         if "prompt" in body:
             raise bad_request("give either 'prompt' or 'messages', not both", "prompt")
         messages = normalize_messages(body)  # first: the chat route's own checks and messages
-        for i, m in enumerate(messages):
-            check_unicode(m["content"], f"messages[{i}].content")
         req: TokenizeChatRequest = validated(TokenizeChatRequest, body)
         for key in ("chat_template", "tools"):
             if getattr(req, key) not in (None, []):
@@ -154,7 +142,7 @@ def tokenize(job: TokenizeJob, tokenizer, max_model_len: int, chars_per_token: i
     else:
         assert job.prompt is not None
         check_prompt_chars(len(job.prompt), limit, max_model_len, "prompt")
-        ids = text_prompt_ids(tokenizer, check_unicode(job.prompt, "prompt"), job.add_special_tokens)
+        ids = text_prompt_ids(tokenizer, job.prompt, job.add_special_tokens)
     strs = [str(s) for s in tokenizer.convert_ids_to_tokens(ids)] if job.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -207,7 +195,6 @@ def _texts(body: dict[str, Any]) -> list[str]:
         param = _input_param(i, texts)
         if not t:
             raise bad_request(f"'{param}' must not be an empty string", param, "invalid_value")
-        check_unicode(t, param)
     return texts
 
 
