@@ -95,13 +95,14 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
     from api import admission, auth, http_policy, openapi
-    from api.routes import batches, embeddings, files, health, openai, scrape, utility
+    from api.routes import batches, embeddings, files, health, messages, openai, scrape, utility
 
     http_policy.install(app)  # Host allow-list, Origin check and CORS (before the key check)
     auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
     admission.install(app)  # the request body's deadline, requests in progress per key (slow bodies)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(openai.bp)
+    app.register_blueprint(messages.bp)  # Anthropic's /v1/messages on the chat path, its errors in its shape
     app.register_blueprint(embeddings.bp)
     app.register_blueprint(utility.bp)
     app.register_blueprint(files.bp)

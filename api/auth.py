@@ -3,9 +3,9 @@
 Rules (checked before every request, in this order):
 - `/health`, `/health/live`, `/health/ready`, `/openapi.json` and `/version` are public (probes, clients' code
   generators, vLLM clients checking the server).
-- With API keys configured, every other route needs `Authorization: Bearer <key>`; else 401
-  `invalid_api_key`. `/metrics` also takes `FARM_METRICS_TOKEN` (a scrape token that is not an
-  API key), or nothing when `api.metrics_public` is true.
+- With API keys configured, every other route needs `Authorization: Bearer <key>` (or Anthropic's
+  `x-api-key: <key>`, which its SDKs send); else 401 `invalid_api_key`. `/metrics` also takes
+  `FARM_METRICS_TOKEN` (a scrape token that is not an API key), or nothing when `api.metrics_public` is true.
 - With no key configured the farm is a local tool: only loopback clients are served, anyone else
   gets 401, unless `api.allow_unauthenticated` is true (an authenticating proxy in front).
   `farm up` also refuses a non-local `api.host` without keys, so this is a second line.
@@ -36,8 +36,8 @@ PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.
 LIMITED_PATHS = frozenset({"/tokenize", "/detokenize"})
 METRICS_PATH = "/metrics"
 # endpoints whose requests spend tokens: the token quota is checked before them
-GENERATING_ENDPOINTS = frozenset({"openai.chat_completions", "openai.completions", "batches.create_batch",
-                                  "embeddings.create_embeddings"})
+GENERATING_ENDPOINTS = frozenset({"openai.chat_completions", "openai.completions", "messages.create_message",
+                                  "batches.create_batch", "embeddings.create_embeddings"})
 
 
 class Auth:
@@ -74,9 +74,12 @@ def reserve_tokens(tokens: int, least: int) -> Reservation:
 
 
 def _bearer() -> str:
+    """The key of `Authorization: Bearer <key>`, else of `x-api-key: <key>` (Anthropic's header)."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip()
 
 
 def _is_loopback(addr: str | None) -> bool:
@@ -107,7 +110,8 @@ def _check() -> None:
         owner = auth.keys.owner(token)
         if owner is None:
             if not token:
-                raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+                raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+                                 "(or 'x-api-key: <key>').")
             raise unauthorized("Incorrect API key provided.")
         g.farm_owner = owner
         admit(owner)  # requests in progress per key: before the body is read (slow bodies, api/admission.py)

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from farm import __version__
+from farm.openai import anthropic as a
 from farm.openai import schemas as m
 from farm.openai import utility_schemas as u
 
@@ -40,6 +41,7 @@ class Op:
     errors: tuple[int, ...] = (400, 401, 404, 429)
     query: tuple[tuple[str, dict[str, Any]], ...] = ()
     tags: tuple[str, ...] = field(default_factory=tuple)
+    error: type[BaseModel] = m.ErrorResponse  # the shape of its error bodies
 
 
 _PAGE = (("limit", {"type": "integer", "minimum": 1}), ("after", {"type": "string"}))
@@ -49,6 +51,9 @@ OPERATIONS: tuple[Op, ...] = (
        ok=m.ChatCompletion, stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
     Op("post", "/v1/completions", "Text completion (stream or not)", m.CompletionRequest, ok=m.TextCompletion,
        stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
+    Op("post", "/v1/messages", "Anthropic's Messages API, text only (stream or not), on the chat-completions path",
+       a.AnthropicMessagesRequest, ok=a.AnthropicMessage, stream=True,
+       errors=(400, 401, 404, 413, 415, 429, 503, 504, 529), tags=("anthropic",), error=a.AnthropicErrorResponse),
     Op("post", "/v1/embeddings", "Sentence embeddings (all-MiniLM-L6-v2, 384 dimensions)", u.EmbeddingRequest,
        ok=u.EmbeddingResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("openai",)),
     Op("get", "/v1/models", "The configured models", ok=m.ModelList, errors=(401, 429), tags=("openai",)),
@@ -111,10 +116,12 @@ def _operation(op: Op) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": {"description": "OK", "content": ok_content}}
     for status in op.errors:
         responses[str(status)] = {"description": _ERROR_TEXT.get(status, "error"),
-                                  "content": {"application/json": {"schema": _ref(m.ErrorResponse)}}}
+                                  "content": {"application/json": {"schema": _ref(op.error)}}}
     out["responses"] = responses
     if op.path in PUBLIC:
         out["security"] = []
+    elif op.error is not m.ErrorResponse:  # Anthropic's clients send the key as x-api-key
+        out["security"] = [{"bearer": []}, {"apiKey": []}]
     return out
 
 
@@ -122,12 +129,14 @@ _ERROR_TEXT = {400: "invalid request (param names the field)", 401: "missing or 
                404: "no such object (or not the caller's)", 409: "conflict", 413: "body too large",
                415: "the body is not sent as application/json",
                429: "rate limit or token quota reached (Retry-After)", 503: "no worker / overloaded / Redis down "
-               "(Retry-After)", 504: "no worker progress"}
+               "(Retry-After)", 504: "no worker progress",
+               529: "every worker is above its load threshold (Anthropic's overloaded_error, Retry-After)"}
 
 
 def build_document(version: str = __version__) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
-    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *m.RESPONSE_MODELS, *u.RESPONSE_MODELS)
+    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *a.REQUEST_MODELS, *m.RESPONSE_MODELS, *u.RESPONSE_MODELS,
+              *a.RESPONSE_MODELS)
     _, schemas = models_json_schema([(model, "validation") for model in models], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
@@ -136,12 +145,13 @@ def build_document(version: str = __version__) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "Inference Farm API", "version": version,
                  "description": "OpenAI-compatible API of the farm; errors are {error: {message, type, param, "
-                                "code}}."},
+                                "code}} (Anthropic's {type: error, error: {type, message}} on /v1/messages)."},
         "servers": [{"url": "/"}],
         "security": [{"bearer": []}],
         "paths": paths,
         "components": {"schemas": schemas.get("$defs", {}),
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
     }
 
 

@@ -1,10 +1,13 @@
 """A small PromQL evaluator over scraped /metrics text: what a Grafana panel or a KEDA trigger would get back.
 
-It covers the PromQL the farm's dashboard and its chart's KEDA triggers use: selectors with =, !=, =~, !~,
-range selectors under rate/irate/increase (computed from two scrapes: the value difference over the time
-between them), sum/avg/min/max/count with `by`/`without`, histogram_quantile, clamp_min/clamp_max, vector(s),
-`or`, and + - * / between vectors (one-to-one on equal label sets) and scalars. Anything else is a
-SyntaxError: a dashboard that uses more must teach this module first, not pass unchecked.
+It covers the PromQL the farm's dashboard, its chart's KEDA triggers and its alert rules
+(deploy/prometheus/alerts.yml) use: selectors with =, !=, =~, !~, range selectors under rate/irate/increase
+(computed from two scrapes: the value difference over the time between them) and delta (for gauges: the same
+difference, no counter resets), sum/avg/min/max/count with `by`/`without`, histogram_quantile,
+clamp_min/clamp_max, vector(s), `or`, `and`, `unless` (matched on equal label sets, the metric name aside),
+the filtering comparisons == != > < >= <= (no `bool`), and + - * / between vectors (one-to-one on equal label
+sets) and scalars, with PromQL's precedence (arithmetic, then comparisons, then and/unless, then or). Anything
+else is a SyntaxError: a dashboard or a rule that uses more must teach this module first, not pass unchecked.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ class Scrape:
 
 
 _TOKEN = re.compile(r"""\s*(?:(?P<num>\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)|(?P<str>"(?:[^"\\]|\\.)*")
-                     |(?P<op>=~|!~|!=|==|[-+*/(){}\[\],=])|(?P<ident>[A-Za-z_:][A-Za-z0-9_:]*))""", re.X)
+                     |(?P<op>=~|!~|!=|==|>=|<=|[-+*/(){}\[\],=<>])|(?P<ident>[A-Za-z_:][A-Za-z0-9_:]*))""", re.X)
 AGGREGATIONS = {"sum", "avg", "min", "max", "count"}
-RANGE_FUNCTIONS = {"rate", "irate", "increase"}
+RANGE_FUNCTIONS = {"rate", "irate", "increase", "delta"}
+COMPARISONS = ("==", "!=", ">", "<", ">=", "<=")
 
 
 def tokenize(expr: str) -> list[str]:
@@ -79,11 +83,31 @@ class Evaluator:
         return tok
 
     def _or(self):
-        left = self._additive()
+        left = self._and()
         while self._peek() == "or":
             self._next()
-            right = self._additive()
+            right = self._and()
             left = _or(left, right)
+        return left
+
+    def _and(self):
+        left = self._comparison()
+        while self._peek() in ("and", "unless"):
+            keep = self._next() == "and"
+            right = self._comparison()
+            if not isinstance(left, dict) or not isinstance(right, dict):
+                raise SyntaxError(f"and/unless between scalars in {self.expr!r}")
+            names = {_drop_name(k) for k in right}
+            left = {k: x for k, x in left.items() if (_drop_name(k) in names) == keep}
+        return left
+
+    def _comparison(self):
+        left = self._additive()
+        while self._peek() in COMPARISONS:
+            op = self._next()
+            if self._peek() == "bool":
+                raise SyntaxError(f"`bool` comparisons are not supported here ({self.expr!r})")
+            left = _compare(op, left, self._additive(), self.expr)
         return left
 
     def _additive(self):
@@ -206,11 +230,26 @@ class Evaluator:
             if labels not in then:
                 continue  # one sample: no rate, as in Prometheus
             delta = v - then[labels]
-            if delta < 0:
-                delta = v  # a counter reset
+            if delta < 0 and fn != "delta":
+                delta = v  # a counter reset (delta() is for gauges: a fall is a fall)
             key = frozenset((k, x) for k, x in labels if k != "__name__")
-            out[key] = delta if fn == "increase" else delta / dt
+            out[key] = delta if fn in ("increase", "delta") else delta / dt
         return out
+
+
+def _compare(op: str, a, b, expr: str):
+    """PromQL's filtering comparison: the samples (of the vector side; the left one between vectors) for which
+    it holds, their values unchanged. NaN compares false, as in Prometheus."""
+    test = {"==": lambda x, y: x == y, "!=": lambda x, y: x != y, ">": lambda x, y: x > y,
+            "<": lambda x, y: x < y, ">=": lambda x, y: x >= y, "<=": lambda x, y: x <= y}[op]
+    if isinstance(a, float) and isinstance(b, float):
+        raise SyntaxError(f"a comparison between scalars needs `bool` in {expr!r}")
+    if isinstance(b, float):
+        return {k: x for k, x in a.items() if test(x, b)}
+    if isinstance(a, float):
+        return {k: y for k, y in b.items() if test(a, y)}
+    right = {_drop_name(k): y for k, y in b.items()}
+    return {k: x for k, x in a.items() if _drop_name(k) in right and test(x, right[_drop_name(k)])}
 
 
 def _match(value: str, op: str, want: str) -> bool:

@@ -77,7 +77,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "secrets": {"farmSecret": "s3cret", "apiKeys": ["k1", "k2"]},
         "keda": {"enabled": True, "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090",
                                                  "extraMatchers": 'job="farm-api"'}},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                    "prometheusRule": {"enabled": True, "labels": {"release": "prom"}}},
         "frontend": {"autoscaling": {"enabled": True, "maxReplicas": 5}},
         "podDisruptionBudget": {"enabled": False},
         "topologySpread": {"enabled": False},
@@ -270,6 +271,28 @@ _SERVICE_MONITOR = {
 }
 
 
+# The fields of the Prometheus Operator's PrometheusRule CRD (monitoring.coreos.com/v1) the chart uses
+# (tests/test_deploy_alerts.py checks the rules themselves).
+_DURATION = {"type": "string", "pattern": "^(([0-9]+)(y|w|d|h|m|s|ms))+$"}
+_PROMETHEUS_RULE = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {"type": "object", "additionalProperties": False, "properties": {
+            "groups": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "required": ["name", "rules"], "properties": {
+                    "name": {"type": "string", "minLength": 1}, "interval": _DURATION,
+                    "rules": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "required": ["expr"], "properties": {
+                            "alert": {"type": "string"}, "record": {"type": "string"},
+                            "expr": {"type": ["string", "integer"]}, "for": _DURATION,
+                            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                            "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}}}}}}},
+    },
+}
+
+
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
 def test_manifests_match_kubernetes_schemas(case):
     errors = []
@@ -277,7 +300,7 @@ def test_manifests_match_kubernetes_schemas(case):
         where = f"{o.get('kind')}/{o.get('metadata', {}).get('name')}"
         if o.get("apiVersion", "").startswith(("keda.sh/", "monitoring.coreos.com/")):
             schema = {"ScaledObject": _KEDA_SCALED_OBJECT, "TriggerAuthentication": _KEDA_TRIGGER_AUTH,
-                      "ServiceMonitor": _SERVICE_MONITOR}[o["kind"]]
+                      "ServiceMonitor": _SERVICE_MONITOR, "PrometheusRule": _PROMETHEUS_RULE}[o["kind"]]
             errors += [f"{where}: {e.message} at {list(e.path)}"
                        for e in jsonschema.Draft7Validator(schema).iter_errors(o)]
             continue
@@ -688,6 +711,7 @@ def test_values_schema_is_the_generated_one_and_closed_at_every_level():
     ({"redis": {"ha": {"enabeld": True}}}, "enabeld"),
     ({"redis": {"ha": {"sentinel": {"replica": 3}}}}, "replica"),
     ({"metrics": {"serviceMonitor": {"enable": True}}}, "enable"),
+    ({"metrics": {"prometheusRule": {"enable": True}}}, "enable"),
     ({"batchDriver": {"replica": 2}}, "replica"),
 ])
 def test_the_values_schema_rejects_unknown_keys_everywhere(values, where):

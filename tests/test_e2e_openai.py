@@ -66,6 +66,30 @@ def test_streaming_answer_and_usage(farm, client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+def test_anthropic_messages_answer_as_chat_completions_do(farm, client):
+    """/v1/messages through the anthropic SDK: at temperature 0 the same text and usage as /v1/chat/completions,
+    streamed or not (the semantic cache left out, so each answer is generated)."""
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=f"http://127.0.0.1:{farm.api_port}", api_key="unused", max_retries=0,
+                             default_headers={"Cache-Control": "no-cache"})
+    ask = {"model": farm.cfg.default_model, "max_tokens": 24,
+           "messages": [{"role": "user", "content": "Name three primary colors."}]}
+    chat = client.chat.completions.create(**ask, temperature=0, extra_headers={"Cache-Control": "no-cache"})
+    ask["extra_body"] = {"temperature": 0}  # this SDK no longer declares the sampling fields
+    msg = ac.messages.create(**ask)
+    assert msg.content[0].text == chat.choices[0].message.content and msg.content[0].text
+    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                 chat.usage.completion_tokens)
+    assert msg.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+    with ac.messages.stream(**ask) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == msg.content[0].text
+    assert (final.usage.input_tokens, final.usage.output_tokens, final.stop_reason) == (
+        msg.usage.input_tokens, msg.usage.output_tokens, msg.stop_reason)
+
+
 def test_mom_chooses_a_model_and_a_repeat_is_served_from_the_semantic_cache(farm, client):
     """The seed's basic request: "MoM" is classified (math), answered by a served model with the category's
     system prompt; the same request again comes from the semantic cache, streamed, with no worker."""

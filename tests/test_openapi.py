@@ -75,6 +75,11 @@ def test_document_is_openapi_3_1_with_valid_schemas():
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     # the generation routes document their errors, 401 and 429 included
     assert {"400", "401", "429", "503"} <= set(doc["paths"]["/v1/chat/completions"]["post"]["responses"])
+    messages = doc["paths"]["/v1/messages"]["post"]
+    assert {"400", "401", "429", "503", "529"} <= set(messages["responses"])
+    assert messages["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/AnthropicErrorResponse")
+    assert {"model", "max_tokens", "messages"} <= set(schemas["AnthropicMessagesRequest"]["required"])
 
 
 # ---- schemathesis against the real server ----------------------------------------------------------
@@ -132,13 +137,23 @@ def test_schemathesis_finds_no_server_error(api_schema, server, method, path):
     (Driven through hypothesis directly: schemathesis' pytest plugin does not support this pytest.)"""
     op = schema_operation(api_schema, method, path)
 
+    anthropic = path == "/v1/messages"  # Anthropic's error shape there, OpenAI's everywhere else
+
     def check(case, resp) -> None:
         if resp.status_code == 503:  # no workers / Redis down: documented, OpenAI-shaped, with Retry-After
-            assert resp.json()["error"]["code"] in ("no_workers", "overloaded", "redis_unavailable")
+            err = resp.json()["error"]
+            if anthropic:
+                assert err["type"] in ("overloaded_error", "api_error")
+            else:
+                assert err["code"] in ("no_workers", "overloaded", "redis_unavailable")
             assert int(resp.headers["Retry-After"]) > 0
             return
         case.validate_response(resp, checks=[not_a_server_error])
         if resp.status_code >= 400 and resp.headers.get("Content-Type", "").startswith("application/json"):
-            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+            body = resp.json()
+            if anthropic:
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            else:
+                assert set(body["error"]) == {"message", "type", "param", "code"}
 
     assert fuzz(op.as_strategy(), server, check, MAX_EXAMPLES, REQUEST_TIMEOUT_S), "requests were made"

@@ -132,12 +132,12 @@ def request_ids(kind: str, client_id: str | None) -> RequestIds:
 
 @bp.post("/chat/completions")
 def chat_completions() -> Response:
-    return _generate("chat")
+    return generate("chat")
 
 
 @bp.post("/completions")
 def completions() -> Response:
-    return _generate("completion")
+    return generate("completion")
 
 
 def _safe_cancel(sub: Submission) -> None:
@@ -190,9 +190,11 @@ class _Generation:
         self.reservation.settle(used)
 
 
-def _generate(kind: str) -> Response:
+def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | None = None) -> Response:
+    """A chat or text completion of the request's JSON body, or of `body` (another protocol's request translated
+    into this one: api/routes/messages.py); `on_prompt(n)` learns the prompt's token count once it is templated."""
     farm = _farm()
-    body = _json_body()
+    body = _json_body() if body is None else body
     model = require_model(body, [m.name for m in farm.cfg.models] + _aliases())
     ids = request_ids(kind, request.headers.get("X-Request-Id"))
     # the semantic layer (guards, cache, MoM selection) runs before anything is tokenized or queued
@@ -219,6 +221,8 @@ def _generate(kind: str) -> Response:
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token, backend=mcfg.backend)
     n_prompt = len(parsed.prompt_ids)
+    if on_prompt is not None:
+        on_prompt(n_prompt)
     held = reserve_tokens(n_prompt + parsed.n * parsed.sampling.max_tokens, n_prompt + parsed.n)
     quota_headers = {}
     if held.tokens < n_prompt + parsed.n * parsed.sampling.max_tokens:  # what is left of the quota caps the answer

@@ -47,6 +47,19 @@ PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 REF = "#/definitions/{}".format
 
 
+def ttft_bucket_labels() -> tuple[str, ...]:
+    """The `le` values of the farm's TTFT histogram (farm_ttft_seconds), as Prometheus writes them: the thresholds
+    the chart's TTFT alert can use (metrics.prometheusRule.ttftSeconds)."""
+    from prometheus_client.utils import floatToGoString
+
+    from farm.telemetry.prometheus import TTFT_SECONDS
+
+    return tuple(floatToGoString(b) for b in TTFT_SECONDS._upper_bounds if b != float("inf"))  # noqa: SLF001
+
+
+TTFT_BUCKET_LABELS = ttft_bucket_labels()
+
+
 def farm_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     """FarmConfig's JSON schema for partial overrides: (the schema of `config:`, its definitions), with every
     key optional (the chart merges `config:` over what it computes) and refs renamed into `farm.*`."""
@@ -188,7 +201,14 @@ def chart_schema() -> dict[str, Any]:
         "metrics": obj({"podAnnotations": BOOL,
                         "serviceMonitor": obj({"enabled": BOOL, "interval": {"type": "string", "pattern": "^[0-9]+[smh]$"},
                                                "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+[smh]$"},
-                                               "labels": string_map()})}),
+                                               "labels": string_map()}),
+                        "prometheusRule": obj({
+                            "enabled": BOOL, "labels": string_map(),
+                            # a bucket bound of farm_ttft_seconds, as Prometheus writes the `le` label
+                            "ttftSeconds": {"enum": list(TTFT_BUCKET_LABELS)},
+                            "ttftObjective": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                            "errorRatio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                            "waitingRequests": NONNEG})}),
         "podDisruptionBudget": obj({"enabled": BOOL, "maxUnavailable": {"type": ["integer", "string"]}}),
         "topologySpread": obj({"enabled": BOOL, "maxSkew": POS, "topologyKey": {"type": "string", "minLength": 1},
                                "whenUnsatisfiable": {"enum": ["ScheduleAnyway", "DoNotSchedule"]}}),

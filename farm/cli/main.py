@@ -64,6 +64,7 @@ def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
     from farm.models.directories import convert_gguf
 
     target = args.model
+    refuse_unsupported_flags(args)
     router: dict[str, Any] = {}
     for flag, key in (("router_mode", "mode"), ("router_temperature", "temperature"),
                       ("kv_overlap_score_weight", "overlap_weight")):
@@ -74,9 +75,9 @@ def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
     data = cfg.model_dump(mode="json")
     data["router"].update(router)
     known = {m.name: m for m in cfg.models}
-    if target in known:  # a configured model: its entry as it is
+    if target in known:  # a configured model: its entry as it is (renamed by --served-model-name)
         entry = data["models"][[m.name for m in cfg.models].index(target)]
-        name = target
+        name = args.served_model_name or target
     else:
         path = Path(target).expanduser().resolve()
         if path.is_file() and path.suffix == ".gguf":
@@ -98,6 +99,7 @@ def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
         entry["max_model_len"] = args.max_model_len
     entry.pop("workers", None)  # the flags (or the `workers` section) say how many
     entry["name"] = name
+    _vllm_serve_flags(cfg, args, data, entry)
     names = {m: name for m in known}
     data["semantic"] = _rename_models(data.get("semantic"), names) if "semantic" in data else None
     if data["semantic"] is None:
@@ -108,6 +110,139 @@ def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
         return FarmConfig.model_validate(data)
     except ValueError as e:
         raise ConfigError(f"farm serve: {e}") from None
+
+
+# vLLM's --dtype values -> engine.dtype (both engines: vLLM workers get engine.dtype as their dtype)
+SERVE_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                "float": "float32", "float32": "float32"}
+# generation_config.json keys vLLM applies as default sampling parameters (ModelConfig.get_diff_sampling_param)
+# -> models[].defaults
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                       "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
+
+
+def refuse_unsupported_flags(args: argparse.Namespace) -> None:
+    """vLLM flags `farm serve` takes so that a `vllm serve` command line fails loudly, not silently differently."""
+    if getattr(args, "enable_auto_tool_choice", False) or getattr(args, "tool_call_parser", None):
+        raise ConfigError("farm serve: --enable-auto-tool-choice / --tool-call-parser: tool calling is not "
+                          "supported yet (a request with `tools` or `tool_choice` is refused with a 400); leave "
+                          "these flags out")
+
+
+def _chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's text, else the argument itself when it is a Jinja template."""
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a template longer than a file name may be
+        is_file = False
+    if is_file:
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"farm serve: --chat-template {value}: cannot read it ({e})") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ConfigError(f"farm serve: --chat-template {value!r} is no file and not a Jinja template (vLLM's rule: "
+                      "a path to a template file, or the template itself)")
+
+
+def _generation_defaults(cfg: FarmConfig, args: argparse.Namespace, entry: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --generation-config as models[].defaults: `vllm` = neutral defaults (the farm's own), `auto` = the
+    model's generation_config.json, a folder = that folder's; the sampling parameters vLLM takes from it, a value
+    out of the farm's ranges failing the configuration's validation."""
+    from pathlib import Path
+
+    from farm.config import ModelConfig
+    from farm.models.directories import model_dir
+
+    src = args.generation_config
+    defaults = dict(entry.get("defaults") or {})
+    if src in (None, "vllm"):
+        return defaults
+    if src == "auto":
+        try:
+            folder = model_dir(cfg, ModelConfig.model_validate(entry))
+        except ValueError as e:
+            raise ConfigError(f"farm serve: {e}") from None
+        if not (folder / "generation_config.json").is_file():
+            return defaults  # no file: vLLM's neutral defaults too
+    else:
+        folder = Path(src).expanduser().resolve()
+        if not (folder / "generation_config.json").is_file():
+            raise ConfigError(f"farm serve: --generation-config {src}: no generation_config.json in that folder "
+                              "(give a folder, `auto` or `vllm`)")
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(folder).to_diff_dict()  # what vLLM reads: the non-default values
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"farm serve: --generation-config {src}: {folder / 'generation_config.json'} is not a "
+                          f"valid generation config ({e})") from None
+    for key, field in GENERATION_DEFAULTS.items():
+        if gen.get(key) is not None:
+            defaults[field] = gen[key]
+    return defaults
+
+
+def _vllm_serve_flags(cfg: FarmConfig, args: argparse.Namespace, data: dict[str, Any], entry: dict[str, Any]) -> None:
+    """vLLM's `vllm serve` flags, each where the farm keeps it: the API section, the engine section (built-in
+    engine) or the model's `vllm.engine_args` (vLLM workers); a flag the model's engine cannot honour is refused."""
+    import hashlib
+
+    from farm.tenancy.api_keys import HASH_PREFIX
+
+    if args.host is not None:
+        data["api"]["host"] = args.host  # not loopback: needs an API key (Farm refuses to start otherwise)
+    if args.port is not None:
+        data["api"]["port"] = args.port
+    for key in args.api_key or []:
+        # only the key's digest goes into the configuration every child reads (<state_dir>/config.resolved.yaml,
+        # 0600): no child's command line nor environment carries the key
+        data["api"]["api_keys"] = [*data["api"].get("api_keys", []),
+                                   HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()]
+    if args.chat_template is not None:
+        entry["chat_template"] = _chat_template(args.chat_template)
+    if args.generation_config is not None:
+        entry["defaults"] = _generation_defaults(cfg, args, entry)
+    if args.dtype is not None:
+        data["engine"]["dtype"] = SERVE_DTYPES[args.dtype]
+    vllm = entry.get("backend", "builtin") == "vllm"
+    engine_args: dict[str, Any] = {}
+    if args.max_num_seqs is not None:
+        if vllm:
+            engine_args["max_num_seqs"] = args.max_num_seqs
+        else:
+            data["engine"]["max_num_seqs"] = args.max_num_seqs
+    for flag, value in (("tensor_parallel_size", args.tensor_parallel_size),
+                        ("gpu_memory_utilization", args.gpu_memory_utilization),
+                        ("trust_remote_code", args.trust_remote_code or None), ("seed", args.seed)):
+        if value is None:
+            continue
+        if vllm:
+            engine_args[flag] = value
+        elif flag != "tensor_parallel_size" or value > 1:
+            raise ConfigError(f"farm serve: --{flag.replace('_', '-')}: {BUILTIN_REFUSALS[flag]}; it applies to "
+                              "vLLM workers (--backend vllm)")
+    if engine_args:
+        opts = entry.get("vllm") or {}
+        entry["vllm"] = {**opts, "engine_args": {**(opts.get("engine_args") or {}), **engine_args}}
+
+
+# Why the built-in engine refuses a vLLM engine flag (no honest mapping onto its settings)
+BUILTIN_REFUSALS = {
+    "tensor_parallel_size": "the built-in engine runs a model on one device (no tensor parallelism); run more "
+                            "workers instead (--workers)",
+    "gpu_memory_utilization": "the built-in engine sizes its KV cache in MiB, not as a share of GPU memory: set "
+                              "engine.kv_cache_mb (FARM_ENGINE__KV_CACHE_MB)",
+    "trust_remote_code": "the built-in engine runs only the architectures it knows (Llama, Mistral, Qwen2, Qwen3) "
+                         "with transformers' own modules, never a model's own code",
+    "seed": "the built-in engine draws each request's randomness on its own; a request's `seed` makes it "
+            "reproducible",
+}
 
 
 def cmd_serve(cfg: FarmConfig, args: argparse.Namespace) -> int:
@@ -192,6 +327,40 @@ def cmd_worker(cfg: FarmConfig, args: argparse.Namespace) -> int:
 
 
 # -- argument parsing -------------------------------------------------------------------------------
+def _int_in(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is not in [{lo}, {hi}]" if hi is not None else f"{v} is below {lo}")
+        return v
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} is not in (0, 1]")
+    return v
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _host(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9.:%_-]{1,253}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or an IP address")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="farm", description="Inference Farm: run and inspect the serving farm.")
     p.add_argument("--config", metavar="PATH", help="override file (default: $FARM_CONFIG)")
@@ -223,13 +392,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "file) like `vllm serve`: the farm's defaults for everything else")
     sv.add_argument("model", metavar="PATH_OR_GGUF", help="configured model name, model directory or .gguf file")
     sv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: the "
-                    "directory's or file's name)")
+                    "configured name, or the directory's or file's name)")
     sv.add_argument("--workers", type=int, metavar="N", help="aggregated (prefill+decode) workers; alone, only these")
     sv.add_argument("--prefill-workers", type=int, metavar="N", help="prefill workers (default: workers.prefill)")
     sv.add_argument("--decode-workers", type=int, metavar="N", help="decode workers (default: workers.decode)")
     sv.add_argument("--backend", choices=("builtin", "vllm"), help="engine of the workers (default: builtin)")
     sv.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: 4096)")
-    sv.add_argument("--port", type=int, metavar="P", help="API port (default: api.port)")
+    sv.add_argument("--port", type=_int_in(1, 65535), metavar="P", help="API port (api.port)")
+    # vLLM's `vllm serve` flags (README, "farm serve for vllm serve users")
+    sv.add_argument("--host", type=_host, metavar="H", help="API bind address (api.host; default 127.0.0.1); "
+                    "any other than loopback needs an API key (--api-key, FARM_API_KEYS or api.api_keys)")
+    sv.add_argument("--api-key", action="append", type=_nonempty, metavar="KEY",
+                    help="an API key clients must send as Bearer (repeatable; api.api_keys, as its sha256 digest). "
+                         "Visible in this process's command line, as with vLLM: FARM_API_KEYS=KEY is the safer way")
+    sv.add_argument("--dtype", choices=tuple(SERVE_DTYPES), help="weights' dtype (engine.dtype; default: auto = "
+                    "float32 on CPUs, the model's on GPUs)")
+    sv.add_argument("--max-num-seqs", type=_int_in(1), metavar="N", help="most sequences a worker runs at once "
+                    "(engine.max_num_seqs; vLLM workers: vllm.engine_args.max_num_seqs)")
+    sv.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", help="a Jinja chat template (a file, or the "
+                    "template itself) used instead of the model's (models[].chat_template)")
+    sv.add_argument("--generation-config", metavar="auto|vllm|DIR", type=_nonempty,
+                    help="default sampling parameters (models[].defaults): vllm = neutral (the farm's default), "
+                         "auto = the model's generation_config.json, DIR = that folder's")
+    sv.add_argument("--trust-remote-code", action="store_true", help="let vLLM workers run the model's own code "
+                    "(vllm.engine_args.trust_remote_code; the API's tokenizer too); refused by the built-in engine")
+    sv.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), metavar="N",
+                    help="GPUs per vLLM worker (vllm.engine_args); the built-in engine takes only 1")
+    sv.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F",
+                    help="share of GPU memory a vLLM worker takes (vllm.engine_args; instead of engine.kv_cache_mb); "
+                         "refused by the built-in engine")
+    sv.add_argument("--seed", type=int, metavar="S", help="vLLM workers' engine seed (vllm.engine_args.seed); "
+                    "refused by the built-in engine")
+    sv.add_argument("--enable-auto-tool-choice", action="store_true", help="refused: tool calling is not supported yet")
+    sv.add_argument("--tool-call-parser", metavar="NAME", help="refused: tool calling is not supported yet")
     sv.add_argument("--router-mode", choices=("kv", "round-robin", "random"), help="default: router.mode")
     sv.add_argument("--router-temperature", type=float, metavar="T",
                     help="softmax temperature over the router's cost (router.temperature; 0 = cheapest)")

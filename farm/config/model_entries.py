@@ -60,6 +60,13 @@ class SamplingDefaults(Section):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)  # None: up to the context length
+    # vLLM's extensions, in the ranges a request may send (farm/openai/schemas.py); the defaults change nothing.
+    # What `farm serve --generation-config auto` takes from a model's generation_config.json besides the above.
+    top_k: int = Field(0, ge=-1, le=1 << 20)  # 0 or -1: all tokens
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 
 
 class ModelWorkers(Section):
@@ -68,6 +75,20 @@ class ModelWorkers(Section):
     prefill: int = Field(0, ge=0)
     decode: int = Field(0, ge=0)
     both: int = Field(0, ge=0)
+
+
+MAX_CHAT_TEMPLATE_CHARS = 1_000_000
+
+
+def check_chat_template(text: str) -> str:
+    """`text` if it parses as a Jinja template (as transformers renders chat templates), else ValueError."""
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return text
 
 
 class ModelConfig(Section):
@@ -83,6 +104,10 @@ class ModelConfig(Section):
     workers: ModelWorkers | None = None  # None: the `workers` section (or farm up's flags)
     backend: Literal["builtin", "vllm"] = "builtin"  # which engine the workers of this model run
     vllm: VllmOptions | None = None  # only with backend: vllm
+    # A Jinja chat template (the text itself) the API renders chats with instead of the tokenizer's own
+    # (vLLM's --chat-template; `farm serve --chat-template FILE_OR_TEMPLATE` reads a file into it). None: the
+    # model's own. The API tokenizes, so this one place serves both engines.
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -94,4 +119,12 @@ class ModelConfig(Section):
             raise ValueError(f"model {self.name!r}: a `vllm` section needs `backend: vllm` (got {self.backend!r})")
         if self.backend == "vllm" and self.vllm is None:
             self.vllm = VllmOptions()
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
         return self
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """Whether the model's own code may run (vLLM's trust_remote_code, `vllm.engine_args`): then the API loads
+        the model's tokenizer with it too, as vLLM does. The built-in engine never runs a model's code."""
+        return bool(self.vllm is not None and self.vllm.engine_args.get("trust_remote_code"))

@@ -19,17 +19,23 @@ HF_LOAD_LOCK = threading.RLock()
 
 
 @lru_cache(maxsize=16)
-def _load(path: str):
+def _load(path: str, chat_template: str | None = None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code) if trust_remote_code \
+        else AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tok.chat_template = chat_template  # models[].chat_template (vLLM's --chat-template) replaces the model's
+    return tok
 
 
 def get_tokenizer(cfg: FarmConfig, model_name: str):
-    """The model's tokenizer (fast, with its chat template); raises ModelNotFoundError if absent."""
-    d: Path = require_model_dir(cfg, cfg.model(model_name))
+    """The model's tokenizer (fast, with its chat template, or the entry's `chat_template`); raises
+    ModelNotFoundError if absent."""
+    m = cfg.model(model_name)
+    d: Path = require_model_dir(cfg, m)
     with HF_LOAD_LOCK:
-        return _load(str(d))
+        return _load(str(d), m.chat_template, m.trust_remote_code)
 
 
 _LONGEST_TOKEN: dict[int, tuple[Any, int]] = {}

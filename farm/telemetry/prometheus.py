@@ -76,6 +76,9 @@ MIGRATIONS = Counter("farm_migrations_total", "Requests moved off a worker that 
 BATCH_INFLIGHT = Gauge("farm_batch_inflight_lines", "Batch lines in flight in this batch-driver process")
 BATCH_WINDOW = Gauge("farm_batch_window_lines",
                      "Batch lines a driver may have in flight now (small while interactive requests run)")
+# Whether this API process reached Redis at its last scrape (1) or not (0): set by FarmCollector.refresh in every
+# replica (exporting the farm-wide series or not), so an alert sees Redis down from any replica's /metrics.
+REDIS_UP = Gauge("farm_redis_up", "1 when this API process reached Redis at its last /metrics scrape, else 0")
 
 
 
@@ -289,6 +292,7 @@ class FarmCollector:
         try:
             self.series.exporting = bool(self._lease(keys=[METRICS_EXPORTER_KEY],
                                                      args=[self.identity, EXPORTER_TTL_S]))
+            REDIS_UP.set(1)
             if not self.series.exporting:
                 return
             workers = registry.live_workers(self.r)
@@ -301,6 +305,7 @@ class FarmCollector:
                 pipe.hgetall(stats_key(name))
             counter_values = pipe.execute()
         except Exception:  # noqa: BLE001 - Redis down: keep the last values, the API reports 503 elsewhere
+            REDIS_UP.set(0)
             return
         s = self.series
         s.counters = {name: {k.decode(): float(v) for k, v in raw.items()}

@@ -4,8 +4,8 @@ is fast, and the API cannot tell), API keys on. Per operation, schema-valid requ
 ones (schemathesis' negative mode) and valid ones naming objects that exist (a file, a batch, a model:
 what a stateful run would reach through links, which the document does not declare) get no 5xx at all
 (tests/test_openapi.py runs the same without workers, where 503 is the documented answer), every error
-is OpenAI-shaped, every stream ends with [DONE] and no generation error, and every answer comes within
-REQUEST_TIMEOUT_S."""
+is OpenAI-shaped (Anthropic-shaped on /v1/messages), every stream ends with [DONE] (message_stop there) and no
+generation error, and every answer comes within REQUEST_TIMEOUT_S."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def api_schema(server) -> tuple[Any, dict[str, list[str]]]:
     path parameters (a file, a batch), so the routes behind them are reached too."""
     doc = requests.get(server + "/openapi.json", timeout=10).json()
     names = [m["id"] for m in requests.get(server + "/v1/models", headers=bearer(KEY_A), timeout=10).json()["data"]]
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "AnthropicMessagesRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"enum": names}
     line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
                        "body": {"model": names[0], "messages": [{"role": "user", "content": "hi"}]}})
@@ -68,12 +68,19 @@ def test_no_request_gets_a_server_error(api_schema, server, method, path):
     if ids:
         strategies.append(st.one_of(*[op.as_strategy(path_parameters={ids[0]: v}) for v in known[ids[0]]]))
 
+    anthropic = path == "/v1/messages"  # Anthropic's error shape and event stream there
+
     def check(case, resp) -> None:
         assert resp.status_code < 500, (case.method, case.path, case.body, resp.text[:500])
         case.validate_response(resp, checks=[not_a_server_error])
         if resp.status_code >= 400:
-            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+            body = resp.json()
+            if anthropic:
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            else:
+                assert set(body["error"]) == {"message", "type", "param", "code"}
         elif resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            assert "generation failed" not in resp.text and resp.text.rstrip().endswith("data: [DONE]")
+            end = 'data: {"type":"message_stop"}' if anthropic else "data: [DONE]"
+            assert "generation failed" not in resp.text and resp.text.rstrip().endswith(end)
 
     assert fuzz(st.one_of(*strategies), server, check, MAX_EXAMPLES, REQUEST_TIMEOUT_S), "requests were made"

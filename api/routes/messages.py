@@ -1,0 +1,57 @@
+"""Anthropic's Messages API, `POST /v1/messages`, on the chat-completions path.
+
+The body is checked and translated by farm.openai.anthropic into a chat-completions body, which runs through the
+very path of /v1/chat/completions (api.routes.openai.generate: model check, limits, token quota, the semantic
+layer, the gateway); its answer is translated back, JSON or SSE. Every error of this route, the key check and the
+body's limits included, is in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), with the
+farm's status (529 when every worker is above its load threshold). The key may come as `x-api-key` (Anthropic's
+header) or `Authorization: Bearer` (api/auth.py); `anthropic-version` and `anthropic-beta` are accepted and not read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Blueprint, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+from api.bodies import json_body
+from api.error_handlers import to_api_error
+from api.routes.openai import generate
+from farm.openai import anthropic
+
+log = logging.getLogger(__name__)
+bp = Blueprint("messages", __name__, url_prefix="/v1")
+
+
+@bp.post("/messages")
+def create_message() -> Response:
+    req = anthropic.parse_request(json_body())
+    stops = anthropic.stop_sequences(req)
+    prompt_tokens: list[int] = []
+    resp = generate("chat", anthropic.to_chat_body(req), on_prompt=prompt_tokens.append)
+    if resp.headers.get("x-request-id"):
+        resp.headers["request-id"] = resp.headers["x-request-id"]  # where Anthropic's SDKs read the request's id
+    if resp.mimetype == "text/event-stream":
+        resp.response = anthropic.translate_stream(resp.response, stops,
+                                                   lambda: prompt_tokens[0] if prompt_tokens else 0)
+        return resp
+    resp.set_data(jsonify(anthropic.from_chat_completion(resp.get_json(), stops)).get_data())
+    return resp
+
+
+@bp.errorhandler(Exception)
+def _anthropic_error(err: Exception):
+    """Any failure of this route (raised in it, or before it by the key check and the body's limits) in
+    Anthropic's shape; the status and headers (Retry-After, WWW-Authenticate, Allow) as the farm's mapping has them."""
+    if isinstance(err, HTTPException) and err.code is not None and err.code < 400:
+        return err
+    api_err = to_api_error(err)
+    if api_err.status == 500:
+        log.exception("unhandled error")
+    status, body = anthropic.from_api_error(api_err)
+    resp = jsonify(body)
+    resp.status_code = status
+    for k, v in api_err.headers.items():
+        resp.headers[k] = v
+    return resp

@@ -1,0 +1,265 @@
+"""Anthropic's Messages API, POST /v1/messages: the translation (farm.openai.anthropic) on its own, then the
+official `anthropic` SDK against the real app (through httpx's WSGI transport, API keys on) with a scripted
+worker on the real Redis (tests/test_api_stream.py), so the exact event stream is known. The real model's answer
+equals /v1/chat/completions' in tests/test_e2e_openai.py."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import httpx2
+import pytest
+from flask import Flask
+
+from farm.cluster import registry
+from farm.openai import anthropic as a
+from farm.openai.api_error import APIError
+from tests.security_helpers import KEY_A, farm_app
+from tests.test_api_errors import GHOST
+from tests.test_api_stream import USAGE, ScriptedWorker, both_start, deltas, done
+
+
+# ---- the translation ---------------------------------------------------------------------------
+def test_request_becomes_the_chat_body():
+    req = a.parse_request({
+        "model": "m", "max_tokens": 7, "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                     {"role": "assistant", "content": "Hello"}],
+        "stop_sequences": ["END", ""], "temperature": 0, "top_p": 0.5, "top_k": 3, "stream": True,
+        "metadata": {"user_id": "u-1"}})
+    assert a.to_chat_body(req) == {
+        "model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                                   {"role": "assistant", "content": "Hello"}],
+        "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3, "stop": ["END"],
+        "include_stop_str_in_output": True, "add_generation_prompt": False, "continue_final_message": True,
+        "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("body,where", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n: Extra inputs"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0]: 'image' content blocks are not supported"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "'tool_result' content blocks"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}, "'tools'"),
+    ({"max_tokens": "1", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Input should be a valid int"),
+    ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text: Field required"),
+    ({"max_tokens": 1, "messages": []}, "messages: List should have at least 1 item"),
+])
+def test_bad_requests_are_refused_naming_the_problem(body, where):
+    with pytest.raises(APIError) as e:
+        a.parse_request({"model": "m", **body})
+    assert e.value.status == 400 and where in e.value.message
+
+
+def test_answer_and_stop_sequence_back():
+    chat = {"id": "chatcmpl-xyz", "model": "m", "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+            "choices": [{"message": {"role": "assistant", "content": "one twoEND"}, "finish_reason": "stop"}]}
+    msg = a.from_chat_completion(chat, ["X", "END"])
+    assert msg == {"id": "msg_xyz", "type": "message", "role": "assistant", "model": "m",
+                   "content": [{"type": "text", "text": "one two"}], "stop_reason": "stop_sequence",
+                   "stop_sequence": "END", "usage": {"input_tokens": 5, "output_tokens": 3}}
+    chat["choices"][0]["finish_reason"] = "length"
+    assert a.from_chat_completion(chat, ["END"])["stop_reason"] == "max_tokens"
+    assert a.from_chat_completion(chat, [])["content"][0]["text"] == "one twoEND"
+    assert a.error_body(503, "busy", "overloaded") == (529, {"type": "error", "error": {
+        "type": "overloaded_error", "message": "busy"}})
+    assert a.error_body(401, "no")[1]["error"]["type"] == "authentication_error"
+
+
+def _chunk(**kw) -> str:
+    return "data: " + json.dumps({"id": "chatcmpl-1", "model": "m", **kw}) + "\n\n"
+
+
+def test_stream_holds_back_what_may_begin_a_stop_sequence():
+    chat = [_chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}]),
+            _chunk(choices=[{"index": 0, "delta": {"content": "a <"}}]) + _chunk(
+                choices=[{"index": 0, "delta": {"content": "b> c <"}}]),
+            _chunk(choices=[{"index": 0, "delta": {"content": "/"}}]),
+            _chunk(choices=[{"index": 0, "delta": {"content": "x>"}}]),
+            _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+            _chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": 6}), "data: [DONE]\n\n"]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in "".join(a.translate_stream(chat, ["</x>"], lambda: 4))
+              .split("\n\n") if b]
+    texts = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+    assert texts == ["a ", "<b> c "]  # "<", then "</x>" held back until they were (not) the stop sequence
+    assert events[-2] == {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "</x>"},
+                          "usage": {"input_tokens": 4, "output_tokens": 6}}
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    chat = [_chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": "hi"}}]),
+            'data: {"error": {"message": "boom", "type": "server_error", "param": null, "code": "no_workers"}}\n\n',
+            "data: [DONE]\n\n"]
+    out = "".join(a.translate_stream(chat, []))
+    assert out.endswith('event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"boom"}}\n\n')
+    assert "message_stop" not in out
+
+
+# ---- the SDK against the app -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
+    with farm_app(redis_url, tmp_path_factory.mktemp("api-messages"), FARM_API_KEYS=KEY_A) as app:
+        yield app
+
+
+@pytest.fixture
+def ghost(app, redis_client):
+    """One live worker (GHOST) whose tasks a ScriptedWorker takes; the app's config."""
+    cfg = app.extensions["farm"].cfg
+    app.extensions["farm"].semantic()  # loaded before the ghost's heartbeat starts ticking
+    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
+                                                        cfg.engine.block_size, num_blocks=1000))
+    return cfg
+
+
+def sdk(app: Flask, key: str = KEY_A) -> anthropic.Anthropic:
+    # no semantic cache: every request here must reach the scripted worker (the SDK brings its own httpx2)
+    return anthropic.Anthropic(api_key=key, base_url="http://localhost", max_retries=0,
+                               default_headers={"Cache-Control": "no-cache"},
+                               http_client=httpx2.Client(transport=httpx2.WSGITransport(app=app)))
+
+
+def raw(app: Flask, body, headers: dict[str, str] | None = None) -> httpx.Response:
+    with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://localhost") as c:
+        return c.post("/v1/messages", content=json.dumps(body), headers={
+            "content-type": "application/json", "x-api-key": KEY_A, "anthropic-version": "2023-06-01",
+            **(headers or {})})
+
+
+def assert_anthropic_error(resp: httpx.Response, status: int, kind: str) -> str:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error"
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == kind and body["error"]["message"]
+    assert "Traceback" not in resp.text
+    return body["error"]["message"]
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{text} ({uuid.uuid4().hex[:6]})"}]
+
+
+def test_no_worker_is_a_503_overloaded_error(app, redis_client):
+    cfg = app.extensions["farm"].cfg
+    resp = raw(app, {"model": cfg.default_model, "max_tokens": 3, "messages": user("x")})
+    assert_anthropic_error(resp, 503, "overloaded_error")
+    assert int(resp.headers["Retry-After"]) > 0
+
+
+def test_message_with_x_api_key(app, ghost, redis_client):
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("Hel", "lo"), done("stop")])
+    raw_resp = sdk(app).messages.with_raw_response.create(
+        model=ghost.default_model, max_tokens=5, messages=user("Say hello"), metadata={"user_id": "someone"},
+        extra_body={"temperature": 0, "top_k": 3})  # this SDK no longer declares the sampling fields
+    msg = raw_resp.parse()
+    assert msg.id.startswith("msg_") and msg.type == "message" and msg.role == "assistant"
+    assert msg.model == ghost.default_model
+    assert [(b.type, b.text) for b in msg.content] == [("text", "Hello")]
+    assert (msg.stop_reason, msg.stop_sequence) == ("end_turn", None)
+    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (USAGE["prompt_tokens"], USAGE["completion_tokens"])
+    assert raw_resp.headers["x-farm-decode-worker"] == GHOST and raw_resp.headers["request-id"]
+    s = w.request.sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.stop) == (5, 0.0, 3, [])
+
+
+def test_stream_events_in_order_and_stop_sequence(app, ghost, redis_client):
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("Hel", "lo wor", "ld EN", "D"), done("stop")])
+    with sdk(app).messages.stream(model=ghost.default_model, max_tokens=20, messages=user("Count"),
+                                  stop_sequences=["END"]) as stream:
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_message()
+    raw_kinds = [k for k in kinds if k != "text"]  # "text": the SDK's own event beside each delta (it drops pings)
+    assert raw_kinds[:2] == ["message_start", "content_block_start"]
+    assert raw_kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(raw_kinds[2:-3]) == {"content_block_delta"}
+    assert final.content[0].text == "Hello world "
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (USAGE["prompt_tokens"],
+                                                                     USAGE["completion_tokens"])
+    s = w.request.sampling
+    assert s.stop == ["END"] and s.include_stop_str_in_output
+
+
+def test_max_tokens_and_the_raw_stream(app, ghost, redis_client):
+    ScriptedWorker(redis_client, [both_start(), *deltas("a", "b"), done("length")])
+    resp = raw(app, {"model": ghost.default_model, "max_tokens": 2, "messages": user("Go"), "stream": True},
+               headers={"Authorization": f"Bearer {KEY_A}", "x-api-key": ""})  # the Bearer header works too
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    blocks = [b.split("\n") for b in resp.text.split("\n\n") if b]
+    assert all(b[0].startswith("event: ") and b[1].startswith("data: ") for b in blocks)
+    events = [json.loads(b[1][len("data: "):]) for b in blocks]
+    assert [b[0][len("event: "):] for b in blocks] == [e["type"] for e in events]
+    assert [e["type"] for e in events] == ["message_start", "content_block_start", "ping", "content_block_delta",
+                                           "content_block_delta", "content_block_stop", "message_delta",
+                                           "message_stop"]
+    assert events[0]["message"]["usage"]["input_tokens"] > 0  # the prompt's count, known before the answer
+    assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    ScriptedWorker(redis_client, [both_start(), *deltas("x"), done("length")])
+    msg = sdk(app).messages.create(model=ghost.default_model, max_tokens=1, messages=user("Go"))
+    assert msg.stop_reason == "max_tokens"
+
+
+def test_system_prompt_reaches_the_template(app, ghost, redis_client):
+    tok = app.extensions["farm"].tokenizer(ghost.default_model)
+    prompts = []
+    for system in ("Be terse.", [{"type": "text", "text": "Be terse. "},
+                                 {"type": "text", "text": "Answer every question in one plain word, never more."}]):
+        w = ScriptedWorker(redis_client, [both_start(), *deltas("ok"), done()])
+        sdk(app).messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"), system=system)
+        prompts.append(w.request.prompt_token_ids)
+    assert "Be terse." in tok.decode(prompts[0])
+    assert "Be terse. Answer every question in one plain word, never more." in tok.decode(prompts[1])
+    assert len(prompts[1]) > len(prompts[0]) + 8
+
+
+def test_errors_in_anthropics_shape(app, ghost):
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        sdk(app, key="sk-wrong-key").messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"))
+    assert e.value.status_code == 401 and e.value.body["error"]["type"] == "authentication_error"
+    assert_anthropic_error(raw(app, {"model": ghost.default_model, "max_tokens": 3, "messages": user("x")},
+                               headers={"x-api-key": ""}), 401, "authentication_error")
+    ok = {"model": ghost.default_model, "max_tokens": 3, "messages": user("x")}
+    assert "max_tokens" in assert_anthropic_error(
+        raw(app, {k: v for k, v in ok.items() if k != "max_tokens"}), 400, "invalid_request_error")
+    assert "frequency_penalty" in assert_anthropic_error(raw(app, {**ok, "frequency_penalty": 1}), 400,
+                                                         "invalid_request_error")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    assert "image" in assert_anthropic_error(
+        raw(app, {**ok, "messages": [{"role": "user", "content": [image]}]}), 400, "invalid_request_error")
+    with pytest.raises(anthropic.BadRequestError):
+        sdk(app).messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"), stop_sequences=["a"] * 5)
+    assert_anthropic_error(raw(app, {**ok, "model": "no-such-model"}), 404, "not_found_error")
+    assert_anthropic_error(_broken(app), 400, "invalid_request_error")
+    too_long = {**ok, "max_tokens": ghost.model(ghost.default_model).max_model_len + 1}
+    assert "context length" in assert_anthropic_error(raw(app, too_long), 400, "invalid_request_error")
+
+
+def _broken(app: Flask) -> httpx.Response:
+    with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://localhost") as c:
+        return c.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json",
+                                                                    "x-api-key": KEY_A})
+
+
+def test_every_worker_busy_is_a_529_overloaded_error(app, ghost, redis_client):
+    import time
+
+    from farm.router.load import LoadTracker
+
+    LoadTracker(redis_client).begin("d", GHOST, "someone-else", 990)  # 99% of its 1000 blocks
+    router = app.extensions["farm"].gateway.router
+    deadline = time.monotonic() + 10
+    while router.loads.loads().get(GHOST, {}).get("d") != 990 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(anthropic.APIStatusError) as e:
+        sdk(app).messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"))
+    assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+    assert int(e.value.response.headers["Retry-After"]) == ghost.router.retry_after_s
