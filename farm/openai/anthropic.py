@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
@@ -29,19 +28,11 @@ from pydantic import (
 )
 
 from farm.openai.api_error import APIError, bad_request
+from farm.openai.schemas import MAX_TOP_K, _Loose, _Request  # the OpenAI schemas' bases and bound, shared
 from farm.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
-MAX_TOP_K = 1 << 20
 TEXT_ONLY = "this server accepts text content only (no images, documents or tool calling)"
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 # -- requests ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
-from farm.openai.schemas import UNSUPPORTED_NOTE, ChatMessage
+from farm.openai.schemas import UNSUPPORTED_NOTE, ChatMessage, _Loose
 
 MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids per /detokenize request
 MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request (each one forward on the API's CPU)
@@ -21,10 +21,6 @@ MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request (each one forward
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 _MODEL = "a configured model (GET /v1/models); default: the farm's default model"

@@ -197,15 +197,7 @@ class LoadTracker:
         self._end = r.register_script(_END)
 
     def begin(self, kind: str, worker: str, request_id: str, amount: int) -> None:
-        m = self.mirror
-        k = m.expect(f"{worker}|{kind}", int(amount), 1) if m is not None else 0
-        entry = None
-        try:
-            keys, args = self._begin_args(kind, worker, request_id, amount, k)
-            entry = self._begin(keys=keys, args=args)
-        finally:
-            if m is not None:
-                m.settle(k, entry or None)
+        self.begin_many([(kind, worker, request_id, amount)])
 
     def begin_many(self, contributions: list[tuple[str, str, str, int]]) -> None:
         """`begin` for several (kind, worker, request id, amount) in one round trip (a placement's prefill and
