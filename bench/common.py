@@ -180,3 +180,9 @@ def finish(out: str | Path, data: dict[str, Any], goals: list[dict[str, Any]], f
     path = write_json(out, {"machine": machine_info(), **data, "goals": goals})
     print(f"\nwrote {path}")
     return path
+
+
+def alternating(names: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, contender) in A B ... then ... B A order, and so on for more rounds: the order every bench that
+    compares contenders runs them in, so drift of the machine during a run favours none."""
+    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import OUT_DIR, finish, goal, load_average, machine_info, table
+from bench.common import OUT_DIR, alternating, finish, goal, load_average, machine_info, table
 from bench.engine_speed import admission as adm
 from bench.engine_speed import contenders as ct
 from bench.engine_speed import load, report, scale
@@ -54,10 +54,6 @@ from bench.peers import install
 API_CORE_GOAL = 20_000.0  # output tok/s per API core at 256 streams
 ADMISSION_GOAL = 0.95  # share of the streams inside the engine within the window
 
-
-def alternating(names: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, contender): A B ... then ... B A, and so on."""
-    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
 
 
 @contextlib.contextmanager

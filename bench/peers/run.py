@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import OUT_DIR, finish, load_average, table
+from bench.common import OUT_DIR, alternating, finish, load_average, table
 from bench.peers import contenders as c
 from bench.peers import install, report
 from bench.peers.cpu import cpu_by_kind
@@ -47,10 +47,6 @@ SINGLE = ["vllm-serve", "farm-vllm", "farm-builtin", "inproc-builtin"]
 MULTI = ["router-round_robin", "router-cache_aware", "router-kv_aware", "farm-kv", "farm-round-robin", "dynamo-kv"]
 DOCS_FIGURE = Path(__file__).resolve().parents[2] / "docs" / "figures" / "peers.png"
 
-
-def alternating(names: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, contender) in A B ... then ... B A order, and so on for more rounds."""
-    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
 
 
 def in_process_config(s: c.Setup) -> Any:
