@@ -12,6 +12,7 @@ from flask import Flask
 from api.error_handlers import register_error_handlers
 from farm.config import FarmConfig, get_config
 from farm.gateway import Gateway
+from farm.infra import tracing
 from farm.infra.cooperative import cooperative
 from farm.infra.redis_client import connect
 from farm.models.directories import ModelNotFoundError
@@ -89,20 +90,33 @@ class FarmContext:
 def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, warm_semantic: bool = True) -> Flask:
     """One app per API process: its own Redis client and Gateway; config from get_config() by default."""
     cfg = cfg or get_config()
+    tracing.setup("farm-api")  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; nothing otherwise
     app = Flask("inference-farm")
     app.config["MAX_CONTENT_LENGTH"] = cfg.api.max_body_bytes
     app.json.sort_keys = False
     app.extensions["farm"] = FarmContext(cfg, gateway)
     register_error_handlers(app)
-    from api import admission, auth, http_policy, openapi
-    from api.routes import batches, embeddings, files, health, messages, openai, scrape, utility
+    from api import admission, auth, http_policy, openapi, request_tracing
+    from api.routes import (
+        batches,
+        embeddings,
+        files,
+        health,
+        messages,
+        openai,
+        response_routes,
+        scrape,
+        utility,
+    )
 
     http_policy.install(app)  # Host allow-list, Origin check and CORS (before the key check)
     auth.install(app)  # keys, the no-key loopback rule, per-key limits (before every route)
     admission.install(app)  # the request body's deadline, requests in progress per key (slow bodies)
+    request_tracing.install(app)  # last, so outermost: fresh log fields per request, and its span (tracing on)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(messages.bp)  # Anthropic's /v1/messages on the chat path, its errors in its shape
+    app.register_blueprint(response_routes.bp)  # OpenAI's /v1/responses on the chat path, stored per key
     app.register_blueprint(embeddings.bp)
     app.register_blueprint(utility.bp)
     app.register_blueprint(files.bp)

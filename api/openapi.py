@@ -18,6 +18,8 @@ from pydantic.json_schema import models_json_schema
 
 from farm import __version__
 from farm.openai import anthropic as a
+from farm.openai import responses_api as r
+from farm.openai import responses_output as ro
 from farm.openai import schemas as m
 from farm.openai import utility_schemas as u
 
@@ -54,6 +56,20 @@ OPERATIONS: tuple[Op, ...] = (
     Op("post", "/v1/messages", "Anthropic's Messages API, text only (stream or not), on the chat-completions path",
        a.AnthropicMessagesRequest, ok=a.AnthropicMessage, stream=True,
        errors=(400, 401, 404, 413, 415, 429, 503, 504, 529), tags=("anthropic",), error=a.AnthropicErrorResponse),
+    Op("post", "/v1/messages/count_tokens", "Anthropic's token count: the prompt a message request would have "
+       "(its chat template, system prompt and tools), nothing generated", a.AnthropicCountTokensRequest,
+       ok=a.AnthropicTokenCount, errors=(400, 401, 404, 413, 415, 429), tags=("anthropic",),
+       error=a.AnthropicErrorResponse),
+    Op("post", "/v1/responses", "OpenAI's Responses API, text and function tools (stream or not), on the "
+       "chat-completions path; stored per API key unless store is false", r.ResponsesRequest, ok=ro.ResponseObject,
+       stream=True, errors=(400, 401, 404, 413, 415, 429, 503, 504), tags=("openai",)),
+    Op("get", "/v1/responses/{response_id}", "A stored response (the caller's own)", ok=ro.ResponseObject,
+       errors=(401, 404, 429), tags=("openai",)),
+    Op("delete", "/v1/responses/{response_id}", "Delete a stored response", ok=ro.ResponseDeleted,
+       errors=(401, 404, 429), tags=("openai",)),
+    Op("get", "/v1/responses/{response_id}/input_items", "A stored response's input items",
+       ok=ro.ResponseInputItemList, errors=(400, 401, 404, 429),
+       query=(("order", {"type": "string", "enum": ["asc", "desc"]}), *_PAGE), tags=("openai",)),
     Op("post", "/v1/embeddings", "Sentence embeddings (all-MiniLM-L6-v2, 384 dimensions)", u.EmbeddingRequest,
        ok=u.EmbeddingResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("openai",)),
     Op("get", "/v1/models", "The configured models", ok=m.ModelList, errors=(401, 429), tags=("openai",)),
@@ -135,8 +151,8 @@ _ERROR_TEXT = {400: "invalid request (param names the field)", 401: "missing or 
 
 def build_document(version: str = __version__) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
-    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *a.REQUEST_MODELS, *m.RESPONSE_MODELS, *u.RESPONSE_MODELS,
-              *a.RESPONSE_MODELS)
+    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *a.REQUEST_MODELS, *r.REQUEST_MODELS, *m.RESPONSE_MODELS,
+              *u.RESPONSE_MODELS, *a.RESPONSE_MODELS, *ro.RESPONSE_MODELS)
     _, schemas = models_json_schema([(model, "validation") for model in models], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:

@@ -346,7 +346,7 @@ def ratio(a: float | None, b: float | None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}, aiperf")
-    ap.add_argument("--modes", default="kv,round-robin", help="router modes of the headline (also: random)")
+    ap.add_argument("--modes", default="kv,round-robin", help="router modes of the headline (also: least-loaded, random)")
     ap.add_argument("--variants", default="dynamo", help=f"kv-mode variants ('' for none): {', '.join(VARIANTS)}")
     ap.add_argument("--variant-workloads", default="shared-prefix", help="the workloads the variants run")
     ap.add_argument("--workers", type=int, default=4)

@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if "@" not in name:
         name = f"{name}@{socket.gethostname()}"
     configure_logging(args.loglevel, cfg.logs.format == "json")  # text, or JSON lines (logs.format)
+    from farm.infra import tracing
+
+    tracing.setup("farm-batch", worker=name)  # on when OTEL_EXPORTER_OTLP_* is set: each line's request a trace
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -16,7 +16,7 @@ def prefill(request: dict[str, Any]) -> None:
     rt = get_runtime()
     with rt.task():
         if (req := rt.accept(request)) is not None:
-            rt.prefill(req)
+            rt.run(req, lambda: rt.prefill(req))
 
 
 @app.task(name=TASK_DECODE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -24,7 +24,7 @@ def decode(request: dict[str, Any], handle: dict[str, Any] | None) -> None:
     rt = get_runtime()
     with rt.task():
         if (req := rt.accept(request, handle)) is not None:
-            rt.decode(req, handle)
+            rt.run(req, lambda: rt.decode(req, handle))
 
 
 @app.task(name=TASK_GENERATE, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -32,7 +32,7 @@ def generate(request: dict[str, Any]) -> None:
     rt = get_runtime()
     with rt.task():
         if (req := rt.accept(request)) is not None:
-            rt.generate(req)
+            rt.run(req, lambda: rt.generate(req))
 
 
 @app.task(name=TASK_PING, ignore_result=True)

@@ -17,6 +17,7 @@ import sys
 from celery import signals
 
 from farm.config import ConfigError, get_config
+from farm.infra import logcontext, tracing
 from farm.infra.logfiles import configure_logging
 from farm.protocol import ROLES, queues_for_role
 from farm.protocol.queues import direct_queue
@@ -47,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{name}@{socket.gethostname()}"
 
     configure_logging(args.loglevel, cfg.logs.format == "json")  # text, or JSON lines (logs.format)
+    logcontext.set_process_fields(worker=name, model=model)  # in every log line of this process
+    tracing.setup("farm-worker", worker=name, role=args.role, model=model)  # on when OTEL_EXPORTER_OTLP_* is set
+    from farm.worker import task_context
     from farm.worker.runtime import WorkerRuntime, set_runtime
     from tasks.celery_app import app
+
+    task_context.install()  # each task's request id (and trace span) on its thread while it runs
 
     # Load the model and run the start-up checks (block size, model files) before Celery starts, so a
     # worker that cannot serve exits with a clear error instead of consuming tasks it would fail.

@@ -185,7 +185,8 @@ def _model_path_override(tmp_path: Path, cfg, path: Path) -> Path:
     import yaml
 
     out = tmp_path / "farm-test.yaml"
-    models = [{"name": cfg.default_model, "path": str(path), "max_model_len": cfg.model(cfg.default_model).max_model_len}]
+    entry = cfg.model(cfg.default_model).model_dump(mode="json", exclude_none=True, exclude={"source"})
+    models = [{**entry, "path": str(path)}]  # the default entry's own settings (max_model_len, tool_call_parser...)
     out.write_text(yaml.safe_dump({"models": models}))
     return out
 
@@ -216,3 +217,22 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture
+def pipeline_fails_once(monkeypatch) -> list[int]:
+    """redis-py pipelines whose first execute() times out (as across a network partition), emptied as a failed
+    execute() leaves them; later ones run. Returns the list of execute() calls, one item each."""
+    from redis.client import Pipeline
+
+    real, calls = Pipeline.execute, []
+
+    def execute(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            self.reset()
+            raise redis.TimeoutError("Timeout reading from socket")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "execute", execute)
+    return calls

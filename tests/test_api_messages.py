@@ -44,9 +44,14 @@ def test_request_becomes_the_chat_body():
     ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n: Extra inputs"),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0]: 'image' content blocks are not supported"),
-    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
-     "'tool_result' content blocks"),
-    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}, "'tools'"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "'document' content blocks"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "'tool_use' blocks belong in assistant"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},
+     "input_schema: Field required"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}},
+     "needs the tool's 'name'"),
     ({"max_tokens": "1", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Input should be a valid int"),
     ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
@@ -92,6 +97,53 @@ def test_stream_holds_back_what_may_begin_a_stop_sequence():
     assert texts == ["a ", "<b> c "]  # "<", then "</x>" held back until they were (not) the stop sequence
     assert events[-2] == {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "</x>"},
                           "usage": {"input_tokens": 4, "output_tokens": 6}}
+
+
+def test_tool_use_translates_both_ways():
+    req = a.parse_request({"model": "m", "max_tokens": 50, "tools": [
+        {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {
+            "city": {"type": "string"}}}}], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                     {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {
+                         "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"},
+                                                  {"type": "text", "text": "And tomorrow?"}]}]})
+    body = a.to_chat_body(req)
+    assert body["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                                               "parameters": req.tools[0].input_schema}}]
+    assert (body["tool_choice"], body["parallel_tool_calls"]) == ("required", False)
+    assert body["messages"][1:] == [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"},
+        {"role": "user", "content": "And tomorrow?"}]
+    chat = {"id": "chatcmpl-9", "model": "m", "usage": {"prompt_tokens": 5, "completion_tokens": 3}, "choices": [
+        {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}}]}
+    msg = a.from_chat_completion(chat, [])
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["content"] == [{"type": "tool_use", "id": "call_7", "name": "get_weather", "input": {"city": "Rome"}}]
+
+
+def test_calls_stream_as_tool_use_blocks():
+    call = {"index": 0, "id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    chat = [_chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}]),
+            _chunk(choices=[{"index": 0, "delta": {"content": "Let me check."}}]),
+            _chunk(choices=[{"index": 0, "delta": {"tool_calls": [call]}}]),
+            _chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}}]),
+            _chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]}}]),
+            _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+            _chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": 6}), "data: [DONE]\n\n"]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in "".join(a.translate_stream(chat, [], lambda: 4))
+              .split("\n\n") if b]
+    assert [(e["type"], e.get("index")) for e in events] == [
+        ("message_start", None), ("content_block_start", 0), ("ping", None), ("content_block_delta", 0),
+        ("content_block_stop", 0), ("content_block_start", 1), ("content_block_delta", 1), ("content_block_delta", 1),
+        ("content_block_stop", 1), ("message_delta", None), ("message_stop", None)]
+    assert events[5]["content_block"] == {"type": "tool_use", "id": "call_7", "name": "get_weather", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events if e.get("index") == 1 and "delta" in e) == \
+        '{"city": "Rome"}'
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
 def test_a_failure_mid_stream_is_an_error_event():
@@ -243,6 +295,24 @@ def test_errors_in_anthropics_shape(app, ghost):
     assert "context length" in assert_anthropic_error(raw(app, too_long), 400, "invalid_request_error")
 
 
+def test_count_tokens_is_the_prompt_a_message_request_sends(app, ghost, redis_client):
+    """/v1/messages/count_tokens through the SDK: the very prompt ids a message request sends the worker (its system
+    prompt and tools rendered as the chat path renders them), no worker needed; its own fields only."""
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    ask = {"model": ghost.default_model, "system": "Be brief.", "messages": user("Weather in Oslo?")}
+    plain = sdk(app).messages.count_tokens(**ask).input_tokens
+    with_tools = sdk(app).messages.count_tokens(**ask, tools=tools).input_tokens
+    assert with_tools > plain + 30  # the tools' descriptions are in the prompt
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("ok"), done()])
+    sdk(app).messages.create(**ask, tools=tools, max_tokens=5)
+    assert len(w.request.prompt_token_ids) == with_tools
+    resp = httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://localhost").post(
+        "/v1/messages/count_tokens", json={**ask, "max_tokens": 5}, headers={"x-api-key": KEY_A})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in resp.json()["error"]["message"]
+
+
 def _broken(app: Flask) -> httpx.Response:
     with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://localhost") as c:
         return c.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json",
@@ -263,3 +333,4 @@ def test_every_worker_busy_is_a_529_overloaded_error(app, ghost, redis_client):
         sdk(app).messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"))
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
     assert int(e.value.response.headers["Retry-After"]) == ghost.router.retry_after_s
+

@@ -138,6 +138,18 @@ def test_tokenized_chat_is_the_prompt_a_chat_completion_sends(app, c, redis_clie
     worker.join(20)
     assert resp.status_code == 200, resp.data
     assert worker.request.prompt_token_ids == tok["tokens"] and resp.get_json()["usage"]["prompt_tokens"] == tok["count"]
+    # and with tools and a tool call in the history: the same rendering (tools as the model's call format)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    tok = c.post("/tokenize", json={"model": cfg.default_model, "messages": history, "tools": tools}).get_json()
+    worker = EchoWorker(redis_client)
+    resp = c.post("/v1/chat/completions", json={"model": cfg.default_model, "messages": history, "tools": tools,
+                                                "max_tokens": 4}, headers={"Cache-Control": "no-cache"})
+    worker.join(20)
+    assert resp.status_code == 200, resp.data
+    assert worker.request.prompt_token_ids == tok["tokens"] and "<tool_response>" in _tok(app).decode(tok["tokens"])
 
 
 def test_tokenize_chat_options(app, c):
@@ -175,7 +187,9 @@ def test_tokenize_chat_options(app, c):
     ({"prompt": "hi", "add_special_tokens": 1}, 400, "add_special_tokens", "invalid_value"),
     ({"prompt": "hi", "return_token_strs": "yes"}, 400, "return_token_strs", "invalid_value"),
     ({"messages": []}, 400, "messages", None),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id", None),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools", None),
     ({"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True}, 400,
      "continue_final_message", None),
     ({"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message", None),  # as in chat

@@ -126,3 +126,23 @@ def test_plan_waits_for_a_shared_prefix_to_be_computed_once():
     assert plan.next(0).prompt_ids[0] == second.prompt_ids[0] and len(plan) == 0
     plan.again(first, at=5.0)
     assert len(plan) == 1 and plan.next(1.0) is None and plan.next(6.0) is first
+
+
+def test_a_line_with_tools_carries_them_to_its_answer(env):
+    """A batch line's tools are checked as the live endpoint checks them (auto needs the model's parser) and kept with
+    the line, so its answer's calls are read as a live answer's are."""
+    from farm.openai.responses import Choice
+    from farm.openai.tools import ToolRequest
+
+    cfg, run = env
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    lines, errors = run(line(cfg, "t", tools=[tool], tool_choice="required"))
+    assert errors == []
+    back = PreparedLine.from_json(lines[0].to_json())
+    assert back.tools is not None and back.sampling["response_format"]["type"] == "json_schema"
+    choice = Choice.of('[{"name": "get_time", "parameters": {}}]', "stop", tools=ToolRequest.from_dict(back.tools))
+    assert choice.finish_reason == "tool_calls" and choice.tool_calls[0].name == "get_time"
+    _, errors = run(line(cfg, "t", tools=[tool]))  # auto, and this run names no model's parser
+    assert errors and errors[0]["param"] == "body.tool_choice"
+    _, errors = run(line(cfg, "t", tools=[tool]), tool_parser_for=lambda m: cfg.model(m).tool_call_parser)
+    assert errors == []

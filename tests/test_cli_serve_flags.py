@@ -248,14 +248,26 @@ def test_generation_defaults_apply_to_requests_that_leave_them_out(cfg, hf_dir):
     assert (p.top_k, p.repetition_penalty, p.temperature) == (5, 1.0, 0.0), "the request's own values win"
 
 
-# -- tool calling: refused until the farm does it ---------------------------------------------------------------
-@pytest.mark.parametrize("argv", [["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"],
-                                  ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]])
-def test_tool_calling_flags_are_refused(cfg, argv, capsys, tmp_path, monkeypatch):
-    assert "tool calling is not supported yet" in refused(cfg, cfg.default_model, *argv)
+# -- tool calling: vLLM's two flags -----------------------------------------------------------------------------
+def test_tool_calling_flags_set_the_models_parser(cfg, hf_dir, capsys, tmp_path, monkeypatch):
+    assert serve(cfg, str(hf_dir)).models[0].tool_call_parser is None  # a model from a path: auto needs the flags
+    on = serve(cfg, str(hf_dir), "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    assert on.models[0].tool_call_parser == "llama3_json"
+    assert serve(cfg, cfg.default_model).models[0].tool_call_parser == cfg.model(cfg.default_model).tool_call_parser
+    assert serve(cfg, cfg.default_model, "--tool-call-parser", "hermes").models[0].tool_call_parser is None, \
+        "as in vLLM, a parser without --enable-auto-tool-choice does not enable auto"
+    assert "needs --tool-call-parser" in refused(cfg, str(hf_dir), "--enable-auto-tool-choice")
+    assert "hermes, llama3_json" in refused(cfg, str(hf_dir), "--enable-auto-tool-choice", "--tool-call-parser",
+                                            "pythonic")
     monkeypatch.setenv("FARM_STATE_DIR", str(tmp_path / "state"))
-    assert main(["serve", cfg.default_model, *argv]) == 2
-    assert "tool calling is not supported yet" in capsys.readouterr().err
+    assert main(["serve", cfg.default_model, "--enable-auto-tool-choice"]) == 2
+    assert "needs --tool-call-parser" in capsys.readouterr().err
+
+
+def test_reasoning_parser_flag(cfg, hf_dir, capsys):
+    assert serve(cfg, str(hf_dir), "--reasoning-parser", "qwen3").models[0].reasoning_parser == "qwen3"
+    assert serve(cfg, str(hf_dir)).models[0].reasoning_parser is None
+    assert "invalid choice: 'granite'" in parse_error(capsys, str(hf_dir), "--reasoning-parser", "granite")
 
 
 def test_refusals_exit_2_from_the_command_line(cfg, capsys, tmp_path, monkeypatch):

@@ -161,17 +161,21 @@ def test_dashboard_queries_only_series_the_farm_exports():
         assert m and m.group(1) in catalog and m.group(2) in catalog[m.group(1)], q
 
 
-# What vLLM's own Grafana dashboard (and llm-d's, KEDA recipes) read of a `vllm serve`, by model_name: the farm's
-# /metrics carries each with vLLM's labels, so those dashboards work against the farm unchanged
+# What vLLM's own Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json: every selector of its
+# panels, read from it, the JSON itself not copied here) and llm-d's and KEDA's recipes read of a `vllm serve`, by
+# model_name: the farm's /metrics carries each with vLLM's labels, so those dashboards work against the farm
+# unchanged. That dashboard still reads two names from before vLLM V1 (gpu_cache_usage_perc,
+# time_per_output_token_seconds), which vLLM 0.31 itself no longer exports: the farm exports them too.
 VLLM_DASHBOARD_SERIES = (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
     *(f"vllm:{h}_{part}" for h in ("request_prompt_tokens", "request_generation_tokens",
                                     "request_max_num_generation_tokens", "e2e_request_latency_seconds",
                                     "time_to_first_token_seconds", "inter_token_latency_seconds",
                                     "request_queue_time_seconds", "request_prefill_time_seconds",
-                                    "request_decode_time_seconds", "request_inference_time_seconds")
+                                    "request_decode_time_seconds", "request_inference_time_seconds",
+                                    "request_time_per_output_token_seconds", "time_per_output_token_seconds")
       for part in ("bucket", "sum", "count")),
 )
 

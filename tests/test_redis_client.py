@@ -39,3 +39,25 @@ def test_no_sentinel_answering_means_no_primary(tmp_path):
     cfg = load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__HA__ENABLED": "true",
                                "FARM_REDIS__HA__SENTINELS": f"127.0.0.1:{free_port()}", "FARM_REDIS__HA__QUORUM": "1"})
     assert primary_address(cfg.redis, timeout=0.5) is None
+
+
+def test_every_connection_gets_timeouts_and_keepalive_from_the_config(tmp_path):
+    """A partition must end in an error and a reconnect, never a call that waits forever: redis-py clients and
+    Celery's broker get redis.socket's timeouts and TCP keepalive; an explicit timeout still wins."""
+    import socket
+
+    from farm.infra.broker import celery_settings
+    from farm.infra.redis_client import connect
+
+    cfg = load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__URL": "redis://:pw@127.0.0.1:7000/3",
+                               "FARM_REDIS__SOCKET__TIMEOUT_S": "7", "FARM_REDIS__SOCKET__KEEPALIVE_IDLE_S": "9"})
+    kw = connect(cfg.redis).connection_pool.connection_kwargs
+    assert (kw["socket_timeout"], kw["socket_connect_timeout"], kw["socket_keepalive"]) == (7.0, 5.0, True)
+    assert kw["socket_keepalive_options"][socket.TCP_KEEPIDLE] == 9 and kw["health_check_interval"] == 10
+    assert connect(cfg.redis, timeout=2.0).connection_pool.connection_kwargs["socket_timeout"] == 2.0
+    assert connect("redis://127.0.0.1:7000/0").connection_pool.connection_kwargs["socket_keepalive"] is True
+    options = celery_settings(cfg)["broker_transport_options"]
+    assert options["socket_timeout"] == 7.0 and options["socket_keepalive"] is True
+    assert options["health_check_interval"] == 10  # kombu also drops a consumer's overdue BRPOP connection
+    with pytest.raises(ConfigError):  # below the 1 s blocking reads of the reply reader and the router
+        load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__SOCKET__TIMEOUT_S": "1"})

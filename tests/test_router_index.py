@@ -171,3 +171,14 @@ def test_two_router_processes_agree_on_the_index(redis_client, redis_url):
     ]
     a, b = (json.loads(o) for o in outs)
     assert a == b and set(a) == {"x1", "x2", "x3"} and all(len(v) == 150 for v in a.values())
+
+
+def test_a_failed_publish_is_sent_again_whole(redis_client, pipeline_fails_once):
+    """A publish that failed (Redis restarting, or a timeout across a partition) is retried with its commands:
+    a failed execute() empties a redis-py pipeline, so retrying the same one would send nothing."""
+    pub = KVEventPublisher(redis_client, "t1")
+    pub("stored", [7, 8], None)
+    pub.flush()
+    assert len(pipeline_fails_once) == 2 and pub.published == 2
+    assert {int(m.split(b":")[0]) for m in redis_client.smembers(worker_blocks_key("t1"))} == {7, 8}
+    assert redis_client.xlen(EVENTS_STREAM) == 1

@@ -1,5 +1,7 @@
 """Cost functions (measured and Dynamo's), softmax temperature, modes, shared load and its local mirror,
-step costs from heartbeats, shedding (KV occupancy and predicted TTFT), block-size refusal, no herding."""
+step costs from heartbeats, shedding (KV occupancy and predicted TTFT), block-size refusal, no herding; the
+measured cost's trade between the new request's TTFT and the decode batch it joins (ITL), and the cache-blind
+least-loaded baseline it must match where nothing is shared."""
 
 from __future__ import annotations
 
@@ -11,8 +13,18 @@ import pytest
 
 from farm.cluster import registry
 from farm.config import load_config
+from farm.router.costs import WorkerCosts
 from farm.router.load import LoadTracker
-from farm.router.policy import Candidate, RoundRobin, dynamo_costs, softmax_pick
+from farm.router.policy import (
+    Candidate,
+    RoundRobin,
+    dynamo_costs,
+    least_loaded_pick,
+    measured_costs,
+    own_prefill,
+    predicted_ttft,
+    softmax_pick,
+)
 from farm.router.router import BusyError, Router
 
 
@@ -142,3 +154,108 @@ def test_approximate_mode_predicts_from_own_placements_with_ttl(redis_client):
     assert router.choose(ws, [], 0, "both") is not None
     router.index.expire()
     assert router.index.overlaps(hashes) == {}
+
+
+# -- the decode batch in the cost, and the least-loaded baseline ---------------------------------------------
+CPU_COSTS = {"prefill_ms_per_block": 36.0, "prefill_step_ms": 85.0, "prefill_samples": 9,
+             "decode_step_ms": 32.0, "decode_ms_per_block": 0.7, "decode_samples": 9}
+
+
+def beat(r, worker_id: str, output_tokens: int = 16, finished: int = 10, **costs) -> None:
+    """A heartbeat with measured step costs and `finished` requests of `output_tokens` each."""
+    gen = {"le": [float("inf")], "counts": [finished], "sum": output_tokens * finished, "count": finished}
+    registry.heartbeat(r, worker_id, {"costs": {**CPU_COSTS, **costs},
+                                      "histograms": {"request_generation_tokens": gen}})
+
+
+def test_least_loaded_counts_requests_and_ignores_the_cache(redis_client):
+    ws = workers(redis_client, 3)
+    router = make_router(redis_client, mode="least-loaded")
+    hashes = router.hashes(list(range(320)))
+    router.index.store("w0", hashes)  # the whole prompt cached on w0: least-loaded does not look
+    router.loads.begin_many([("p", "w0", "a", 16), ("d", "w0", "a", 1), ("d", "w1", "b", 1), ("d", "w1", "c", 1)])
+    p = router.choose(ws, hashes, 320, "both")
+    assert p.worker.worker_id == "w2" and p.mode == "least-loaded" and p.overlap_blocks == 0
+    router.loads.begin("d", "w2", "d", 1)
+    router.loads.begin("d", "w2", "e", 1)
+    assert router.choose(ws, hashes, 320, "both").worker.worker_id == "w0"  # 1 request against 2 and 2
+    k = WorkerCosts(0.036, 0.085, 0.032, 0.0007)  # equal counts: the smaller predicted load wins
+    cands = [Candidate("a", active_blocks=90, costs=k, requests=1), Candidate("b", active_blocks=10, costs=k,
+                                                                           requests=1)]
+    assert least_loaded_pick(cands, 20, "both", random.Random(0)) == 1
+
+
+def test_measured_horizon_is_the_models_mean_output_tokens(redis_client):
+    ws = workers(redis_client, 2)
+    beat(redis_client, "w0", output_tokens=10, finished=3)
+    beat(redis_client, "w1", output_tokens=30, finished=1)
+    router = make_router(redis_client)
+    router.refresh_costs(ws)
+    assert router.costs.of("w0").decode_tokens == router.costs.of("w1").decode_tokens == 15.0  # (30 + 30) / 4
+
+
+def placements(cost: str, ws_costs: list[WorkerCosts], blocks: int, arrivals: int
+               ) -> tuple[list[int], list[int], int]:
+    """A no-sharing workload on workers whose measured costs differ a little (as on one host they do):
+    requests of `blocks` uncached blocks arrive one by one, each stays decoding, every third arrival the
+    oldest one ends. Returns the kv choices under `cost`, least-loaded's choices in the same states, and the
+    largest difference in requests between two workers at any moment (packing)."""
+    rng = random.Random(3)
+    cands = [Candidate(f"w{i}", costs=k) for i, k in enumerate(ws_costs)]
+    kv, ll, live = [], [], []
+    spread = 0
+    for n in range(arrivals):
+        costs = ([predicted_ttft(c, blocks) for c in cands] if cost == "ttft"
+                 else measured_costs(cands, blocks, "both"))
+        i = softmax_pick(costs, 0, rng)
+        kv.append(i)
+        ll.append(least_loaded_pick(cands, blocks, "both", rng))
+        cands[i].requests += 1
+        cands[i].active_blocks += blocks
+        live.append(i)
+        spread = max(spread, max(c.requests for c in cands) - min(c.requests for c in cands))
+        if n % 3 == 2:
+            j = live.pop(0)
+            cands[j].requests -= 1
+            cands[j].active_blocks -= blocks
+    return kv, ll, spread
+
+
+def test_no_sharing_kv_chooses_as_least_loaded_does_and_does_not_pack():
+    ws_costs = [WorkerCosts(0.036 * f, 0.085, 0.032, 0.0007, decode_tokens=16) for f in (1.0, 0.92, 1.05, 1.1)]
+    kv, ll, spread = placements("measured", ws_costs, 15, 24)
+    assert kv == ll and spread == 1
+    # predicted TTFT alone (the former cost) packs decodes onto the worker that measured fastest
+    ttft_only, ll, spread = placements("ttft", ws_costs, 15, 24)
+    assert ttft_only != ll and spread >= 3 and Counter(ttft_only).most_common(1)[0][0] == 1
+
+
+def test_shared_prefix_stays_with_its_holder_until_the_holders_batch_pays_more_than_the_prefill_saved(
+        redis_client):
+    """The holder has 36 of the request's 40 blocks; each request decoding there (40 blocks) makes the holder
+    dearer by its stall (the new request's prefill) and by what the two slow each other's decode steps."""
+    ws = workers(redis_client, 2)
+    for w in ws:
+        beat(redis_client, w.worker_id, output_tokens=16)
+    router = make_router(redis_client, prediction_ttl_s=1e-6)
+    router.refresh_costs(ws)
+    hashes = router.hashes(list(range(640)))  # 40 blocks of 16
+    router.index.store("w0", hashes[:36])
+    k = router.costs.of("w0")
+    assert k.decode_tokens == 16
+    saved = k.prefill_s_per_block * 36
+
+    def suffers(n: int) -> float:  # what placing on the holder costs its batch of n, beyond the other worker
+        holder = Candidate("w0", 36, 0, 40 * n, costs=k, requests=n)
+        return (k.decode_step(40 * n) if n else 0.0) + n * own_prefill(holder, 40) \
+            + 16 * k.decode_s_per_block * (40 * n + n * 40)
+
+    chosen = []
+    for n in range(6):
+        chosen.append(router.choose(ws, hashes, 640, "both").worker.worker_id)
+        assert chosen[-1] == ("w0" if suffers(n) < saved else "w1"), n
+        router.loads.begin("d", "w0", f"decoding-{n}", 40)
+    assert chosen[0] == "w0" and chosen[-1] == "w1"  # both sides of the trade are reached
+    # without a decode batch on the holder, any cached prefix wins
+    redis_client.delete(*redis_client.keys("farm:load*"), *redis_client.keys("farm:active*"))
+    assert router.choose(ws, hashes, 640, "both").worker.worker_id == "w0"

@@ -57,14 +57,13 @@ def test_the_switch_changes_the_prompt(thinking_tokenizer):
     assert on.endswith("<|im_start|>assistant\n") and off.endswith("<think>\n\n</think>\n\n")
 
 
-@pytest.mark.parametrize("backend", ["builtin", "vllm"])  # vLLM workers get the API's prompt token ids
 @pytest.mark.parametrize("reasoning", [True, False])
-def test_category_reasoning_reaches_a_template_that_reads_it(thinking_tokenizer, reasoning, backend):
+def test_category_reasoning_reaches_a_template_that_reads_it(thinking_tokenizer, reasoning):
     v = verdict(reasoning)
     kwargs = reasoning_template_kwargs(v, thinking_tokenizer)
     assert kwargs == {"enable_thinking": reasoning} and v.headers["x-vsr-reasoning-applied"] == "true"
     parsed = parse_chat({"model": "m", "messages": MESSAGES}, thinking_tokenizer, 4096, MESSAGES,
-                        backend=backend, template_kwargs=kwargs)
+                        template_kwargs=kwargs)
     text = thinking_tokenizer.decode(parsed.prompt_ids)
     assert text.endswith("</think>\n\n") is (not reasoning)
 

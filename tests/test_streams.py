@@ -95,6 +95,17 @@ def test_a_retried_flush_repeats_its_sequence_number_and_the_reader_skips_it(red
         reader.stop()
 
 
+def test_a_flush_that_timed_out_is_sent_again_not_dropped(redis_client, pipeline_fails_once):
+    """Across a partition a flush ends in a socket timeout (redis.socket), not a connection error: its events stay
+    and are written once Redis answers, as after a restart."""
+    w = StreamWriter(redis_client, flush_ms=10_000)
+    w.open("r1", "api-partitioned")
+    w.emit("r1", DeltaEvent("kept", 1, [5]))
+    w.flush()
+    assert len(pipeline_fails_once) == 2
+    assert [e.text for e in events_of(redis_client, "api-partitioned", "r1")] == ["kept"]
+
+
 def test_a_lapsed_reader_lease_aborts_its_requests_and_a_cancel_flag_its_own(redis_client):
     aborted: list[str] = []
     w = StreamWriter(redis_client, flush_ms=10_000, on_cancel=aborted.append, cancel_poll_s=0.0)

@@ -1,6 +1,6 @@
-"""Two hosts for real: prefill and decode workers in two network namespaces joined by a veth pair,
-so the KV pull crosses an actual network interface over TCP (shared memory is not offered across
-namespaces). Skipped, with the reason, only where namespaces cannot be created (not root, no iproute2)."""
+"""Two hosts for real: prefill and decode workers in two network namespaces joined by the test network's switch
+(tests/netns.py), so the KV pull crosses an actual network interface over TCP (shared memory is not offered across
+namespaces). Skipped, with the reason, only where namespaces cannot be created (not root, no iproute2, no TAP)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests import netns
 from tests.conftest import make_farm_env
 from tests.procs import ROOT
 
@@ -37,60 +38,38 @@ print(json.dumps({"events": [e.to_dict() for e in events], "workers": [w.__dict_
 """
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
-
 @pytest.fixture
-def two_namespaces():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2 (ip)")
-    tag = f"{os.getpid() % 10000}"
-    a, b = f"farmA{tag}", f"farmB{tag}"
-    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
-    try:
-        sh("ip", "netns", "add", a)
-        sh("ip", "netns", "add", b)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot create network namespaces here: {e.stderr.decode().strip()}")
-    try:
-        sh("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
-        sh("ip", "link", "set", f"va{tag}", "netns", a)
-        sh("ip", "link", "set", f"vb{tag}", "netns", b)
-        for ns, dev, ip in ((a, f"va{tag}", f"{subnet}.1"), (b, f"vb{tag}", f"{subnet}.2")):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield a, b, f"{subnet}.1", f"{subnet}.2"
-    finally:
-        subprocess.run(["ip", "netns", "del", a], capture_output=True)
-        subprocess.run(["ip", "netns", "del", b], capture_output=True)
+def two_namespaces(tmp_path):
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with netns.Net(["a", "b"], log_dir=tmp_path) as net:
+        yield net
 
 
 def test_kv_pull_crosses_a_real_network_interface(two_namespaces, tmp_path):
-    ns_a, ns_b, ip_a, ip_b = two_namespaces
+    net = two_namespaces
+    ns_a, ns_b, ip_a = net.ns("a"), net.ns("b"), net.ip("a")
     port = 6390
-    redis_proc = subprocess.Popen(
-        ["ip", "netns", "exec", ns_a, shutil.which("redis-server"), "--port", str(port), "--bind", ip_a,
-         "--save", "", "--appendonly", "no", "--dir", str(tmp_path), "--requirepass", "two-hosts-pw"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    redis_proc = net.popen("a", [shutil.which("redis-server"), "--port", str(port), "--bind", ip_a, "--save", "",
+                                 "--appendonly", "no", "--dir", str(tmp_path), "--requirepass", "two-hosts-pw"])
     procs = [redis_proc]
     try:
         env = make_farm_env(f"redis://:two-hosts-pw@{ip_a}:{port}/0", tmp_path)  # Redis off loopback: password
         env["FARM_DISAGGREGATION__MODE"] = "always"
         base = {**os.environ, **env}
 
-        def worker(ns, role, ip, name):
+        def worker(host, role, name):
+            ip = net.ip(host)
             e = {**base, "FARM_TRANSFER__ADVERTISE_HOST": ip, "FARM_TRANSFER__BIND_HOST": ip}
-            log = (tmp_path / f"{name}.log").open("wb")
-            return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tasks.worker", "--role", role,
-                                     "--name", f"{name}@{ns}", "--concurrency", "4", "--loglevel", "WARNING"],
-                                    cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT)
+            return net.popen(host, [sys.executable, "-m", "tasks.worker", "--role", role, "--name",
+                                    f"{name}@{net.ns(host)}", "--concurrency", "4", "--loglevel", "WARNING"],
+                             env=e, log=tmp_path / f"{name}.log")
 
         time.sleep(0.5)
-        procs.append(worker(ns_a, "prefill", ip_a, "prefill-a"))
-        procs.append(worker(ns_b, "decode", ip_b, "decode-b"))
-        out = subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, "-c", CLIENT], cwd=ROOT, env=base,
+        procs.append(worker("a", "prefill", "prefill-a"))
+        procs.append(worker("b", "decode", "decode-b"))
+        out = subprocess.run(net.argv("b", [sys.executable, "-c", CLIENT]), cwd=ROOT, env=base,
                              capture_output=True, text=True, timeout=240)
         assert out.returncode == 0, out.stderr[-3000:] + "\n".join(
             (tmp_path / f).read_text()[-2000:] for f in ("prefill-a.log", "decode-b.log"))

@@ -172,3 +172,29 @@ def test_worker_with_another_block_size_refuses_to_start(farm, tmp_path, redis_u
     from farm.cluster import registry
 
     assert proc.name not in {w.worker_id for w in registry.live_workers(r)}
+
+
+def test_a_stage_that_fails_unexpectedly_fails_its_request_at_once():
+    """A task's stage raising (a bug, a dependency's surprise) ends that request with an engine_error event for its
+    reader and aborts its engine work, instead of leaving the client waiting for its timeout."""
+    from types import SimpleNamespace
+
+    from farm.protocol import ErrorEvent
+    from farm.worker.runtime import WorkerRuntime
+
+    calls: list[tuple] = []
+    rt = SimpleNamespace(engine=SimpleNamespace(abort=lambda rid: calls.append(("abort", rid))),
+                         streams=SimpleNamespace(emit_once=lambda rid, reader, ev: calls.append(("emit", rid, reader, ev))))
+    req = GenerationRequest("r-1", "m", [1, 2], SamplingParams(max_tokens=2), reply_to="api-1")
+
+    def broken() -> None:
+        raise AttributeError("no such thing")
+
+    WorkerRuntime.run(rt, req, broken)
+    assert calls[0] == ("abort", "r-1")
+    _, rid, reader, ev = calls[1]
+    assert (rid, reader) == ("r-1", "api-1") and isinstance(ev, ErrorEvent) and ev.code == "engine_error"
+    assert "AttributeError" in ev.message
+    calls.clear()
+    WorkerRuntime.run(rt, req, lambda: None)
+    assert calls == []

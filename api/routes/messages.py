@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, current_app, jsonify
 from werkzeug.exceptions import HTTPException
 
 from api.bodies import json_body
 from api.error_handlers import to_api_error
 from api.routes.openai import generate
 from farm.openai import anthropic
+from farm.openai.parsing import parse_chat, require_model
 
 log = logging.getLogger(__name__)
 bp = Blueprint("messages", __name__, url_prefix="/v1")
@@ -38,6 +39,23 @@ def create_message() -> Response:
         return resp
     resp.set_data(jsonify(anthropic.from_chat_completion(resp.get_json(), stops)).get_data())
     return resp
+
+
+@bp.post("/messages/count_tokens")
+def count_tokens() -> Response:
+    """The prompt's token count as a message request would have it: the chat route's own parsing and templating
+    (tools included) of the translated body, for the model asked (the default model's for an alias); no quota spent
+    and no semantic layer (it generates nothing)."""
+    farm = current_app.extensions["farm"]
+    chat = anthropic.to_chat_body(anthropic.parse_count_request(json_body()))
+    aliases = farm.cfg.semantic.aliases if farm.cfg.semantic.enabled else []
+    model = require_model(chat, [m.name for m in farm.cfg.models] + list(aliases))
+    model = farm.cfg.default_model if model in aliases else model
+    mcfg = farm.cfg.model(model)
+    parsed = parse_chat({**chat, "model": model}, farm.tokenizer(model), mcfg.max_model_len, None, mcfg.defaults,
+                        farm.cfg.api.max_chars_per_token, tool_parser=mcfg.tool_call_parser,
+                        reasoning_parser=mcfg.reasoning_parser)
+    return jsonify({"input_tokens": len(parsed.prompt_ids)})
 
 
 @bp.errorhandler(Exception)

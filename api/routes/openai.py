@@ -35,6 +35,7 @@ from farm.gateway import Submission, WorkerError
 from farm.gateway.reading import Answer, collect, replay, stream_choice, total_usage, until_decode_starts
 from farm.models.directories import ModelNotFoundError
 from farm.openai import logprobs
+from farm.openai.answer import AnswerStream, read_answer
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     ParsedRequest,
@@ -50,7 +51,9 @@ from farm.openai.parsing import (
     stream_flags,
     validate_chat,
 )
+from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
+from farm.openai.tools import CallDelta
 from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage
 from farm.telemetry import prometheus
 from farm.tenancy.api_keys import tenant_cache_salt
@@ -215,11 +218,12 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     per_token = farm.cfg.api.max_chars_per_token
     if kind == "chat":
         parsed: ParsedRequest = parse_chat(body, tok, mcfg.max_model_len, verdict.messages, mcfg.defaults,
-                                           per_token, backend=mcfg.backend,
+                                           per_token, tool_parser=mcfg.tool_call_parser,
+                                           reasoning_parser=mcfg.reasoning_parser,
                                            template_kwargs=reasoning_template_kwargs(
                                                verdict, tok, body.get("chat_template_kwargs")))
     else:
-        parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token, backend=mcfg.backend)
+        parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token)
     n_prompt = len(parsed.prompt_ids)
     if on_prompt is not None:
         on_prompt(n_prompt)
@@ -241,7 +245,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     gone = client_gone_check()
     streams = [sub.events(client_gone=gone) for sub in gen.subs]
     out = _Output(kind, tok, parsed.sampling.logprobs is not None)
-    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 else None
+    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 and not parsed.tools else None
     if parsed.stream:
         resp = _stream_response(kind, ids, model, gen, streams, parsed, out, on_done=cache)
         resp.headers.update(verdict.headers)
@@ -254,15 +258,18 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
             start, buffered = until_decode_starts(events)
             head = head or start
             answers.append(collect(replay(buffered, events)))
-            if i == 0 and cache is not None:
-                cache(answers[0].text, answers[0].finish_reason)
+            if i == 0 and cache is not None:  # the answer a cache hit repeats: the content, without reasoning
+                content = answers[0].text if parsed.reasoning_parser is None else \
+                    read_answer(answers[0].text, None, reasoning_parser=parsed.reasoning_parser).content
+                cache(content or "", answers[0].finish_reason)
     except BaseException as e:
         prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         raise
     finally:
         gen.end()
     prometheus.REQUESTS.labels(model=model, status="200").inc()
-    choices = [Choice(parsed.echo + a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs)) for a in answers]
+    choices = [Choice.of(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs), parsed.tools,
+                         parsed.reasoning_parser, parsed.echo) for a in answers]
     resp = jsonify(full_response(kind, ids.response, model, choices, total_usage(a.usage for a in answers).to_dict(),
                                  role=parsed.role))
     resp.headers.update(_worker_headers(ids.header, gen.subs[0], head or answers[0].done, answers[0].done))
@@ -275,7 +282,7 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
     """n > 1, log-probabilities, or vLLM's options that change the prompt or the answer's text (the chat-template
     fields, echo, special tokens shown, the stop string kept): what a cached answer (one sample of the plain
     prompt, text only) cannot give, and what must not be stored as one. (The body passed validate_chat.)"""
-    return (body.get("n") not in (None, 1) or body.get("logprobs") not in (None, False)
+    return (body.get("n") not in (None, 1) or body.get("logprobs") not in (None, False) or bool(body.get("tools"))
             or not chat_options(body).default or body.get("skip_special_tokens") is False
             or body.get("include_stop_str_in_output") is True)
 
@@ -294,6 +301,41 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
         reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_ids, sampling,
                                       created=time.time(), cache_salt=salt))
     return reqs
+
+
+def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], shaper: AnswerStream,
+                          echo: str, on_done: Callable[[str, str], None] | None
+                          ) -> Generator[str, None, DoneEvent]:
+    """One choice of a request with tools or a reasoning model: reasoning and content as they come, calls as OpenAI
+    streams them, and the finish reason the calls make (tool_calls)."""
+    def chunk(p: str | Thought | CallDelta) -> str:
+        if isinstance(p, str):
+            content.append(p)
+            return w.delta(p, index) if p else ""
+        return w.thought(p.text, index) if isinstance(p, Thought) else w.tool_call(p, index)
+
+    def chunks(pieces: Iterator[str | Thought | CallDelta]) -> str:
+        return "".join(map(chunk, pieces))
+
+    pending = w.role(index) + (w.delta(echo, index) if echo else "")
+    deltas = stream_choice(events)
+    content: list[str] = []
+    while True:
+        try:
+            ev = next(deltas)
+        except StopIteration as stop:
+            done: DoneEvent = stop.value
+            tail = chunks(shaper.finish())
+            reason = shaper.finish_reason(done.finish_reason)
+            if on_done is not None and index == 0:  # no tools here (never cached): the content, without reasoning
+                on_done("".join(content), done.finish_reason)
+            yield pending + tail + w.finish(reason or "stop", index)
+            return done
+        if ev.text:
+            piece = chunks(shaper.feed(ev.text))
+            if piece:
+                yield pending + piece
+                pending = ""
 
 
 class _Output:
@@ -369,7 +411,9 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
     usages: list[Usage] = []
     try:
         for index, events in enumerate(streams):
-            done = yield from _stream_choice(w, index, events, out, on_done, parsed.echo)
+            shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
+                if parsed.tools is not None or parsed.reasoning_parser else None
+            done = yield from _stream_choice(w, index, events, out, on_done, parsed.echo, shaper)
             usages.append(done.usage)
         prometheus.REQUESTS.labels(model=model, status="200").inc()
         tail = w.usage(total_usage(usages).to_dict()) if parsed.include_usage else ""
@@ -385,9 +429,13 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
 
 
 def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,
-                   on_done: Callable[[str, str], None] | None, echo: str = "") -> Generator[str, None, DoneEvent]:
+                   on_done: Callable[[str, str], None] | None, echo: str = "",
+                   shaper: AnswerStream | None = None) -> Generator[str, None, DoneEvent]:
     """The chunks of one choice (after its role, the `echo` text as a delta of its own, as vLLM sends it); returns
-    its done event (a worker error raises WorkerError)."""
+    its done event (a worker error raises WorkerError). With tools or a reasoning parser, `shaper` turns the text
+    into reasoning, content and tool-call deltas."""
+    if shaper is not None:
+        return (yield from _stream_shaped_choice(w, index, events, shaper, echo, on_done))
     parts: list[str] = []
     pending = w.role(index) + (w.delta(echo, index) if echo else "")  # sent with the first delta: one write
     deltas = stream_choice(events)

@@ -27,7 +27,7 @@ def tokenize_route() -> Response:
     job = parse_tokenize(json_body())
     model = _model(job.model)
     return jsonify(tokenize(job, farm.tokenizer(model), farm.cfg.model(model).max_model_len,
-                            farm.cfg.api.max_chars_per_token))
+                            farm.cfg.api.max_chars_per_token, farm.cfg.model(model).tool_call_parser))
 
 
 @bp.post("/detokenize")

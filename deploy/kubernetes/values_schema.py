@@ -134,7 +134,7 @@ def chart_schema() -> dict[str, Any]:
         "config": {"$ref": REF("farm.FarmConfig")},
         "defaultModel": STR,
         "frontend": obj({
-            "replicas": NONNEG, "routerMode": {"enum": ["kv", "round-robin", "random"]},
+            "replicas": NONNEG, "routerMode": {"enum": ["kv", "least-loaded", "round-robin", "random"]},
             "workerConnections": {"type": "integer", "minimum": 1, "maximum": 100000},
             "headerTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 3600}, "port": PORT,
             "bodyTimeoutSeconds": {"type": "integer", "minimum": 1, "maximum": 3600}, "bodyMinRate": NONNEG,

@@ -248,9 +248,16 @@ class VllmEngine:
     # -- Engine's thread-safe API ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], *, prefill_only: bool = False,
-               kv_import: Any = None, max_request_s: float | None = None, cache_salt: str = "") -> None:
+               kv_import: Any = None, max_request_s: float | None = None, cache_salt: str = "",
+               generated: int = 0) -> None:
         """Start the request on vLLM; outputs arrive through `on_output` (from the loop thread). `cache_salt`
-        goes to vLLM as its own (its prefix cache is scoped by it as the built-in engine's is)."""
+        goes to vLLM as its own (its prefix cache is scoped by it as the built-in engine's is). vLLM's structured
+        outputs start their grammar at the prompt's end, so a migrated structured request (`generated`) fails
+        with a clear error rather than continue outside its format."""
+        if generated and params.response_format is not None:
+            on_output(RequestOutput(request_id, finished=True, finish_reason="error:structured output cannot resume "
+                                    "on a vLLM worker after its first worker was lost"))
+            return
         kv_params: dict[str, Any] | None = None
         if prefill_only and self.connector:
             kv_params = dict(PREFILL_PARAMS.get(self.connector, {}))

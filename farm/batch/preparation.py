@@ -77,7 +77,7 @@ class Preparation:
                                   lambda m: self.cfg.model(m).max_model_len, self.bcfg.max_lines,
                                   self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults,
                                   self._decide if semantic else None, self.cfg.semantic.aliases,
-                                  lambda m: self.cfg.model(m).backend)
+                                  lambda m: self.cfg.model(m).tool_call_parser)
         except redis.RedisError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. the model's tokenizer is missing on this host

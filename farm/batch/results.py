@@ -20,6 +20,7 @@ from farm.config import FarmConfig
 from farm.gateway.reading import Answer
 from farm.openai.logprobs import for_kind
 from farm.openai.responses import Choice, full_response
+from farm.openai.tools import ToolRequest
 from farm.telemetry import prometheus
 from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
 from farm.tenancy.quota import Limiter
@@ -33,6 +34,7 @@ class Results:
 
     def __init__(self, cfg: FarmConfig, r: redis.Redis, store: BatchStore, files: FileStore,
                  tokenizer: Callable[[str], Any]):
+        self.cfg = cfg
         self.r = r
         self.store = store
         self.files = files
@@ -53,7 +55,9 @@ class Results:
         logprobs = None
         if line.sampling.get("logprobs") is not None:
             logprobs = for_kind(line.kind, self.tokenizer(line.model), answer.token_ids, answer.logprobs)
-        choice = Choice(line.echo + answer.text, answer.finish_reason, logprobs)
+        tools = ToolRequest.from_dict(line.tools) if line.tools is not None else None
+        choice = Choice.of(answer.text, answer.finish_reason, logprobs, tools,
+                           self.cfg.model(line.model).reasoning_parser if line.kind == "chat" else None, line.echo)
         body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}

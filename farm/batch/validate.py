@@ -53,6 +53,7 @@ class PreparedLine:
     cache_salt: str | None = None  # the line's own `cache_salt` (vLLM's field), combined with its owner's
     role: str = "assistant"  # chat: the answer's role and the text it starts with (vLLM's echo; ParsedRequest)
     echo: str = ""
+    tools: dict[str, Any] | None = None  # chat: the line's tools (farm.openai.tools.ToolRequest.to_dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -70,11 +71,12 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                    max_model_len: Callable[[str], int], max_lines: int = 50_000,
                    max_errors: int = 100, defaults_for: Callable[[str], Any] | None = None,
                    decide: Callable[[str, list[dict]], Any] | None = None, aliases: list[str] | None = None,
-                   backend_for: Callable[[str], str] | None = None,
+                   tool_parser_for: Callable[[str], str | None] | None = None,
                    ) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
     """(prepared lines, errors); the batch may run only when `errors` is empty. `decide(model, messages)`
     is the semantic layer's verdict (farm.semantic.layer.Verdict) without the cache; `aliases` are the
-    model names it resolves (MoM, auto); `backend_for(model)` names the engine, whose limits apply."""
+    model names it resolves (MoM, auto); `tool_parser_for(model)` is the model's tool-call parser (what
+    `tool_choice: auto` needs)."""
     kind = ENDPOINT_KINDS.get(endpoint)
     if kind is None:
         return [], [_err("invalid_endpoint", f"unsupported endpoint {endpoint!r}", None, "endpoint")]
@@ -151,13 +153,11 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                 model = v.model
                 messages = v.messages if kind == "chat" else None
             defaults = defaults_for(model) if defaults_for else None
-            backend = backend_for(model) if backend_for else None
             if kind == "chat":
                 parsed = parse_chat(body, tokenizer_for(model), max_model_len(model), messages, defaults,
-                                    backend=backend)
+                                    tool_parser=tool_parser_for(model) if tool_parser_for else None)
             else:
-                parsed = parse_completion(body, tokenizer_for(model), max_model_len(model), defaults,
-                                          backend=backend)
+                parsed = parse_completion(body, tokenizer_for(model), max_model_len(model), defaults)
         except APIError as e:
             errors.append(_err(e.code or "invalid_request", e.message, no, f"body.{e.param}" if e.param else "body"))
             continue
@@ -166,7 +166,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                                "sample a line of its own", no, "body.n"))
             continue
         lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict(),
-                                  cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.echo))
+                                  cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.echo,
+                                  tools=parsed.tools.to_dict() if parsed.tools is not None else None))
     if not errors and not lines:
         errors.append(_err("empty_file", "The input file holds no requests.", None, "input_file_id"))
     return lines, errors

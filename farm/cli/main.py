@@ -8,6 +8,7 @@
     farm prepare
     farm worker --role decode [--model NAME] [--name NAME]
     farm planner run [--mode load|sla] [--dry-run] | farm planner profile --out config/profiles/M.json
+    farm config import-vsr FILE [-o OUT] | farm semantic test "prompt"   (farm/cli/semantic.py)
 
 Configuration comes from config/default.yaml, then the file in FARM_CONFIG (or --config), then
 FARM_<SECTION>__<KEY> environment variables. A configuration error exits with status 2.
@@ -64,7 +65,6 @@ def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
     from farm.models.directories import convert_gguf
 
     target = args.model
-    refuse_unsupported_flags(args)
     router: dict[str, Any] = {}
     for flag, key in (("router_mode", "mode"), ("router_temperature", "temperature"),
                       ("kv_overlap_score_weight", "overlap_weight")):
@@ -120,14 +120,6 @@ SERVE_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                        "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
-
-
-def refuse_unsupported_flags(args: argparse.Namespace) -> None:
-    """vLLM flags `farm serve` takes so that a `vllm serve` command line fails loudly, not silently differently."""
-    if getattr(args, "enable_auto_tool_choice", False) or getattr(args, "tool_call_parser", None):
-        raise ConfigError("farm serve: --enable-auto-tool-choice / --tool-call-parser: tool calling is not "
-                          "supported yet (a request with `tools` or `tool_choice` is refused with a 400); leave "
-                          "these flags out")
 
 
 def _chat_template(value: str) -> str:
@@ -188,6 +180,25 @@ def _generation_defaults(cfg: FarmConfig, args: argparse.Namespace, entry: dict[
     return defaults
 
 
+def _tool_flags(args: argparse.Namespace, entry: dict[str, Any]) -> None:
+    """vLLM's --enable-auto-tool-choice with --tool-call-parser: `tool_choice: auto` read by that parser
+    (models[].tool_call_parser). As in vLLM, the parser alone does not enable auto, and auto needs a parser; a model
+    served from a path has no parser unless these flags give one (a configured model keeps its entry's)."""
+    from farm.openai.tool_parsers import PARSERS
+
+    parser = args.tool_call_parser
+    if parser is not None and parser not in PARSERS:
+        raise ConfigError(f"farm serve: --tool-call-parser {parser!r}: the farm reads {', '.join(sorted(PARSERS))}")
+    if args.enable_auto_tool_choice:
+        if parser is None:
+            raise ConfigError("farm serve: --enable-auto-tool-choice needs --tool-call-parser (as in vLLM)")
+        entry["tool_call_parser"] = parser
+    elif parser is not None:
+        entry["tool_call_parser"] = None
+    if args.reasoning_parser is not None:
+        entry["reasoning_parser"] = args.reasoning_parser
+
+
 def _vllm_serve_flags(cfg: FarmConfig, args: argparse.Namespace, data: dict[str, Any], entry: dict[str, Any]) -> None:
     """vLLM's `vllm serve` flags, each where the farm keeps it: the API section, the engine section (built-in
     engine) or the model's `vllm.engine_args` (vLLM workers); a flag the model's engine cannot honour is refused."""
@@ -206,6 +217,7 @@ def _vllm_serve_flags(cfg: FarmConfig, args: argparse.Namespace, data: dict[str,
                                    HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()]
     if args.chat_template is not None:
         entry["chat_template"] = _chat_template(args.chat_template)
+    _tool_flags(args, entry)
     if args.generation_config is not None:
         entry["defaults"] = _generation_defaults(cfg, args, entry)
     if args.dtype is not None:
@@ -376,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--default-only", action="store_true", help="workers for default_model only "
                     "(default: every configured model, each with its models[].workers or the counts above)")
     up.add_argument("--port", type=int, metavar="P", help="API port (default: api.port)")
-    up.add_argument("--router-mode", choices=("kv", "round-robin", "random"),
+    up.add_argument("--router-mode", choices=("kv", "least-loaded", "round-robin", "random"),
                     help="how the API places requests on workers (default: router.mode)")
     up.add_argument("--no-flower", action="store_true", help="do not start Flower")
     up.add_argument("--redis-ha", action="store_true",
@@ -423,9 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "refused by the built-in engine")
     sv.add_argument("--seed", type=int, metavar="S", help="vLLM workers' engine seed (vllm.engine_args.seed); "
                     "refused by the built-in engine")
-    sv.add_argument("--enable-auto-tool-choice", action="store_true", help="refused: tool calling is not supported yet")
-    sv.add_argument("--tool-call-parser", metavar="NAME", help="refused: tool calling is not supported yet")
-    sv.add_argument("--router-mode", choices=("kv", "round-robin", "random"), help="default: router.mode")
+    sv.add_argument("--enable-auto-tool-choice", action="store_true", help="tool_choice auto, read by "
+                    "--tool-call-parser (models[].tool_call_parser); required and named functions work without it")
+    sv.add_argument("--tool-call-parser", metavar="NAME", help="how tool calls are read from the model's text: "
+                    "hermes or llama3_json")
+    sv.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), help="split a thinking model's output "
+                    "into reasoning and content (models[].reasoning_parser)")
+    sv.add_argument("--router-mode", choices=("kv", "least-loaded", "round-robin", "random"), help="default: router.mode")
     sv.add_argument("--router-temperature", type=float, metavar="T",
                     help="softmax temperature over the router's cost (router.temperature; 0 = cheapest)")
     sv.add_argument("--kv-overlap-score-weight", type=float, metavar="W",
@@ -467,10 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     from farm.batch.cli import add_parser as add_batch_parser
+    from farm.cli.semantic import add_parser as add_semantic_parser
     from farm.planner.cli import add_parser as add_planner_parser
 
     add_batch_parser(sub)
     add_planner_parser(sub)
+    add_semantic_parser(sub)  # farm config import-vsr, farm semantic test
     return p
 
 

@@ -62,6 +62,9 @@ class ApiConfig(Section):
     # A prompt longer than max_model_len x this many characters is refused before it is tokenized;
     # 0 = the tokenizer's longest vocabulary entry (an exact bound: no prompt that fits is refused).
     max_chars_per_token: int = Field(0, ge=0)
+    # How long /v1/responses keeps a response created with `store` (default true) in Redis: readable by its
+    # owner, and continued by `previous_response_id`, for this long (7 days; each one holds its conversation).
+    responses_ttl_s: int = Field(7 * 86400, ge=60)
 
     def max_concurrent_per_key(self) -> int:
         """`limits.max_concurrent_requests` resolved: "auto" is half of `worker_connections`; 0 = unlimited."""

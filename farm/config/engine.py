@@ -55,6 +55,9 @@ class TransferConfig(Section):
     advertise_host: str = "127.0.0.1"
     bind_host: str = "127.0.0.1"  # 0.0.0.0 (or this host's address) for workers on other machines
     handle_ttl_s: float = Field(120, gt=0)
+    # A decode worker's pull gives up when the prefill host is silent this long (connecting, or between reads:
+    # a partition), then prefills locally; a large pull also gets a second per 10 MiB on top.
+    pull_timeout_s: float = Field(10, gt=0)
     transports: list[Literal["nixl", "shm", "tcp"]] = Field(default_factory=lambda: ["shm", "tcp"], min_length=1)
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from farm.config.base import DEFAULT_CONFIG_PATH, PROJECT_ROOT, ConfigError
 from farm.config.redis import is_local, read_password, redis_url_with_password
 from farm.config.root import FarmConfig
+from farm.config.vsr import looks_like_vsr, vsr_override
 
 ENV_PREFIX = "FARM_"
 
@@ -70,6 +71,8 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     data = _read_yaml(DEFAULT_CONFIG_PATH)
     override_path = path or env.get("FARM_CONFIG")
     override = _read_yaml(Path(override_path)) if override_path else {}
+    if looks_like_vsr(override):  # a vLLM Semantic Router config.yaml: its subset that maps (farm/config/vsr.py)
+        override = vsr_override(override, str(override_path))
     data = _deep_merge(data, override)
     data = _deep_merge(data, _env_overrides(env))
     _apply_redis_password(data, env.get("FARM_REDIS_PASSWORD", "") or _managed_redis_password(data))

@@ -108,6 +108,15 @@ class ModelConfig(Section):
     # (vLLM's --chat-template; `farm serve --chat-template FILE_OR_TEMPLATE` reads a file into it). None: the
     # model's own. The API tokenizes, so this one place serves both engines.
     chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    # How the API reads tool calls out of this model's text with `tool_choice: auto` (vLLM's
+    # --enable-auto-tool-choice --tool-call-parser): `hermes` (<tool_call>{...}</tool_call>, Qwen, Hermes, ChatML
+    # models) or `llama3_json` (a JSON object per call, Llama 3.x). None: `auto` is refused; `required` and a
+    # named function work on every model (structured output).
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # How the API splits a thinking model's output into `reasoning` and `content` (vLLM's --reasoning-parser):
+    # `deepseek_r1` (thinking up to </think>, the template opened <think>) or `qwen3` (thinking only in <think>
+    # ... </think> at the start). None: the text is all content.
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

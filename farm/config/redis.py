@@ -59,6 +59,25 @@ class RedisHAConfig(Section):
         return out
 
 
+class RedisSocketConfig(Section):
+    """Timeouts and TCP keepalive of every connection to Redis (redis-py clients and Celery's broker), so a
+    network partition ends in an error and a reconnect within seconds instead of a process waiting forever on
+    a connection whose peer is unreachable (no FIN or RST ever arrives through a partition)."""
+
+    connect_timeout_s: float = Field(5.0, gt=0)
+    # Each command's answer: above the longest blocking read (XREAD of the reply reader and the router's
+    # follower block for at most 1 s) plus a slow network's round trips.
+    timeout_s: float = Field(10.0, ge=2)
+    # An idle connection is probed after keepalive_idle_s, every keepalive_interval_s, dropped after
+    # keepalive_count unanswered probes (the kernel's default would wait two hours).
+    keepalive_idle_s: int = Field(5, ge=1)
+    keepalive_interval_s: int = Field(2, ge=1)
+    keepalive_count: int = Field(3, ge=1)
+    # A connection idle this long is checked (PING) before use; Celery's consumer also drops a BRPOP connection
+    # whose answer is overdue by this much (kombu). 0 = never.
+    health_check_interval_s: int = Field(10, ge=0)
+
+
 class RedisConfig(Section):
     url: str = "redis://127.0.0.1:6379/0"
     managed: bool = True
@@ -66,6 +85,7 @@ class RedisConfig(Section):
     # A Redis off this machine must have a password (in the URL or FARM_REDIS_PASSWORD); true waives it.
     allow_no_password: bool = False
     ha: RedisHAConfig = RedisHAConfig()
+    socket: RedisSocketConfig = RedisSocketConfig()
 
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}

@@ -21,8 +21,10 @@ class CostPrior(Section):
 
 
 class RouterConfig(Section):
-    mode: Literal["kv", "round-robin", "random"] = "kv"
-    # measured: the predicted time to first token from each worker's measured step costs (farm.router.policy);
+    # kv: the cost below over the KV index and load; least-loaded: fewest outstanding requests, cache-blind
+    mode: Literal["kv", "least-loaded", "round-robin", "random"] = "kv"
+    # measured: seconds of latency a placement adds (its TTFT, the stall of the requests decoding there, its
+    # decode and theirs) from each worker's measured step costs (farm.router.policy);
     # dynamo: Dynamo's overlap_weight x blocks to prefill + active blocks
     cost: Literal["measured", "dynamo"] = "measured"
     overlap_weight: float = Field(1.0, ge=0)  # cost: dynamo only

@@ -38,6 +38,7 @@ from farm.engine.model_runner import ModelRunner
 from farm.engine.sampling import History, TokenLogprobs, logprobs_of, make_generator, sample
 from farm.engine.scheduler import DecodeBatch, KVImport, PrefillBatch, Scheduler, Sequence
 from farm.engine.step_costs import StepCosts
+from farm.engine.structured import Grammars, InvalidFormat, mask_logits
 from farm.engine.timings import RequestTimings, RequestTokens
 from farm.kvcache.tiers import TieredKV
 from farm.models.tokenization import IncrementalDetokenizer, eos_token_ids
@@ -104,6 +105,8 @@ class Engine:
         self.costs = StepCosts(cfg.block_size)  # measured step costs: the router's weights (heartbeat stats)
         self.timings = RequestTimings()  # queue/prefill/decode times, TTFT, per-token ITL (heartbeat stats)
         self.tokens = RequestTokens(max_model_len)  # prompt tokens, finish reasons, tokens per request (heartbeat)
+        self._grammars: Grammars | None = None  # made with the first structured-output request
+        self._grammars_lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -123,7 +126,7 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], *, prefill_only: bool = False,
                kv_import: KVImport | None = None, max_request_s: float | None = None,
-               cache_salt: str = "") -> None:
+               cache_salt: str = "", generated: int = 0) -> None:
         """`cache_salt` scopes the prefix cache: blocks are only reused among requests with the same salt."""
         try:
             seq = Sequence(request_id, list(prompt_ids), params, on_output, prefill_only=prefill_only,
@@ -134,10 +137,27 @@ class Engine:
             on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
             return
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        if params.response_format is not None:
+            try:
+                seq.grammar = self.grammars().matcher(params.response_format)
+                if generated and not seq.grammar.consume_tokens(list(prompt_ids[len(prompt_ids) - generated:])):
+                    raise InvalidFormat("the tokens generated before the migration do not follow the format")
+            except InvalidFormat as e:
+                on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
+                return
         if kv_import is not None:
             seq.output_ids = [kv_import.first_token]
             seq.last_logprobs = kv_import.first_logprobs
+            if seq.grammar is not None:  # sampled under the same grammar on the prefill worker
+                seq.grammar.consume_token(kv_import.first_token)
         self._post(("add", seq))
+
+    def grammars(self) -> Grammars:
+        """The engine's grammar library over its vocabulary, made once (it reads every token: about 2 s)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size)
+            return self._grammars
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -341,7 +361,12 @@ class Engine:
         params = [s.params for s in seqs]
         histories = [History(s.prompt_ids, s.output_ids) if s.params.penalized else None for s in seqs]
         suppress = [self._suppressed(s) for s in seqs]
-        tokens = sample(logits, params, [s.generator for s in seqs], histories, suppress)
+        grammars = [s.grammar for s in seqs]
+        allowed = mask_logits(logits, grammars, self.vocab_size) if any(g is not None for g in grammars) else logits
+        tokens = sample(allowed, params, [s.generator for s in seqs], histories, suppress)
+        for g, tok in zip(grammars, tokens, strict=True):
+            if g is not None and not g.is_stopped():
+                g.consume_token(tok)
         asks = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asks:
             rows = logits[torch.tensor(asks, device=logits.device)]
@@ -423,6 +448,8 @@ class Engine:
                     start, length = min(hits, key=lambda h: h[0] + h[1])  # the stop string that ends first
                     seq.text = seq.text[:start + length if p.include_stop_str_in_output else start]
                     reason = "stop"
+        if reason is None and seq.grammar is not None and seq.grammar.is_stopped():
+            reason = "stop"  # the structured output is complete
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
             reason = "length"
         end = len(seq.text)

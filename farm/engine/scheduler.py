@@ -62,6 +62,7 @@ class Sequence:
     text: str = ""
     sent: int = 0  # characters of `text` sent: the tail that may begin a stop string is held back until it cannot
     last_logprobs: Any = None  # TokenLogprobs of the newest token, when the request asks for them
+    grammar: Any = None  # structured output: the sequence's grammar matcher (farm.engine.structured)
 
     @property
     def all_ids(self) -> list[int]:

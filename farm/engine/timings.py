@@ -37,6 +37,7 @@ HISTOGRAMS: dict[str, tuple[float, ...]] = {
     "request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
     "request_inference_time_seconds": REQUEST_LATENCY_BUCKETS,
     "e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+    "request_time_per_output_token_seconds": ITL_BUCKETS,  # a request's mean time per token after its first
 }
 
 
@@ -78,13 +79,14 @@ class Histogram:
 
 
 class _Times:
-    __slots__ = ("arrival", "scheduled", "first_token", "last_token")
+    __slots__ = ("arrival", "scheduled", "first_token", "last_token", "tokens")
 
     def __init__(self, arrival: float):
         self.arrival = arrival
         self.scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
+        self.tokens = 0  # sampled here
 
 
 class RequestTimings:
@@ -114,6 +116,7 @@ class RequestTimings:
         if t is None or t.scheduled is None:
             return
         now = time.monotonic()
+        t.tokens += 1
         if t.first_token is None:
             t.first_token = now
             self.hist["time_to_first_token_seconds"].observe(now - t.arrival)
@@ -130,6 +133,9 @@ class RequestTimings:
         last = t.last_token or time.monotonic()
         if t.first_token is not None:
             self.hist["request_decode_time_seconds"].observe(last - t.first_token)
+            # vLLM's mean_time_per_output_token: the decode time over the tokens after the first (0 for one token)
+            self.hist["request_time_per_output_token_seconds"].observe(
+                (last - t.first_token) / (t.tokens - 1) if t.tokens > 1 else 0.0)
         self.hist["request_inference_time_seconds"].observe(last - t.scheduled)
         self.hist["e2e_request_latency_seconds"].observe(last - t.arrival)
 

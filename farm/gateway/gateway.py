@@ -16,6 +16,7 @@ from farm.config import FarmConfig
 from farm.gateway.placement import Placed, Placer
 from farm.gateway.replies import ReplyReader
 from farm.gateway.submission import Services, Submission
+from farm.infra import logcontext
 from farm.protocol import GenerationRequest
 from farm.router.router import Router
 
@@ -54,11 +55,13 @@ class Gateway:
         req.reply_to = self.replies.reader_id
         req.lease_s = self.cfg.reliability.lease_ttl_s
         box = self.replies.open(req.request_id)
+        logcontext.bind(request_id=req.request_id, model=req.model)  # this request's lines from here on
         try:
             placed = self.placer.place(req)
         except BaseException:
             self.replies.close(req.request_id)
             raise
+        logcontext.bind(worker=",".join(dict.fromkeys(p.worker.worker_id for p in placed.placements.values())))
         return Submission(self._svc, req, placed, box)
 
     def stop(self) -> None:

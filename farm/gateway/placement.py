@@ -20,6 +20,7 @@ from typing import Any
 from farm.cluster import registry
 from farm.config import FarmConfig
 from farm.gateway.failures import NoWorkersError
+from farm.infra import tracing
 from farm.infra.broker import send_generation
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
 from farm.protocol.queues import direct_queue
@@ -101,6 +102,17 @@ class Placer:
 
     def place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Placed:
         """Choose workers for `req`, record their load and send its first task; NoWorkersError, BusyError."""
+        if not tracing.ENABLED:
+            return self._place(req, exclude)
+        with tracing.span("farm.place", attributes={"farm.request_id": req.request_id, "farm.model": req.model,
+                                                    "farm.prompt_tokens": len(req.prompt_token_ids)}) as span:
+            placed = self._place(req, exclude)
+            span.set_attributes({"farm.layout": placed.layout, "farm.task": placed.dispatch.task, **{
+                f"farm.{stage}_worker": p.worker.worker_id for stage, p in placed.placements.items()}, **{
+                f"farm.{stage}_overlap_blocks": p.overlap_blocks for stage, p in placed.placements.items()}})
+            return placed
+
+    def _place(self, req: GenerationRequest, exclude: set[str] | frozenset[str]) -> Placed:
         pools, layout = self._read(req.model, exclude)
         req.created = req.created or time.time()
         t0 = time.perf_counter()

@@ -73,6 +73,7 @@ class Submission:
         self.attempt_id = req.request_id  # the request id the workers see now (changes on migration)
         self.migrations = 0
         self.finished = False  # its done or error event was read
+        self._cancelled = False  # cancel() was called: an "abort" end is the one asked for
         self._closed = False
         self.done: DoneEvent | None = None
         self._box = box
@@ -206,7 +207,7 @@ class Submission:
         req = GenerationRequest(migration_id(orig.request_id, self.migrations), orig.model,
                                 orig.prompt_token_ids + self._ids, sampling, reply_to=orig.reply_to,
                                 created=orig.created, lease_s=orig.lease_s, origin=orig.request_id,
-                                cache_salt=orig.cache_salt)
+                                cache_salt=orig.cache_salt, generated=k)
         log.warning("request %s: worker %s lost after %d tokens; migrating as %s", orig.request_id, lost, k,
                     req.request_id)
         deadline = time.monotonic() + rcfg.migration_wait_s
@@ -241,6 +242,13 @@ class Submission:
         elif isinstance(ev, StartEvent):
             self._stage["decode" if ev.decodes else "prefill"] = ev.worker
             self._watch(ev.worker)
+        elif isinstance(ev, DoneEvent) and ev.finish_reason == "abort" and not self._cancelled:
+            # nobody here asked to stop it: the worker found this reader's lease lapsed (this process could not
+            # reach Redis for longer than reliability.lease_ttl_s, e.g. a partition). A truncated answer must not
+            # pass for a whole one ("abort" reaches OpenAI clients as "stop"): an error, worth retrying.
+            return ErrorEvent(f"the workers stopped this request after {len(self._ids)} tokens: this API process "
+                              "lost Redis for longer than its lease (reliability.lease_ttl_s); retry it",
+                              "orphaned")
         elif isinstance(ev, DoneEvent) and self.migrations:
             n_prompt = len(self.req.prompt_token_ids)
             u = ev.usage
@@ -345,6 +353,7 @@ class Submission:
         whose finish_reason is "abort", for whoever still reads it. A no-op once finished."""
         if self.finished:
             return
+        self._cancelled = True
         pipe = self.svc.r.pipeline(transaction=False)
         for rid in {self.request_id, self.attempt_id}:
             pipe.set(cancel_key(rid), "1", ex=CANCEL_TTL_S)

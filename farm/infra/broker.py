@@ -10,6 +10,8 @@ engine and torch); `tasks/celery_app.py`, the workers' entry point, adds its tas
   inside batches whatever those threads hand it (continuous batching).
 - visibility_timeout: Redis redelivers unacked messages after this long, so it is set above the
   longest request a worker will run (config.celery.max_request_s, checked at load).
+- socket timeouts and TCP keepalive on the broker's connections (`redis.socket`), as on every redis-py client:
+  across a network partition a publish or a consumer's BRPOP fails and reconnects instead of waiting forever.
 - The broker is the farm's Redis as farm.infra.redis_client says: `redis.url`, or with `redis.ha` kombu's
   `sentinel://` URLs and the `master_name` to ask the sentinels for.
 """
@@ -23,7 +25,8 @@ from celery import Celery
 from celery.signals import before_task_publish
 
 from farm.config import FarmConfig, get_config
-from farm.infra.redis_client import celery_broker
+from farm.infra import tracing
+from farm.infra.redis_client import celery_broker, socket_options
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL
 
 _PROMPT_TASKS = frozenset({TASK_PREFILL, TASK_DECODE, TASK_GENERATE})
@@ -49,8 +52,16 @@ def send_generation(app: Celery, task: str, args: list[Any], queue: str, **optio
     `argsrepr` on every send (about a millisecond for a few hundred ids, thrown away by the redaction above)
     and read the system's random source for a task id."""
     rid = args[0].get("request_id", "?") if args and isinstance(args[0], dict) else "?"
-    app.send_task(task, args=args, queue=queue, task_id=f"{rid}.{task.rsplit('.', 1)[-1]}",
-                  argsrepr=f"(<request {rid}: prompt not shown>)", kwargsrepr="{}", **options)
+    options.update(task_id=f"{rid}.{task.rsplit('.', 1)[-1]}", argsrepr=f"(<request {rid}: prompt not shown>)",
+                   kwargsrepr="{}")
+    if not tracing.ENABLED:
+        app.send_task(task, args=args, queue=queue, **options)
+        return
+    # tracing on: a producer span around the publish (one LPUSH on Redis), its W3C context in the message headers
+    with tracing.span(f"{task} publish", tracing.PRODUCER, {
+            "messaging.system": "celery", "messaging.destination.name": queue, "farm.request_id": rid}):
+        options["headers"] = {**options.get("headers", {}), **(tracing.inject() or {})}
+        app.send_task(task, args=args, queue=queue, **options)
 
 
 def celery_settings(cfg: FarmConfig) -> dict[str, Any]:
@@ -70,6 +81,7 @@ def celery_settings(cfg: FarmConfig) -> dict[str, Any]:
         "broker_transport_options": {
             "visibility_timeout": cfg.celery.visibility_timeout_s,
             "queue_order_strategy": "priority",
+            **socket_options(cfg.redis),  # timeouts and keepalive: a partition from Redis never hangs a process
             **transport_options,
         },
         "broker_connection_retry_on_startup": True,

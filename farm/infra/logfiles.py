@@ -17,17 +17,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from farm.infra import logcontext, tracing
 from farm.infra.filemodes import open_private, private_umask
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line (`logs.format: json`): time, level, logger, message, process id, exception."""
+    """One JSON object per line (`logs.format: json`): time, level, logger, message, process id, exception, and
+    where known the request's id, model, worker and trace id (farm.infra.logcontext, farm.infra.tracing)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
                                "msg": record.getMessage(), "pid": record.process}
+        out.update(logcontext.fields())
+        if tracing.ENABLED and (tid := tracing.trace_id()):
+            out["trace_id"] = tid  # the span current where the line was logged
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

@@ -25,17 +25,38 @@ if TYPE_CHECKING:
 
 def connect(target: RedisConfig | str, *, timeout: float | None = None, **options: Any) -> redis.Redis:
     """A client of the farm's Redis (`RedisConfig`: through the sentinels when `ha.enabled`), or of the one
-    server a URL names. `timeout` bounds connecting and each command; `options` go to redis-py."""
+    server a URL names. `timeout` bounds connecting and each command (else `redis.socket`); `options` go to
+    redis-py. Every client gets socket timeouts and TCP keepalive (`socket_options`), so a partition from Redis
+    ends in an error and a reconnect instead of a call that never returns."""
     import redis
 
     if timeout is not None:
         options.setdefault("socket_timeout", timeout)
         options.setdefault("socket_connect_timeout", timeout)
+    for key, value in socket_options(target if not isinstance(target, str) else None).items():
+        options.setdefault(key, value)
     if isinstance(target, str):
         return redis.Redis.from_url(target, **options)
     if not target.ha.enabled:
         return redis.Redis.from_url(target.url, **options)
     return sentinel(target, timeout).master_for(target.ha.master_name, **{**_url_options(target.url), **options})
+
+
+def socket_options(cfg: RedisConfig | None = None) -> dict[str, Any]:
+    """redis-py's socket settings from `cfg.socket` (the defaults without `cfg`): connect and command timeouts,
+    TCP keepalive probing idle connections, and a PING before using a connection idle for a while. Celery's
+    broker takes the same as transport options (farm.infra.broker): kombu hands them to its redis-py pools,
+    and its health_check_interval also drops a consumer's BRPOP connection whose answer is overdue."""
+    import socket
+
+    from farm.config import RedisConfig
+
+    s = (cfg or RedisConfig()).socket
+    wanted = {"TCP_KEEPIDLE": s.keepalive_idle_s, "TCP_KEEPINTVL": s.keepalive_interval_s,
+              "TCP_KEEPCNT": s.keepalive_count}
+    keepalive = {getattr(socket, k): v for k, v in wanted.items() if hasattr(socket, k)}  # Linux has all three
+    return {"socket_connect_timeout": s.connect_timeout_s, "socket_timeout": s.timeout_s, "socket_keepalive": True,
+            "socket_keepalive_options": keepalive, "health_check_interval": s.health_check_interval_s}
 
 
 def sentinel(cfg: RedisConfig, timeout: float | None = None) -> Sentinel:

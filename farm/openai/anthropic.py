@@ -4,8 +4,9 @@ body the farm's own chat path validates, templates and generates, and the chat a
 -> Anthropic's message (JSON, or its event stream: message_start, content_block_start, ping, content_block_delta
 ..., content_block_stop, message_delta, message_stop), and errors in Anthropic's shape.
 
-Text only: image, document, tool_use, tool_result and thinking blocks, `tools`, `tool_choice` and `thinking` are
-refused with an invalid_request_error (the farm has no tool calling). Stop sequences are asked of the chat path
+Text and tool use (farm.openai.anthropic_tools: `tools`, `tool_choice`, `tool_use` and `tool_result` blocks onto the
+chat path's tool calling; calls stream as `tool_use` blocks with `input_json_delta`s); image, document and thinking
+blocks and `thinking` are refused with an invalid_request_error. Stop sequences are asked of the chat path
 with `include_stop_str_in_output`, so the answer shows which one ended it (`stop_reason` "stop_sequence",
 `stop_sequence` set); the translation takes the sequence off the text again, and in a stream holds back a tail
 that may begin one until it knows.
@@ -13,7 +14,6 @@ that may begin one until it knows.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -24,29 +24,34 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationError,
 )
 
+from farm.openai.anthropic_tools import (
+    AnthropicTextBlockParam,
+    AnthropicToolChoice,
+    AnthropicToolParam,
+    Block,
+    chat_messages,
+    chat_tool_fields,
+    check_blocks,
+    tool_use_blocks,
+)
 from farm.openai.api_error import APIError, bad_request
+from farm.openai.chat_stream import ChunkTranslator, named_event, streamed_with_usage, translate
 from farm.openai.schemas import MAX_TOP_K, _Loose, _Request  # the OpenAI schemas' bases and bound, shared
+from farm.openai.validation import validated
 from farm.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
-TEXT_ONLY = "this server accepts text content only (no images, documents or tool calling)"
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+TEXT_ONLY = "this server accepts text and tool use only (no images or documents)"
+BLOCK_TYPES = ("text", "tool_use", "tool_result")
 
 
 # -- requests ------------------------------------------------------------------------------------
-class AnthropicTextBlockParam(_Request):
-    type: Literal["text"]
-    text: StrictStr
-    cache_control: dict[str, Any] | None = Field(None, description=(
-        "accepted and ignored: the farm's prefix cache needs no breakpoints"))
-
-
 class AnthropicMessageParam(_Request):
     role: Literal["user", "assistant"] = Field(description=(
         "a last assistant message is continued (Anthropic's prefill): the answer is its continuation"))
-    content: StrictStr | list[AnthropicTextBlockParam] = Field(description="a string or text blocks only")
+    content: StrictStr | list[Block] = Field(
+        description="a string, or text, tool_use (assistant) and tool_result (user) blocks")
 
 
 class AnthropicMetadata(_Request):
@@ -69,9 +74,25 @@ class AnthropicMessagesRequest(_Request):
     metadata: AnthropicMetadata | None = None
     cache_control: dict[str, Any] | None = Field(None, description=(
         "accepted and ignored: the farm's prefix cache needs no breakpoints"))
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: accepted only when absent or empty")
-    tool_choice: dict[str, Any] | None = Field(None, description="not supported: accepted only when absent")
+    tools: list[AnthropicToolParam] | None = Field(None, max_length=128, description="client tools (custom)")
+    tool_choice: AnthropicToolChoice | None = Field(None, description=(
+        "auto (the model's tool_call_parser reads its calls), any, tool (forced by structured output), none"))
     thinking: dict[str, Any] | None = Field(None, description="not supported: accepted only as {type: disabled}")
+
+
+class AnthropicCountTokensRequest(_Request):
+    """POST /v1/messages/count_tokens: what a message request's prompt would count, without generating."""
+
+    model: StrictStr = Field(description="a configured model (GET /v1/models)")
+    messages: list[AnthropicMessageParam] = Field(min_length=1)
+    system: StrictStr | list[AnthropicTextBlockParam] | None = None
+    tools: list[AnthropicToolParam] | None = Field(None, max_length=128)
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict[str, Any] | None = Field(None, description="accepted only as {type: disabled}")
+
+
+class AnthropicTokenCount(_Loose):
+    input_tokens: int
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -80,12 +101,19 @@ class AnthropicTextBlock(_Loose):
     text: str
 
 
+class AnthropicToolUseBlock(_Loose):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class AnthropicUsage(_Loose):
     input_tokens: int
     output_tokens: int
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "refusal"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "refusal", "tool_use"]
 
 
 class AnthropicMessage(_Loose):
@@ -93,7 +121,7 @@ class AnthropicMessage(_Loose):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[AnthropicTextBlock]
+    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: AnthropicUsage
@@ -110,22 +138,11 @@ class AnthropicErrorResponse(_Loose):
     error: AnthropicErrorDetail
 
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (AnthropicMessagesRequest,)
-RESPONSE_MODELS: tuple[type[BaseModel], ...] = (AnthropicMessage, AnthropicErrorResponse)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (AnthropicMessagesRequest, AnthropicCountTokensRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (AnthropicMessage, AnthropicErrorResponse, AnthropicTokenCount)
 
 
 # -- request -> chat body --------------------------------------------------------------------------
-def _loc(loc: tuple[Any, ...]) -> str:
-    """`messages[0].content[1].text` from pydantic's location, without the names of union members."""
-    out = ""
-    for part in loc:
-        if isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
-                                      or part.startswith("Anthropic")):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def _refuse_non_text(body: dict[str, Any]) -> None:
     """A clear 400 for the content blocks and fields of Anthropic's API the farm does not serve."""
     blocks: list[tuple[str, Any]] = []
@@ -138,35 +155,37 @@ def _refuse_non_text(body: dict[str, Any]) -> None:
         blocks += [(f"system[{j}]", b) for j, b in enumerate(body["system"])]
     for where, block in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
-        if isinstance(kind, str) and kind != "text":
+        if isinstance(kind, str) and kind not in (BLOCK_TYPES if where.startswith("messages") else ("text",)):
             raise bad_request(f"{where}: '{kind}' content blocks are not supported; {TEXT_ONLY}", where,
                               "unsupported_content")
-    if body.get("tools") not in (None, []):
-        raise bad_request("'tools' is not supported by this server (no tool calling)", "tools", "unsupported_parameter")
-    if body.get("tool_choice") is not None:
-        raise bad_request("'tool_choice' is not supported by this server (no tool calling)", "tool_choice",
-                          "unsupported_parameter")
     if body.get("thinking") not in (None, {"type": "disabled"}):
         raise bad_request("'thinking' is not supported by this server (only {\"type\": \"disabled\"})", "thinking",
                           "unsupported_parameter")
 
 
-def parse_request(body: Any) -> AnthropicMessagesRequest:
-    """The body as an AnthropicMessagesRequest, or a 400 naming the first problem (an unknown field, a missing
-    `max_tokens`, a block that is not text, a value out of range)."""
+def _known_fields(body: Any, model: type[BaseModel]) -> dict[str, Any]:
+    """`body` when it is an object of `model`'s fields only, else a 400 naming the first other one."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name in body:
-        if name not in AnthropicMessagesRequest.model_fields:
+        if name not in model.model_fields:
             raise bad_request(f"{name}: Extra inputs are not permitted (unknown parameter)", str(name),
                               "unknown_parameter")
-    _refuse_non_text(body)
-    try:
-        req = AnthropicMessagesRequest.model_validate(body)
-    except ValidationError as e:
-        first = max(e.errors(), key=lambda err: len(err["loc"]))  # in a union, the member that got furthest
-        where = _loc(tuple(first["loc"]))
-        raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where or None) from None
+    return body
+
+
+def parse_count_request(body: Any) -> AnthropicMessagesRequest:
+    """A count_tokens body (its own fields only) as the message request whose prompt it counts."""
+    return parse_request({**_known_fields(body, AnthropicCountTokensRequest), "max_tokens": 1})
+
+
+def parse_request(body: Any) -> AnthropicMessagesRequest:
+    """The body as an AnthropicMessagesRequest, or a 400 naming the first problem (an unknown field, a missing
+    `max_tokens`, a block that is not text, a value out of range)."""
+    _refuse_non_text(_known_fields(body, AnthropicMessagesRequest))
+    req = validated(AnthropicMessagesRequest, body, ("Anthropic",))
+    for i, m in enumerate(req.messages):
+        check_blocks(i, m.role, m.content)
     if any(len(s) > MAX_STOP_CHARS for s in req.stop_sequences or ()):
         raise bad_request(f"each stop sequence may be at most {MAX_STOP_CHARS} characters", "stop_sequences")
     return req
@@ -185,12 +204,14 @@ def to_chat_body(req: AnthropicMessagesRequest) -> dict[str, Any]:
     message, text blocks joined, Anthropic's sampling fields under OpenAI's (vLLM's) names; a last assistant message
     is continued (vLLM's `continue_final_message`); with stop sequences the matched one is kept in the text
     (`include_stop_str_in_output`) so that `split_stop` can tell which ended the answer; a stream reports usage."""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     system = _text(req.system) if req.system is not None else ""
     if system:
         messages.append({"role": "system", "content": system})
-    messages += [{"role": m.role, "content": _text(m.content)} for m in req.messages]
-    body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens}
+    for i, m in enumerate(req.messages):
+        messages += chat_messages(i, m.role, m.content)
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens,
+                            **chat_tool_fields(req.tools, req.tool_choice)}
     for name in ("temperature", "top_p", "top_k"):
         if (value := getattr(req, name)) is not None:
             body[name] = value
@@ -201,8 +222,7 @@ def to_chat_body(req: AnthropicMessagesRequest) -> dict[str, Any]:
         body["add_generation_prompt"] = False
         body["continue_final_message"] = True
     if req.stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        body.update(streamed_with_usage())
     return body
 
 
@@ -228,6 +248,8 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> StopRea
         return "stop_sequence"
     if finish_reason == "length":
         return "max_tokens"
+    if finish_reason == "tool_calls":
+        return "tool_use"
     return "refusal" if finish_reason == "content_filter" else "end_turn"
 
 
@@ -236,7 +258,10 @@ def from_chat_completion(chat: dict[str, Any], stops: list[str]) -> dict[str, An
     choice = chat["choices"][0]
     text, seq = split_stop(choice["message"].get("content") or "", choice.get("finish_reason"), stops)
     usage = chat.get("usage") or {}
-    msg = AnthropicMessage(id=message_id(chat["id"]), model=chat["model"], content=[AnthropicTextBlock(text=text)],
+    uses = [AnthropicToolUseBlock(**b) for b in tool_use_blocks(choice["message"].get("tool_calls"))]
+    blocks: list[AnthropicTextBlock | AnthropicToolUseBlock] = [AnthropicTextBlock(text=text)] if text or not uses \
+        else []
+    msg = AnthropicMessage(id=message_id(chat["id"]), model=chat["model"], content=blocks + uses,
                            stop_reason=stop_reason(choice.get("finish_reason"), seq), stop_sequence=seq,
                            usage=AnthropicUsage(input_tokens=int(usage.get("prompt_tokens", 0)),
                                                 output_tokens=int(usage.get("completion_tokens", 0))))
@@ -254,64 +279,78 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
-def event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {_dumps(data)}\n\n"
+event = named_event  # Anthropic's SSE blocks name their event
 
 
-class StreamTranslator:
-    """OpenAI chat chunks (the `data:` payloads of one choice, with a usage chunk) -> Anthropic's SSE events.
-    `input_tokens()` is the prompt's token count for message_start (known once the prompt was templated; the final
-    message_delta carries the usage the workers reported)."""
+class StreamTranslator(ChunkTranslator):
+    """OpenAI chat chunks (the `data:` payloads of one choice, with a usage chunk) -> Anthropic's SSE events: the
+    answer's text as a text block, each call as a `tool_use` block whose input streams as `input_json_delta`s, blocks
+    numbered in order. `input_tokens()` is the prompt's token count for message_start (known once the prompt was
+    templated; the final message_delta carries the usage the workers reported)."""
 
     def __init__(self, stops: list[str], input_tokens: Callable[[], int] = lambda: 0):
         self.stops = [s for s in stops if s]
         self.input_tokens = input_tokens
-        self.started = self.block_open = self.closed = False
+        self.started = self.closed = False
+        self.block: str | None = None  # the open block's type (text, tool_use)
+        self.blocks = 0  # blocks opened so far (the next one's index)
         self.held = ""
         self.finish: str | None = None
         self.stop_sequence: str | None = None
         self.usage: dict[str, Any] = {}
 
     def _start(self, chunk: dict[str, Any]) -> str:
-        self.started = self.block_open = True
+        self.started = True
         message = {"id": message_id(str(chunk.get("id", ""))), "type": "message", "role": "assistant",
                    "model": chunk.get("model", ""), "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.input_tokens(), "output_tokens": 0}}
-        return (event("message_start", {"type": "message_start", "message": message})
-                + event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                "content_block": {"type": "text", "text": ""}})
-                + event("ping", {"type": "ping"}))
+        return event("message_start", {"type": "message_start", "message": message})
 
-    @staticmethod
-    def _delta(text: str) -> str:
-        if not text:
-            return ""
-        return event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                             "delta": {"type": "text_delta", "text": text}})
+    def _open(self, block: dict[str, Any]) -> str:
+        out = self._stop_block()
+        self.block = block["type"]
+        self.blocks += 1
+        out += event("content_block_start", {"type": "content_block_start", "index": self.blocks - 1,
+                                             "content_block": block})
+        return out + event("ping", {"type": "ping"}) if self.blocks == 1 else out  # where Anthropic sends its ping
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})
+
+    def _text_delta(self, text: str) -> str:
+        return self._delta({"type": "text_delta", "text": text}) if text else ""
 
     def _text(self, text: str) -> str:
+        out = "" if self.block == "text" else self._open({"type": "text", "text": ""})
         if not self.stops:
-            return self._delta(text)
+            return out + self._text_delta(text)
         buf = self.held + text
         keep = _held_back(buf, self.stops)
         self.held = buf[len(buf) - keep:]
-        return self._delta(buf[:len(buf) - keep])
+        return out + self._text_delta(buf[:len(buf) - keep])
+
+    def _tool_call(self, call: dict[str, Any]) -> str:
+        out = ""
+        fn = call.get("function") or {}
+        if call.get("id"):
+            out += self._open({"type": "tool_use", "id": call["id"], "name": fn.get("name", ""), "input": {}})
+        if fn.get("arguments") and self.block == "tool_use":
+            out += self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+        return out
 
     def _stop_block(self) -> str:
-        if not self.block_open:
+        if self.block is None:
             return ""
-        self.block_open = False
-        rest, self.stop_sequence = split_stop(self.held, self.finish, self.stops)
-        self.held = ""
-        return self._delta(rest) + event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        out = ""
+        if self.block == "text":
+            rest, self.stop_sequence = split_stop(self.held, self.finish, self.stops)
+            self.held = ""
+            out = self._text_delta(rest)
+        self.block = None
+        return out + event("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
 
-    def feed(self, payload: str) -> str:
-        """The SSE text for one `data:` payload of the chat stream ("" when it adds nothing yet)."""
-        if self.closed:
-            return ""
-        if payload == "[DONE]":
-            return self.end()
-        chunk = json.loads(payload)
+    def chunk(self, chunk: dict[str, Any]) -> str:
+        """The SSE text for one chunk of the chat stream ("" when it adds nothing yet)."""
         if "error" in chunk:
             self.closed = True
             err = chunk["error"] or {}
@@ -321,21 +360,20 @@ class StreamTranslator:
         out = "" if self.started else self._start(chunk)
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            content = (choice.get("delta") or {}).get("content")
-            if content:
-                out += self._text(content)
-            if choice.get("finish_reason") is not None:
-                self.finish = choice["finish_reason"]
-                out += self._stop_block()
-        return out
+        return out + self.choices(chunk)
+
+    def _finished(self, reason: str) -> str:
+        self.finish = reason
+        return self._stop_block()
 
     def end(self) -> str:
-        """message_delta (stop reason, usage) and message_stop, once."""
+        """message_delta (stop reason, usage) and message_stop, once; an answer without a block gets an empty text
+        block, as Anthropic's message always has content."""
         if self.closed:
             return ""
         self.closed = True
-        out = self._stop_block()
+        out = self._open({"type": "text", "text": ""}) if self.blocks == 0 else ""
+        out += self._stop_block()
         usage = {"input_tokens": int(self.usage.get("prompt_tokens", self.input_tokens())),
                  "output_tokens": int(self.usage.get("completion_tokens", 0))}
         out += event("message_delta", {"type": "message_delta",
@@ -350,21 +388,7 @@ def translate_stream(chunks: Iterable[str | bytes], stops: list[str],
     """Anthropic's event stream from the chat path's SSE text (`data: ...` blocks, whatever way they are cut into
     writes). Closing this generator closes `chunks` (the chat stream ends its generation)."""
     t = StreamTranslator(stops, input_tokens)
-    buf = ""
-    try:
-        for piece in chunks:
-            buf += piece.decode() if isinstance(piece, bytes) else piece
-            *blocks, buf = buf.split("\n\n")
-            out = "".join(t.feed(b[len("data: "):]) for b in blocks if b.startswith("data: "))
-            if out:
-                yield out
-        tail = t.end()
-        if tail:
-            yield tail
-    finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()
+    return translate(chunks, t)
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from farm.config import SamplingDefaults
-from farm.models.tokenization import PromptTooLong, chat_prompt_ids, max_token_chars, text_prompt_ids
+from farm.models.tokenization import (
+    PromptTooLong,
+    chat_prompt_ids,
+    max_token_chars,
+    template_reads,
+    text_prompt_ids,
+)
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.schemas import (
     MAX_CACHE_SALT,
@@ -18,6 +24,8 @@ from farm.openai.schemas import (
     field_bounds,
     reject_unknown_fields,
 )
+from farm.openai.structured import check_schema
+from farm.openai.tools import ToolRequest, parse_tools, template_inputs
 from farm.protocol import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
@@ -27,11 +35,9 @@ from farm.protocol import (
     SamplingParams,
 )
 
-CHAT_ROLES = {"system", "user", "assistant", "developer"}  # developer is sent to the template as system
-UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
-               "function_call": "function calling"}
-# Parameters only some engines honour: refused with a 400 naming the model's backend elsewhere.
-BACKEND_ONLY = {"response_format": {"vllm"}}
+CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}  # developer is sent to the template as system
+UNSUPPORTED = {"functions": "deprecated function calling: use 'tools'",
+               "function_call": "deprecated function calling: use 'tool_choice'"}
 # The chat template's own parameters (transformers' apply_chat_template, and the names the template is rendered
 # with): not variables of the template, so not accepted in `chat_template_kwargs` (vLLM refuses chat_template and
 # tokenize there; the output-shaping ones would change what a prompt is, padding to max_length its size).
@@ -58,6 +64,8 @@ class ParsedRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     n: int = 1  # choices: n requests on the workers (seeds seed, seed+1, ...)
     cache_salt: str | None = None  # the client's (vLLM's field): combined with its tenant's (farm.tenancy.api_keys)
+    tools: ToolRequest | None = None  # chat: the request's tools (farm.openai.tools), when it has any
+    reasoning_parser: str | None = None  # chat: the model's (farm.openai.reasoning): reasoning split from content
     role: str = "assistant"  # chat: the response message's role (the last message's without a generation prompt)
     echo: str = ""  # chat: text every choice starts with (vLLM's `echo`: the last message, when it has `role`)
 
@@ -159,6 +167,7 @@ def _response_format(body: dict) -> dict[str, Any] | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               "response_format")
+        check_schema(spec["schema"], "response_format")
         return {"type": "json_schema", "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
     return {"type": "json_object"}
 
@@ -215,28 +224,16 @@ def chat_options(body: dict) -> ChatOptions:
     return ChatOptions(dict(kwargs), add, cont, echo)
 
 
-def _refuse_for_backend(body: dict, backend: str | None) -> None:
-    """A 400 naming the model's engine for a parameter it cannot honour (never silently ignored)."""
-    asked = {"response_format": _response_format(body) is not None}
-    for key, backends in BACKEND_ONLY.items():
-        if backend is not None and backend not in backends and asked[key]:
-            raise bad_request(f"'{key}' is not supported by model {body.get('model')!r} (backend: {backend}); "
-                              f"models served by {' or '.join(sorted(backends))} support it", key,
-                              "unsupported_parameter")
-
-
 def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
-            defaults: SamplingDefaults | None = None, *, kind: str = "chat", vocab: int | None = None,
-            backend: str | None = None) -> tuple[SamplingParams, bool, bool, int]:
+            defaults: SamplingDefaults | None = None, *, kind: str = "chat", vocab: int | None = None
+            ) -> tuple[SamplingParams, bool, bool, int]:
     """Sampling parameters, stream flags and n shared by chat and completions, checked like OpenAI's (and
     vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos); parameters
-    the body leaves out come from the model entry's `defaults`. `vocab` bounds token ids; `backend` refuses
-    what the model's engine cannot do (None: no model chosen yet, nothing refused for that)."""
+    the body leaves out come from the model entry's `defaults`. `vocab` bounds token ids."""
     defaults = defaults or SamplingDefaults()
     for key, what in UNSUPPORTED.items():
         if body.get(key) not in (None, False, [], {}):
             raise bad_request(f"'{key}' is not supported by this server ({what})", key, "unsupported_parameter")
-    _refuse_for_backend(body, backend)
     n = _integer(body, "n", 1)
     temperature = _number(body, "temperature", defaults.temperature)
     top_p = _number(body, "top_p", defaults.top_p)
@@ -319,8 +316,9 @@ def check_prompt_chars(n_chars: int, limit: int, max_model_len: int, param: str)
                           "context_length_exceeded")
 
 
-def messages_chars(messages: list[dict[str, str]]) -> int:
-    return sum(len(m["content"]) for m in messages)
+def messages_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m["content"]) + sum(len(c["function"]["arguments"]) + len(c["function"]["name"])
+                                       for c in m.get("tool_calls", ())) for m in messages)
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -339,8 +337,26 @@ def _content_text(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def normalize_messages(body: dict) -> list[dict[str, str]]:
-    """`messages` as [{"role", "content": str}] for the chat template; developer becomes system."""
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's earlier `tool_calls`, checked: [{id, type: function, function: {name, arguments}}]."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise bad_request(f"'{param}' must be a non-empty list of tool calls", param)
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+                and isinstance(c.get("id", ""), str) and c.get("type", "function") == "function"):
+            raise bad_request(f"'{param}' items must be {{\"id\", \"type\": \"function\", \"function\": "
+                              "{\"name\": string, \"arguments\": string}}", param)
+        out.append({"id": c.get("id") or "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def normalize_messages(body: dict) -> list[dict[str, Any]]:
+    """`messages` as [{"role", "content": str}] for the chat template; developer becomes system. An assistant
+    message may carry its `tool_calls` (content may then be null), a tool message its `tool_call_id`."""
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")
@@ -354,7 +370,18 @@ def normalize_messages(body: dict) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                               f"messages[{i}].role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _content_text(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        elif m.get("tool_calls") is not None:
+            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_request(f"messages[{i}].tool_call_id is required (a string) in a tool message",
+                                  f"messages[{i}].tool_call_id", "missing_required_parameter")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 
@@ -379,12 +406,14 @@ def stream_flags(body: dict, kind: str = "chat") -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, str]] | None = None,
+def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, Any]] | None = None,
                defaults: SamplingDefaults | None = None, chars_per_token: int = 0,
-               backend: str | None = None, template_kwargs: dict[str, Any] | None = None) -> ParsedRequest:
+               tool_parser: str | None = None, template_kwargs: dict[str, Any] | None = None,
+               reasoning_parser: str | None = None) -> ParsedRequest:
     """Validate a /v1/chat/completions body (model already checked) and apply the chat template to
-    `messages` (the body's, normalized, unless the semantic layer rewrote them); `backend` is the model's
-    engine (what it cannot do is refused); `template_kwargs` reach the template (the semantic layer's
+    `messages` (the body's, normalized, unless the semantic layer rewrote them); `tool_parser` is the model's
+    (farm.openai.tools: what `tool_choice: auto` needs), `reasoning_parser` too (farm.openai.reasoning);
+    `template_kwargs` reach the template (the semantic layer's
     reasoning mode: api.semantic.reasoning_template_kwargs; the client's own `chat_template_kwargs` win over
     them). vLLM's template fields apply: `add_generation_prompt`, `continue_final_message`, and `echo` (every
     choice starts with the last message's content when that message has the response's role, which is the last
@@ -392,24 +421,31 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
     if messages is None:
         messages = validate_chat(body)
     opts = chat_options(body)
+    tools = parse_tools(body, tool_parser, body.get("model", ""))
+    if tools is not None and tools.active and body.get("stream") is True and body.get("logprobs"):
+        raise bad_request("'logprobs' cannot be streamed together with tool calls", "logprobs", "unsupported_value")
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     check_prompt_chars(messages_chars(messages), limit, max_model_len, "messages")
-    try:  # with template variables, the rendered prompt's size is checked again before it is tokenized
-        ids = chat_prompt_ids(tokenizer, messages, {**(template_kwargs or {}), **opts.template_kwargs},
+    rendered, tool_list = template_inputs(messages, tools, template_reads(tokenizer, "tools"), tool_parser)
+    try:  # with template variables or tools, the rendered prompt's size is checked again before it is tokenized
+        ids = chat_prompt_ids(tokenizer, rendered, {**(template_kwargs or {}), **opts.template_kwargs},
                               add_generation_prompt=opts.add_generation_prompt,
-                              continue_final_message=opts.continue_final_message,
-                              max_chars=limit if opts.template_kwargs else None)
+                              continue_final_message=opts.continue_final_message, tools=tool_list,
+                              max_chars=limit if opts.template_kwargs or tools is not None else None)
     except PromptTooLong as e:
         check_prompt_chars(e.chars, limit, max_model_len, "messages")
         raise
     except Exception as e:  # a template that rejects the conversation (e.g. role order, nothing to continue)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
-                                               vocab=len(tokenizer), backend=backend)
+                                               vocab=len(tokenizer))
+    if tools is not None and (forced := tools.response_format()) is not None:
+        params = replace(params, response_format=forced)
     role = "assistant" if opts.add_generation_prompt else messages[-1]["role"]
     echo = messages[-1]["content"] if opts.echo and messages[-1]["role"] == role else ""
     return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n,
-                         cache_salt=_cache_salt(body), role=role, echo=echo)
+                         cache_salt=_cache_salt(body), tools=tools if tools is not None and tools.active else None,
+                         reasoning_parser=reasoning_parser, role=role, echo=echo)
 
 
 def raw_prompt(body: dict) -> Any:
@@ -434,8 +470,7 @@ def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int,
-                     defaults: SamplingDefaults | None = None, chars_per_token: int = 0,
-                     backend: str | None = None) -> ParsedRequest:
+                     defaults: SamplingDefaults | None = None, chars_per_token: int = 0) -> ParsedRequest:
     """Validate a /v1/completions body (model already checked): one prompt, as text or token ids."""
     reject_unknown_fields(body, CompletionRequest)
     for key in ("echo", "suffix"):
@@ -462,7 +497,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
         raise bad_request("'prompt' must be a string, a list of token ids, or a list with one of those "
                           "(batched prompts are not supported)", "prompt")
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "prompt", defaults,
-                                               kind="completion", vocab=len(tokenizer), backend=backend)
+                                               kind="completion", vocab=len(tokenizer))
     return ParsedRequest(body["model"], ids, params, stream, include_usage, n=n, cache_salt=_cache_salt(body))
 
 

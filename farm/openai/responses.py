@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
+
+from farm.openai.answer import read_answer
+from farm.openai.tool_parsers import ToolCall
+from farm.openai.tools import CallDelta, ToolRequest
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps(separators=...) builds one per call
 
@@ -20,17 +24,28 @@ def usage(u: dict[str, int]) -> dict[str, Any]:
 
 def finish_reason(r: str | None) -> str:
     """OpenAI has no "abort": a request aborted by the farm reports "stop"."""
-    return r if r in ("stop", "length", "content_filter") else "stop"
+    return r if r in ("stop", "length", "content_filter", "tool_calls") else "stop"
 
 
 @dataclass
 class Choice:
-    """One choice of a response: its text, why it ended, and its log-probabilities in OpenAI's shape for
-    the response's kind (farm.openai.logprobs), when asked for."""
+    """One choice of a response: its text (None: only calls), why it ended, its log-probabilities in OpenAI's
+    shape for the response's kind (farm.openai.logprobs) when asked for, and the tools it called."""
 
-    text: str
+    text: str | None
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
+
+    @classmethod
+    def of(cls, text: str, reason: str | None, logprobs: dict[str, Any] | None = None,
+           tools: ToolRequest | None = None, reasoning_parser: str | None = None, echo: str = "") -> Choice:
+        """A generated answer's choice: its reasoning and its calls read out of its text (farm.openai.answer)."""
+        if tools is None and reasoning_parser is None:
+            return cls(echo + text, reason, logprobs)
+        a = read_answer(text, reason, tools, reasoning_parser, echo)
+        return cls(a.content, a.finish_reason, logprobs, a.tool_calls, a.reasoning)
 
 
 def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dict[str, int],
@@ -38,7 +53,7 @@ def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dic
     """The non-streamed `chat.completion` (kind "chat", its messages' `role`) or `text_completion` object."""
     created = int(time.time())
     if kind == "chat":
-        out = [{"index": i, "message": {"role": role, "content": c.text}, "logprobs": c.logprobs,
+        out = [{"index": i, "message": _message(role, c), "logprobs": c.logprobs,
                 "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(choices)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
                 "usage": usage(u)}
@@ -46,6 +61,15 @@ def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dic
            for i, c in enumerate(choices)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage(u)}
+
+
+def _message(role: str, c: Choice) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": role, "content": c.text}
+    if c.reasoning is not None:  # vLLM's name, and its older one (DeepSeek's API, many clients)
+        msg["reasoning"] = msg["reasoning_content"] = c.reasoning
+    if c.tool_calls:
+        msg["tool_calls"] = [call.to_dict() for call in c.tool_calls]
+    return msg
 
 
 class ChunkWriter:
@@ -85,6 +109,21 @@ class ChunkWriter:
             return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
                                  "finish_reason": None}])
         return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
+
+    def thought(self, text: str, index: int = 0) -> str:
+        """A streamed piece of reasoning, under both of its names (as the whole message carries it)."""
+        return self._chunk([{"index": index, "delta": {"reasoning": text, "reasoning_content": text},
+                             "logprobs": None, "finish_reason": None}])
+
+    def tool_call(self, d: CallDelta, index: int = 0) -> str:
+        """A streamed call's piece, as OpenAI streams them: the first with its id, type and name."""
+        call: dict[str, Any] = {"index": d.index}
+        if d.id is not None:
+            call.update(id=d.id, type="function", function={"name": d.name, "arguments": d.arguments})
+        else:
+            call["function"] = {"arguments": d.arguments}
+        return self._chunk([{"index": index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                             "finish_reason": None}])
 
     def finish(self, reason: str, index: int = 0) -> str:
         if self.kind == "chat":

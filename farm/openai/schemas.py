@@ -39,10 +39,36 @@ class TextPart(_Loose):
     text: str
 
 
+class FunctionCall(_Loose):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallItem(_Loose):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Loose):
-    role: Role = Field(description="developer is handed to the chat template as system")
+    role: Role | Literal["tool"] = Field(description="developer is handed to the chat template as system; tool "
+                                                     "carries a tool's result (with tool_call_id)")
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, description="an assistant message's earlier calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+
+class FunctionTool(_Loose):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"]
+    function: FunctionTool
 
 
 class StreamOptions(_Loose):
@@ -88,12 +114,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool | None = Field(None, description="log-probabilities of the generated tokens")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (with logprobs)")
-    tools: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
-    tool_choice: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
+    tools: list[Tool] | None = Field(None, max_length=128, description=(
+        "function tools: rendered by the model's chat template (or, for a template without tools, as a system "
+        "prompt in the model's tool-call format)"))
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(None, description=(
+        "auto (default with tools; needs the model's tool_call_parser), none, required, or "
+        "{\"type\": \"function\", \"function\": {\"name\": ...}}; required and a named function are "
+        "forced by structured output"))
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     functions: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
     function_call: str | dict[str, Any] | None = Field(None, description=UNSUPPORTED_NOTE)
     response_format: dict[str, Any] | None = Field(
-        None, description="text, json_object or json_schema (structured output: models with backend vllm)")
+        None, description="text, json_object or json_schema (structured output, on both engines)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
         "vLLM extension: variables for the model's chat template (e.g. enable_thinking); not the template's own "
         "parameters (tokenize, tools, ..., and add_generation_prompt / continue_final_message, which are fields here)"))

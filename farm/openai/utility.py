@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from farm.models.tokenization import chat_prompt_ids, text_prompt_ids
+from farm.models.tokenization import chat_prompt_ids, template_reads, text_prompt_ids
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     chat_options,
@@ -28,6 +28,7 @@ from farm.openai.parsing import (
     normalize_messages,
     prompt_char_limit,
 )
+from farm.openai.tools import ToolRequest, check_tools, template_inputs
 from farm.openai.utility_schemas import (
     MAX_EMBEDDING_INPUTS,
     DetokenizeRequest,
@@ -87,6 +88,7 @@ class TokenizeJob:
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered as a chat completion with these tools renders them
 
 
 def parse_tokenize(body: Any) -> TokenizeJob:
@@ -98,15 +100,15 @@ def parse_tokenize(body: Any) -> TokenizeJob:
             raise bad_request("give either 'prompt' or 'messages', not both", "prompt")
         messages = normalize_messages(body)  # first: the chat route's own checks and messages
         req: TokenizeChatRequest = validated(TokenizeChatRequest, body)
-        for key in ("chat_template", "tools"):
-            if getattr(req, key) not in (None, []):
-                raise bad_request(f"'{key}' is not supported by this server: the model's own chat template applies, "
-                                  "as in a chat completion", key, "unsupported_parameter")
+        if req.chat_template is not None:
+            raise bad_request("'chat_template' is not supported by this server: the model's own chat template applies,"
+                              " as in a chat completion", "chat_template", "unsupported_parameter")
         opts = chat_options(body)
+        tools = check_tools(body["tools"]) if body.get("tools") else None
         return TokenizeJob(req.model, messages=messages, add_special_tokens=req.add_special_tokens,
                            add_generation_prompt=opts.add_generation_prompt,
                            continue_final_message=opts.continue_final_message, template_kwargs=opts.template_kwargs,
-                           return_token_strs=bool(req.return_token_strs))
+                           return_token_strs=bool(req.return_token_strs), tools=tools)
     if isinstance(body, dict) and "prompt" not in body:
         raise bad_request("'prompt' or 'messages' is required", "prompt", "missing_required_parameter")
     plain: TokenizeCompletionRequest = validated(TokenizeCompletionRequest, body)
@@ -114,21 +116,26 @@ def parse_tokenize(body: Any) -> TokenizeJob:
                        return_token_strs=bool(plain.return_token_strs))
 
 
-def _chat_ids(job: TokenizeJob, tokenizer) -> list[int]:
-    """The chat completion's prompt ids (chat_prompt_ids, as parse_chat calls it), or with `add_special_tokens` the
-    rendered template tokenized with the tokenizer's special tokens on top (vLLM's option)."""
+def _chat_ids(job: TokenizeJob, tokenizer, tool_parser: str | None) -> list[int]:
+    """The chat completion's prompt ids (chat_prompt_ids after template_inputs, as parse_chat calls them; with tools,
+    as a request whose model may call them), or with `add_special_tokens` the rendered template tokenized with the
+    tokenizer's special tokens on top (vLLM's option)."""
     assert job.messages is not None
+    tools = ToolRequest(job.tools, "auto", parser=tool_parser) if job.tools else None
+    messages, tool_list = template_inputs(job.messages, tools, template_reads(tokenizer, "tools"), tool_parser)
     if not job.add_special_tokens:
-        return chat_prompt_ids(tokenizer, job.messages, job.template_kwargs,
+        return chat_prompt_ids(tokenizer, messages, job.template_kwargs, tools=tool_list,
                                add_generation_prompt=job.add_generation_prompt,
                                continue_final_message=job.continue_final_message)
-    text = tokenizer.apply_chat_template(job.messages, tokenize=False, **job.template_kwargs,
+    extra = {"tools": tool_list} if tool_list is not None else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **job.template_kwargs, **extra,
                                          add_generation_prompt=job.add_generation_prompt,
                                          continue_final_message=job.continue_final_message)
     return text_prompt_ids(tokenizer, text, add_special_tokens=True)
 
 
-def tokenize(job: TokenizeJob, tokenizer, max_model_len: int, chars_per_token: int = 0) -> dict[str, Any]:
+def tokenize(job: TokenizeJob, tokenizer, max_model_len: int, chars_per_token: int = 0,
+             tool_parser: str | None = None) -> dict[str, Any]:
     """vLLM's TokenizeResponse. A prompt too long to fit the model by its characters alone is refused before it
     is tokenized, as the generation routes refuse it (farm.openai.parsing.prompt_char_limit); a longer one that
     may fit is counted, also when it has more than max_model_len tokens."""
@@ -136,7 +143,7 @@ def tokenize(job: TokenizeJob, tokenizer, max_model_len: int, chars_per_token: i
     if job.messages is not None:
         check_prompt_chars(messages_chars(job.messages), limit, max_model_len, "messages")
         try:
-            ids = _chat_ids(job, tokenizer)
+            ids = _chat_ids(job, tokenizer, tool_parser)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation or a variable
             raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
     else:

@@ -53,7 +53,8 @@ class TokenizeChatRequest(_Request):
         None, description="variables the chat template may read (e.g. enable_thinking); as in a chat completion")
     chat_template: str | None = Field(None, description=UNSUPPORTED_NOTE + " (a request's own template is refused, "
                                                                          "as vLLM refuses it by default)")
-    tools: list[dict[str, Any]] | None = Field(None, description=UNSUPPORTED_NOTE)
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools, rendered as a chat completion "
+                                                                 "renders them")
 
 
 class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]):

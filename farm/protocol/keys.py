@@ -1,8 +1,9 @@
 """Every Redis key the farm's processes agree on, and nowhere else (tests/test_protocol.py checks that no other
 module of farm/ spells a `farm:` key): the reply streams and leases of the reading processes, a request's cancel
 flag and claims; the KV-block index and its events; the shared load; the worker registry and its heartbeats; the
-consumer watchdog's pings and the orphan-queue sweep; the Batch API's files and batches; per-owner rate limits
-and quotas; metrics counters; the planner's state; the observations the planner reads.
+consumer watchdog's pings and the orphan-queue sweep; the Batch API's files and batches; the Responses API's
+stored responses; per-owner rate limits and quotas; metrics counters; the planner's state; the observations the
+planner reads.
 
 (The semantic cache's prefix is a setting, `semantic.cache.key_prefix`, default `farm:sc`.)
 """
@@ -128,6 +129,13 @@ def batch_lease_key(batch_id: str) -> str:
 def batch_kick_key(batch_id: str) -> str:
     """Set while a batch waits on the driver queue, so it is sent there once."""
     return f"farm:batch:{batch_id}:kick"
+
+
+# -- the Responses API's stored responses (farm.openai.response_store) ----------------------------------------
+def response_key(owner: str, response_id: str) -> str:
+    """A stored response of `owner` (its object, input items and conversation as JSON, with a TTL): the owner
+    is part of the key, so another owner's id is simply not found."""
+    return f"farm:resp:{owner}:{response_id}"
 
 
 # -- per-owner rate limits and token quotas (farm.tenancy.quota) ---------------------------------------------

@@ -205,6 +205,9 @@ class GenerationRequest:
     # prefix-cache scope, its tenant's (farm.tenancy.api_keys.tenant_cache_salt): blocks are shared only within one
     # salt, the hash chain starts from hashing.salt_root(cache_salt). "": no salt (a farm without API keys)
     cache_salt: str = ""
+    # a migrated request: how many of its prompt's last tokens the model already generated (a structured output's
+    # grammar resumes after them)
+    generated: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _REQUEST_FIELDS}
@@ -237,6 +240,7 @@ class GenerationRequest:
             lease_s=_number(d.get("lease_s", 0.0), "lease_s", 0.0, 86400.0),
             origin=_str(d.get("origin", ""), "origin", _ID),
             cache_salt=_str(d.get("cache_salt", ""), "cache_salt", _CACHE_SALT, most=MAX_CACHE_SALT_CHARS),
+            generated=_int(d.get("generated", 0), "generated", 0, len(ids) - 1),
         )
 
 

@@ -7,6 +7,10 @@ the same kind of machine costs about the same), else from `router.cost_prior`. S
 a worker that has run no step of a kind for `STALE_AFTER_S` keeps what it measured last, perhaps in a
 contended moment, and would lose every placement on it and never measure again; its model's workers with
 fresh figures speak for it instead (their median), until it runs steps of its own again.
+
+Beside the step costs, how long requests decode: the mean output tokens of the requests a model's workers
+finished (`request_generation_tokens` in their heartbeat's histograms, the series vLLM exports), the horizon
+over which the cost weighs a placement's effect on a worker's decode batch (farm.router.policy).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class WorkerCosts:
     decode_step_s: float
     decode_s_per_block: float
     measured: bool = False  # both halves are this worker's own figures, and fresh
+    decode_tokens: float = 0.0  # mean output tokens of its model's finished requests (0: none finished yet)
 
     @classmethod
     def prior(cls, p: CostPrior) -> WorkerCosts:
@@ -55,6 +60,16 @@ def _measured(costs: Any, half: tuple[str, str], samples: str) -> tuple[float, f
     if not (a >= 0 and b >= 0) or a + b <= 0:
         return None
     return a, b
+
+
+def _generated(hb: Any) -> tuple[float, float]:
+    """(output tokens, requests) the worker's engine finished generating, from its heartbeat's histograms."""
+    try:
+        h = hb["histograms"]["request_generation_tokens"]
+        total, count = float(h["sum"]), float(h["count"])
+    except (KeyError, TypeError, ValueError):
+        return 0.0, 0.0
+    return (total, count) if total >= 0 and count > 0 else (0.0, 0.0)
 
 
 def _stale(costs: Any, idle: str) -> bool:
@@ -93,6 +108,7 @@ class CostBook:
         by_model: dict[str, list[str]] = {}
         for wid, model in models.items():
             by_model.setdefault(model, []).append(wid)
+        horizon = {model: _mean_tokens(heartbeats, peers) for model, peers in by_model.items()}
         book = {}
         for wid, model in models.items():
             peers = by_model[model]
@@ -101,11 +117,20 @@ class CostBook:
             pr = self.prior
             book[wid] = WorkerCosts(*(p or (pr.prefill_s_per_block, pr.prefill_step_s)),
                                     *(d or (pr.decode_step_s, pr.decode_s_per_block)),
-                                    measured=wid in prefill and wid in decode)
+                                    measured=wid in prefill and wid in decode, decode_tokens=horizon[model])
         self._by_worker = book
 
     def of(self, worker_id: str) -> WorkerCosts:
         return self._by_worker.get(worker_id, self.prior)
+
+
+def _mean_tokens(heartbeats: dict[str, dict[str, Any]], workers: list[str]) -> float:
+    """Mean output tokens per finished request over `workers` (one model's), 0 when none finished."""
+    total = count = 0.0
+    for w in workers:
+        t, n = _generated(heartbeats.get(w))
+        total, count = total + t, count + n
+    return total / count if count else 0.0
 
 
 def _pick(wid: str, peers: list[str], fresh: Figures, stale: Figures) -> tuple[float, float] | None:

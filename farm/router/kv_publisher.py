@@ -68,6 +68,19 @@ class KVEventPublisher:
             batch, self._buf = self._buf, []
         if not batch:
             return
+        for attempt in range(20):
+            try:  # a failed execute() clears the pipeline's commands: built again for each attempt
+                self._pipeline(batch).execute()
+                self.published += sum(len(e.blocks) for e in batch)
+                return
+            except (redis.ConnectionError, redis.TimeoutError):  # restarting, or unreachable (a partition)
+                time.sleep(min(0.1 * (attempt + 1), 1.0))
+        with self._lock:  # Redis unreachable: keep the events, in order, for the next flush
+            self._buf = batch + self._buf
+        log.error("KV events for %s not published yet: Redis unreachable", self.worker_id)
+
+    def _pipeline(self, batch: list[KVEvent]) -> redis.client.Pipeline:
+        """One transaction: the worker's block set, its sequence key and the batch on the events stream."""
         pipe = self.r.pipeline(transaction=True)
         bkey = worker_blocks_key(self.worker_id)
         for ev in batch:
@@ -80,16 +93,7 @@ class KVEventPublisher:
         pipe.set(worker_seq_key(self.worker_id), f"{self.epoch}:{batch[-1].event_id}")
         pipe.xadd(EVENTS_STREAM, {"w": self.worker_id, "d": json.dumps([ev.to_dict() for ev in batch])},
                   maxlen=EVENTS_MAXLEN, approximate=True)
-        for attempt in range(20):
-            try:
-                pipe.execute()
-                self.published += sum(len(e.blocks) for e in batch)
-                return
-            except redis.ConnectionError:
-                time.sleep(min(0.1 * (attempt + 1), 1.0))
-        with self._lock:  # Redis unreachable: keep the events, in order, for the next flush
-            self._buf = batch + self._buf
-        log.error("KV events for %s not published yet: Redis unreachable", self.worker_id)
+        return pipe
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_s):

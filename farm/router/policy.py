@@ -1,19 +1,27 @@
-"""Choosing a worker: a cost per candidate, softmax over it; round-robin and random beside it.
+"""Choosing a worker: a cost per candidate, softmax over it; least-loaded, round-robin and random beside it.
 
 Two costs (`router.cost`):
-- `measured` (default): the predicted time to first token on the worker, in seconds, from the step costs
-  the worker measured itself (farm.router.costs):
-      prefill_step + prefill_per_block x (blocks queued there for prefill + this request's uncached blocks)
-      + one decode step over the blocks decoding there (the step in progress; prefill steps go first)
-  so a cached prefix is worth exactly the prefill time it saves, and load exactly the wait it causes: on a
-  CPU worker, where a prefill block costs fifty times an active decode block, a request follows its cache
-  until the holder's prefill queue costs more than recomputing elsewhere. For a decode-only placement,
-  the decode step it would join.
+- `measured` (default): the seconds of user-visible latency a placement adds, summed over the requests it
+  touches, from the step costs the worker measured itself (farm.router.costs). For a request of R prompt
+  blocks, O of them cached on the worker, n requests already there (decoding, or queued ahead of it and
+  decoding by the time it prefills), A blocks of theirs, D = the model's mean output tokens (measured):
+      TTFT   = prefill_step + prefill_per_block x (blocks queued for prefill + R - O) + one decode step over A
+      stall  = n x (prefill_step + prefill_per_block x (R - O))   each of them waits out its prefill
+      decode = D x (decode_step(A + R) + n x decode_per_block x R)  its own tokens, and every step of
+               theirs longer by its blocks while it decodes
+      cost   = TTFT + stall + decode
+  A cached prefix is worth the prefill it saves on TTFT and on the stall; a worker's decode batch weighs
+  what joining it costs the batch. A prefill-only placement has no decode there (TTFT + stall); a decode-
+  only one only the decode term, over at least the one step it joins. Before any request has finished,
+  D = 0: TTFT + stall.
 - `dynamo`: Dynamo's `overlap_weight x (blocks still to prefill) + (blocks active)`, where the blocks still
   to prefill are the request's blocks beyond the cached overlap plus those queued for prefill, and the
   active blocks are the worker's decoding blocks plus this request's.
 The choice is softmax over -cost / temperature (costs normalised to [0, 1] first, as Dynamo does);
 temperature 0 is always the cheapest, with ties broken at random so equal workers share the load.
+
+`least-loaded` is the cache-blind baseline: the fewest requests outstanding on the worker, ties by the
+predicted load (the measured TTFT or decode step with no cached prefix), then at random.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ class Candidate:
     active_blocks: float = 0.0  # blocks of requests decoding there
     capacity_blocks: int = 0  # the worker's KV cache size
     costs: WorkerCosts | None = None  # its step costs (measured, or the prior)
+    requests: int = 0  # requests holding decode load there (decoding, or prefilling before they decode)
+    pending_requests: int = 0  # requests queued for prefill there
 
 
 def dynamo_costs(cands: list[Candidate], request_blocks: int, overlap_weight: float) -> list[float]:
@@ -45,14 +55,45 @@ def dynamo_costs(cands: list[Candidate], request_blocks: int, overlap_weight: fl
     return costs
 
 
+def _costs(c: Candidate) -> WorkerCosts:
+    assert c.costs is not None, "a measured cost needs the worker's step costs"
+    return c.costs
+
+
+def own_prefill(c: Candidate, request_blocks: int) -> float:
+    """Seconds of this request's own prefill on the worker (its uncached blocks)."""
+    k = _costs(c)
+    return k.prefill_step_s + k.prefill_s_per_block * max(0.0, request_blocks - c.overlap_blocks)
+
+
 def predicted_ttft(c: Candidate, request_blocks: int) -> float:
     """Seconds until the worker would send this request's first token (prefill steps run before decode
     steps, so the wait is the prefill queued there, this request's uncached blocks, and the step in progress)."""
-    k = c.costs
-    assert k is not None, "a measured cost needs the worker's step costs"
-    blocks = c.pending_prefill_blocks + max(0.0, request_blocks - c.overlap_blocks)
-    ttft = k.prefill_step_s + k.prefill_s_per_block * blocks
+    k = _costs(c)
+    ttft = own_prefill(c, request_blocks) + k.prefill_s_per_block * c.pending_prefill_blocks
     return ttft + (k.decode_step(c.active_blocks) if c.active_blocks > 0 else 0.0)
+
+
+def decode_cost(c: Candidate, request_blocks: int, decode_tokens: float) -> float:
+    """Seconds its decoding adds: its own `decode_tokens` steps over the worker's batch, and each of them
+    longer, for every request there, by its blocks (each step reads every active block)."""
+    k = _costs(c)
+    return decode_tokens * (k.decode_step(c.active_blocks + request_blocks)
+                            + c.requests * k.decode_s_per_block * request_blocks)
+
+
+def placement_cost(c: Candidate, request_blocks: int, stage: str, decode_tokens: float | None = None,
+                   ttft: float | None = None) -> float:
+    """The `measured` cost (module docstring): seconds of latency the placement adds, summed over the new
+    request and those already on the worker. `decode_tokens` None: the model's measured mean."""
+    k = _costs(c)
+    d = k.decode_tokens if decode_tokens is None else decode_tokens
+    if stage == "decode":
+        return decode_cost(c, request_blocks, max(d, 1.0))
+    if ttft is None:
+        ttft = predicted_ttft(c, request_blocks)
+    cost = ttft + c.requests * own_prefill(c, request_blocks)
+    return cost if stage == "prefill" else cost + decode_cost(c, request_blocks, d)
 
 
 def has_queue(c: Candidate) -> bool:
@@ -60,11 +101,35 @@ def has_queue(c: Candidate) -> bool:
     return c.pending_prefill_blocks > 0 or c.active_blocks > 0
 
 
-def measured_costs(cands: list[Candidate], request_blocks: int, stage: str) -> list[float]:
-    """Seconds: predicted TTFT (prefill and aggregated placements), or the decode step the request would join."""
-    if stage == "decode":
-        return [c.costs.decode_step(c.active_blocks + request_blocks) if c.costs else 0.0 for c in cands]
-    return [predicted_ttft(c, request_blocks) for c in cands]
+def measured_costs(cands: list[Candidate], request_blocks: int, stage: str, decode_tokens: float | None = None,
+                   ttfts: list[float] | None = None) -> list[float]:
+    """`placement_cost` per candidate (`ttfts`: their predicted TTFTs, when computed already)."""
+    return [placement_cost(c, request_blocks, stage, decode_tokens, ttfts[i] if ttfts else None)
+            for i, c in enumerate(cands)]
+
+
+def outstanding(c: Candidate, stage: str) -> int:
+    """Requests on the worker that a new one of `stage` competes with: queued prefills on a prefill worker,
+    requests holding decode load elsewhere (an aggregated request holds both, so it is counted once)."""
+    if stage == "prefill":
+        return c.pending_requests
+    return c.requests if stage == "decode" else max(c.requests, c.pending_requests)
+
+
+def least_loaded_pick(cands: list[Candidate], request_blocks: int, stage: str, rng: random.Random) -> int:
+    """The cache-blind baseline: fewest outstanding requests, ties by the predicted load with nothing cached
+    (the measured TTFT, or the decode step it joins), then at random."""
+    def load(c: Candidate) -> float:
+        if c.costs is None:
+            return c.pending_prefill_blocks + c.active_blocks
+        if stage == "decode":
+            return c.costs.decode_step(c.active_blocks + request_blocks)
+        blind = Candidate(c.worker, 0, c.pending_prefill_blocks, c.active_blocks, costs=c.costs)
+        return predicted_ttft(blind, request_blocks)
+
+    keys = [(outstanding(c, stage), load(c)) for c in cands]
+    lo = min(keys)
+    return rng.choice([i for i, k in enumerate(keys) if k == lo])
 
 
 def softmax_pick(costs: list[float], temperature: float, rng: random.Random) -> int:

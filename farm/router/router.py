@@ -2,7 +2,8 @@
 
 Stages are timed (hashing, index lookup, load read, scheduling) so routing overhead is measured, not
 guessed. Modes: `kv` (cost function over the KV-block index, the load and each worker's measured step
-costs: farm.router.policy), `round-robin`, `random`. Nothing on the decision path waits for Redis: the
+costs: farm.router.policy), `least-loaded` (cache-blind: fewest outstanding requests, the baseline kv must
+beat by reusing cache, not by packing), `round-robin`, `random`. Nothing on the decision path waits for Redis: the
 index, the load and the step costs are this process's copies, kept current by one follower
 (IndexFollower). Without worker KV events (`use_kv_events: false`) the index is approximated from this
 router's own past placements, each remembered for `approx_ttl_s`.
@@ -37,6 +38,7 @@ from farm.router.policy import (
     RoundRobin,
     dynamo_costs,
     has_queue,
+    least_loaded_pick,
     measured_costs,
     predicted_ttft,
     softmax_pick,
@@ -177,8 +179,9 @@ class Router:
         return ok
 
     def choose(self, workers: list[registry.WorkerInfo], hashes: list[int], num_tokens: int, stage: str,
-               loads: dict[str, dict[str, int]] | None = None) -> Placement:
-        """Pick a worker for `stage` ("prefill", "decode" or "both") among `workers`."""
+               loads: dict[str, dict[str, int]] | None = None, decode_tokens: float | None = None) -> Placement:
+        """Pick a worker for `stage` ("prefill", "decode" or "both") among `workers`. `decode_tokens`: the
+        output tokens the cost expects of the request (None: its model's measured mean)."""
         t0 = time.perf_counter()
         workers = self._compatible(workers)
         if not workers:
@@ -188,7 +191,7 @@ class Router:
         request_blocks = math.ceil(num_tokens / bs)
         t1 = time.perf_counter()
         overlaps: dict[str, float] = {}
-        if stage != "decode":
+        if stage != "decode" and mode != "least-loaded":  # the baseline is cache-blind: no index read
             ids = [w.worker_id for w in workers]
             overlaps = self.index.overlaps(hashes, ids)
             scores = self.index.weighted(hashes, overlaps, self.rc.tier_weights)
@@ -204,21 +207,23 @@ class Router:
         cands = []
         for w in workers:
             ld = loads.get(w.worker_id) or empty_load()
-            cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs,
-                                   ld["d"], w.num_blocks, self.costs.of(w.worker_id)))
+            cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs, ld["d"], w.num_blocks,
+                                   self.costs.of(w.worker_id), ld.get("dn", 0), ld.get("pn", 0)))
         # the predicted TTFT per candidate, computed once: admission and the measured cost both use it
         ttfts = [predicted_ttft(c, request_blocks) for c in cands] if stage != "decode" else None
         self._shed_if_busy(cands, request_blocks, stage, ttfts)
         cost = None
         if mode == "round-robin":
             i = self.rr.setdefault(stage, RoundRobin()).pick(len(workers))
+        elif mode == "least-loaded":
+            i = least_loaded_pick(cands, request_blocks, stage, self.rng)
         elif mode == "random":
             i = self.rng.randrange(len(workers))
         else:
             if self.rc.cost == "dynamo":
                 costs = dynamo_costs(cands, request_blocks, self.rc.overlap_weight if stage != "decode" else 0.0)
             else:
-                costs = ttfts if ttfts is not None else measured_costs(cands, request_blocks, stage)
+                costs = measured_costs(cands, request_blocks, stage, decode_tokens, ttfts)
             i = softmax_pick(costs, self.rc.temperature, self.rng)
             cost = costs[i]
         t4 = time.perf_counter()

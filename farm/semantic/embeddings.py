@@ -73,8 +73,18 @@ class Embedder:
     def _hidden(self, ids: list[int]) -> np.ndarray:
         """Last hidden state of one unpadded sequence, on ONNX Runtime or torch (both release the GIL)."""
         if self._session is not None:
-            return self._session.run(None, {"input_ids": np.array([ids], dtype=np.int64)})[0]
+            return self._session.run(None, _onnx_inputs([ids]))[0]
         return self._hidden_torch(ids)
+
+    def _hidden_batch(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """Last hidden states of a padded batch (`_onnx_inputs`), on ONNX Runtime or torch."""
+        if self._session is not None:
+            return self._session.run(None, batch)[0]
+        torch = self._torch
+        ids = torch.from_numpy(batch["input_ids"])
+        with torch.inference_mode():
+            return self.model(input_ids=ids, attention_mask=torch.from_numpy(batch["attention_mask"]),
+                              token_type_ids=torch.zeros_like(ids)).last_hidden_state.numpy()
 
     def _hidden_torch(self, ids: list[int]) -> np.ndarray:
         torch = self._torch
@@ -97,8 +107,8 @@ class Embedder:
                 super().__init__()
                 self.model = model
 
-            def forward(self, input_ids):
-                return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+            def forward(self, input_ids, attention_mask):
+                return self.model(input_ids=input_ids, attention_mask=attention_mask,
                                   token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
 
         samples = [self.tokenizer(t)["input_ids"] for t in (
@@ -108,9 +118,12 @@ class Embedder:
             buf = io.BytesIO()
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
-                torch.onnx.export(Encoder(self.model).eval(), (torch.tensor([samples[0]]),), buf,
-                                  input_names=["input_ids"], output_names=["hidden"], opset_version=17,
-                                  dynamic_axes={"input_ids": {1: "tokens"}, "hidden": {1: "tokens"}}, dynamo=False)
+                ids0 = torch.tensor([samples[0]])
+                axes = {0: "batch", 1: "tokens"}
+                torch.onnx.export(Encoder(self.model).eval(), (ids0, torch.ones_like(ids0)), buf,
+                                  input_names=["input_ids", "attention_mask"], output_names=["hidden"],
+                                  opset_version=17, dynamic_axes={"input_ids": axes, "attention_mask": axes,
+                                                                  "hidden": axes}, dynamo=False)
             opts = ort.SessionOptions()
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             opts.intra_op_num_threads = threads
@@ -118,8 +131,13 @@ class Embedder:
             # no busy-waiting between requests: spinning threads would take the CPU from everything else
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
-            ok = all(np.allclose(session.run(None, {"input_ids": np.array([ids], dtype=np.int64)})[0],
-                                 self._hidden_torch(ids), atol=1e-4) for ids in samples)
+            ok = all(np.allclose(session.run(None, _onnx_inputs([ids]))[0], self._hidden_torch(ids), atol=1e-4)
+                     for ids in samples)
+            # a padded batch (`encode_many`) gives each row the vector of its text alone
+            padded = _onnx_inputs(samples)
+            pooled = _mean_pool(session.run(None, padded)[0], padded["attention_mask"])
+            ok = ok and np.allclose(pooled[0], _mean_pool(self._hidden_torch(samples[0]),
+                                                          np.ones((1, len(samples[0])), np.int64))[0], atol=1e-4)
         except Exception as e:  # noqa: BLE001 - any export failure means: stay on torch
             log.warning("embedding model could not run on ONNX Runtime (%s); using torch", str(e).splitlines()[0])
             return None
@@ -154,6 +172,26 @@ class Embedder:
             ids = truncate_ids(ids, self.max_tokens)
         return self.embed_ids(ids), truncated
 
+    def encode_many(self, texts: list[str]) -> list[tuple[np.ndarray, bool]]:
+        """`encode_one` of each text in one padded forward: a conversation's messages cost one call into the
+        encoder, not one per message (the per-call overhead is most of a short text's time)."""
+        ids, truncated = [], []
+        for text in texts:
+            one = self.tokenizer(text, truncation=False)["input_ids"]
+            truncated.append(len(one) > self.max_tokens)
+            ids.append(truncate_ids(one, self.max_tokens))
+        vecs: list[np.ndarray] = [np.zeros(DIM, np.float32)] * len(texts)
+        for group in _length_groups([len(x) for x in ids]):
+            if len(group) == 1:
+                vecs[group[0]] = self.embed_ids(ids[group[0]])
+                continue
+            batch = _onnx_inputs([ids[i] for i in group])
+            with self._lock:
+                hidden = offload(self._hidden_batch, batch)
+            for i, vec in zip(group, _mean_pool(hidden, batch["attention_mask"]), strict=True):
+                vecs[i] = vec
+        return list(zip(vecs, truncated, strict=True))
+
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids, [CLS] and [SEP] included, untruncated (/v1/embeddings counts and checks them). On the
         calling thread, as `encode_one` tokenizes (a fast tokenizer used from two threads at once can fail), one
@@ -171,6 +209,41 @@ class Embedder:
             hidden = offload(self._hidden, list(ids))
         vec = hidden[0].mean(0)
         return (vec / max(float(np.linalg.norm(vec)), 1e-12)).astype(np.float32)
+
+
+def _length_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
+    """Indices grouped by similar length, so a padded forward computes at most `waste` more tokens than the
+    texts hold: a long system prompt padded beside short turns would cost more than separate forwards."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and lengths[i] * (len(g) + 1) <= (1 + waste) * (total + lengths[i]):
+            g.append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
+def _onnx_inputs(batch: list[list[int]]) -> dict[str, np.ndarray]:
+    """Token id lists as the encoder's inputs: right-padded with 0 ([PAD]) and the attention mask."""
+    width = max(len(ids) for ids in batch)
+    input_ids = np.zeros((len(batch), width), dtype=np.int64)
+    mask = np.zeros((len(batch), width), dtype=np.int64)
+    for i, ids in enumerate(batch):
+        input_ids[i, :len(ids)] = ids
+        mask[i, :len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
+def _mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Unit vectors: the mean of each row's unmasked token states, L2-normalised (sentence-transformers' pooling)."""
+    m = mask[..., None].astype(np.float32)
+    pooled = (hidden * m).sum(1) / np.maximum(m.sum(1), 1e-9)
+    return (pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
 def truncate_ids(ids: list[int], n: int) -> list[int]:

@@ -32,20 +32,29 @@ log them and forward the request unchanged (`SemanticLayer.passthrough(model, me
 
 Order inside `before()` (issue 8): jailbreak guard -> PII guard -> semantic cache -> classification ->
 model selection -> system prompt injection. PII is reported in `x-vsr-pii-detected` on every answer (the
-types found, allowed or not); only types the answering model's policy denies block the request. The embedding of the last user message is computed once and
-shared. The route decision (category, model, injected prompt) is computed before the cache lookup because
+types found, allowed or not); only types the answering model's policy denies block the request.
+
+Both guards read every message of the conversation (issue 29): instructions hidden in a system, developer,
+assistant or tool turn, or PII in an earlier turn, count as in the last user turn. The cache and the
+category still read the user's last turn only. The messages' embeddings are computed in padded forwards of
+similar lengths, and kept in a small per-process memo (with each text's PII types), so a conversation's earlier
+turns, sent again with every request, are embedded and scanned once. The last user message's embedding is
+shared by every stage. The route decision (category, model, injected prompt) is computed before the cache lookup because
 the cache is partitioned by the model that answers and the effective system prompt: a hit is only ever an
 answer that same model gave under that same system prompt (and the same earlier turns).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
+import xxhash
 
 from farm.config import FarmConfig
 from farm.config.semantic import SemanticConfig
@@ -59,7 +68,7 @@ from farm.semantic.cache import (
     text_sha,
     word_sequence,
 )
-from farm.semantic.classifier import CategoryClassifier
+from farm.semantic.classifier import CategoryClassifier, CustomCategories
 from farm.semantic.heads import heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.pii import PIIDetector
@@ -71,6 +80,43 @@ H_CACHE_HIT = "x-vsr-cache-hit"
 H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-model", "x-vsr-selected-reasoning"
 H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
+H_FALLBACK = "x-vsr-fallback"  # MoM passed over better-scored models without a live worker
+# the roles whose text the guards read; "function" is the legacy name of a tool result
+SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
+
+V = TypeVar("V")
+
+
+class Memo(Generic[V]):
+    """A bounded least-recently-used map from a text's digest, within one tenant's scope, to what was computed from
+    it: a tenant never gets another's text answered from the memo (its speed would tell that someone sent it)."""
+
+    def __init__(self, size: int = MEMO_ENTRIES) -> None:
+        self.size = size
+        self._d: OrderedDict[bytes, V] = OrderedDict()
+        self._lock = threading.Lock()  # a batch driver's threads share the layer
+
+    @staticmethod
+    def key(text: str, scope: str) -> bytes:
+        """A digest, not the text: the memo keeps no message in memory."""
+        return xxhash.xxh3_128_digest(f"{scope}\0{text}".encode("utf-8", "surrogatepass"))
+
+    def get(self, text: str, scope: str) -> V | None:
+        k = self.key(text, scope)
+        with self._lock:
+            v = self._d.get(k)
+            if v is not None:
+                self._d.move_to_end(k)
+            return v
+
+    def put(self, text: str, value: V, scope: str) -> None:
+        k = self.key(text, scope)
+        with self._lock:
+            self._d[k] = value
+            self._d.move_to_end(k)
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
 
 
 @dataclass
@@ -88,12 +134,14 @@ class Verdict:
     reasoning: bool | None = None  # the category's reasoning mode; None: no category decided
     cache_query: CacheQuery | None = None  # set when the answer of a forwarded request may be stored
     timings_ms: dict[str, float] = field(default_factory=dict)
+    # why (for `farm semantic test` and logs): the category's rule and runners-up, each guard's findings
+    explain: dict[str, Any] = field(default_factory=dict)
 
     def as_miss(self) -> Verdict:
         """A cache hit the request cannot take (e.g. longer than its max_tokens): generate instead."""
         headers = {k: v for k, v in self.headers.items() if k != H_CACHE_HIT}
         return Verdict("forward", self.model, self.messages, headers, None, None, self.category, self.confidence,
-                       self.reasoning, None, self.timings_ms)
+                       self.reasoning, None, self.timings_ms, self.explain)
 
 
 class SemanticLayer:
@@ -107,6 +155,8 @@ class SemanticLayer:
         self.pii = pii
         self.cache = cache
         self.selector = ModelSelector(cfg, default_model, served)
+        self._vectors: Memo[tuple[np.ndarray, bool]] = Memo()
+        self._pii_types: Memo[frozenset[str]] = Memo()
 
     @classmethod
     def from_config(cls, cfg: FarmConfig, redis_client=None, served: Callable[[], set[str]] | None = None,
@@ -130,7 +180,9 @@ class SemanticLayer:
             cache = make_cache(scfg.cache, redis_client)
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
         jailbreak = JailbreakDetector.shipped(scfg.jailbreak.head, heads, heads_meta(), scfg.jailbreak.threshold)
-        layer = cls(scfg, cfg.default_model, emb, CategoryClassifier(heads["cat"]), jailbreak, pii, cache, served)
+        custom = CustomCategories.from_config(scfg.categories, emb)  # the user's categories, embedded once
+        classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold)
+        layer = cls(scfg, cfg.default_model, emb, classifier, jailbreak, pii, cache, served)
         emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
         emb.encode_one("warm up the per-request path")
         if pii is not None:
@@ -152,37 +204,56 @@ class SemanticLayer:
             return self.passthrough(model, messages)
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        user_idx = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        user_texts = [message_text(messages[i].get("content")) for i in user_idx]
-        last = user_texts[-1] if user_texts else ""
+        scanned = [(i, m.get("role"), message_text(m.get("content"))) for i, m in enumerate(messages)
+                   if m.get("role") in SCANNED_ROLES]
+        scanned = [x for x in scanned if x[2].strip()]
+        users = [x for x in scanned if x[1] == "user"]
+        last = users[-1][2] if users else ""
+        texts = list(dict.fromkeys(x[2] for x in scanned))  # each distinct text once
 
-        # one embedding of the last user message, shared by every stage below
-        vec, truncated = self.embedder.encode_one(last) if last else (np.zeros(384, np.float32), False)
+        # embeddings of every message (the last user message's is shared by every stage below)
+        vectors = self._embed(texts if cfg.jailbreak.enabled else [last] if last else [], tenant)
+        vec, truncated = vectors[last] if last else (np.zeros(384, np.float32), False)
         t["embed"] = _ms(t0)
+        explain: dict[str, Any] = {}
 
-        # 1. jailbreak guard
-        if cfg.jailbreak.enabled and last:
+        # 1. jailbreak guard, on every message: an instruction hidden in a system, assistant or tool turn too
+        if cfg.jailbreak.enabled and texts:
             s = time.perf_counter()
-            jb = self.jailbreak.detect(vec[None, :], [last])[0]
+            found = self.jailbreak.detect(np.stack([vectors[x][0] for x in texts]), texts)
+            by_text = dict(zip(texts, found, strict=True))
+            # the message furthest above (or least below) its role's threshold
+            worst = max(scanned, key=lambda x: by_text[x[2]].confidence - self._jb_threshold(x[1]))
+            jb = by_text[worst[2]]
+            blocked = jb.confidence >= self._jb_threshold(worst[1])
+            explain["jailbreak"] = {"blocked": blocked, "type": jb.type, "confidence": jb.confidence,
+                                    "message": worst[0], "role": worst[1], "threshold": self._jb_threshold(worst[1])}
             t["jailbreak"] = _ms(s)
-            if jb.is_jailbreak:
+            if blocked:
                 return Verdict("block", model, messages, {
                     H_JB_BLOCKED: "true", H_JB_TYPE: jb.type, H_JB_CONF: f"{jb.confidence:.3f}"},
-                    cfg.refusal_jailbreak, "content_filter", timings_ms=_total(t, t0))
+                    cfg.refusal_jailbreak, "content_filter", timings_ms=_total(t, t0), explain=explain)
 
         # the route (classification + selection) is needed by the PII policy of "MoM" and by the cache
         s = time.perf_counter()
-        cat = self.classifier.classify(vec[None, :], [last])[0] if last else None
+        cat = self.classifier.decide(vec, last) if last else None
         route = self.selector.select(model, cat.name if cat else "other", cat.confidence if cat else 0.0)
+        if cat is not None:
+            explain["category"] = {"name": cat.name, "confidence": cat.confidence, "rule": cat.rule,
+                                   "accepted": route.category is not None, "alternatives": list(cat.alternatives)}
         t["classify"] = _ms(s)
 
-        # 2. PII guard: every user message, reported always, blocked by the answering model's policy
+        # 2. PII guard: every message, reported always, blocked by the answering model's policy
         headers: dict[str, str] = {}
         if cfg.pii.enabled and self.pii is not None:
             s = time.perf_counter()
-            found = {e.type for text in user_texts if text for e in offload(self.pii.detect, text)}
+            per_text = self._pii_of(texts, tenant)
+            found = set().union(*per_text.values()) if per_text else set()
             policy_name = model if (model in cfg.pii.policies or not route.routed) else route.model
             bad = cfg.pii.policy(policy_name).violations(found)
+            explain["pii"] = {"found": sorted(found), "denied": sorted(bad), "policy": policy_name,
+                              "messages": [(i, role, sorted(per_text[text])) for i, role, text in scanned
+                                           if per_text[text]]}
             t["pii"] = _ms(s)
             if found:
                 headers[H_PII_DETECTED] = ",".join(sorted(found))
@@ -190,10 +261,14 @@ class SemanticLayer:
                 labels = ",".join(f"B-{x}" for x in sorted(bad))
                 return Verdict("block", route.model, messages,
                                {**headers, H_PII_VIOLATION: "true", H_PII_TYPES: labels},
-                               cfg.refusal_pii.format(types=labels), "content_filter", timings_ms=_total(t, t0))
+                               cfg.refusal_pii.format(types=labels), "content_filter", timings_ms=_total(t, t0),
+                               explain=explain)
 
         # 5./6. selection headers and system prompt injection
         headers[H_MODEL] = route.model
+        if route.passed_over:
+            headers[H_FALLBACK] = f"{','.join(route.passed_over)}->{route.model}; reason=no-live-worker"
+            explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
         if route.category:
             headers[H_CATEGORY] = route.category
         if route.reasoning is not None:
@@ -219,9 +294,44 @@ class SemanticLayer:
             if hit is not None:
                 headers[H_CACHE_HIT] = "true"
                 return Verdict("cached", route.model, out_messages, headers, hit.answer, "stop",
-                               route.category, route.confidence, route.reasoning, None, _total(t, t0))
+                               route.category, route.confidence, route.reasoning, None, _total(t, t0), explain)
         return Verdict("forward", route.model, out_messages, headers, None, None, route.category,
-                       route.confidence, route.reasoning, query, _total(t, t0))
+                       route.confidence, route.reasoning, query, _total(t, t0), explain)
+
+    def _jb_threshold(self, role: str) -> float:
+        """The attack probability that blocks a message of this role (operators' turns: see system_threshold)."""
+        base = self.jailbreak.threshold
+        return max(base, self.cfg.jailbreak.system_threshold) if role in ("system", "developer") else base
+
+    def _embed(self, texts: list[str], tenant: str) -> dict[str, tuple[np.ndarray, bool]]:
+        """Each text's (unit vector, truncated): from the tenant's memo, the rest in one call to the encoder."""
+        out: dict[str, tuple[np.ndarray, bool]] = {}
+        todo = []
+        for text in texts:
+            hit = self._vectors.get(text, tenant)
+            if hit is None:
+                todo.append(text)
+            else:
+                out[text] = hit
+        if todo:
+            encoded = self.embedder.encode_many(todo) if len(todo) > 1 else [self.embedder.encode_one(todo[0])]
+            for text, pair in zip(todo, encoded, strict=True):
+                self._vectors.put(text, pair, tenant)
+                out[text] = pair
+        return out
+
+    def _pii_of(self, texts: list[str], tenant: str) -> dict[str, frozenset[str]]:
+        """The PII types in each text: remembered ones (earlier turns come back with every request), the rest
+        found in one call to the detector."""
+        assert self.pii is not None
+        out = {text: self._pii_types.get(text, tenant) for text in texts}
+        todo = [text for text, types in out.items() if types is None]
+        if todo:
+            for text, entities in zip(todo, offload(self.pii.detect_many, todo), strict=True):
+                types = frozenset(e.type for e in entities)
+                self._pii_types.put(text, types, tenant)
+                out[text] = types
+        return {text: types or frozenset() for text, types in out.items()}
 
     def after(self, verdict: Verdict, answer_text: str, finish_reason: str = "stop") -> bool:
         """Store a forwarded request's complete answer in the semantic cache; True when stored."""

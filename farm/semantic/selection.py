@@ -1,8 +1,10 @@
 """Model selection for "MoM"/"auto" and per-category system prompt injection.
 
 Per-category model scores in config pick the highest-scoring model that is served right now (the
-caller passes a `served()` callback, e.g. the models with live workers); below the classifier's
-confidence threshold, or with no scored model served, the default model answers. An explicit model
+caller passes a `served()` callback, e.g. the models with live workers), passing over at most
+`semantic.fallback_hops` better-scored models that are not (the route names them: `x-vsr-fallback`); below
+the classifier's confidence threshold, or with no scored model served within those hops, the default model
+answers. An explicit model
 name is honoured as given: no selection and no category system prompt.
 """
 
@@ -22,6 +24,7 @@ class Route:
     reasoning: bool | None  # the chosen category's reasoning mode (MoM only); None: nothing decided
     routed: bool  # True when the model was chosen for an alias ("MoM", "auto")
     category_cfg: CategoryConfig | None
+    passed_over: tuple[str, ...] = ()  # better-scored models of the category without a live worker, best first
 
 
 class ModelSelector:
@@ -41,15 +44,17 @@ class ModelSelector:
         if not self.is_alias(requested):
             return Route(requested, category if accepted else None, confidence, None, False, None)
         model = self.default_model
+        passed: list[str] = []
         if cat_cfg and cat_cfg.model_scores:
             live = self.served() if self.served else None
             ranked = sorted(cat_cfg.model_scores.items(), key=lambda kv: (-kv[1], kv[0]))
-            for name, _ in ranked:
+            for name, _ in ranked[:1 + self.cfg.fallback_hops]:  # bounded: then the default model answers
                 if live is None or name in live:
                     model = name
                     break
+                passed.append(name)
         return Route(model, category if accepted else None, confidence,
-                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg)
+                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg, tuple(passed))
 
 
 def message_text(content) -> str:

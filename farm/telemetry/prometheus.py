@@ -121,6 +121,8 @@ VLLM_GAUGES: dict[str, tuple[str, str]] = {  # vLLM's name -> (help, key of the 
     "vllm:num_requests_running": ("Number of requests in model execution batches.", "running"),
     "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "waiting"),
     "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+    # its name before vLLM V1, which vLLM's example Grafana dashboard still reads
+    "vllm:gpu_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage (vLLM's older name).", "kv_usage"),
 }
 VLLM_COUNTERS: dict[str, tuple[str, str]] = {  # exposed with the _total suffix, as vLLM's are
     "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.",
@@ -140,11 +142,15 @@ VLLM_HISTOGRAMS: dict[str, str] = {  # farm.engine.timings.HISTOGRAMS, with vLLM
     "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
     "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
     "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
     # farm.engine.timings.TOKEN_HISTOGRAMS (buckets 1, 2, 5, 10, ... up to the model's max_model_len)
     "request_prompt_tokens": "Number of prefill tokens processed.",
     "request_generation_tokens": "Number of generation tokens processed.",
     "request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
 }
+# Names vLLM's example Grafana dashboard reads from before vLLM V1 -> the histogram exported under it too (vLLM
+# V0's time_per_output_token was per token: the inter-token latency)
+VLLM_OLD_NAMES = {"time_per_output_token_seconds": "inter_token_latency_seconds"}
 ROLES = ("prefill", "decode", "both")
 # Which role's workers take a shared queue's messages (farm.protocol.queues_for_role): the kind's own role,
 # else aggregated workers, which consume every kind.
@@ -239,10 +245,11 @@ class _FarmWide:
             for reason, n in {**dict.fromkeys(FINISH_REASONS, 0), **(stats.get(key) or {})}.items():
                 fam.add_metric([w.model, w.worker_id, w.role, str(reason)], float(n or 0))
         yield fam
-        for name, doc in VLLM_HISTOGRAMS.items():
+        for name, doc in {**VLLM_HISTOGRAMS, **{old: VLLM_HISTOGRAMS[new] for old, new in VLLM_OLD_NAMES.items()}
+                          }.items():
             fam = histogram(f"vllm:{name}", doc, labels=list(VLLM_LABELS))
             for w, stats in self.workers:
-                h = (stats.get("histograms") or {}).get(name)
+                h = (stats.get("histograms") or {}).get(VLLM_OLD_NAMES.get(name, name))
                 if h:
                     buckets = [(_le(le), c) for le, c in zip(h["le"], h["counts"], strict=True)]
                     fam.add_metric([w.model, w.worker_id, w.role], buckets, h["sum"])

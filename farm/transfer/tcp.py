@@ -134,7 +134,8 @@ class TransferServer:
                 try:
                     self._pull()
                 except Exception as e:  # noqa: BLE001 - a peer must never get a traceback, nor kill us
-                    log.warning("KV transfer from %s failed: %s: %s", self.client_address, type(e).__name__, e)
+                    log.warning("KV transfer from %s failed: %s: %s", self.client_address, type(e).__name__, e,
+                                exc_info=not isinstance(e, OSError))  # a bug here, not a peer gone: its traceback
                     with contextlib.suppress(OSError):
                         _send(self.wfile, {"ok": False, "error": f"{type(e).__name__}: {e}"})
 

@@ -30,6 +30,7 @@ from farm.config import FarmConfig, farm_secret
 from farm.engine.contract import ConnectorEngine, RequestOutput, ServingEngine
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.scheduler import KVImport
+from farm.infra import tracing
 from farm.infra.broker import send_generation
 from farm.infra.redis_client import connect
 from farm.models.directories import model_vocab_size, require_model_dir
@@ -58,6 +59,7 @@ from farm.transfer.handle import KVHandle
 from farm.transfer.shm import host_id as shm_host_id
 from farm.transfer.staging import StagingPool
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
+from farm.worker import task_context
 from farm.worker.stream_writer import StreamWriter
 from farm.worker.watchdog import WorkerGuard
 
@@ -215,15 +217,25 @@ class WorkerRuntime:
         """Hand the request to the engine and return; its deltas stream as they come, and `on_finish(out)` runs
         with its last output (on the engine's thread: it must not block)."""
         rid = req.request_id
+        espan = task_context.engine_span(req, self.role, self.worker_id) if tracing.ENABLED else None
+        first = [espan is not None]  # a first token still to mark
 
         def on_output(out: RequestOutput) -> None:
+            if first[0] and out.token_ids:
+                first[0] = False
+                espan.add_event("first_token")  # type: ignore[union-attr]
             if out.text or (out.token_ids and not out.finished):
                 lp = [x.to_list() for x in out.logprobs] if out.logprobs else None
                 self.streams.emit(rid, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp))
             if out.finished:
+                token = None
+                if espan is not None:
+                    task_context.end_engine_span(espan, out)
+                    token = tracing.attach(tracing.context_of(espan))  # a hand-over continues the trace from here
                 try:
                     on_finish(out)
                 finally:
+                    tracing.detach(token)
                     self.streams.close(rid)
                     self._ended()
 
@@ -232,7 +244,7 @@ class WorkerRuntime:
         try:
             self.engine.submit(rid, req.prompt_token_ids, req.sampling, on_output,
                                max_request_s=self.cfg.celery.max_request_s, cache_salt=req.cache_salt,
-                               **submit_kw)
+                               generated=req.generated, **submit_kw)
         except Exception as e:  # noqa: BLE001 - the engine refused it: fail this request alone
             log.exception("request %s: the engine refused it", rid)
             on_output(RequestOutput(rid, finished=True, finish_reason=f"error:{e}"))
@@ -260,15 +272,19 @@ class WorkerRuntime:
         its lapsed lease gets an `orphaned` error, so a reader that is in fact alive fails it at once instead of
         waiting for it."""
         leased = req.lease_s > 0 and bool(req.reply_to)
-        try:
-            verdict = self._admit(
-                keys=[cancel_key(req.request_id), reader_lease_key(req.reply_to) if leased else cancel_key(""),
-                      claim_key(req.request_id, stage)],
-                args=[self.worker_id, int(self.cfg.celery.visibility_timeout_s), "1" if leased else "0",
-                      alive_key("")])
-        except redis.RedisError:
-            return True  # Redis trouble: run it (claims only prevent duplicates, never losses)
-        verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+        with tracing.span("farm.admit", tracing.CLIENT, {"db.system.name": "redis", "db.operation.name": "EVALSHA",
+                                                         "farm.stage": stage}) as span:
+            try:
+                verdict = self._admit(
+                    keys=[cancel_key(req.request_id), reader_lease_key(req.reply_to) if leased else cancel_key(""),
+                          claim_key(req.request_id, stage)],
+                    args=[self.worker_id, int(self.cfg.celery.visibility_timeout_s), "1" if leased else "0",
+                          alive_key("")])
+            except redis.RedisError:
+                return True  # Redis trouble: run it (claims only prevent duplicates, never losses)
+            verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+            if span is not None:
+                span.set_attribute("farm.verdict", str(verdict))
         if verdict == "orphaned":
             log.warning("request %s: its reader's lease lapsed before it started; refusing it", req.request_id)
             self.streams.emit_once(req.request_id, req.reply_to, ErrorEvent(
@@ -296,6 +312,18 @@ class WorkerRuntime:
                 self.streams.emit_once(rid, reply_to, ErrorEvent(f"invalid task: {e}", "invalid_task"))
             return None
 
+    def run(self, req: GenerationRequest, stage: Callable[[], None]) -> None:
+        """A task's stage for an accepted request. One that fails unexpectedly fails that request at once (its
+        engine work aborted, an `engine_error` event for its reader), instead of leaving its client to wait for its
+        timeout; Celery has acked the task (acks late, not on failure), so it is not run twice."""
+        try:
+            stage()
+        except Exception as e:  # noqa: BLE001 - this request fails, the worker goes on
+            log.exception("request %s: the worker failed it", req.request_id)
+            self.engine.abort(req.request_id)
+            self.streams.emit_once(req.request_id, req.reply_to, ErrorEvent(
+                f"the worker failed this request ({type(e).__name__})", "engine_error"))
+
     def generate(self, req: GenerationRequest) -> None:
         """Aggregated: prefill and decode here."""
         if not self._admitted(req, "generate"):
@@ -312,11 +340,20 @@ class WorkerRuntime:
         self.streams.open(req.request_id, req.reply_to, req.lease_s)
         self.streams.emit(req.request_id, StartEvent("prefill", self.worker_id))
         t0 = time.monotonic()
-        self._submit(req, lambda out: self._handover.submit(self._hand_over, req, out, t0), prefill_only=True)
+        self._submit(req, lambda out: self._handover.submit(self._hand_over, req, out, t0, tracing.current_context()),
+                     prefill_only=True)
 
-    def _hand_over(self, req: GenerationRequest, out: RequestOutput, t0: float) -> dict[str, Any] | None:
+    def _hand_over(self, req: GenerationRequest, out: RequestOutput, t0: float,
+                   trace_ctx: Any = None) -> dict[str, Any] | None:
         """Pass the prefilled request on to the decode stage; with no handle (prefill failed) the decode worker
-        prefills locally. An aborted prefill (client gone, reader lost) goes no further."""
+        prefills locally. An aborted prefill (client gone, reader lost) goes no further. `trace_ctx`: the prefill's
+        trace context (tracing on), so the decode task joins the request's trace."""
+        if trace_ctx is None:
+            return self._hand_over_traced(req, out, t0)
+        with tracing.span("farm.kv.handover", context=trace_ctx, attributes={"farm.request_id": req.request_id}):
+            return self._hand_over_traced(req, out, t0)
+
+    def _hand_over_traced(self, req: GenerationRequest, out: RequestOutput, t0: float) -> dict[str, Any] | None:
         try:
             handle = None
             if getattr(out, "kv_transfer_params", None) is not None:  # vLLM: its KV connector holds the blocks
@@ -365,9 +402,11 @@ class WorkerRuntime:
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
         elif handle:
             try:
-                data = fetch_blocks(handle, self.secret, allow_shm="shm" in self.cfg.transfer.transports,
-                                    nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
-                                    device=self.engine.runner.device, info=pull, staging=self.staging)
+                with task_context.pull_span(handle, pull):  # tracing on: a span around the pull
+                    data = fetch_blocks(handle, self.secret, timeout=self.cfg.transfer.pull_timeout_s,
+                                        allow_shm="shm" in self.cfg.transfer.transports,
+                                        nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
+                                        device=self.engine.runner.device, info=pull, staging=self.staging)
                 if data.shape[3] != self.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]),

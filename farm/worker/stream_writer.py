@@ -43,7 +43,9 @@ from farm.protocol import (
 
 log = logging.getLogger(__name__)
 NO_REPLICA_RETRY_S = 5.0  # after a WAIT no replica answered, flushes do not wait for this long
-FLUSH_ATTEMPTS = 30  # a flush is retried this many times (about 25 s) while Redis is unreachable
+# a flush is retried this many times while Redis is unreachable: about 25 s when it refuses connections (a
+# restart), up to redis.socket's timeout per attempt when nothing answers (a partition)
+FLUSH_ATTEMPTS = 30
 
 
 @dataclass(slots=True)
@@ -156,8 +158,8 @@ class StreamWriter:
                 pipe.execute_command("WAIT", 1, self.replica_ack_ms)
             try:
                 replies = pipe.execute()
-            except redis.ConnectionError:
-                time.sleep(min(0.1 * (attempt + 1), 1.0))  # Redis restarting: keep the tokens
+            except (redis.ConnectionError, redis.TimeoutError):  # Redis restarting or unreachable: keep the tokens
+                time.sleep(min(0.1 * (attempt + 1), 1.0))  # (a timed-out flush may have landed: readers skip it)
                 continue
             if wait and not replies[-1]:  # no replica holds them (none connected, or far behind)
                 self._no_replica_until = time.monotonic() + NO_REPLICA_RETRY_S

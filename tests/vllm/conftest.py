@@ -47,7 +47,7 @@ def farm_config(model_dir: Path, **vllm_options: Any) -> dict[str, Any]:
         "engine": {"kv_cache_mb": KV_CACHE_MB},
         "semantic": {"enabled": False},
         "models": [{"name": MODEL, "path": str(model_dir), "max_model_len": MAX_MODEL_LEN, "backend": "vllm",
-                    "block_size": BLOCK_SIZE,
+                    "block_size": BLOCK_SIZE, "tool_call_parser": "hermes",  # SmolLM2 is a ChatML model
                     "vllm": {"engine_args": {"enforce_eager": True}, **vllm_options}}],
     }
 

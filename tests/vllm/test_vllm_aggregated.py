@@ -22,6 +22,7 @@ from farm.gateway import Gateway
 from farm.models.tokenization import chat_prompt_ids, get_tokenizer
 from farm.protocol import GenerationRequest, SamplingParams
 from farm.supervisor import Farm
+from tests import tool_loops
 from tests.vllm.conftest import MODEL, vllm_farm
 
 pytestmark = pytest.mark.slow
@@ -158,6 +159,35 @@ def test_structured_output_through_vllm(client):
     assert text.startswith("{")  # a JSON object (40 tokens may end it before its closing brace)
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_tool_calls_through_vllm(client):
+    """tool_choice required and a named function through vLLM's structured outputs, streamed and not; the calls read
+    by the API as for the built-in engine."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=ask, tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    call = resp.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, tools=[tool], max_tokens=60,
+                                                 temperature=0, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert json.loads("".join(d.function.arguments or "" for d in deltas))["city"] in ("Paris", "Oslo")
+
+
+def test_tool_loops_of_three_clients_through_vllm(farm):
+    """The openai SDK, OpenAI's Agents SDK and the anthropic SDK each run a real tool loop on vLLM workers, as they do
+    on built-in ones (tests/tool_loops.py)."""
+    base = f"http://127.0.0.1:{farm.api_port}"
+    tool_loops.openai_sdk_loop(base, MODEL)
+    tool_loops.agent_loop(base, MODEL)
+    tool_loops.anthropic_sdk_loop(base, MODEL)
 
 
 def test_vllm_kv_events_reach_the_router_and_cached_tokens_confirm_them(client):

@@ -1,0 +1,177 @@
+"""Categories a user defines in the configuration (issue 29): a description, five examples, model scores; the
+layer classifies against them without retraining, beside the trained head's 14 built-in categories.
+
+The held-out prompts below were written apart from the development set that chose
+`semantic.classifier.custom_threshold` (tools/semantic/layer_dev.py) and were not used for any choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from farm.config import ConfigError, load_config
+from farm.semantic.layer import SemanticLayer
+from tools.semantic.layer_dev import DEV_CATEGORIES
+
+MODEL_A = "SmolLM2-135M-Instruct"
+MODEL_B = "SmolLM2-135M-Instruct-b"
+
+# the three categories as defined in the development set that chose the threshold (same descriptions and
+# examples); the prompts below are not of that set
+SCORES = {"cooking": {MODEL_B: 0.9, MODEL_A: 0.4}, "travel": {MODEL_A: 0.8}, "customer_support": {MODEL_A: 0.7}}
+CATEGORIES = [{**c, "model_scores": SCORES[c["name"]]} for c in DEV_CATEGORIES]
+CATEGORIES[0]["system_prompt"] = "You are a chef."
+
+HELD_OUT = [
+    ("cooking", "How much yeast do I need for a pizza dough?"),
+    ("cooking", "What's the difference between baking soda and baking powder?"),
+    ("cooking", "How do I poach an egg without it falling apart?"),
+    ("cooking", "Can you suggest a marinade for grilled tofu?"),
+    ("cooking", "My soup is too salty, how can I fix it?"),
+    ("cooking", "How long do I boil potatoes for mashed potatoes?"),
+    ("cooking", "What's a good side dish for roast lamb?"),
+    ("cooking", "How do I make my cookies chewy instead of crispy?"),
+    ("cooking", "Which oil is best for deep frying?"),
+    ("cooking", "Give me a recipe for a simple tomato sauce."),
+    ("travel", "What are the must-see sights in Istanbul?"),
+    ("travel", "Is it better to take the train or fly from Paris to Amsterdam?"),
+    ("travel", "How much should I budget per day for backpacking in Vietnam?"),
+    ("travel", "Can I use my EU driving licence to rent a car in the USA?"),
+    ("travel", "What's the best season to see the northern lights in Norway?"),
+    ("travel", "Which hotels near Times Square are family friendly?"),
+    ("travel", "How do I get from Tokyo Narita airport to Shinjuku?"),
+    ("travel", "Suggest a two-week road trip route through New Zealand."),
+    ("travel", "Do I need vaccinations before travelling to Kenya?"),
+    ("travel", "Are there direct flights from London to Cape Town?"),
+    ("customer_support", "My parcel was marked delivered but I never got it."),
+    ("customer_support", "I'd like a refund, the headphones I ordered are faulty."),
+    ("customer_support", "How do I stop my subscription from renewing automatically?"),
+    ("customer_support", "I got an invoice for a plan I never signed up for."),
+    ("customer_support", "The item in my order is missing a part, what should I do?"),
+    ("customer_support", "Can I get my money back if I cancel within 14 days?"),
+    ("customer_support", "My account was locked after too many login attempts."),
+    ("customer_support", "Your app keeps charging me even though I deleted my account."),
+    ("customer_support", "When will my backordered item ship?"),
+    ("customer_support", "I need to change the email address on my account."),
+]
+
+# prompts of the built-in categories: the head keeps them (a custom category must not swallow them)
+BUILT_IN = [
+    ("math", "Find the integral of 3x^2 + 2x from 0 to 1."),
+    ("biology", "How do mitochondria produce energy in a cell?"),
+    ("history", "Why did the Roman Empire fall?"),
+    ("law", "What is the difference between a misdemeanor and a felony?"),
+    ("physics", "What is the kinetic energy of a 2 kg mass moving at 3 m/s?"),
+    ("computer science", "What is the time complexity of binary search?"),
+    ("chemistry", "What is the pH of a 0.01 M hydrochloric acid solution?"),
+    ("economics", "What is the difference between fiscal and monetary policy?"),
+    ("philosophy", "What is Descartes' argument 'I think, therefore I am'?"),
+    ("psychology", "What is cognitive dissonance?"),
+]
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from farm.semantic.embeddings import get_embedder
+
+    return get_embedder(threads=2)
+
+
+def _cfg(tmp_path, semantic: dict):
+    override = {"models": [{"name": MODEL_A, "source": "builtin:smollm2"}, {"name": MODEL_B, "source": "builtin:smollm2"}],
+                "semantic": {"cache": {"enabled": False}, "pii": {"enabled": False}, **semantic}}
+    p = tmp_path / "custom.yaml"
+    p.write_text(yaml.safe_dump(override))
+    return load_config(p, environ={})
+
+
+@pytest.fixture(scope="module")
+def layer(tmp_path_factory, embedder) -> SemanticLayer:
+    cfg = _cfg(tmp_path_factory.mktemp("custom"), {"categories": CATEGORIES})
+    return SemanticLayer.from_config(cfg, embedder=embedder)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_held_out_prompts_of_user_categories(layer):
+    """Issue 29's goal: >= 0.80 on a held-out test of 3 user-defined categories with 5 examples each."""
+    wrong = []
+    for gold, text in HELD_OUT:
+        v = layer.before("MoM", _user(text))
+        if v.category != gold:
+            wrong.append((gold, v.category, text))
+    accuracy = 1 - len(wrong) / len(HELD_OUT)
+    print(f"custom categories, held out: {accuracy:.3f} ({len(HELD_OUT) - len(wrong)}/{len(HELD_OUT)}); wrong: {wrong}")
+    assert accuracy >= 0.80, wrong
+
+
+def test_built_in_prompts_stay_with_the_head(layer):
+    custom = {c["name"] for c in CATEGORIES}
+    swallowed = [(gold, text) for gold, text in BUILT_IN if layer.before("MoM", _user(text)).category in custom]
+    assert len(swallowed) <= 1, swallowed
+    assert layer.before("MoM", _user("Solve for x: 2x + 6 = 10")).category == "math"
+
+
+def test_a_custom_category_routes_and_explains(layer):
+    v = layer.before("MoM", _user("How do I cook rice so it is fluffy?"))
+    assert v.category == "cooking" and v.model == MODEL_B  # its model_scores
+    assert v.headers["x-vsr-selected-category"] == "cooking"
+    assert v.messages[0] == {"role": "system", "content": "You are a chef."}
+    why = v.explain["category"]
+    assert why["rule"] == "custom" and why["confidence"] >= layer.cfg.classifier.threshold and why["accepted"]
+    assert len(why["alternatives"]) == 3
+    head = layer.before("MoM", _user("What is the derivative of x^3?")).explain["category"]
+    assert head["rule"] == "head" and head["name"] == "math"
+
+
+def test_custom_categories_are_embedded_once_at_start(tmp_path, embedder):
+    calls = []
+
+    class Counting:
+        max_tokens = 128
+
+        def __getattr__(self, name):
+            return getattr(embedder, name)
+
+        def encode(self, texts):
+            calls.append(len(texts))
+            return embedder.encode(texts)
+
+    lay = SemanticLayer.from_config(_cfg(tmp_path, {"categories": CATEGORIES}), embedder=Counting())
+    assert calls[0] == 18  # 3 descriptions + 15 examples, in one call
+    n = len(calls)
+    lay.before("MoM", _user("How do I cook rice?"))
+    assert len(calls) == n
+
+
+def test_a_category_of_ones_own_needs_a_description_or_examples(tmp_path):
+    with pytest.raises(ConfigError, match="needs a `description`"):
+        _cfg(tmp_path, {"categories": [{"name": "astrology", "model_scores": {MODEL_A: 1.0}}]})
+    cfg = _cfg(tmp_path, {"categories": [{"name": "astrology", "description": "Horoscopes and star signs."}]})
+    assert [c.name for c in cfg.semantic.custom_categories] == ["astrology"]
+
+
+def test_mom_passes_over_models_without_a_live_worker_and_says_so(tmp_path, embedder):
+    """Bounded fallback at selection (issue 29, item 5): the category's next model when the best-scored one has
+    no live worker, at most `semantic.fallback_hops` of them, named in x-vsr-fallback."""
+    served = {MODEL_A, MODEL_B}
+    lay = SemanticLayer.from_config(_cfg(tmp_path, {"categories": CATEGORIES}), embedder=embedder,
+                                    served=lambda: served)
+    ask = _user("How do I cook rice so it is fluffy?")
+    v = lay.before("MoM", ask)
+    assert v.model == MODEL_B and "x-vsr-fallback" not in v.headers
+    served.discard(MODEL_B)
+    v = lay.before("MoM", ask)
+    assert v.model == MODEL_A and v.category == "cooking"
+    assert v.headers["x-vsr-fallback"] == f"{MODEL_B}->{MODEL_A}; reason=no-live-worker"
+    scores = {"cooking": {MODEL_B: 0.9, MODEL_A: 0.4}}
+    cats = [{**c, "model_scores": scores.get(c["name"], {})} for c in DEV_CATEGORIES]
+    none = SemanticLayer.from_config(_cfg(tmp_path, {"categories": cats, "fallback_hops": 0,
+                                                     "default_model": MODEL_A}),
+                                     embedder=embedder, served=lambda: set())
+    v = none.before("MoM", ask)  # no hop allowed: the default model, the best-scored one named
+    assert v.model == MODEL_A and v.headers["x-vsr-fallback"] == f"{MODEL_B}->{MODEL_A}; reason=no-live-worker"
+    assert v.explain["fallback"]["passed_over"] == [MODEL_B]

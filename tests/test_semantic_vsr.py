@@ -1,0 +1,202 @@
+"""A vLLM Semantic Router config.yaml accepted (issue 29): `farm config import-vsr` translates the subset that
+maps and names every key that does not; the loader takes such a file directly as the override file."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+
+from farm.cli.main import main
+from farm.config import ConfigError, load_config
+from farm.config.vsr import looks_like_vsr, translate_vsr
+
+MODEL_A = "SmolLM2-135M-Instruct"
+MODEL_B = "SmolLM2-135M-Instruct-precise"
+
+# A Semantic Router config in its own (flat) format, as its users write one: two served models, endpoints, a
+# BERT model, cache, prompt guard, classifier models, per-model PII policies and reasoning families.
+VSR_CONFIG = f"""
+bert_model:
+  model_id: sentence-transformers/all-MiniLM-L12-v2
+  threshold: 0.6
+  use_cpu: true
+semantic_cache:
+  enabled: true
+  backend_type: memory
+  similarity_threshold: 0.85
+  max_entries: 5000
+  ttl_seconds: 600
+  eviction_policy: fifo
+tools:
+  enabled: false
+  top_k: 3
+prompt_guard:
+  enabled: true
+  use_modernbert: true
+  model_id: models/jailbreak_classifier_modernbert-base_model
+  threshold: 0.7
+  use_cpu: true
+vllm_endpoints:
+  - name: local
+    address: 127.0.0.1
+    port: 8000
+    weight: 1
+model_config:
+  {MODEL_A}:
+    reasoning_family: qwen3
+    preferred_endpoints: [local]
+    pii_policy:
+      allow_by_default: false
+      pii_types_allowed: [EMAIL_ADDRESS, PERSON, GPE, ZIP_CODE]
+  {MODEL_B}:
+    preferred_endpoints: [local]
+    pii_policy:
+      allow_by_default: true
+classifier:
+  category_model:
+    model_id: models/category_classifier_modernbert-base_model
+    use_modernbert: true
+    threshold: 0.6
+    use_cpu: true
+  pii_model:
+    model_id: models/pii_classifier_modernbert-base_presidio_token_model
+    threshold: 0.7
+    use_cpu: true
+categories:
+  - name: math
+    system_prompt: You are a mathematician. Show your steps.
+    model_scores:
+      - model: {MODEL_B}
+        score: 1.0
+        use_reasoning: true
+      - model: {MODEL_A}
+        score: 0.6
+        use_reasoning: false
+  - name: business
+    description: Business and management questions.
+    system_prompt_mode: insert
+    semantic_cache_similarity_threshold: 0.95
+    jailbreak_enabled: false
+    model_scores:
+      - model: {MODEL_A}
+        score: 0.8
+        use_reasoning: false
+  - name: cooking
+    description: Recipes, ingredients and kitchen techniques.
+    reasoning_effort: low
+    model_scores:
+      - model: {MODEL_A}
+        score: 0.9
+        use_reasoning: false
+default_model: {MODEL_A}
+reasoning_families:
+  qwen3:
+    type: chat_template_kwargs
+    parameter: enable_thinking
+default_reasoning_effort: medium
+"""
+
+
+@pytest.fixture
+def vsr_file(tmp_path):
+    p = tmp_path / "config.yaml"
+    p.write_text(VSR_CONFIG)
+    return p
+
+
+def test_translation_maps_the_subset_and_names_every_other_key():
+    data = yaml.safe_load(VSR_CONFIG)
+    assert looks_like_vsr(data) and not looks_like_vsr({"semantic": {}, "models": []})
+    r = translate_vsr(data)
+    sem = r.config["semantic"]
+    assert sem["default_model"] == MODEL_A
+    assert sem["cache"] == {"enabled": True, "backend": "redis", "similarity_threshold": 0.85, "max_entries": 5000,
+                            "ttl_s": 600}
+    assert sem["jailbreak"] == {"enabled": True}
+    assert sem["pii"]["enabled"] is True
+    assert sem["pii"]["policies"] == {
+        MODEL_A: {"allow_by_default": False, "allowed_types": ["EMAIL_ADDRESS", "LOCATION", "PERSON"]},
+        MODEL_B: {"allow_by_default": True, "denied_types": []}}
+    math, business, cooking = sem["categories"]
+    assert math == {"name": "math", "system_prompt": "You are a mathematician. Show your steps.",
+                    "model_scores": {MODEL_B: 1.0, MODEL_A: 0.6}, "reasoning": True}  # the best-scored model's
+    assert business["system_prompt_mode"] == "prepend" and "description" not in business  # built in: the head
+    assert cooking["description"].startswith("Recipes") and cooking["reasoning"] is False
+    skipped = {line.split(":")[0] for line in r.unmapped}
+    assert skipped == {
+        "bert_model", "tools", "vllm_endpoints", "reasoning_families", "default_reasoning_effort",
+        "prompt_guard.use_modernbert", "prompt_guard.model_id", "prompt_guard.threshold", "prompt_guard.use_cpu",
+        f"model_config.{MODEL_A}.reasoning_family", f"model_config.{MODEL_A}.preferred_endpoints",
+        f"model_config.{MODEL_A}.pii_policy.pii_types_allowed[ZIP_CODE]", f"model_config.{MODEL_B}.preferred_endpoints",
+        "classifier.category_model.model_id", "classifier.category_model.use_modernbert",
+        "classifier.category_model.threshold", "classifier.category_model.use_cpu",
+        "classifier.pii_model.model_id", "classifier.pii_model.threshold", "classifier.pii_model.use_cpu",
+        "categories[business].semantic_cache_similarity_threshold", "categories[business].jailbreak_enabled",
+        "categories[cooking].reasoning_effort"}
+    assert all("no equivalent (" in line for line in r.unmapped)
+    assert any("math" in n and "differs between models" in n for n in r.notes)
+
+
+def test_malformed_values_name_the_key():
+    with pytest.raises(ConfigError, match=r"categories\[math\].model_scores\[0\]: needs `model` and `score`"):
+        translate_vsr({"categories": [{"name": "math", "model_scores": [{"model": "x"}]}]})
+    with pytest.raises(ConfigError, match="semantic_cache: expected a mapping"):
+        translate_vsr({"semantic_cache": [1, 2]})
+
+
+def test_import_vsr_writes_a_valid_override(vsr_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FARM_CONFIG", raising=False)
+    out = tmp_path / "farm.yaml"
+    assert main(["config", "import-vsr", str(vsr_file), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "farm: import-vsr: prompt_guard.threshold: no equivalent" in err
+    assert "farm: import-vsr: vllm_endpoints: no equivalent" in err
+    text = out.read_text()
+    assert text.startswith("# translated from") and "#   bert_model: no equivalent" in text
+    cfg = load_config(out, environ={})
+    assert cfg.semantic.cache.similarity_threshold == 0.85 and cfg.semantic.cache.ttl_s == 600
+    assert [c.name for c in cfg.semantic.categories] == ["math", "business", "cooking"]
+    assert cfg.semantic.category("math").model_scores == {MODEL_B: 1.0, MODEL_A: 0.6}
+    assert [c.name for c in cfg.semantic.custom_categories] == ["cooking"]
+    assert cfg.semantic.pii.policy(MODEL_A).violations({"EMAIL_ADDRESS", "US_SSN"}) == {"US_SSN"}
+    assert main(["config", "import-vsr", str(vsr_file), "--strict"]) == 1  # keys without an equivalent
+
+
+def test_import_vsr_reports_unknown_models_and_maps_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FARM_CONFIG", raising=False)
+    p = tmp_path / "config.yaml"
+    p.write_text(VSR_CONFIG.replace(MODEL_B, "qwen3-8b"))
+    assert main(["config", "import-vsr", str(p)]) == 2
+    assert "names unknown models ['qwen3-8b']" in capsys.readouterr().err
+    assert main(["config", "import-vsr", str(p), "--map-model", f"qwen3-8b={MODEL_B}"]) == 0
+    assert f"{MODEL_B}: 1.0" in capsys.readouterr().out
+
+
+def test_loader_accepts_a_vsr_config_directly(vsr_file, caplog):
+    with caplog.at_level(logging.WARNING, logger="farm.config.vsr"):
+        cfg = load_config(vsr_file, environ={})
+    assert cfg.semantic.default_model == MODEL_A and cfg.semantic.cache.max_entries == 5000
+    assert cfg.semantic.category("math").reasoning is True
+    assert any("prompt_guard.threshold: no equivalent" in r.getMessage() for r in caplog.records)
+
+
+def test_semantic_test_shows_the_decision_and_why(tmp_path, capsys, monkeypatch):
+    """`farm semantic test "prompt"`: category, confidence, rule, runners-up, model, guards' verdicts."""
+    p = tmp_path / "farm.yaml"
+    monkeypatch.setenv("FARM_CONFIG", str(p))  # main() sets it from --config: restored after the test
+    p.write_text(yaml.safe_dump({"semantic": {"pii": {"enabled": False}, "categories": [
+        {"name": "math", "model_scores": {MODEL_B: 0.9}},
+        {"name": "cooking", "description": "Cooking, recipes, baking, ingredients and kitchen techniques.",
+         "examples": ["How long should I roast a whole chicken?", "What can I use instead of eggs when baking?"],
+         "model_scores": {MODEL_B: 0.9}}]}}))
+    assert main(["--config", str(p), "semantic", "test", "How do I make crispy roast potatoes?"]) == 0
+    out = capsys.readouterr().out
+    assert "decision:   forward" in out and "jailbreak:  pass" in out
+    assert "category:   cooking" in out and "rule: custom similarity" in out and "runners-up:" in out
+    assert f"model:      {MODEL_B} (the category's best-scored served model)" in out
+    assert main(["--config", str(p), "semantic", "test", "Solve 2x + 6 = 10", "--json"]) == 0
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert report["category"]["name"] == "math" and report["category"]["rule"] == "head"
+    assert len(report["category"]["alternatives"]) == 3 and report["model"] == MODEL_B
