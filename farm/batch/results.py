@@ -56,8 +56,10 @@ class Results:
         if line.sampling.get("logprobs") is not None:
             logprobs = for_kind(line.kind, self.tokenizer(line.model), answer.token_ids, answer.logprobs)
         tools = ToolRequest.from_dict(line.tools) if line.tools is not None else None
-        choice = Choice.of(answer.text, answer.finish_reason, logprobs, tools,
-                           self.cfg.model(line.model).reasoning_parser if line.kind == "chat" else None, line.echo)
+        # a guard's refusal names the model asked (an alias, MoM): no engine wrote it, no reasoning to split
+        parser = next((m.reasoning_parser for m in self.cfg.models if m.name == line.model), None) \
+            if line.kind == "chat" else None
+        choice = Choice.of(answer.text, answer.finish_reason, logprobs, tools, parser, line.echo)
         body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}

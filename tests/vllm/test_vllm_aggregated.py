@@ -183,7 +183,8 @@ def test_tool_calls_through_vllm(client):
 
 def test_tool_loops_of_three_clients_through_vllm(farm):
     """The openai SDK, OpenAI's Agents SDK and the anthropic SDK each run a real tool loop on vLLM workers, as they do
-    on built-in ones (tests/tool_loops.py)."""
+    on built-in ones (tests/tool_loops.py): forced calls through vLLM's structured outputs, results through the
+    template, auto turns read by the API."""
     base = f"http://127.0.0.1:{farm.api_port}"
     tool_loops.openai_sdk_loop(base, MODEL)
     tool_loops.agent_loop(base, MODEL)
