@@ -50,6 +50,10 @@ def checkout(rev: str, tmp: Path) -> Path:
     path = tmp / rev.replace("/", "_")
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
                    capture_output=True)
+    models = ROOT / ".farm" / "models"  # the prepared models (their tokenizer makes the tiny model): shared
+    if models.is_dir():
+        (path / ".farm").mkdir(mode=0o700, exist_ok=True)
+        (path / ".farm" / "models").symlink_to(models)
     return path
 
 
