@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from flask import Flask
 
-from farm.cluster import registry
 from farm.config import EngineConfig
 from farm.engine.engine import Engine
 from farm.engine.scheduler import KVImport
@@ -28,7 +27,8 @@ from farm.models.tokenization import IncrementalDetokenizer, _load
 from farm.openai.api_error import APIError
 from farm.openai.parsing import chat_options, parse_chat
 from farm.protocol import GenerationRequest, InvalidTask, SamplingParams
-from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post
+from tests import test_api_stream
+from tests.test_api_errors import assert_error, chat, farm_app, post
 from tests.test_api_stream import ScriptedWorker, both_start, deltas, done, sse
 from tests.test_engine import Collector, run
 
@@ -46,14 +46,7 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
         yield app
 
 
-@pytest.fixture
-def client(app, redis_client):
-    """A test client, the config, and one live worker (GHOST) whose tasks a ScriptedWorker takes."""
-    cfg = app.extensions["farm"].cfg
-    app.extensions["farm"].semantic()
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
-                                                        cfg.engine.block_size, num_blocks=1000))
-    return app.test_client(), cfg
+client = test_api_stream.client  # a test client, the config, and one live worker (GHOST) for a ScriptedWorker
 
 
 @pytest.fixture(scope="module")

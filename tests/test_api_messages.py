@@ -15,12 +15,11 @@ import httpx2
 import pytest
 from flask import Flask
 
-from farm.cluster import registry
 from farm.openai import anthropic as a
 from farm.openai.api_error import APIError
 from tests.security_helpers import KEY_A, farm_app
 from tests.test_api_errors import GHOST
-from tests.test_api_stream import USAGE, ScriptedWorker, both_start, deltas, done
+from tests.test_api_stream import USAGE, ScriptedWorker, both_start, deltas, done, live_ghost
 
 
 # ---- the translation ---------------------------------------------------------------------------
@@ -165,11 +164,7 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
 @pytest.fixture
 def ghost(app, redis_client):
     """One live worker (GHOST) whose tasks a ScriptedWorker takes; the app's config."""
-    cfg = app.extensions["farm"].cfg
-    app.extensions["farm"].semantic()  # loaded before the ghost's heartbeat starts ticking
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
-                                                        cfg.engine.block_size, num_blocks=1000))
-    return cfg
+    return live_ghost(app, redis_client)
 
 
 def sdk(app: Flask, key: str = KEY_A) -> anthropic.Anthropic:

@@ -33,14 +33,19 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
         yield app
 
 
-@pytest.fixture
-def client(app, redis_client):
-    """A test client, the config, and one live worker (GHOST) whose tasks the scripted worker takes."""
+def live_ghost(app: Flask, redis_client: redis.Redis):
+    """One live worker (GHOST) of the app's default model, whose tasks a ScriptedWorker takes; the app's config."""
     cfg = app.extensions["farm"].cfg
     app.extensions["farm"].semantic()  # loaded before the ghost's heartbeat starts ticking
     registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
                                                         cfg.engine.block_size, num_blocks=1000))
-    return app.test_client(), cfg
+    return cfg
+
+
+@pytest.fixture
+def client(app, redis_client):
+    """A test client, the config, and one live worker (GHOST) whose tasks the scripted worker takes."""
+    return app.test_client(), live_ghost(app, redis_client)
 
 
 class ScriptedWorker(threading.Thread):

@@ -245,7 +245,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     gone = client_gone_check()
     streams = [sub.events(client_gone=gone) for sub in gen.subs]
     out = _Output(kind, tok, parsed.sampling.logprobs is not None)
-    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 and not parsed.tools else None
+    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 else None
     if parsed.stream:
         resp = _stream_response(kind, ids, model, gen, streams, parsed, out, on_done=cache)
         resp.headers.update(verdict.headers)

@@ -41,7 +41,7 @@ from farm.engine.step_costs import StepCosts
 from farm.engine.structured import Grammars, InvalidFormat, mask_logits
 from farm.engine.timings import RequestTimings, RequestTokens
 from farm.kvcache.tiers import TieredKV
-from farm.models.tokenization import IncrementalDetokenizer, eos_token_ids
+from farm.models.tokenization import IncrementalDetokenizer, eos_token_ids, partial_stop
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import salt_root
 from farm.protocol.kv_events import KVEventHook
@@ -53,18 +53,6 @@ log = logging.getLogger(__name__)
 class HeldBlocks:
     seq: Sequence
     expires_at: float
-
-
-def partial_stop(text: str, stops: list[str]) -> int:
-    """The length of the longest end of `text` that begins one of `stops` without completing it: the characters
-    a stream holds back, since the next token may complete the stop string (which is then never sent)."""
-    longest = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
 
 
 class Engine:

@@ -116,6 +116,19 @@ def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
     return ids
 
 
+def partial_stop(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` without completing it: the characters
+    a stream holds back, since the next token may complete the stop string (which is then never sent). The
+    engine's stop strings and the API's markers (a tool call's, the end of a model's thinking) alike."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 pieces. Special tokens
     (end of turn, ...) are left out of the text unless `skip_special_tokens` is false (vLLM's parameter)."""

@@ -13,7 +13,6 @@ from farm.models.tokenization import (
     PromptTooLong,
     chat_prompt_ids,
     max_token_chars,
-    template_reads,
     text_prompt_ids,
 )
 from farm.openai.api_error import APIError, bad_request
@@ -426,7 +425,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
         raise bad_request("'logprobs' cannot be streamed together with tool calls", "logprobs", "unsupported_value")
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     check_prompt_chars(messages_chars(messages), limit, max_model_len, "messages")
-    rendered, tool_list = template_inputs(messages, tools, template_reads(tokenizer, "tools"), tool_parser)
+    rendered, tool_list = template_inputs(messages, tools, tokenizer, tool_parser)
     try:  # with template variables or tools, the rendered prompt's size is checked again before it is tokenized
         ids = chat_prompt_ids(tokenizer, rendered, {**(template_kwargs or {}), **opts.template_kwargs},
                               add_generation_prompt=opts.add_generation_prompt,

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from farm.models.tokenization import partial_stop
+
 START, END = "<think>", "</think>"
 
 
@@ -76,7 +78,7 @@ class ReasoningStream:
         if self.thinking and not self.done_thinking:
             at = self.text.find(END, self.sent)
             if at < 0:
-                end = len(self.text) - marker_tail(self.text, END)
+                end = len(self.text) - partial_stop(self.text, [END])
                 if end > self.sent:
                     yield Thought(self.text[self.sent:end])
                     self.sent = end
@@ -98,11 +100,3 @@ class ReasoningStream:
             yield Thought(rest)
         else:
             yield rest
-
-
-def marker_tail(text: str, marker: str) -> int:
-    """How many characters at the end of `text` begin `marker` (held back: the next delta may complete it)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from farm.models.tokenization import partial_stop, template_reads
 from farm.openai.api_error import bad_request
-from farm.openai.reasoning import marker_tail
 from farm.openai.structured import check_schema
 from farm.openai.tool_parsers import PARSERS, PYTHON_TAG, ToolCall, ToolParser, call_id, get_parser
 
@@ -184,12 +184,15 @@ def parse_tools(body: dict[str, Any], parser: str | None, model: str = "") -> To
 
 
 # -- the prompt -----------------------------------------------------------------------------------------------------
-def template_inputs(messages: list[dict[str, Any]], tools: ToolRequest | None, native: bool, parser: str | None
+def template_inputs(messages: list[dict[str, Any]], tools: ToolRequest | None, tokenizer: Any, parser: str | None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for the chat template. A template that reads `tools` (`native`) gets them with earlier
-    calls' arguments as objects (as vLLM hands them over); any other template gets a conversation in the parser's
-    own text format, and the tools as a system prompt while the model may call them."""
-    if native:
+    """(messages, tools) for the chat template. A conversation without tools or calls goes as it is (the common
+    case: nothing copied, the template not searched). A template that reads `tools` gets them with earlier calls'
+    arguments as objects (as vLLM hands them over); any other template gets a conversation in the parser's own
+    text format, and the tools as a system prompt while the model may call them."""
+    if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return messages, None
+    if template_reads(tokenizer, "tools"):
         out = []
         for m in messages:
             if m.get("tool_calls"):
@@ -274,7 +277,7 @@ class ToolStream:
             self.held = True
             yield from self._content(at)
             return
-        yield from self._content(len(self.text) - marker_tail(self.text, parser.start))
+        yield from self._content(len(self.text) - partial_stop(self.text, [parser.start]))
 
     def _content(self, end: int) -> Iterator[str]:
         if end > self.sent:

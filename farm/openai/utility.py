@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from farm.models.tokenization import chat_prompt_ids, template_reads, text_prompt_ids
+from farm.models.tokenization import chat_prompt_ids, text_prompt_ids
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     chat_options,
@@ -122,7 +122,7 @@ def _chat_ids(job: TokenizeJob, tokenizer, tool_parser: str | None) -> list[int]
     tokenizer's special tokens on top (vLLM's option)."""
     assert job.messages is not None
     tools = ToolRequest(job.tools, "auto", parser=tool_parser) if job.tools else None
-    messages, tool_list = template_inputs(job.messages, tools, template_reads(tokenizer, "tools"), tool_parser)
+    messages, tool_list = template_inputs(job.messages, tools, tokenizer, tool_parser)
     if not job.add_special_tokens:
         return chat_prompt_ids(tokenizer, messages, job.template_kwargs, tools=tool_list,
                                add_generation_prompt=job.add_generation_prompt,
