@@ -193,6 +193,38 @@ def test_a_batch_never_picked_up_expires(api):
     assert c.get(f"/v1/batches/{bid}").get_json()["expired_at"]
 
 
+def test_a_finished_batch_its_results_and_output_files_are_deleted_after_the_retention(api):
+    """The retention sweep (farm.batch.retention) deletes a final batch with its results and output file once
+    `batch.retention_s` has passed since it ended, not before, and leaves running batches and the client's input
+    file alone: the keyspace does not grow with every batch ever run (issue 30's soak)."""
+    from farm.batch import retention
+    from farm.batch.file_store import FileStore
+    from farm.batch.results import Results
+
+    c, cfg, r = api
+    store, files = BatchStore(r), FileStore.from_config(r, cfg)
+    fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]
+    done, running = (create(c, fid).get_json()["id"] for _ in range(2))
+    for bid in (done, running):
+        store.transition(bid, ("validating",), "in_progress", total=1)
+    store.record(done, "a", {"line": 1, "ok": True, "out": {"custom_id": "a"}}, True)
+    store.transition(done, ("in_progress",), "finalizing")
+    Results(cfg, r, store, files, None).finalize(done, "completed")
+    out_id = c.get(f"/v1/batches/{done}").get_json()["output_file_id"]
+    out = c.get(f"/v1/files/{out_id}").get_json()
+    assert out["expires_at"] == pytest.approx(time.time() + cfg.batch.retention_s, abs=5)
+
+    assert retention.sweep(store, files, cfg.batch.retention_s) == 0  # within the retention: kept
+    assert c.get(f"/v1/batches/{done}").status_code == 200
+    assert retention.sweep(store, files, cfg.batch.retention_s, now=time.time() + cfg.batch.retention_s + 1) == 1
+    assert c.get(f"/v1/batches/{done}").status_code == 404
+    assert c.get(f"/v1/files/{out_id}").status_code == 404 and c.get(f"/v1/files/{out_id}/content").status_code == 404
+    assert done not in [b["id"] for b in c.get("/v1/batches").get_json()["data"]]
+    assert not r.keys(f"*{done}*"), "no key of the batch is left"
+    assert c.get(f"/v1/batches/{running}").status_code == 200  # not final: never swept
+    assert c.get(f"/v1/files/{fid}").status_code == 200  # the client's input file is the client's to delete
+
+
 def test_results_are_recorded_once_and_not_after_sealing(api):
     _, _, r = api
     store = BatchStore(r)

@@ -26,7 +26,8 @@ def test_with_ha_celery_gets_one_sentinel_url_per_sentinel_with_password_and_db(
     assert options == {"master_name": "prod", "sentinel_kwargs": {"password": "p@ss"}}  # sentinels want it too
 
 
-@pytest.mark.parametrize(("key", "value"), [("SENTINELS", "10.0.0.1"), ("QUORUM", "4"), ("MASTER_NAME", "a b")])
+@pytest.mark.parametrize(("key", "value"), [("SENTINELS", "10.0.0.1"), ("QUORUM", "4"), ("MASTER_NAME", "a b"),
+                                            ("MIN_REPLICAS_MAX_LAG_S", "-1")])
 def test_bad_ha_settings_are_configuration_errors(tmp_path, key, value):
     with pytest.raises(ConfigError):
         load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__HA__ENABLED": "true",
@@ -61,3 +62,38 @@ def test_every_connection_gets_timeouts_and_keepalive_from_the_config(tmp_path):
     assert options["health_check_interval"] == 10  # kombu also drops a consumer's overdue BRPOP connection
     with pytest.raises(ConfigError):  # below the 1 s blocking reads of the reply reader and the router
         load_config(environ={"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__SOCKET__TIMEOUT_S": "1"})
+
+
+def test_a_primary_without_a_replica_refuses_writes_and_clients_see_a_connection_error(tmp_path):
+    """redis.ha.min_replicas_max_lag_s: a data node of a Sentinel set runs with min-replicas-to-write 1, so alone
+    (cut off from its replicas) it refuses writes. Through `connect()` the refusal (NOREPLICAS) is a connection
+    error, which is also a ResponseError: the connection is dropped (the next one asks the sentinels where the
+    primary is), the farm's retry paths wait it out, kombu reconnects; reads are still served."""
+    import subprocess
+
+    import redis
+
+    from farm.infra import redis_server
+    from farm.infra.redis_client import connect, no_replicas_error
+    from tests.conftest import free_port
+
+    port = free_port()
+    cmd = redis_server.command(port, tmp_path, appendonly=False, password="pw", min_replicas_max_lag_s=3)
+    assert " --min-replicas-to-write 1 --min-replicas-max-lag 3 " in f" {' '.join(cmd)} "
+    assert "--min-replicas-to-write" not in redis_server.command(port, tmp_path, password="pw")  # 0: off
+    with pytest.raises(redis_server.RedisServerError):
+        redis_server.command(port, tmp_path, min_replicas_max_lag_s=-1)
+    url = f"redis://:pw@127.0.0.1:{port}/0"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        redis_server.wait_ready(url, proc)
+        r = connect(url)
+        with pytest.raises(redis.ConnectionError, match="good replicas") as e:
+            r.set("k", "v")
+        assert isinstance(e.value, no_replicas_error()) and isinstance(e.value, redis.ResponseError)
+        with pytest.raises(redis.ConnectionError):
+            r.pipeline(transaction=False).xadd("s", {"e": "1"}).expire("s", 60).execute()
+        assert r.get("k") is None
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -471,6 +471,13 @@ def _role(url: str) -> str:
         return "down"
 
 
+def _writes(client: redis.Redis, key: str, value: str) -> bool:
+    try:
+        return bool(client.set(key, value))
+    except redis.ConnectionError:
+        return False
+
+
 def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path):
     from farm.infra.broker import make_celery
     from farm.infra.redis_client import connect, primary_address
@@ -484,6 +491,9 @@ def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path)
         rcfg = farm.cfg.redis  # with the generated password
         procs = {p.name: p for p in farm.procs}
         assert set(procs) == {"redis", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
+        for node in ("redis", "redis-replica"):  # split-brain protection (redis.ha.min_replicas_max_lag_s)
+            cmd = " ".join(procs[node].command)
+            assert f"--min-replicas-to-write 1 --min-replicas-max-lag {rcfg.ha.min_replicas_max_lag_s}" in cmd
         url_port, replica_port = redis_server.parse_url(rcfg.url)[1], rcfg.ha.replica_port
         primary_url, replica_url = (redis_server.node_url(rcfg.url, p) for p in (url_port, replica_port))
         assert _role(primary_url) == "master" and _role(replica_url) == "slave"
@@ -501,10 +511,15 @@ def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path)
         t0 = time.monotonic()
         _wait_for(lambda: (primary_address(rcfg) or (None, 0))[1] == replica_port, 30)
         promoted_s = time.monotonic() - t0
-        assert client.get("farm:ha") == b"kept" and client.set("farm:ha2", "new")  # same client, new primary
+        assert client.get("farm:ha") == b"kept"  # same client, new primary
         assert promoted_s < 20
+        # alone, the promoted primary refuses writes (redis.ha.min_replicas_max_lag_s) until a replica is back;
+        # the client sees a connection error (farm.infra.redis_client.no_replicas_error) and would retry
+        with pytest.raises(redis.ConnectionError, match="good replicas"):
+            client.set("farm:ha2", "new")
         assert farm.supervise_once() is None  # a dead node of a Sentinel set is no reason to stop the farm
         _wait_for(lambda: procs["redis"].alive() and _role(primary_url) == "slave", 20)  # rejoined as replica
+        _wait_for(lambda: _writes(client, "farm:ha2", "new"), 10)  # and the primary takes writes again
         _wait_for(lambda: redis.Redis.from_url(primary_url).get("farm:ha2") == b"new", 20)
     finally:
         farm.stop()

@@ -173,6 +173,7 @@ def chart_schema() -> dict[str, Any]:
                 "enabled": BOOL, "masterName": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
                 "quorum": POS, "downAfterMilliseconds": {"type": "integer", "minimum": 100},
                 "failoverTimeoutMilliseconds": {"type": "integer", "minimum": 1000}, "replicaAckTimeoutMs": NONNEG,
+                "minReplicasMaxLagSeconds": {"type": "integer", "minimum": 0, "maximum": 3600},
                 "dataNodes": {"type": "integer", "minimum": 2},
                 "sentinel": obj({"replicas": POS, "port": PORT, "resources": REF_("resources"), **placement}),
                 "externalSentinels": {"type": "array", "items": {"type": "string",

@@ -112,7 +112,7 @@ class BatchDriver:
         return handoff.reap(self.celery, self.store, self.bcfg)
 
     def start_reaper(self) -> None:
-        self._reaper = handoff.start_reaper(self.celery, self.store, self.bcfg, self.stopping)
+        self._reaper = handoff.start_reaper(self.celery, self.store, self.bcfg, self.stopping, self.files)
 
     def stop(self) -> None:
         """Warm shutdown: drivers stop dispatching, let in-flight lines finish (grace), hand batches on."""

@@ -204,14 +204,16 @@ class FileStore:
         return cls(r, bodies=DiskBodies(cfg.files_path))
 
     def create(self, src: IO[bytes] | bytes | Iterable[bytes], filename: str, purpose: str,
-               owner: str = OWNER_ANONYMOUS, file_id: str | None = None) -> dict[str, Any]:
+               owner: str = OWNER_ANONYMOUS, file_id: str | None = None,
+               expires_at: int | None = None) -> dict[str, Any]:
         """Store a body (bytes, a binary stream, or chunks) and its metadata; returns the metadata.
-        With `file_id` given the file is replaced (a finalizing batch rewriting its output)."""
+        With `file_id` given the file is replaced (a finalizing batch rewriting its output). `expires_at`: when
+        the retention sweep deletes it (a batch's output and error files), shown to clients as OpenAI does."""
         file_id = file_id or new_file_id()
         size = self.bodies.write(file_id, _chunks(src), capped=purpose == "batch")
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                 "filename": clean_filename(filename), "purpose": purpose, "owner": owner, "status": "processed",
-                "expires_at": None, "status_details": None}
+                "expires_at": expires_at, "status_details": None}
         pipe = self.r.pipeline()
         pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
         pipe.zadd(FILES_KEY, {file_id: self.r.incr(BATCH_SEQ_KEY)})

@@ -114,7 +114,8 @@ class Results:
             chosen = [r["out"] for r in results if r["ok"] is ok]
             if chosen:
                 chunks = ((json.dumps(o, separators=(",", ":")) + "\n").encode() for o in chosen)
-                self.files.create(chunks, f"{bid}_{name}.jsonl", "batch_output", owner, file_id=fid)
+                self.files.create(chunks, f"{bid}_{name}.jsonl", "batch_output", owner, file_id=fid,
+                                  expires_at=int(time.time()) + self.cfg.batch.retention_s)
                 ids[field] = fid
         stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final]
         st = self.end(bid, (frm,), final, **ids, **{stamp: int(time.time())})

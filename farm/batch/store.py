@@ -35,6 +35,7 @@ from farm.protocol.keys import (
     BATCH_ACTIVE_KEY,
     BATCH_INFLIGHT_KEY,
     BATCH_SEQ_KEY,
+    BATCHES_ENDED_KEY,
     BATCHES_KEY,
     batch_key,
     batch_kick_key,
@@ -85,7 +86,7 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-# KEYS: batch hash, active set. ARGV: allowed from-states (JSON list), new status, batch id, n, then
+# KEYS: batch hash, active set, ended zset. ARGV: allowed from-states (JSON list), new status, batch id, n, then
 # n field/JSON-value pairs. Returns {1, new} when changed, {0, current} otherwise ({0, false} if missing).
 _TRANSITION = """
 local raw = redis.call('HGET', KEYS[1], 'status')
@@ -102,7 +103,10 @@ for i = 1, n do
   redis.call('HSET', KEYS[1], ARGV[3 + 2 * i], ARGV[4 + 2 * i])
 end
 local terminal = {completed = true, failed = true, expired = true, cancelled = true}
-if terminal[ARGV[2]] then redis.call('SREM', KEYS[2], ARGV[3]) end
+if terminal[ARGV[2]] then
+  redis.call('SREM', KEYS[2], ARGV[3])
+  redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
+end
 return {1, ARGV[2]}
 """
 
@@ -223,8 +227,21 @@ class BatchStore:
         args: list[Any] = [json.dumps(list(from_states)), to, batch_id, len(fields)]
         for k, v in fields.items():
             args += [k, json.dumps(v)]
-        ok, st = self._transition(keys=[batch_key(batch_id), BATCH_ACTIVE_KEY], args=args)
+        ok, st = self._transition(keys=[batch_key(batch_id), BATCH_ACTIVE_KEY, BATCHES_ENDED_KEY], args=args)
         return bool(ok), (_s(st) if st else None)
+
+    def ended_before(self, t: float, limit: int = 100) -> list[str]:
+        """Batches that became final before time `t` (oldest first)."""
+        return [_s(b) for b in self.r.zrangebyscore(BATCHES_ENDED_KEY, "-inf", t, start=0, num=limit)]
+
+    def forget(self, batch_id: str) -> None:
+        """Delete a final batch and its results (its files are the file store's: farm.batch.retention)."""
+        pipe = self.r.pipeline()
+        pipe.delete(batch_key(batch_id), batch_results_key(batch_id), batch_kick_key(batch_id),
+                    batch_lease_key(batch_id))
+        pipe.zrem(BATCHES_KEY, batch_id)
+        pipe.zrem(BATCHES_ENDED_KEY, batch_id)
+        pipe.execute()
 
     def set_fields(self, batch_id: str, **fields: Any) -> None:
         self.r.hset(batch_key(batch_id), mapping={k: json.dumps(v) for k, v in fields.items()})

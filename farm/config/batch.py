@@ -46,6 +46,9 @@ class BatchConfig(Section):
     poll_s: float = Field(1.0, gt=0)  # a running line checks its workers' liveness this often
     lease_ttl_s: float = Field(10.0, ge=2)  # a driver's hold on a batch; a dead driver's lapses after this
     reaper_interval_s: float = Field(2.0, gt=0)  # how often a driver process looks for unowned batches
+    # A final batch, its results and its output and error files are deleted this long after it ended (OpenAI
+    # keeps batch output files 30 days), so the keyspace does not grow with every batch ever run.
+    retention_s: int = Field(30 * 86400, ge=60)
     kick_ttl_s: float = Field(60.0, gt=0)  # a batch re-sent to the driver queue is not re-sent again for this long
     driver_concurrency: int = Field(8, ge=1)  # batches driven at once by one driver process
     shutdown_grace_s: float = Field(10.0, ge=0)  # warm shutdown: in-flight lines get this long to finish

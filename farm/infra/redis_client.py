@@ -7,12 +7,20 @@ connection breaks or the server it reached turned into a replica (a failover), s
 the primary without a restart. `redis.url` still gives the password, user and database; the sentinels
 require the same password (the managed ones are started so, farm.infra.redis_server).
 
+A primary that refuses writes for want of a replica (`NOREPLICAS`: redis.ha.min_replicas_max_lag_s, e.g. the old
+primary on the minority side of a partition, or still unaware of the failover just after healing, its pooled
+connections still open) is, to a client, a primary it should not be using: `connect()` and `celery_broker()` make
+redis-py raise it as a connection error (`no_replicas_error()`, a ResponseError too), so the connection is dropped
+and the next one asks the sentinels again, the farm's retry paths (stream flushes, heartbeats, kombu's reconnect)
+treat it as Redis being briefly unreachable, and a Celery worker does not die of an "unrecoverable" reply.
+
 redis is imported inside the functions: loading the configuration must not import it in gunicorn's
 unpatched master process (the API's gevent worker imports it after patching, api/gunicorn_conf.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
@@ -30,6 +38,7 @@ def connect(target: RedisConfig | str, *, timeout: float | None = None, **option
     ends in an error and a reconnect instead of a call that never returns."""
     import redis
 
+    no_replicas_error()
     if timeout is not None:
         options.setdefault("socket_timeout", timeout)
         options.setdefault("socket_connect_timeout", timeout)
@@ -40,6 +49,23 @@ def connect(target: RedisConfig | str, *, timeout: float | None = None, **option
     if not target.ha.enabled:
         return redis.Redis.from_url(target.url, **options)
     return sentinel(target, timeout).master_for(target.ha.master_name, **{**_url_options(target.url), **options})
+
+
+@functools.cache
+def no_replicas_error() -> type[Exception]:
+    """The class redis-py raises for a NOREPLICAS reply in this process from the first call on: a ConnectionError
+    (dropped connection, retried, a new primary asked of the sentinels; kombu reconnects) that is also a
+    ResponseError (code telling error replies apart by class still sees one). In a pipeline it ends the
+    pipeline's execute() as a connection error, like a broken connection would."""
+    import redis
+    from redis._parsers.base import BaseParser
+
+    class NoReplicasError(redis.ResponseError, redis.ConnectionError):
+        """NOREPLICAS: this primary refuses writes, no replica having acknowledged within its
+        min-replicas-max-lag (cut off from its replicas, or no longer the primary)."""
+
+    BaseParser.EXCEPTION_CLASSES["NOREPLICAS"] = NoReplicasError  # in place: every parser reads this dict
+    return NoReplicasError
 
 
 def socket_options(cfg: RedisConfig | None = None) -> dict[str, Any]:
@@ -87,6 +113,7 @@ def celery_broker(cfg: RedisConfig) -> tuple[str, dict[str, Any]]:
     `sentinel://` URLs (one per sentinel, `;`-separated) and `master_name` with HA, else `redis.url`."""
     if not cfg.ha.enabled:
         return cfg.url, {}
+    no_replicas_error()
     u = urlsplit(cfg.url)
     userinfo = ""
     if u.username or u.password:

@@ -123,16 +123,24 @@ def write_auth_conf(data_dir: Path | str, password: str) -> Path:
 
 
 def command(port: int, data_dir: Path | str, appendonly: bool = True, exe: str | None = None,
-            password: str | None = None, replica_of: int | None = None) -> list[str]:
+            password: str | None = None, replica_of: int | None = None, *, bind: str = "127.0.0.1",
+            replica_of_host: str = "127.0.0.1", min_replicas_max_lag_s: int = 0) -> list[str]:
     """The redis-server command line of a managed Redis (also what the Procfile runs); with a password,
-    a 0600 config file under `data_dir` sets requirepass. `replica_of`: a replica of 127.0.0.1:<port>."""
+    a 0600 config file under `data_dir` sets requirepass. `replica_of`: a replica of `replica_of_host`:<port>.
+    `bind`: the address it listens on. `min_replicas_max_lag_s` (a node of a Sentinel set; 0 = off): as a
+    primary it refuses writes (NOREPLICAS) while no replica has acknowledged for that many seconds, so a
+    primary partitioned from its replicas stops acknowledging writes the failover would discard."""
     conf = [str(write_auth_conf(data_dir, password))] if password else []
-    replica = ["--replicaof", "127.0.0.1", str(replica_of)] if replica_of else []
+    replica = ["--replicaof", replica_of_host, str(replica_of)] if replica_of else []
+    if min_replicas_max_lag_s < 0:
+        raise RedisServerError(f"min_replicas_max_lag_s must be 0 (off) or more, got {min_replicas_max_lag_s}")
+    min_replicas = (["--min-replicas-to-write", "1", "--min-replicas-max-lag", str(min_replicas_max_lag_s)]
+                    if min_replicas_max_lag_s else [])
     return [
-        exe or executable(), *conf, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+        exe or executable(), *conf, "--port", str(port), "--bind", bind, "--dir", str(data_dir),
         "--appendonly", "yes" if appendonly else "no", "--daemonize", "no",
         "--repl-diskless-sync-delay", "0",  # a (re)joining replica syncs at once, not after 5 s of waiting for others
-        *replica,
+        *min_replicas, *replica,
     ]
 
 
@@ -152,13 +160,14 @@ def sentinel_executable() -> list[str]:
 
 
 def sentinel_command(i: int, port: int, state_dir: Path | str, ha: RedisHAConfig, primary_port: int,
-                     password: str | None) -> list[str]:
-    """Sentinel number `i` on 127.0.0.1:`port`, watching the primary on 127.0.0.1:`primary_port`. Its
-    config file is written anew (mode 0600: it holds the password); Sentinel rewrites it as it learns."""
+                     password: str | None, *, bind: str = "127.0.0.1", primary_host: str = "127.0.0.1") -> list[str]:
+    """Sentinel number `i` on `bind`:`port` (it announces that address to the other sentinels), watching the
+    primary on `primary_host`:`primary_port`. Its config file is written anew (mode 0600: it holds the
+    password); Sentinel rewrites it as it learns."""
     d = sentinel_dir(state_dir, i)
     name = ha.master_name
-    lines = [f"port {port}", "bind 127.0.0.1", f'dir "{d}"',
-             f"sentinel monitor {name} 127.0.0.1 {primary_port} {ha.quorum}",
+    lines = [f"port {port}", f"bind {bind}", f'dir "{d}"',
+             f"sentinel monitor {name} {primary_host} {primary_port} {ha.quorum}",
              f"sentinel down-after-milliseconds {name} {ha.down_after_ms}",
              f"sentinel failover-timeout {name} {ha.failover_timeout_ms}",
              f"sentinel parallel-syncs {name} 1"]

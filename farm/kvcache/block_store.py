@@ -45,6 +45,8 @@ class Slots(Protocol):
 class RamSlots:
     def __init__(self, capacity: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
         self.data = torch.empty((capacity, *block_shape), dtype=dtype, pin_memory=pin)
+        if not pin:
+            self.data.zero_()  # every page taken now (pinned memory already is): RSS does not climb as it fills
         self.block_bytes = self.data[0].numel() * self.data.element_size() if capacity else 0
 
     def write(self, slot: int, block: torch.Tensor) -> None:

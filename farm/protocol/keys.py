@@ -92,6 +92,7 @@ FILES_KEY = "farm:files"  # zset of file ids by creation sequence
 FILE_BYTES_KEY = "farm:files:bytes"  # redis bodies backend: the bytes of every stored body together
 BATCHES_KEY = "farm:batches"  # zset of batch ids by creation sequence
 BATCH_ACTIVE_KEY = "farm:batch:active"  # set of batches not yet final
+BATCHES_ENDED_KEY = "farm:batches:ended"  # zset batch id -> when it became final (retention, farm.batch.retention)
 BATCH_SEQ_KEY = "farm:batch:seq"  # the creation sequence of files and batches (list order)
 BATCH_INFLIGHT_KEY = "farm:batch:inflight"  # zset request id -> deadline: batch lines in flight
 

@@ -58,8 +58,10 @@ class ManagedRedis:
 
     def _redis_node_command(self, port: int, replica_of: int | None = None) -> list[str]:
         try:
+            ha = self.cfg.redis.ha
             return redis_server.command(port, self._redis_node_dir(port), self.cfg.redis.appendonly,
-                                        password=url_password(self.cfg.redis.url), replica_of=replica_of)
+                                        password=url_password(self.cfg.redis.url), replica_of=replica_of,
+                                        min_replicas_max_lag_s=ha.min_replicas_max_lag_s if ha.enabled else 0)
         except redis_server.RedisServerError as e:
             raise FarmError(str(e)) from None
 

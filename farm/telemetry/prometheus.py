@@ -79,6 +79,10 @@ BATCH_WINDOW = Gauge("farm_batch_window_lines",
 # Whether this API process reached Redis at its last scrape (1) or not (0): set by FarmCollector.refresh in every
 # replica (exporting the farm-wide series or not), so an alert sees Redis down from any replica's /metrics.
 REDIS_UP = Gauge("farm_redis_up", "1 when this API process reached Redis at its last /metrics scrape, else 0")
+# Under gevent every waiting greenlet holds an event-loop watcher (a timer, a socket, an event), so a greenlet leaked
+# per cancelled stream shows as a climbing count; counting greenlets themselves means walking the heap (~0.3 s).
+API_LOOP_WATCHERS = Gauge("farm_api_loop_watchers", "Active gevent event-loop watchers in this API process "
+                          "(every waiting greenlet holds one); 0 without gevent")
 
 
 

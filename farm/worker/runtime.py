@@ -409,8 +409,10 @@ class WorkerRuntime:
                                         device=self.engine.runner.device, info=pull, staging=self.staging)
                 if data.shape[3] != self.block_size:
                     raise TransferError("block size mismatch between prefill and decode workers")
+                # only a TCP pull's buffer is the staging pool's: a shared-memory or NIXL one given to the pool
+                # would stay mapped there for good (the pool keeps up to 1 GiB of what it is given)
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]),
-                                     release=self.staging.release,
+                                     release=self.staging.release if pull.get("transport") == "tcp" else None,
                                      first_logprobs=TokenLogprobs.from_list(handle.get("first_logprobs")))
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
             except TransferError as e:
