@@ -340,8 +340,9 @@ def plot(path: Path, samples: list[dict[str, Any]], windows: list[dict[str, Any]
     groups = [("RSS (MB)", [n for n in names if n.endswith(" rss (MB)")]),
               ("open fds", [n for n in names if n.endswith(" fds")]),
               ("threads / loop watchers", [n for n in names if n.endswith(" threads") or n == "loop watchers"]),
-              ("Redis", ["redis used_memory (MB)", "redis keys", "redis keys without TTL"])]
-    fig, axes = plt.subplots(len(groups) + 1, 1, figsize=(9, 3 * (len(groups) + 1)), sharex=True)
+              ("Redis keys", ["redis keys", "redis keys without TTL"]),
+            ("Redis used_memory (MB)", ["redis used_memory (MB)"])]
+    fig, axes = plt.subplots(len(groups) + 1, 1, figsize=(9, 2.6 * (len(groups) + 1)), sharex=True)
     minutes = [s["t_s"] / 60 for s in samples]
     for ax, (title, group) in zip(axes, groups, strict=False):
         for n in group:
