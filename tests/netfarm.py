@@ -80,7 +80,9 @@ class NetFarm:
             self.env.update({
                 "FARM_REDIS__HA__ENABLED": "true", "FARM_REDIS__HA__MASTER_NAME": MASTER_NAME,
                 "FARM_REDIS__HA__SENTINELS": ",".join(f"{net.ip(h)}:{SENTINEL_PORT}" for h in HA_HOSTS),
-                "FARM_REDIS__HA__DOWN_AFTER_MS": "2000", "FARM_REDIS__HA__FAILOVER_TIMEOUT_MS": "10000"})
+                "FARM_REDIS__HA__DOWN_AFTER_MS": "2000", "FARM_REDIS__HA__FAILOVER_TIMEOUT_MS": "10000",
+                # split-brain protection (off by default): two replicas here, so losing one node stops nothing
+                "FARM_REDIS__HA__MIN_REPLICAS_MAX_LAG_S": "5"})
         self.env.update(env)
         self.cfg = load_config(environ={k: v for k, v in self.env.items() if k.startswith("FARM_")})
         self.procs: dict[str, Any] = {}

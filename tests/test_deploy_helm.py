@@ -831,11 +831,13 @@ def test_redis_ha_bundles_a_primary_a_replica_and_three_sentinels(tmp_path):
     # another primary) a restarted pod 0 joins it as a replica instead of coming back as a second primary
     script = redis_c["command"][2]
     assert "--requirepass" not in script and "--appendonly yes" in script and "--maxmemory-policy noeviction" in script
-    # split-brain protection: a primary none of whose replicas acknowledged for 5 s refuses writes
-    assert "--min-replicas-to-write 1 --min-replicas-max-lag 5" in script
-    off = render_mod.manifests(render_mod.render({"redis": {"ha": {"enabled": True, "minReplicasMaxLagSeconds": 0}}}))
-    off_sts = next(o for o in off if o["kind"] == "StatefulSet" and o["metadata"]["name"] == REDIS_STS)
-    assert "--min-replicas" not in container(off_sts["spec"]["template"]["spec"], "redis")["command"][2]
+    # split-brain protection, off by default (two data nodes: on, losing either would stop writes): when set, a
+    # primary none of whose replicas acknowledged for that long refuses writes
+    assert "--min-replicas" not in script
+    on = render_mod.manifests(render_mod.render({"redis": {"ha": {"enabled": True, "minReplicasMaxLagSeconds": 5}}}))
+    on_sts = next(o for o in on if o["kind"] == "StatefulSet" and o["metadata"]["name"] == REDIS_STS)
+    assert "--min-replicas-to-write 1 --min-replicas-max-lag 5" in container(on_sts["spec"]["template"]["spec"],
+                                                                              "redis")["command"][2]
     first = run_script(script, tmp_path, f"{REDIS_STS}-0")
     assert 'requirepass "pw1"' in first and 'masterauth "pw1"' in first and "replicaof" not in first
     assert f"replica-announce-ip {node[0]}" in first

@@ -482,7 +482,7 @@ def test_redis_ha_farm_runs_a_sentinel_set_that_fails_over_and_rejoins(tmp_path)
     from farm.infra.broker import make_celery
     from farm.infra.redis_client import connect, primary_address
 
-    env = _ha_env(tmp_path)
+    env = {**_ha_env(tmp_path), "FARM_REDIS__HA__MIN_REPLICAS_MAX_LAG_S": "5"}  # split-brain protection on
     cfg = load_config(environ=env)
     farm = Farm(cfg, prefill=0, decode=0, both=0, api=False, flower=False)
     try:

@@ -29,12 +29,13 @@ class RedisHAConfig(Section):
     # Token stream writes wait up to this long for a replica to hold them (WAIT), so a failover loses none
     # that a reader may not have seen yet; 0 = do not wait (asynchronous replication only).
     replica_ack_timeout_ms: int = Field(200, ge=0)
-    # Managed data nodes refuse writes (NOREPLICAS) while no replica has acknowledged the replication stream for
-    # this many seconds (min-replicas-to-write 1, min-replicas-max-lag): a primary cut off from its replicas on
-    # the minority side of a partition stops acknowledging writes the failover would throw away; 0 = off (a
-    # primary alone keeps taking writes). With a single replica, losing either data node stops writes until the
-    # node is back (the supervisor restarts it) or a second replica runs.
-    min_replicas_max_lag_s: int = Field(5, ge=0, le=3600)
+    # > 0: managed data nodes refuse writes (NOREPLICAS) while no replica has acknowledged the replication stream
+    # for this many seconds (min-replicas-to-write 1, min-replicas-max-lag), so a primary cut off from its replicas
+    # on the minority side of a partition stops acknowledging writes the failover would throw away. 0 (default,
+    # Redis's own): a primary alone keeps taking writes. Off by default because with a single replica (the managed
+    # set, the chart's two data nodes) losing either node stops every write until it is back; turn it on (5) with
+    # two replicas or more.
+    min_replicas_max_lag_s: int = Field(0, ge=0, le=3600)
 
     @field_validator("sentinels", mode="before")
     @classmethod

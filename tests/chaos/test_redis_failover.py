@@ -69,9 +69,7 @@ def _kill_primary(farm, times: dict[str, float]) -> None:
             time.sleep(0.05)
 
     def rejoin() -> None:
-        """What `farm up`'s loop does meanwhile: the dead node back as a replica of the promoted one. The promoted
-        primary refuses writes until then (redis.ha.min_replicas_max_lag_s: no replica), so the farm's writes
-        wait for it."""
+        """What `farm up`'s loop does meanwhile: the dead node back as a replica of the promoted one."""
         while time.monotonic() - times["kill"] < 60:
             farm.supervise_once()
             if victim.alive():
