@@ -5,6 +5,7 @@ tests/test_netfaults_sentinel.py and bench/netfaults.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,28 @@ class Host:
     @property
     def worker_id(self) -> str:
         return f"{self.role}-{self.name}@{self.name}"
+
+
+@contextlib.contextmanager
+def running(tmp: Path, hosts: Sequence[str], model_dir: Path, workers: Sequence[Host], env: dict[str, str],
+            **farm_kw: Any) -> Iterator[NetFarm]:
+    """A NetFarm on its own Net of `hosts`, started; healed and stopped however the block ends (the module
+    fixtures of the multi-host tests). Skips when network namespaces are not available here."""
+    import pytest
+
+    from tests import netns
+
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with netns.Net(list(hosts), log_dir=tmp) as net:
+        f = NetFarm(net, model_dir, tmp, workers, env, **farm_kw)
+        try:
+            f.start()
+            yield f
+        finally:
+            net.heal()
+            f.stop()
 
 
 class NetFarm:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests import netns
 from tests.netfarm import (
     Host,
     NetFarm,
     Outcome,
     api_partitioned,
     kv_pull_cut,
+    running,
     under_link,
     worker_partitioned,
 )
@@ -43,18 +43,9 @@ REFERENCES: dict = {}  # (prompt, tokens) -> the unfaulted answer, shared by the
 
 @pytest.fixture(scope="module")
 def farm(tiny_model_dir, tmp_path_factory):
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("netfaults")
-    with netns.Net(["redis", "api", PRE.name, D1.name, D2.name], log_dir=tmp) as net:
-        f = NetFarm(net, tiny_model_dir, tmp, [PRE, D1, D2], FAST_ENV, max_model_len=LONG + 200)
-        try:
-            f.start()
-            yield f
-        finally:
-            net.heal()
-            f.stop()
+    with running(tmp_path_factory.mktemp("netfaults"), ["redis", "api", PRE.name, D1.name, D2.name], tiny_model_dir,
+                 [PRE, D1, D2], FAST_ENV, max_model_len=LONG + 200) as f:
+        yield f
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import netns
-from tests.netfarm import HA_HOSTS, Host, NetFarm, SentinelOutcome, sentinel_primary_partitioned
+from tests.netfarm import HA_HOSTS, Host, SentinelOutcome, running, sentinel_primary_partitioned
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +38,9 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def farm(tiny_model_dir, tmp_path_factory):
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("netfaults-sentinel")
-    with netns.Net([*HA_HOSTS, "api", W1.name], log_dir=tmp) as net:
-        f = NetFarm(net, tiny_model_dir, tmp, [W1], ENV, max_model_len=TOKENS + 200, ha=True)
-        try:
-            f.start()
-            yield f
-        finally:
-            net.heal()
-            f.stop()
+    with running(tmp_path_factory.mktemp("netfaults-sentinel"), [*HA_HOSTS, "api", W1.name], tiny_model_dir, [W1], ENV,
+                 max_model_len=TOKENS + 200, ha=True) as f:
+        yield f
 
 
 def test_sentinel_primary_partitioned_no_split_brain_no_acknowledged_write_lost(farm, capsys):

@@ -16,7 +16,7 @@ Every batch carries (writer id, sequence number): a flush whose answer never cam
 Sentinel the primary died) is sent again, whole, and readers skip what they already have. With
 `replica_ack_ms` each flush also waits (WAIT) until a replica holds it, so a failover cannot lose events a reader
 has not seen; a primary that refuses writes for want of a replica (NOREPLICAS, redis.ha.min_replicas_max_lag_s)
-is waited out like an unreachable one.
+is waited out like an unreachable one (farm.infra.redis_client raises it as a ConnectionError).
 """
 
 from __future__ import annotations
@@ -47,12 +47,6 @@ NO_REPLICA_RETRY_S = 5.0  # after a WAIT no replica answered, flushes do not wai
 # a flush is retried this many times while Redis is unreachable: about 25 s when it refuses connections (a
 # restart), up to redis.socket's timeout per attempt when nothing answers (a partition)
 FLUSH_ATTEMPTS = 30
-
-
-def no_replicas(e: redis.ResponseError) -> bool:
-    """Whether `e` is a primary's NOREPLICAS as plain redis-py reports it (also in a pipeline: "Command # n (...)
-    of pipeline caused error: NOREPLICAS ...")."""
-    return str(e).rpartition("caused error: ")[2].startswith("NOREPLICAS")
 
 
 @dataclass(slots=True)
@@ -167,14 +161,6 @@ class StreamWriter:
                 replies = pipe.execute()
             except (redis.ConnectionError, redis.TimeoutError):  # Redis restarting or unreachable: keep the tokens
                 time.sleep(min(0.1 * (attempt + 1), 1.0))  # (a timed-out flush may have landed: readers skip it)
-                continue
-            except redis.ResponseError as e:
-                if not no_replicas(e):
-                    raise
-                # a Sentinel primary without a replica refuses writes (redis.ha.min_replicas_max_lag_s), on a
-                # client not made by farm.infra.redis_client.connect (which raises it as a ConnectionError):
-                # until the failover ends or a replica is back; keep the tokens as for an unreachable Redis
-                time.sleep(min(0.1 * (attempt + 1), 1.0))
                 continue
             if wait and not replies[-1]:  # no replica holds them (none connected, or far behind)
                 self._no_replica_until = time.monotonic() + NO_REPLICA_RETRY_S
