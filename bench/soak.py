@@ -70,6 +70,9 @@ STEADY_BY_MINUTE_10 = {"FARM_SEMANTIC__CACHE__TTL_S": "300", "FARM_BATCH__RETENT
 # by 10-20% between windows of a random mix, so the key count is shown but not judged; the keys without a TTL
 # (which no rate explains) and Redis's memory are.
 UNJUDGED = ("redis keys",)
+# INFO memory's parts of used_memory, sampled to tell the data from Redis's own buffers and caches when it grows
+MEMORY_PARTS = ("used_memory_dataset", "used_memory_overhead", "used_memory_scripts", "mem_clients_normal",
+                "mem_clients_slaves", "mem_replication_backlog", "mem_aof_buffer", "used_memory_startup")
 # small integers: also judged by --min-abs
 COUNTS = ("fds", "threads", "redis keys", "redis keys without TTL", "loop watchers")
 
@@ -261,36 +264,41 @@ def sample(t: float, farm: Farm, url: str) -> dict[str, Any]:
     from farm.infra.redis_client import connect
 
     r = connect(farm.cfg.redis)
-    row: dict[str, Any] = {"t_s": round(t, 1), "redis used_memory (MB)": round(r.info("memory")["used_memory"] / 2**20, 3),
+    mem = r.info("memory")
+    row: dict[str, Any] = {"t_s": round(t, 1), "redis used_memory (MB)": round(mem["used_memory"] / 2**20, 3),
                            "redis keys": r.dbsize(), "loop watchers": loop_watchers(url)}
-    row["keys by prefix"], row["memory by prefix (KB)"], row["redis keys without TTL"] = key_prefixes(r)
+    row["redis memory parts (KB)"] = {k: round(mem[k] / 1024, 1) for k in MEMORY_PARTS if k in mem}
+    row["keys by prefix"], row["memory by prefix (KB)"], row["redis keys without TTL"], row["largest keys (KB)"] = \
+        key_prefixes(r)
     for p in farm.procs:
         for k, v in process_sample(p.pid).items():
             row[f"{p.name} {k.replace('_mb', ' (MB)').replace('_', ' ')}"] = round(v, 2)
     return row
 
 
-def key_prefixes(r: Any) -> tuple[dict[str, int], dict[str, float], int]:
-    """Redis's keys counted, and their memory (MEMORY USAGE) summed, by their first two `:` segments (which store
-    grows, when the key count or the memory does), and how many keys have no TTL (kept until deleted: these must
-    not grow with the requests served)."""
+def key_prefixes(r: Any, largest: int = 8) -> tuple[dict[str, int], dict[str, float], int, dict[str, float]]:
+    """Redis's keys counted, and their memory (MEMORY USAGE, every element counted) summed, by their first two `:`
+    segments (which store grows, when the key count or the memory does), how many keys have no TTL (kept until
+    deleted: these must not grow with the requests served), and the `largest` keys' memory."""
     counts: dict[str, int] = {}
     memory: dict[str, float] = {}
     keys = list(r.scan_iter(count=1000))
     pipe = r.pipeline(transaction=False)
     for key in keys:
         pipe.ttl(key)
-        pipe.memory_usage(key)
+        pipe.memory_usage(key, samples=0)
     replies = pipe.execute()
     for key, used in zip(keys, replies[1::2], strict=True):
         prefix = ":".join(key.decode(errors="replace").split(":")[:2])
         counts[prefix] = counts.get(prefix, 0) + 1
         memory[prefix] = round(memory.get(prefix, 0.0) + (used or 0) / 1024, 1)
-    return dict(sorted(counts.items())), memory, sum(1 for t in replies[0::2] if t == -1)
+    top = sorted(zip(keys, replies[1::2], strict=True), key=lambda kv: -(kv[1] or 0))[:largest]
+    return (dict(sorted(counts.items())), memory, sum(1 for t in replies[0::2] if t == -1),
+            {k.decode(errors="replace"): round((used or 0) / 1024, 1) for k, used in top})
 
 
 def series_names(samples: list[dict[str, Any]]) -> list[str]:
-    return [k for k in samples[0] if k not in ("t_s", "keys by prefix", "memory by prefix (KB)")] if samples else []
+    return [k for k in samples[0] if not isinstance(samples[0][k], dict) and k != "t_s"] if samples else []
 
 
 # -- judging ----------------------------------------------------------------------------------------------------------

@@ -83,7 +83,9 @@ class PlannerConfig(Section):
     actuator: Literal["local", "kubernetes"] = "local"
     dry_run: bool = False  # decide, log and publish, but never change a replica count
     interval_s: float = Field(10, gt=0)  # one planning step per interval
-    window_s: float = Field(10, gt=0)  # rate, lengths and latencies are measured over this window
+    # rate, lengths and latencies are measured over this window; at most the 10 minutes the observations stream
+    # keeps (farm.protocol.keys.OBS_KEEP_S)
+    window_s: float = Field(10, gt=0, le=600)
     cooldown_up_s: float = Field(30, ge=0)  # after a change, no further scale-up for this long
     cooldown_down_s: float = Field(60, ge=0)  # after a change, no scale-down for this long
     max_step_up: int = Field(2, ge=1)  # workers added per decision at most

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -32,14 +33,20 @@ from farm.protocol import (
     cancel_key,
     migration_id,
 )
-from farm.protocol.keys import OBS_STREAM
+from farm.protocol.keys import OBS_KEEP_S, OBS_MAXLEN, OBS_STREAM, stream_min_id
 from farm.router.load import LoadTracker
 from farm.router.router import BusyError, Placement
 from farm.telemetry import prometheus
 
 log = logging.getLogger("farm.gateway")
 
-OBS_MAXLEN = 20_000
+
+def add_observation(pipe: redis.client.Pipeline, obs: dict[str, Any]) -> int:
+    """Queue one finished request's observation on the planner's stream, which keeps its last OBS_KEEP_S seconds
+    (and at most OBS_MAXLEN entries); returns the commands added."""
+    pipe.xadd(OBS_STREAM, {"o": json.dumps(obs)}, maxlen=OBS_MAXLEN, approximate=True)
+    pipe.xtrim(OBS_STREAM, minid=stream_min_id(OBS_KEEP_S), approximate=True)
+    return 2
 
 
 @dataclass
@@ -333,18 +340,17 @@ class Submission:
         obs = {"model": self.req.model, "ts": time.time(), "ttft": self.ttft_s or 0.0, "itl": self.itl_s or 0.0,
                "isl": done.usage.prompt_tokens, "osl": done.usage.completion_tokens, "prefill": done.prefill or ""}
         prometheus.observe_latency(self.req.model, self.ttft_s, self.itl_s, time.monotonic() - self._t0)
-        entry = {"o": json.dumps(obs)}
 
         def add(pipe: redis.client.Pipeline) -> int:
-            pipe.xadd(OBS_STREAM, entry, maxlen=OBS_MAXLEN, approximate=True)
-            return 1
+            return add_observation(pipe, obs)
 
         batcher = self.svc.loads.batcher
         try:
             if batcher is not None:  # with the load writes of the next few milliseconds, in one round trip
                 batcher.submit(Job(add))
             else:
-                self.svc.r.xadd(OBS_STREAM, entry, maxlen=OBS_MAXLEN, approximate=True)
+                add_observation(pipe := self.svc.r.pipeline(transaction=False), obs)
+                pipe.execute()
         except redis.RedisError:
             pass
 

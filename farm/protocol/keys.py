@@ -10,6 +10,7 @@ planner reads.
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 # -- requests in flight: reply streams, leases, cancel flags, claims ----------------------------------------
@@ -47,6 +48,7 @@ def migration_id(request_id: str, attempt: int) -> str:
 # -- the KV-block index (farm.router.kv_publisher writes, farm.router.index follows) ----------------------
 EVENTS_STREAM = "farm:kv:events"  # every worker's KV events, in batches
 EVENTS_MAXLEN = 200_000  # stream entries kept; a reader that falls further behind resyncs from sets
+EVENTS_KEEP_S = 300  # ... and no older than this (a count cap alone lets a quiet farm's stream grow for days)
 
 
 def worker_blocks_key(worker_id: str) -> str:
@@ -64,6 +66,7 @@ LOAD_KEY = "farm:load"  # hash: "<worker>|p" pending prefill tokens, "<worker>|d
 DEADLINES_KEY = "farm:active:deadlines"  # zset "<kind>|<worker>|<request>" -> expiry time
 LOAD_EVENTS_STREAM = "farm:load:events"  # every change of LOAD_KEY: f=<worker>|<kind>, a=amount, n=+-1 requests
 LOAD_EVENTS_MAXLEN = 50_000  # entries kept; a reader further behind is corrected by its next reset
+LOAD_EVENTS_KEEP_S = 60  # ... and no older than this (readers reset from the hash every second)
 
 
 def active_key(kind: str, worker_id: str) -> str:
@@ -149,6 +152,8 @@ def rate_key(counter: Literal["req", "tok"], owner: str, window: int) -> str:
 # -- metrics (farm.telemetry.prometheus) and the planner (farm.planner.planner) -------------------------------
 METRICS_EXPORTER_KEY = "farm:metrics:exporter"  # the API replica that exports the farm-wide series now
 OBS_STREAM = "farm:obs"  # per finished request: ttft, itl, isl, osl (written by the API, read by the planner)
+OBS_MAXLEN = 20_000  # entries kept
+OBS_KEEP_S = 600  # ... and no older than this: the longest planner window (farm.config.planner)
 PLANNER_STATE_KEY = "farm:planner:state"  # the planner's last decisions, as JSON
 PLANNER_EVENTS_KEY = "farm:planner:events"  # list of its recent scaling decisions, newest first
 
@@ -156,3 +161,10 @@ PLANNER_EVENTS_KEY = "farm:planner:events"  # list of its recent scaling decisio
 def stats_key(name: str) -> str:
     """Hash label value -> count of a farm-wide counter (`farm_batches`, `farm_batch_lines`, ...)."""
     return f"farm:stats:{name}"
+
+
+def stream_min_id(keep_s: float, now: float | None = None) -> str:
+    """The oldest entry id a stream trimmed to its last `keep_s` seconds keeps (XTRIM/XADD MINID): entry ids
+    start with the Redis server's clock in ms, compared here with this host's (a few seconds of skew against a
+    window of minutes only keeps a little more or less)."""
+    return f"{int(((time.time() if now is None else now) - keep_s) * 1000)}-0"

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import redis
 
@@ -212,6 +213,7 @@ class IndexFollower:
         self.follow_kv = follow_kv
         self.prune_interval_s = prune_interval_s
         self._last_id = "0-0"
+        self._read_upto = 0  # how many entries the stream had ever had up to _last_id (XINFO entries-added)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
         self._last_prune = 0.0
@@ -229,8 +231,9 @@ class IndexFollower:
     def snapshot(self) -> None:
         """Rebuild from every live worker's block set, then follow the stream from before the snapshot."""
         if self.follow_kv:
-            last = self.r.xrevrange(EVENTS_STREAM, count=1)
-            self._last_id = last[0][0].decode() if last else "0-0"
+            info = self._stream_info()
+            self._last_id = info.get("last-generated-id") or "0-0"  # trimmed or not
+            self._read_upto = info.get("entries-added", 0)
             for w in registry.live_workers(self.r):
                 self.resync_worker(w.worker_id, gap=False)
                 time.sleep(0)  # yield (gevent) between workers
@@ -290,6 +293,7 @@ class IndexFollower:
                 continue
             for entry_id, fields in entries:
                 self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                self._read_upto += 1
                 batch = json.loads(fields[b"d"])
                 for raw in batch:
                     try:
@@ -306,6 +310,31 @@ class IndexFollower:
                     n += 1
                 time.sleep(0)  # yield (gevent) after each batch of events
         return n
+
+    def _stream_info(self) -> dict[str, Any]:
+        try:
+            info = self.r.xinfo_stream(EVENTS_STREAM)
+        except redis.ResponseError:  # no stream yet
+            return {}
+        return {k: v.decode() if isinstance(v, bytes) else v for k, v in info.items()}
+
+    def check_trimmed(self) -> bool:
+        """Start over from the block sets when the stream was trimmed past this follower's position (it fell
+        more than EVENTS_KEEP_S behind): events it never read would otherwise show as a gap only at a worker's
+        next event, and a quiet worker's view would stay stale."""
+        if not self.follow_kv:
+            return False
+        info = self._stream_info()
+        if "entries-added" not in info:  # no stream yet, or a Redis before 7
+            return False
+        removed = info["entries-added"] - info["length"]  # trims remove the oldest first
+        if removed <= self._read_upto:
+            return False
+        log.warning("KV index follower: the events stream was trimmed past its position %s; resyncing",
+                    self._last_id)
+        self.synced.clear()
+        self.resyncs += 1
+        return True
 
     def prune(self, live_workers: list[registry.WorkerInfo] | None = None) -> None:
         """Drop workers whose heartbeat expired, here and in Redis."""
@@ -327,6 +356,7 @@ class IndexFollower:
                     live = registry.live_workers(self.r)
                     self.prune(live)
                     self.reset_loads()
+                    self.check_trimmed()
                     if self.maintenance:
                         self.maintenance(live)
             except redis.RedisError as e:

@@ -19,7 +19,14 @@ import time
 
 import redis
 
-from farm.protocol.keys import EVENTS_MAXLEN, EVENTS_STREAM, worker_blocks_key, worker_seq_key
+from farm.protocol.keys import (
+    EVENTS_KEEP_S,
+    EVENTS_MAXLEN,
+    EVENTS_STREAM,
+    stream_min_id,
+    worker_blocks_key,
+    worker_seq_key,
+)
 from farm.protocol.kv_events import KVEvent, KVEventKind
 from farm.router.index import member
 
@@ -93,6 +100,7 @@ class KVEventPublisher:
         pipe.set(worker_seq_key(self.worker_id), f"{self.epoch}:{batch[-1].event_id}")
         pipe.xadd(EVENTS_STREAM, {"w": self.worker_id, "d": json.dumps([ev.to_dict() for ev in batch])},
                   maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.xtrim(EVENTS_STREAM, minid=stream_min_id(EVENTS_KEEP_S), approximate=True)
         return pipe
 
     def _run(self) -> None:

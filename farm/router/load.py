@@ -31,7 +31,15 @@ from typing import Any
 import redis
 
 from farm.infra.redis_batch import Job, PipelineBatcher
-from farm.protocol.keys import DEADLINES_KEY, LOAD_EVENTS_MAXLEN, LOAD_EVENTS_STREAM, LOAD_KEY, active_key
+from farm.protocol.keys import (
+    DEADLINES_KEY,
+    LOAD_EVENTS_KEEP_S,
+    LOAD_EVENTS_MAXLEN,
+    LOAD_EVENTS_STREAM,
+    LOAD_KEY,
+    active_key,
+    stream_min_id,
+)
 
 # Both scripts return the id of the stream entry that records the change (END: with the amount ended), or 0
 # when nothing changed. Stream entries: f = "<worker>|<kind>", a = amount, n = +-1 request, o/k = the
@@ -42,8 +50,10 @@ if redis.call('ZADD', KEYS[1], 'NX', amount, ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[3], amount)
   redis.call('HINCRBY', KEYS[2], ARGV[3] .. 'n', 1)
   redis.call('ZADD', KEYS[3], ARGV[4], ARGV[5])
-  return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'f', ARGV[3], 'a', amount, 'n', 1,
-                    'o', ARGV[7], 'k', ARGV[8])
+  local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'f', ARGV[3], 'a', amount, 'n', 1,
+                        'o', ARGV[7], 'k', ARGV[8])
+  redis.call('XTRIM', KEYS[4], 'MINID', '~', ARGV[9])
+  return id
 end
 return 0
 """
@@ -57,6 +67,7 @@ if amount then
   redis.call('ZREM', KEYS[3], ARGV[3])
   local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'f', ARGV[2], 'a', -tonumber(amount),
                         'n', -1, 'o', ARGV[5], 'k', ARGV[6])
+  redis.call('XTRIM', KEYS[4], 'MINID', '~', ARGV[7])
   return {id, amount}
 end
 return 0
@@ -222,7 +233,7 @@ class LoadTracker:
         m = self.mirror
         return ([active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM],
                 [request_id, int(amount), field, time.time() + self.max_request_s, f"{kind}|{worker}|{request_id}",
-                 LOAD_EVENTS_MAXLEN, m.origin if m else "", k])
+                 LOAD_EVENTS_MAXLEN, m.origin if m else "", k, stream_min_id(LOAD_EVENTS_KEEP_S)])
 
     def begin_soon(self, contributions: list[tuple[str, str, str, int]]) -> None:
         """`begin_many` without waiting: counted in the mirror now, the scripts queued on the batcher."""
@@ -266,7 +277,8 @@ class LoadTracker:
         known = m is not None and amount_begun is not None
         k = (m.expect(field, -amount_begun, -1) if known else m.next_seq()) if m is not None else 0
         keys = [active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM]
-        args = [request_id, field, f"{kind}|{worker}|{request_id}", LOAD_EVENTS_MAXLEN, m.origin if m else "", k]
+        args = [request_id, field, f"{kind}|{worker}|{request_id}", LOAD_EVENTS_MAXLEN, m.origin if m else "", k,
+                stream_min_id(LOAD_EVENTS_KEEP_S)]
 
         def add(pipe: redis.client.Pipeline) -> int:
             pipe.evalsha(self._end.sha, len(keys), *keys, *args)
@@ -299,7 +311,8 @@ class LoadTracker:
         m = self.mirror
         k = m.next_seq() if m is not None else 0
         ended = self._end(keys=[active_key(kind, worker), LOAD_KEY, DEADLINES_KEY, LOAD_EVENTS_STREAM],
-                          args=[request_id, field, member, LOAD_EVENTS_MAXLEN, m.origin if m else "", k])
+                          args=[request_id, field, member, LOAD_EVENTS_MAXLEN, m.origin if m else "", k,
+                                stream_min_id(LOAD_EVENTS_KEEP_S)])
         if not ended:
             return False
         if m is not None:
