@@ -259,3 +259,29 @@ def test_shared_prefix_stays_with_its_holder_until_the_holders_batch_pays_more_t
     # without a decode batch on the holder, any cached prefix wins
     redis_client.delete(*redis_client.keys("farm:load*"), *redis_client.keys("farm:active*"))
     assert router.choose(ws, hashes, 640, "both").worker.worker_id == "w0"
+
+
+def test_soonest_model_by_cached_prefix_then_by_queue(redis_client):
+    """Gateway.soonest (MoM among models that score alike, issue 29 item 5): the model whose workers would send
+    the first token first, from the router's KV index and load, and why; None when the first model is as soon."""
+    from farm.gateway.gateway import Gateway
+
+    cfg = load_config(environ={})
+    router = Router(cfg, redis_client, follow=False)
+    gw = Gateway(cfg, redis_client, celery_app=object(), router=router)
+    for i, model in enumerate(("m", "m2")):
+        registry.register(redis_client, registry.WorkerInfo(f"{model}-w", "both", model, "h", i, 16,
+                                                            num_blocks=1000))
+    prompt = list(range(1600))  # 100 blocks
+    assert gw.soonest({"m": prompt, "m2": prompt}) is None  # alike: the first stays
+    router.index.store("m2-w", router.hashes(prompt, "m2")[:90])
+    assert gw.soonest({"m": prompt, "m2": prompt}) == ("m2", "kv-cache")
+    est = router.estimate(registry.live_workers(redis_client, model="m2"), router.hashes(prompt, "m2"), len(prompt))
+    assert est is not None and est.worker == "m2-w" and est.overlap_blocks == 90
+    # another tenant's salt: those blocks are not its prefix
+    assert gw.soonest({"m": prompt, "m2": prompt}, cache_salt="t-other") is None
+    router.index.drop_worker("m2-w")
+    router.loads.begin("p", "m-w", "queued-1", 20_000)  # a long prefill queued on m's worker
+    assert gw.soonest({"m": prompt, "m2": prompt}) == ("m2", "load")
+    assert gw.soonest({"m2": prompt, "m": prompt}) is None
+    assert gw.soonest({"gone": prompt, "m": prompt}) == ("m", "load")  # the first has no worker at all

@@ -126,3 +126,39 @@ def test_semantic_counters_in_metrics(app):
     assert samples[("farm_semantic_blocks_total", (("guard", "jailbreak"),))] >= 1
     assert samples[("farm_semantic_cache_requests_total", (("result", "hit"),))] >= 2
     assert samples[("farm_semantic_layer_seconds_count", ())] >= 4
+
+
+def test_the_apis_choice_among_alike_models_sees_only_the_tenants_own_cache(redis_client, redis_url, tmp_path):
+    """FarmContext.prefer_model (MoM's KV-aware choice): the prompt templated for each model and hashed with the
+    tenant's cache salt, so a prefix another tenant cached never shows (a side channel otherwise: which model a
+    tenant is sent to would tell what others asked)."""
+    import yaml
+
+    from api.app import FarmContext
+    from farm.cluster import registry
+    from farm.config import load_config
+    from farm.gateway.gateway import Gateway
+    from farm.models.tokenization import chat_prompt_ids
+    from farm.router.router import Router
+    from farm.tenancy.api_keys import tenant_cache_salt
+    from tests.conftest import make_farm_env
+
+    a, b = "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-b"
+    env = make_farm_env(redis_url, tmp_path)
+    one = yaml.safe_load(open(env.pop("FARM_CONFIG")))  # the prepared default model by its path, twice
+    p = tmp_path / "two.yaml"
+    p.write_text(yaml.safe_dump({**one, "models": [{**one["models"][0], "name": a},
+                                                   {**one["models"][0], "name": b}]}))
+    cfg = load_config(p, environ=env)
+    router = Router(cfg, redis_client, follow=False)
+    ctx = FarmContext(cfg, Gateway(cfg, redis_client, celery_app=object(), router=router))
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 40},
+                {"role": "user", "content": "Summarize the notes."}]
+    ctx.tokenizer(a)
+    ids = chat_prompt_ids(ctx.tokenizer(b), messages)  # the tokenizers loaded (seconds) before the workers'
+    for i, model in enumerate((a, b)):                 # heartbeats start, which would lapse meanwhile
+        registry.register(redis_client, registry.WorkerInfo(f"{model}-w", "both", model, "h", i, 16, num_blocks=4096))
+    router.index.store(f"{b}-w", router.hashes(ids, b, tenant_cache_salt("acme"))[:-1])  # acme's prompt, cached
+    assert ctx.prefer_model((a, b), messages, "acme") == (b, "kv-cache")
+    assert ctx.prefer_model((a, b), messages, "globex") is None  # not globex's cache: the best score stands
+    assert ctx.prefer_model((a, b), [{"role": "user", "content": {"bad": 1}}], "acme") is None  # no error either

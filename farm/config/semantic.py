@@ -165,6 +165,10 @@ class SemanticConfig(Section):
     # MoM: how many of a category's better-scored models without a live worker may be passed over for the next
     # one (x-vsr-fallback names them); past that, the default model answers
     fallback_hops: int = Field(2, ge=0)
+    # MoM: a category's served models scoring within this of its best served one are equally good answers; of
+    # those, the one whose workers would start this prompt soonest is chosen (the longest prefix in their KV
+    # cache, the shortest queue: x-vsr-selection-reason says which). 0 = the best score alone decides.
+    cache_aware_margin: float = Field(0.05, ge=0, le=1)
     refusal_jailbreak: str = "I cannot help with this request: it was identified as an attempt to bypass the assistant's safety rules."
     refusal_pii: str = ("I cannot process this request as it contains personally identifiable information "
                         "({types}). Please remove it and try again.")

@@ -46,6 +46,21 @@ class Gateway:
     def place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Placed:
         return self.placer.place(req, exclude)
 
+    def soonest(self, prompts: dict[str, list[int]], cache_salt: str = "") -> tuple[str, str] | None:
+        """Of models that would answer equally well, each with the prompt's ids as its tokenizer makes them (in
+        preference order), the one whose workers would send the first token soonest (Router.estimate: the
+        cached prefix and the queue), and why: "kv-cache" (more of the prompt cached there than on the first
+        model's) or "load" (a shorter wait, or no worker left for the first). None when the first model is as soon as any (or nothing is served)."""
+        estimates = [(m, self.placer.estimate(m, ids, cache_salt)) for m, ids in prompts.items()]
+        served = [(i, m, e) for i, (m, e) in enumerate(estimates) if e is not None]
+        if not served:
+            return None
+        i, model, best = min(served, key=lambda x: (x[2].ttft_s, x[0]))
+        if i == 0:
+            return None
+        first = estimates[0][1]
+        return model, "kv-cache" if first is not None and best.overlap_blocks > first.overlap_blocks else "load"
+
     def submit(self, req: GenerationRequest) -> Submission:
         """Route and enqueue; raises NoWorkersError (no worker) or BusyError (every worker busy). The request's
         events will arrive on this process's reply stream, into a mailbox opened before its task is sent."""

@@ -24,7 +24,7 @@ from farm.infra import tracing
 from farm.infra.broker import send_generation
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
 from farm.protocol.queues import direct_queue
-from farm.router.router import Placement, Router
+from farm.router.router import Estimate, Placement, Router
 from farm.telemetry import prometheus
 
 
@@ -111,6 +111,17 @@ class Placer:
                 f"farm.{stage}_worker": p.worker.worker_id for stage, p in placed.placements.items()}, **{
                 f"farm.{stage}_overlap_blocks": p.overlap_blocks for stage, p in placed.placements.items()}})
             return placed
+
+    def estimate(self, model: str, token_ids: list[int], cache_salt: str = "") -> Estimate | None:
+        """The predicted start of a prompt on `model`'s workers (Router.estimate), where its prefill would run:
+        the prefill pool when disaggregated, the decode (or aggregated) workers otherwise. None when nothing
+        serves the model now."""
+        try:
+            pools, layout = self._read(model, frozenset())
+        except NoWorkersError:
+            return None
+        workers = pools.prefill if layout == "disaggregated" else pools.decode
+        return self.router.estimate(workers, self.router.hashes(token_ids, model, cache_salt), len(token_ids))
 
     def _place(self, req: GenerationRequest, exclude: set[str] | frozenset[str]) -> Placed:
         pools, layout = self._read(req.model, exclude)

@@ -67,6 +67,15 @@ class Placement:
     timings_us: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """What a placement would give a prompt, without making it (Router.estimate)."""
+
+    ttft_s: float  # predicted time to the first token on the best worker
+    overlap_blocks: int  # prompt blocks cached there (tier-weighted)
+    worker: str
+
+
 class ApproxIndex(KVIndex):
     """Predicted cache contents from past placements, each forgotten after a TTL (a block placed again
     on the same worker lives until its latest placement expires)."""
@@ -190,25 +199,13 @@ class Router:
         bs = self.block_size_of(workers[0].model)
         request_blocks = math.ceil(num_tokens / bs)
         t1 = time.perf_counter()
-        overlaps: dict[str, float] = {}
-        if stage != "decode" and mode != "least-loaded":  # the baseline is cache-blind: no index read
-            ids = [w.worker_id for w in workers]
-            overlaps = self.index.overlaps(hashes, ids)
-            scores = self.index.weighted(hashes, overlaps, self.rc.tier_weights)
-            if self.predicted is not self.index:
-                self.predicted.expire()
-                for w, n in self.predicted.overlaps(hashes, ids).items():
-                    scores[w] = max(float(n), scores.get(w, 0.0))
-            overlaps = scores
+        # the baseline is cache-blind: no index read
+        overlaps = self._overlaps(workers, hashes) if stage != "decode" and mode != "least-loaded" else {}
         t2 = time.perf_counter()
         if loads is None:
             loads = self.loads.loads()
         t3 = time.perf_counter()
-        cands = []
-        for w in workers:
-            ld = loads.get(w.worker_id) or empty_load()
-            cands.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs, ld["d"], w.num_blocks,
-                                   self.costs.of(w.worker_id), ld.get("dn", 0), ld.get("pn", 0)))
+        cands = self._candidates(workers, overlaps, loads, bs)
         # the predicted TTFT per candidate, computed once: admission and the measured cost both use it
         ttfts = [predicted_ttft(c, request_blocks) for c in cands] if stage != "decode" else None
         self._shed_if_busy(cands, request_blocks, stage, ttfts)
@@ -236,6 +233,42 @@ class Router:
         ttft = ttfts[i] if ttfts is not None else None
         return Placement(chosen, int(overlaps.get(chosen.worker_id, 0)) if overlaps else 0, mode, cost, ttft,
                          timings)
+
+    def estimate(self, workers: list[registry.WorkerInfo], hashes: list[int], num_tokens: int,
+                 loads: dict[str, dict[str, int]] | None = None) -> Estimate | None:
+        """The soonest first token among `workers` for a prompt: its predicted TTFT on the best of them and the
+        prompt blocks cached there. What MoM compares between models that score alike (farm.semantic.selection);
+        nothing is placed or recorded. None without a compatible worker."""
+        workers = self._compatible(workers)
+        if not workers:
+            return None
+        bs = self.block_size_of(workers[0].model)
+        request_blocks = math.ceil(num_tokens / bs)
+        cands = self._candidates(workers, self._overlaps(workers, hashes), self.loads.loads() if loads is None
+                                 else loads, bs)
+        best = min(cands, key=lambda c: predicted_ttft(c, request_blocks))
+        return Estimate(predicted_ttft(best, request_blocks), int(best.overlap_blocks), best.worker)
+
+    def _overlaps(self, workers: list[registry.WorkerInfo], hashes: list[int]) -> dict[str, float]:
+        """Each worker's cached prefix of `hashes`, in blocks weighted by tier (the KV index, or the placements
+        predicted without one)."""
+        ids = [w.worker_id for w in workers]
+        overlaps = self.index.overlaps(hashes, ids)
+        scores = self.index.weighted(hashes, overlaps, self.rc.tier_weights)
+        if self.predicted is not self.index:
+            self.predicted.expire()
+            for w, n in self.predicted.overlaps(hashes, ids).items():
+                scores[w] = max(float(n), scores.get(w, 0.0))
+        return scores
+
+    def _candidates(self, workers: list[registry.WorkerInfo], overlaps: dict[str, float],
+                    loads: dict[str, dict[str, int]], bs: int) -> list[Candidate]:
+        out = []
+        for w in workers:
+            ld = loads.get(w.worker_id) or empty_load()
+            out.append(Candidate(w.worker_id, overlaps.get(w.worker_id, 0), ld["p"] / bs, ld["d"], w.num_blocks,
+                                 self.costs.of(w.worker_id), ld.get("dn", 0), ld.get("pn", 0)))
+        return out
 
     def _shed_if_busy(self, cands: list[Candidate], request_blocks: int, stage: str,
                       ttfts: list[float] | None) -> None:

@@ -46,6 +46,7 @@ answer that same model gave under that same system prompt (and the same earlier 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -81,9 +82,14 @@ H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-mo
 H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
 H_FALLBACK = "x-vsr-fallback"  # MoM passed over better-scored models without a live worker
+H_SELECTION_REASON = "x-vsr-selection-reason"  # why MoM chose this model: score | default | fallback | kv-cache | load
 # the roles whose text the guards read; "function" is the legacy name of a tool result
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
+# MoM among models that score alike (Route.tied): (tied models, the messages as the model would get them, the
+# tenant) -> (the model, why: "kv-cache" | "load"), or None to keep the best-scored one. The API's answers from
+# the router's KV index and load (api/app.py, FarmContext.prefer_model).
+Prefer = Callable[[tuple[str, ...], list[dict], str], tuple[str, str] | None]
 
 V = TypeVar("V")
 
@@ -147,7 +153,7 @@ class Verdict:
 class SemanticLayer:
     def __init__(self, cfg: SemanticConfig, default_model: str, embedder, classifier: CategoryClassifier,
                  jailbreak: JailbreakDetector, pii: PIIDetector | None, cache: SemanticCache | None,
-                 served: Callable[[], set[str]] | None = None) -> None:
+                 served: Callable[[], set[str]] | None = None, prefer: Prefer | None = None) -> None:
         self.cfg = cfg
         self.embedder = embedder
         self.classifier = classifier
@@ -155,15 +161,17 @@ class SemanticLayer:
         self.pii = pii
         self.cache = cache
         self.selector = ModelSelector(cfg, default_model, served)
+        self.prefer = prefer
         self._vectors: Memo[tuple[np.ndarray, bool]] = Memo()
         self._pii_types: Memo[frozenset[str]] = Memo()
 
     @classmethod
     def from_config(cls, cfg: FarmConfig, redis_client=None, served: Callable[[], set[str]] | None = None,
-                    embedder=None) -> SemanticLayer:
+                    embedder=None, prefer: Prefer | None = None) -> SemanticLayer:
         """Build from a FarmConfig: loads the embedder (once per process) and the trained heads.
 
-        `served()` returns the model names that can answer now (live workers); None = every model.
+        `served()` returns the model names that can answer now (live workers); None = every model. `prefer`
+        chooses among models that score alike (Prefer); None = the best score alone.
         """
         from farm.semantic.embeddings import get_embedder
 
@@ -182,7 +190,7 @@ class SemanticLayer:
         jailbreak = JailbreakDetector.shipped(scfg.jailbreak.head, heads, heads_meta(), scfg.jailbreak.threshold)
         custom = CustomCategories.from_config(scfg.categories, emb)  # the user's categories, embedded once
         classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold)
-        layer = cls(scfg, cfg.default_model, emb, classifier, jailbreak, pii, cache, served)
+        layer = cls(scfg, cfg.default_model, emb, classifier, jailbreak, pii, cache, served, prefer)
         emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
         emb.encode_one("warm up the per-request path")
         if pii is not None:
@@ -241,7 +249,18 @@ class SemanticLayer:
         if cat is not None:
             explain["category"] = {"name": cat.name, "confidence": cat.confidence, "rule": cat.rule,
                                    "accepted": route.category is not None, "alternatives": list(cat.alternatives)}
+        out_messages = messages
+        cc = route.category_cfg
+        if route.routed and cc and cc.system_prompt and cfg.inject_system_prompt:
+            out_messages = inject_system_prompt(messages, cc.system_prompt, cc.system_prompt_mode or cfg.system_prompt_mode)
         t["classify"] = _ms(s)
+        if route.tied and self.prefer is not None:  # models that score alike: where would the prompt start first?
+            s = time.perf_counter()
+            choice = self.prefer(route.tied, out_messages, tenant)
+            if choice is not None:
+                route = dataclasses.replace(route, model=choice[0], reason=choice[1])
+                explain["selection"] = {"tied": list(route.tied), "model": choice[0], "reason": choice[1]}
+            t["select"] = _ms(s)
 
         # 2. PII guard: every message, reported always, blocked by the answering model's policy
         headers: dict[str, str] = {}
@@ -266,6 +285,8 @@ class SemanticLayer:
 
         # 5./6. selection headers and system prompt injection
         headers[H_MODEL] = route.model
+        if route.routed:
+            headers[H_SELECTION_REASON] = route.reason
         if route.passed_over:
             headers[H_FALLBACK] = f"{','.join(route.passed_over)}->{route.model}; reason=no-live-worker"
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
@@ -273,10 +294,7 @@ class SemanticLayer:
             headers[H_CATEGORY] = route.category
         if route.reasoning is not None:
             headers[H_REASONING] = "on" if route.reasoning else "off"
-        out_messages = messages
-        cc = route.category_cfg
-        if route.routed and cc and cc.system_prompt and cfg.inject_system_prompt:
-            out_messages = inject_system_prompt(messages, cc.system_prompt, cc.system_prompt_mode or cfg.system_prompt_mode)
+        if out_messages is not messages:
             headers[H_INJECTED] = "true"
 
         # 3. semantic cache, partitioned by tenant + answering model + effective system prompt + earlier turns

@@ -4,8 +4,9 @@ Per-category model scores in config pick the highest-scoring model that is serve
 caller passes a `served()` callback, e.g. the models with live workers), passing over at most
 `semantic.fallback_hops` better-scored models that are not (the route names them: `x-vsr-fallback`); below
 the classifier's confidence threshold, or with no scored model served within those hops, the default model
-answers. An explicit model
-name is honoured as given: no selection and no category system prompt.
+answers. Served models scoring within `semantic.cache_aware_margin` of the chosen one are `tied`: the layer
+then lets the farm pick among them by where the prompt would start soonest (farm.semantic.layer, `prefer`).
+An explicit model name is honoured as given: no selection and no category system prompt.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Route:
     routed: bool  # True when the model was chosen for an alias ("MoM", "auto")
     category_cfg: CategoryConfig | None
     passed_over: tuple[str, ...] = ()  # better-scored models of the category without a live worker, best first
+    tied: tuple[str, ...] = ()  # served models scoring within the margin of the chosen one, it first
+    reason: str = "score"  # why this model (x-vsr-selection-reason): score | default | fallback | kv-cache | load
 
 
 class ModelSelector:
@@ -42,19 +45,24 @@ class ModelSelector:
         accepted = confidence >= self.cfg.classifier.threshold
         cat_cfg = self.cfg.category(category) if accepted else None
         if not self.is_alias(requested):
-            return Route(requested, category if accepted else None, confidence, None, False, None)
-        model = self.default_model
+            return Route(requested, category if accepted else None, confidence, None, False, None, reason="explicit")
+        model, reason = self.default_model, "default"
         passed: list[str] = []
+        tied: tuple[str, ...] = ()
         if cat_cfg and cat_cfg.model_scores:
             live = self.served() if self.served else None
             ranked = sorted(cat_cfg.model_scores.items(), key=lambda kv: (-kv[1], kv[0]))
-            for name, _ in ranked[:1 + self.cfg.fallback_hops]:  # bounded: then the default model answers
+            for name, score in ranked[:1 + self.cfg.fallback_hops]:  # bounded: then the default model answers
                 if live is None or name in live:
-                    model = name
+                    model, reason = name, "fallback" if passed else "score"
+                    margin = self.cfg.cache_aware_margin
+                    tied = tuple(n for n, sc in ranked if n == name or (
+                        margin > 0 and sc >= score - margin and n not in passed and (live is None or n in live)))
                     break
                 passed.append(name)
         return Route(model, category if accepted else None, confidence,
-                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg, tuple(passed))
+                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg, tuple(passed),
+                     tied if len(tied) > 1 else (), reason)
 
 
 def message_text(content) -> str:
