@@ -18,7 +18,7 @@ Redis reaches its steady state by the 10th minute.
 Every `--sample-s`, each process (its children included: the gunicorn worker) is sampled for RSS, open fds and
 threads, the API's /metrics for `farm_api_loop_watchers` (every waiting greenlet holds one), Redis for
 used_memory and its key count. Latency percentiles are kept per `--window-s` window (5 minutes). A series
-"grows" when the least-squares line through its samples of the last two thirds of the run rises by more than
+"grows" when the robust (Theil-Sen) line through its samples of the last two thirds of the run rises by more than
 `--max-growth` (5%) from the start of that span to its end (issue 30: the 10th to the 30th minute), or, for a
 small count (fds, threads, keys, watchers), by more than `--min-abs` units too: noise of a few in-flight requests
 is not a leak. The run fails on any error, any growing series, or a last window whose TTFT p99 exceeds 1.2x the
@@ -33,6 +33,7 @@ import itertools
 import json
 import random
 import re
+import statistics
 import tempfile
 import threading
 import time
@@ -303,12 +304,14 @@ def series_names(samples: list[dict[str, Any]]) -> list[str]:
 
 # -- judging ----------------------------------------------------------------------------------------------------------
 def fit(ts: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line through (ts, ys): (intercept, slope per second)."""
-    n = len(ts)
-    mt, my = sum(ts) / n, sum(ys) / n
-    var = sum((t - mt) ** 2 for t in ts)
-    slope = sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var if var else 0.0
-    return my - slope * mt, slope
+    """The Theil-Sen line through (ts, ys): (intercept, slope per second), the median of the pairwise slopes and
+    of the intercepts they leave. A trend, not one sample: a least-squares line is tilted by a single outlier at
+    either end (a KV hand-over mapped at the instant of the last sample read as growth to infinity in the run of
+    2026-11-26 15:25)."""
+    slopes = sorted((ys[j] - ys[i]) / (ts[j] - ts[i]) for i in range(len(ts)) for j in range(i + 1, len(ts))
+                    if ts[j] != ts[i])
+    slope = statistics.median(slopes) if slopes else 0.0
+    return statistics.median(y - slope * t for t, y in zip(ts, ys, strict=True)), slope
 
 
 def growth(samples: list[dict[str, Any]], name: str, max_growth: float, min_abs: float) -> dict[str, Any]:

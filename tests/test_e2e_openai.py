@@ -3,6 +3,7 @@ gunicorn API, a prefill worker and a decode worker (separate processes), a manag
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -399,3 +400,63 @@ def test_an_agent_framework_runs_its_tool_loop_against_the_farm(farm):
 
 def test_tool_loop_with_the_anthropic_sdk_streamed_and_not(farm):
     tool_loops.anthropic_sdk_loop(f"http://127.0.0.1:{farm.api_port}", farm.cfg.default_model)
+
+
+def test_mom_hands_a_request_its_model_cannot_start_to_the_categorys_next_model(farm):
+    """Bounded fallback after selection (issue 29, item 5): MoM chose the category's best-scored model (chemistry:
+    `...-precise` 0.9 over the default 0.6), whose workers are live but all busy, so the placement sheds it before
+    any token; the request goes to the category's next model, streamed or not, and x-vsr-fallback says so. An API
+    process of its own here (the farm's own serves only the default model), on the farm's Redis and workers."""
+    from api.app import create_app
+    from farm.router.index import forget_worker
+    from farm.router.load import LoadTracker
+    from farm.supervisor.state import RESOLVED_CONFIG
+
+    cfg = load_config(environ={"FARM_CONFIG": str(farm.cfg.state_path / RESOLVED_CONFIG)})
+    precise = f"{cfg.default_model}-precise"
+    cats = [c.model_copy(update={"model_scores": {precise: 0.9, cfg.default_model: 0.6}})
+            if c.name == "chemistry" else c for c in cfg.semantic.categories]  # as config/default.yaml has it
+    cfg = cfg.model_copy(update={"models": [*cfg.models, cfg.model(cfg.default_model).model_copy(
+        update={"name": precise})], "semantic": cfg.semantic.model_copy(update={"categories": cats})})
+    app = create_app(cfg)
+    ctx = app.extensions["farm"]
+    r = ctx.redis
+    ghosts = [registry.WorkerInfo(f"ghost-{role}", role, precise, "h", 1, cfg.block_size(precise), num_blocks=16)
+              for role in ("prefill", "decode")]
+    loads = LoadTracker(r)
+    question = "Balance the chemical equation for burning methane in oxygen and name the products."
+    ctx.semantic()  # built before the ghosts' heartbeats start (the embedder takes seconds to load)
+    beats = [registry.Heartbeat(r, g) for g in ghosts]
+    try:
+        for g, beat in zip(ghosts, beats, strict=True):
+            registry.register(r, g)
+            beat.start()
+            loads.begin("d", g.worker_id, f"hog-{g.worker_id}", 10_000)  # far above its 16 blocks: busy
+        deadline = time.monotonic() + 10  # the app's router sees that load (its mirror follows the stream)
+        while ctx.gateway.router.loads.loads().get("ghost-decode", {}).get("d", 0) < 10_000:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for stream in (False, True):
+            ctx._served = (0.0, set())  # the layer's served-model view is cached for a second
+            resp = app.test_client().post("/v1/chat/completions", json={
+                "model": "MoM", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+                "stream": stream, "temperature": 0})
+            assert resp.status_code == 200, resp.get_data(as_text=True)
+            assert resp.headers["x-vsr-selected-category"] == "chemistry"
+            assert resp.headers["x-vsr-fallback"] == f"{precise}->{cfg.default_model}; reason=busy"
+            assert resp.headers["x-vsr-selected-model"] == cfg.default_model
+            assert resp.headers["x-farm-decode-worker"].startswith("decode-")  # the farm's real worker answered
+            if stream:
+                events = [ln for ln in resp.get_data(as_text=True).split("\n") if ln.startswith("data: ")]
+                assert events[-1] == "data: [DONE]" and json.loads(events[0][6:])["model"] == cfg.default_model
+            else:
+                assert resp.get_json()["model"] == cfg.default_model
+                assert resp.get_json()["choices"][0]["message"]["content"]
+    finally:
+        for g, beat in zip(ghosts, beats, strict=True):
+            beat.stop()
+            if beat.is_alive():
+                beat.join(5)
+            registry.deregister(r, g.worker_id)
+            forget_worker(r, g.worker_id)
+        ctx.gateway.stop()

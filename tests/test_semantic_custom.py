@@ -163,9 +163,10 @@ def test_mom_passes_over_models_without_a_live_worker_and_says_so(tmp_path, embe
     ask = _user("How do I cook rice so it is fluffy?")
     v = lay.before("MoM", ask)
     assert v.model == MODEL_B and "x-vsr-fallback" not in v.headers
+    assert v.alternatives == (MODEL_A,)  # where it goes if B fails before its first token
     served.discard(MODEL_B)
     v = lay.before("MoM", ask)
-    assert v.model == MODEL_A and v.category == "cooking"
+    assert v.model == MODEL_A and v.category == "cooking" and v.alternatives == ()
     assert v.headers["x-vsr-fallback"] == f"{MODEL_B}->{MODEL_A}; reason=no-live-worker"
     scores = {"cooking": {MODEL_B: 0.9, MODEL_A: 0.4}}
     cats = [{**c, "model_scores": scores.get(c["name"], {})} for c in DEV_CATEGORIES]
@@ -196,13 +197,14 @@ def test_mom_among_models_scoring_alike_takes_the_one_the_prompt_starts_on_soone
     assert v.model == MODEL_B and v.headers["x-vsr-selected-model"] == MODEL_B
     assert v.headers["x-vsr-selection-reason"] == "kv-cache"
     assert v.explain["selection"] == {"tied": [MODEL_A, MODEL_B], "model": MODEL_B, "reason": "kv-cache"}
+    assert v.alternatives == (MODEL_A,)  # the best-scored one is next, should B fail before its first token
     tied, messages, tenant = asked[-1]
     assert tied == (MODEL_A, MODEL_B) and tenant == "acme"
     assert messages[0] == {"role": "system", "content": "You are a chef."} and messages == v.messages
     # nothing better known: the best score stands
     lay.prefer = lambda tied, messages, tenant: None
     v = lay.before("MoM", ask)
-    assert v.model == MODEL_A and v.headers["x-vsr-selection-reason"] == "score"
+    assert v.model == MODEL_A and v.headers["x-vsr-selection-reason"] == "score" and v.alternatives == (MODEL_B,)
     # outside the margin, or the margin off: never asked
     asked.clear()
     lay.prefer = prefer

@@ -26,12 +26,13 @@ from api.semantic import (
     answer_fits,
     answer_locally,
     decide,
+    fallback_headers,
     no_cache_requested,
     reasoning_template_kwargs,
     store,
 )
 from farm.config import ModelConfig
-from farm.gateway import Submission, WorkerError
+from farm.gateway import BusyError, GatewayTimeout, NoWorkersError, Submission, WorkerError
 from farm.gateway.reading import Answer, collect, replay, stream_choice, total_usage, until_decode_starts
 from farm.models.directories import ModelNotFoundError
 from farm.openai import logprobs
@@ -55,6 +56,7 @@ from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.openai.tools import CallDelta
 from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage
+from farm.semantic.layer import Verdict
 from farm.telemetry import prometheus
 from farm.tenancy.api_keys import tenant_cache_salt
 from farm.tenancy.quota import Reservation
@@ -186,10 +188,11 @@ class _Generation:
         self.prompt_tokens = prompt_tokens
         self.reservation = reservation
 
-    def end(self) -> None:
+    def end(self, charge: bool = True) -> None:
+        """`charge` False: the generation never started (nothing is owed)."""
         for sub in self.subs:
             _safe_cancel(sub)  # no-op after done/error; stops the workers on timeout, Redis failure, client gone
-        used = self.prompt_tokens + sum(sub.completion_tokens for sub in self.subs) if self.subs else 0
+        used = self.prompt_tokens + sum(sub.completion_tokens for sub in self.subs) if self.subs and charge else 0
         self.reservation.settle(used)
 
 
@@ -212,52 +215,26 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
         verdict = decide(layer, model, _completion_messages(body, model), no_cache=True, inject=False)
     if verdict.action != "forward":
         return answer_locally(kind, ids.response, verdict, *stream_flags(body, kind), header_id=ids.header)
-    model = verdict.model
-    mcfg = farm.cfg.model(model)
-    tok = farm.tokenizer(model)
-    per_token = farm.cfg.api.max_chars_per_token
-    if kind == "chat":
-        parsed: ParsedRequest = parse_chat(body, tok, mcfg.max_model_len, verdict.messages, mcfg.defaults,
-                                           per_token, tool_parser=mcfg.tool_call_parser,
-                                           reasoning_parser=mcfg.reasoning_parser,
-                                           template_kwargs=reasoning_template_kwargs(
-                                               verdict, tok, body.get("chat_template_kwargs")))
-    else:
-        parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token)
-    n_prompt = len(parsed.prompt_ids)
+    st, headers = _start_with_fallback(kind, body, verdict, ids)
+    model, tok, parsed, gen, streams = st.model, st.tok, st.parsed, st.gen, st.streams
     if on_prompt is not None:
-        on_prompt(n_prompt)
-    held = reserve_tokens(n_prompt + parsed.n * parsed.sampling.max_tokens, n_prompt + parsed.n)
-    quota_headers = {}
-    if held.tokens < n_prompt + parsed.n * parsed.sampling.max_tokens:  # what is left of the quota caps the answer
-        capped = (held.tokens - n_prompt) // parsed.n
-        parsed = replace(parsed, sampling=replace(parsed.sampling, max_tokens=capped))
-        quota_headers["x-farm-quota-max-tokens"] = str(capped)
-    gen = _Generation(n_prompt, held)
-    try:
-        for req in _choice_requests(ids.internal, model, parsed):
-            gen.subs.append(farm.gateway.submit(req))
-    except BaseException as e:
-        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
-        gen.end()
-        raise
-    # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
-    gone = client_gone_check()
-    streams = [sub.events(client_gone=gone) for sub in gen.subs]
+        on_prompt(st.prompt_tokens)
     out = _Output(kind, tok, parsed.sampling.logprobs is not None)
-    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 else None
+    # the cache's partition names the model the layer chose: an answer of a fallback model is not stored there
+    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 and model == verdict.model \
+        else None
     if parsed.stream:
-        resp = _stream_response(kind, ids, model, gen, streams, parsed, out, on_done=cache)
-        resp.headers.update(verdict.headers)
-        resp.headers.update(quota_headers)
+        resp = _stream_response(kind, ids, model, gen, streams, st.head, parsed, out, on_done=cache)
+        resp.headers.update(headers)
         return resp
     answers: list[Answer] = []
-    head: StartEvent | DoneEvent | None = None
+    head = st.head
     try:
         for i, events in enumerate(streams):
-            start, buffered = until_decode_starts(events)
-            head = head or start
-            answers.append(collect(replay(buffered, events)))
+            if i:  # the first choice's start was read by _start (its stream replays what came before it)
+                _start_event, buffered = until_decode_starts(events)
+                events = replay(buffered, events)
+            answers.append(collect(events))
             if i == 0 and cache is not None:  # the answer a cache hit repeats: the content, without reasoning
                 content = answers[0].text if parsed.reasoning_parser is None else \
                     read_answer(answers[0].text, None, reasoning_parser=parsed.reasoning_parser).content
@@ -272,10 +249,92 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
                          parsed.reasoning_parser, parsed.echo) for a in answers]
     resp = jsonify(full_response(kind, ids.response, model, choices, total_usage(a.usage for a in answers).to_dict(),
                                  role=parsed.role))
-    resp.headers.update(_worker_headers(ids.header, gen.subs[0], head or answers[0].done, answers[0].done))
-    resp.headers.update(verdict.headers)
-    resp.headers.update(quota_headers)
+    resp.headers.update(_worker_headers(ids.header, gen.subs[0], head, answers[0].done))
+    resp.headers.update(headers)
     return resp
+
+
+@dataclass
+class _Started:
+    """A generation whose first choice's worker has started: what the rest of the response needs."""
+
+    model: str
+    tok: Any
+    parsed: ParsedRequest
+    prompt_tokens: int
+    gen: _Generation
+    streams: list[Iterator[Event]]  # the first replays the events read before its start
+    head: StartEvent | DoneEvent
+    quota_headers: dict[str, str]
+
+
+# what a model failing before its first token answers, and the reason x-vsr-fallback gives for the next one
+_FALLBACK_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (NoWorkersError, "no-live-worker"), (BusyError, "busy"), (GatewayTimeout, "timeout"), (WorkerError, "worker-error"))
+
+
+def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids: RequestIds
+                         ) -> tuple[_Started, dict[str, str]]:
+    """Start the generation on the verdict's model; when that model fails before its first token (no live worker,
+    every worker busy, no progress in time, an engine error: never a client's error, never once a token was sent)
+    and MoM chose it, on the category's next models (`verdict.alternatives`, bounded by `semantic.fallback_hops`),
+    saying so in x-vsr-fallback. Returns the started generation and the response's x-vsr-* and quota headers."""
+    tried: list[str] = []
+    reason = ""
+    candidates = [verdict.model, *verdict.alternatives]
+    while True:
+        model = candidates[len(tried)]
+        try:
+            st = _start(kind, body, verdict, model, ids)
+            break
+        except (NoWorkersError, BusyError, GatewayTimeout, WorkerError) as e:
+            if len(tried) + 1 >= len(candidates) or (isinstance(e, WorkerError) and e.code == "invalid_task"):
+                raise
+            reason = next(r for t, r in _FALLBACK_REASONS if isinstance(e, t))
+            log.warning("request %s: model %s failed before its first token (%s: %s); trying %s", ids.internal,
+                        model, reason, e, candidates[len(tried) + 1])
+            tried.append(model)
+    headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, model, reason) if tried else {})}
+    return st, headers
+
+
+def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds) -> _Started:
+    """Parse the request for `model` (its tokenizer, chat template and limits), reserve its tokens, submit a
+    request per choice and wait until the first choice's generating worker has started. On failure everything
+    is released: nothing is charged for a generation that never started."""
+    farm = _farm()
+    mcfg = farm.cfg.model(model)
+    tok = farm.tokenizer(model)
+    per_token = farm.cfg.api.max_chars_per_token
+    if kind == "chat":
+        parsed: ParsedRequest = parse_chat(body, tok, mcfg.max_model_len, verdict.messages, mcfg.defaults,
+                                           per_token, tool_parser=mcfg.tool_call_parser,
+                                           reasoning_parser=mcfg.reasoning_parser,
+                                           template_kwargs=reasoning_template_kwargs(
+                                               verdict, tok, body.get("chat_template_kwargs")))
+    else:
+        parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token)
+    n_prompt = len(parsed.prompt_ids)
+    held = reserve_tokens(n_prompt + parsed.n * parsed.sampling.max_tokens, n_prompt + parsed.n)
+    quota_headers = {}
+    if held.tokens < n_prompt + parsed.n * parsed.sampling.max_tokens:  # what is left of the quota caps the answer
+        capped = (held.tokens - n_prompt) // parsed.n
+        parsed = replace(parsed, sampling=replace(parsed.sampling, max_tokens=capped))
+        quota_headers["x-farm-quota-max-tokens"] = str(capped)
+    gen = _Generation(n_prompt, held)
+    try:
+        for req in _choice_requests(ids.internal, model, parsed):
+            gen.subs.append(farm.gateway.submit(req))
+        # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
+        gone = client_gone_check()
+        streams = [sub.events(client_gone=gone) for sub in gen.subs]
+        head, buffered = until_decode_starts(streams[0])
+    except BaseException as e:
+        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        gen.end(charge=False)
+        raise
+    streams[0] = replay(buffered, streams[0])
+    return _Started(model, tok, parsed, n_prompt, gen, streams, head, quota_headers)
 
 
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
@@ -383,16 +442,11 @@ def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str
 
 
 def _stream_response(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: list[Iterator[Event]],
-                     parsed: ParsedRequest, out: _Output, on_done: Callable[[str, str], None] | None = None
-                     ) -> Response:
-    """SSE response; errors before the (first choice's) decode worker starts are still plain JSON errors."""
-    try:
-        head, buffered = until_decode_starts(streams[0])
-    except BaseException as e:
-        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
-        gen.end()
-        raise
-    body = _stream(kind, ids, model, gen, [replay(buffered, streams[0]), *streams[1:]], parsed, out, on_done)
+                     head: StartEvent | DoneEvent, parsed: ParsedRequest, out: _Output,
+                     on_done: Callable[[str, str], None] | None = None) -> Response:
+    """SSE response, once the first choice's decode worker has started (_start: errors before that are plain JSON
+    errors)."""
+    body = _stream(kind, ids, model, gen, streams, parsed, out, on_done)
     resp = Response(body, mimetype="text/event-stream", headers=_worker_headers(ids.header, gen.subs[0], head))
     resp.headers["Cache-Control"] = "no-cache"
     resp.headers["X-Accel-Buffering"] = "no"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -39,6 +39,8 @@ class RequestTiming:
     cached_tokens: int = 0
     text: str = ""  # the completion (a multi-turn client sends it back in the next turn)
     worker: str = ""  # the farm's x-farm-decode-worker header, where it has one
+    model: str = ""  # the model that answered (the chunks' `model`: MoM's choice on the farm)
+    vsr: dict[str, str] = field(default_factory=dict)  # the farm's x-vsr-* headers (selection, fallback)
 
     @property
     def ttft(self) -> float:
@@ -90,6 +92,8 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, mess
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:500]}")
         worker = resp.headers.get("x-farm-decode-worker", "")
+        vsr = {k.lower(): v for k, v in resp.headers.items() if k.lower().startswith("x-vsr-")}
+        model_seen = ""
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -98,6 +102,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, mess
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
+            model_seen = model_seen or chunk.get("model", "")
             if chunk.get("usage"):
                 usage = chunk["usage"]
             content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or [])
@@ -109,7 +114,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, mess
         raise RuntimeError(f"{url}: stream ended without content or usage (usage={usage})")
     details = usage.get("prompt_tokens_details") or {}
     return RequestTiming(sent, first, last, int(usage["completion_tokens"]), int(usage["prompt_tokens"]),
-                         int(details.get("cached_tokens") or 0), "".join(text), worker)
+                         int(details.get("cached_tokens") or 0), "".join(text), worker, model_seen, vsr)
 
 
 async def _run_level(base_url: str, model: str, sets: list[list[list[dict[str, str]]]], max_tokens: int,

@@ -162,8 +162,9 @@ class SemanticConfig(Section):
     max_embed_tokens: int = Field(128, ge=8, le=256)  # longer prompts are embedded truncated (cache: exact match)
     system_prompt_mode: Literal["replace", "prepend"] = "prepend"
     inject_system_prompt: bool = True
-    # MoM: how many of a category's better-scored models without a live worker may be passed over for the next
-    # one (x-vsr-fallback names them); past that, the default model answers
+    # MoM: how many of a category's models may be passed over for the next one, at selection (no live worker)
+    # and after it (failed before its first token); x-vsr-fallback names them. Past that, at selection the
+    # default model answers; after it, the last model's error does
     fallback_hops: int = Field(2, ge=0)
     # MoM: a category's served models scoring within this of its best served one are equally good answers; of
     # those, the one whose workers would start this prompt soonest is chosen (the longest prefix in their KV

@@ -142,12 +142,14 @@ class Verdict:
     timings_ms: dict[str, float] = field(default_factory=dict)
     # why (for `farm semantic test` and logs): the category's rule and runners-up, each guard's findings
     explain: dict[str, Any] = field(default_factory=dict)
+    # MoM: the category's next models, in order, for a request whose model fails before its first token
+    alternatives: tuple[str, ...] = ()
 
     def as_miss(self) -> Verdict:
         """A cache hit the request cannot take (e.g. longer than its max_tokens): generate instead."""
         headers = {k: v for k, v in self.headers.items() if k != H_CACHE_HIT}
         return Verdict("forward", self.model, self.messages, headers, None, None, self.category, self.confidence,
-                       self.reasoning, None, self.timings_ms, self.explain)
+                       self.reasoning, None, self.timings_ms, self.explain, self.alternatives)
 
 
 class SemanticLayer:
@@ -257,8 +259,10 @@ class SemanticLayer:
         if route.tied and self.prefer is not None:  # models that score alike: where would the prompt start first?
             s = time.perf_counter()
             choice = self.prefer(route.tied, out_messages, tenant)
-            if choice is not None:
-                route = dataclasses.replace(route, model=choice[0], reason=choice[1])
+            if choice is not None:  # the best-scored model becomes the first alternative
+                others = tuple(m for m in (route.model, *route.alternatives) if m != choice[0])
+                route = dataclasses.replace(route, model=choice[0], reason=choice[1],
+                                            alternatives=others[:len(route.alternatives)])
                 explain["selection"] = {"tied": list(route.tied), "model": choice[0], "reason": choice[1]}
             t["select"] = _ms(s)
 
@@ -314,7 +318,7 @@ class SemanticLayer:
                 return Verdict("cached", route.model, out_messages, headers, hit.answer, "stop",
                                route.category, route.confidence, route.reasoning, None, _total(t, t0), explain)
         return Verdict("forward", route.model, out_messages, headers, None, None, route.category,
-                       route.confidence, route.reasoning, query, _total(t, t0), explain)
+                       route.confidence, route.reasoning, query, _total(t, t0), explain, route.alternatives)
 
     def _jb_threshold(self, role: str) -> float:
         """The attack probability that blocks a message of this role (operators' turns: see system_threshold)."""

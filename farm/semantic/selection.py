@@ -27,6 +27,9 @@ class Route:
     category_cfg: CategoryConfig | None
     passed_over: tuple[str, ...] = ()  # better-scored models of the category without a live worker, best first
     tied: tuple[str, ...] = ()  # served models scoring within the margin of the chosen one, it first
+    # the category's further served models, best-scored first, within the hops `passed_over` left: where the
+    # request goes when the chosen model fails before its first token (api/routes/openai.py)
+    alternatives: tuple[str, ...] = ()
     reason: str = "score"  # why this model (x-vsr-selection-reason): score | default | fallback | kv-cache | load
 
 
@@ -49,6 +52,7 @@ class ModelSelector:
         model, reason = self.default_model, "default"
         passed: list[str] = []
         tied: tuple[str, ...] = ()
+        alternatives: tuple[str, ...] = ()
         if cat_cfg and cat_cfg.model_scores:
             live = self.served() if self.served else None
             ranked = sorted(cat_cfg.model_scores.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -58,11 +62,13 @@ class ModelSelector:
                     margin = self.cfg.cache_aware_margin
                     tied = tuple(n for n, sc in ranked if n == name or (
                         margin > 0 and sc >= score - margin and n not in passed and (live is None or n in live)))
+                    alternatives = tuple(n for n, _ in ranked if n != name and n not in passed
+                                         and (live is None or n in live))[:self.cfg.fallback_hops - len(passed)]
                     break
                 passed.append(name)
         return Route(model, category if accepted else None, confidence,
-                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg, tuple(passed),
-                     tied if len(tied) > 1 else (), reason)
+                     cat_cfg.reasoning if cat_cfg else None, True, cat_cfg, passed_over=tuple(passed),
+                     tied=tied if len(tied) > 1 else (), reason=reason, alternatives=alternatives)
 
 
 def message_text(content) -> str:
