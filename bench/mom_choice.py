@@ -14,7 +14,9 @@ Workload: `--conversations` conversations, each a long system prompt of its own 
 `--turns` short user turns sent one after another with the growing history (so a conversation's later turns
 find their prefix cached where the earlier ones ran), arriving by a seeded Poisson process at `--rate`
 requests per second (bench.goodput's open-loop client), streamed, `--output-tokens` each, the semantic cache
-off. The headline is TTFT p50 of kv-aware / score (issue 29's goal: <= 0.7), beside TTFT p90, ITL, request
+off, and no category system prompt injected: each turn is classified on its own, and a turn of another category
+would get another system prompt in front of the conversation, so no turn would find the earlier ones' prefix
+cached on any model (a property of per-turn classification, measured by the smoke run: hit ratio 0.01-0.02). The headline is TTFT p50 of kv-aware / score (issue 29's goal: <= 0.7), beside TTFT p90, ITL, request
 latency, the prefix-cache hit ratio, the requests per model and the selection reasons. Any failed request marks
 its mode FAILED.
 
@@ -69,7 +71,7 @@ def farm_env(tmp: Path, margin: float, args: argparse.Namespace) -> tuple[dict[s
                 "engine": {"torch_threads": 1, "kv_cache_mb": args.kv_mb},
                 "api": {"allow_unauthenticated": True},
                 "semantic": {"categories": cats, "cache_aware_margin": margin, "classifier": {"threshold": 0.0},
-                             "cache": {"enabled": False}}}
+                             "cache": {"enabled": False}, "inject_system_prompt": False}}
     path = tmp / "mom-choice.yaml"
     path.write_text(yaml.safe_dump(override))
     env["FARM_CONFIG"] = str(path)
