@@ -17,7 +17,15 @@ from flask import Response, jsonify, request
 from farm.models.tokenization import template_reads
 from farm.openai.parsing import local_params
 from farm.openai.responses import Choice, ChunkWriter, full_response
-from farm.semantic.layer import H_FALLBACK, H_INJECTED, H_MODEL, H_REASONING_APPLIED, SemanticLayer, Verdict
+from farm.semantic.layer import (
+    H_FALLBACK,
+    H_INJECTED,
+    H_MODEL,
+    H_REASONING_APPLIED,
+    SemanticLayer,
+    Verdict,
+    fallback_value,
+)
 from farm.telemetry import prometheus
 
 log = logging.getLogger(__name__)
@@ -119,7 +127,7 @@ def _word_pieces(text: str, words: int = 8) -> Iterator[str]:
 
 def fallback_headers(tried: list[str], model: str, reason: str) -> dict[str, str]:
     """The x-vsr-* headers of a request MoM's model handed to the category's next one before its first token."""
-    return {H_MODEL: model, H_FALLBACK: f"{','.join(tried)}->{model}; reason={reason}"}
+    return {H_MODEL: model, H_FALLBACK: fallback_value(tried, model, reason)}
 
 
 def store(layer: SemanticLayer | None, v: Verdict, text: str, finish_reason: str) -> None:

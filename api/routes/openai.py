@@ -271,6 +271,7 @@ class _Started:
 # what a model failing before its first token answers, and the reason x-vsr-fallback gives for the next one
 _FALLBACK_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (NoWorkersError, "no-live-worker"), (BusyError, "busy"), (GatewayTimeout, "timeout"), (WorkerError, "worker-error"))
+_FALLS_BACK = tuple(t for t, _ in _FALLBACK_REASONS)
 
 
 def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids: RequestIds
@@ -287,7 +288,7 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
         try:
             st = _start(kind, body, verdict, model, ids)
             break
-        except (NoWorkersError, BusyError, GatewayTimeout, WorkerError) as e:
+        except _FALLS_BACK as e:
             if len(tried) + 1 >= len(candidates) or (isinstance(e, WorkerError) and e.code == "invalid_task"):
                 raise
             reason = next(r for t, r in _FALLBACK_REASONS if isinstance(e, t))

@@ -50,7 +50,8 @@ class Gateway:
         """Of models that would answer equally well, each with the prompt's ids as its tokenizer makes them (in
         preference order), the one whose workers would send the first token soonest (Router.estimate: the
         cached prefix and the queue), and why: "kv-cache" (more of the prompt cached there than on the first
-        model's) or "load" (a shorter wait, or no worker left for the first). None when the first model is as soon as any (or nothing is served)."""
+        model's) or "load" (a shorter wait, or no worker left for the first). None when the first model is as
+        soon as any (or nothing is served)."""
         estimates = [(m, self.placer.estimate(m, ids, cache_salt)) for m, ids in prompts.items()]
         served = [(i, m, e) for i, (m, e) in enumerate(estimates) if e is not None]
         if not served:

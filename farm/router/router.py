@@ -246,8 +246,8 @@ class Router:
         request_blocks = math.ceil(num_tokens / bs)
         cands = self._candidates(workers, self._overlaps(workers, hashes), self.loads.loads() if loads is None
                                  else loads, bs)
-        best = min(cands, key=lambda c: predicted_ttft(c, request_blocks))
-        return Estimate(predicted_ttft(best, request_blocks), int(best.overlap_blocks), best.worker)
+        ttft, best = min((predicted_ttft(c, request_blocks), i) for i, c in enumerate(cands))
+        return Estimate(ttft, int(cands[best].overlap_blocks), cands[best].worker)
 
     def _overlaps(self, workers: list[registry.WorkerInfo], hashes: list[int]) -> dict[str, float]:
         """Each worker's cached prefix of `hashes`, in blocks weighted by tier (the KV index, or the placements

@@ -81,7 +81,7 @@ H_CACHE_HIT = "x-vsr-cache-hit"
 H_CATEGORY, H_MODEL, H_REASONING = "x-vsr-selected-category", "x-vsr-selected-model", "x-vsr-selected-reasoning"
 H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
-H_FALLBACK = "x-vsr-fallback"  # MoM passed over better-scored models without a live worker
+H_FALLBACK = "x-vsr-fallback"  # MoM passed over models (no live worker; or failed before a token): fallback_value
 H_SELECTION_REASON = "x-vsr-selection-reason"  # why MoM chose this model: score | default | fallback | kv-cache | load
 # the roles whose text the guards read; "function" is the legacy name of a tool result
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -92,6 +92,11 @@ MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process 
 Prefer = Callable[[tuple[str, ...], list[dict], str], tuple[str, str] | None]
 
 V = TypeVar("V")
+
+
+def fallback_value(passed_over: list[str] | tuple[str, ...], model: str, reason: str) -> str:
+    """x-vsr-fallback: the models MoM passed over, the one that answers, and why."""
+    return f"{','.join(passed_over)}->{model}; reason={reason}"
 
 
 class Memo(Generic[V]):
@@ -292,7 +297,7 @@ class SemanticLayer:
         if route.routed:
             headers[H_SELECTION_REASON] = route.reason
         if route.passed_over:
-            headers[H_FALLBACK] = f"{','.join(route.passed_over)}->{route.model}; reason=no-live-worker"
+            headers[H_FALLBACK] = fallback_value(route.passed_over, route.model, "no-live-worker")
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
         if route.category:
             headers[H_CATEGORY] = route.category
