@@ -33,7 +33,15 @@ from api.semantic import (
 )
 from farm.config import ModelConfig
 from farm.gateway import BusyError, GatewayTimeout, NoWorkersError, Submission, WorkerError
-from farm.gateway.reading import Answer, collect, replay, stream_choice, total_usage, until_decode_starts
+from farm.gateway.reading import (
+    Answer,
+    collect,
+    replay,
+    stream_choice,
+    total_usage,
+    until_decode_starts,
+    until_first_token,
+)
 from farm.models.directories import ModelNotFoundError
 from farm.openai import logprobs
 from farm.openai.answer import AnswerStream, read_answer
@@ -256,7 +264,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
 
 @dataclass
 class _Started:
-    """A generation whose first choice's worker has started: what the rest of the response needs."""
+    """A generation whose first choice's worker has sent its first token: what the rest of the response needs."""
 
     model: str
     tok: Any
@@ -301,7 +309,8 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
 
 def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds) -> _Started:
     """Parse the request for `model` (its tokenizer, chat template and limits), reserve its tokens, submit a
-    request per choice and wait until the first choice's generating worker has started. On failure everything
+    request per choice and wait until the first choice's generating worker has started and sent its first token
+    (nothing has reached the client before it: a failure until then may still fall back). On failure everything
     is released: nothing is charged for a generation that never started."""
     farm = _farm()
     mcfg = farm.cfg.model(model)
@@ -329,7 +338,7 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
         # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
         gone = client_gone_check()
         streams = [sub.events(client_gone=gone) for sub in gen.subs]
-        head, buffered = until_decode_starts(streams[0])
+        head, buffered = until_first_token(streams[0])  # before it, a failure may still fall back
     except BaseException as e:
         prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
         gen.end(charge=False)
@@ -445,8 +454,8 @@ def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str
 def _stream_response(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: list[Iterator[Event]],
                      head: StartEvent | DoneEvent, parsed: ParsedRequest, out: _Output,
                      on_done: Callable[[str, str], None] | None = None) -> Response:
-    """SSE response, once the first choice's decode worker has started (_start: errors before that are plain JSON
-    errors)."""
+    """SSE response, once the first choice's decode worker has sent its first token (_start: errors before that are
+    plain JSON errors, or fall back to another model)."""
     body = _stream(kind, ids, model, gen, streams, parsed, out, on_done)
     resp = Response(body, mimetype="text/event-stream", headers=_worker_headers(ids.header, gen.subs[0], head))
     resp.headers["Cache-Control"] = "no-cache"

@@ -3,6 +3,8 @@
 
 - `until_decode_starts`: read until the worker that generates has started, so response headers can name both
   workers; what arrived before it is replayed (`replay`).
+- `until_first_token`: read on until that worker's first token too: a request that fails before it may still go
+  elsewhere (MoM's fallback), since nothing of it has reached the client.
 - `stream_choice`: the deltas of one choice, returning its `done` event.
 - `collect`: a whole choice (text, token ids and log-probabilities, finish reason, usage).
 - `total_usage`: a response of several choices counts its prompt once and sums the completions.
@@ -56,6 +58,21 @@ def until_decode_starts(events: Iterator[Event]) -> tuple[StartEvent | DoneEvent
             buffered.append(ev)
             if isinstance(ev, DoneEvent):
                 return ev, buffered
+    raise _ended()
+
+
+def until_first_token(events: Iterator[Event]) -> tuple[StartEvent | DoneEvent, list[Event]]:
+    """`until_decode_starts`, then on until the first token (a delta) or the end: the same start event and every
+    event read after it but starts (what `replay` gives back)."""
+    head, buffered = until_decode_starts(events)
+    if isinstance(head, DoneEvent) or any(isinstance(ev, DeltaEvent) for ev in buffered):
+        return head, buffered
+    for ev in events:
+        if isinstance(ev, ErrorEvent):
+            raise WorkerError(ev.message, ev.code)
+        if isinstance(ev, (DeltaEvent, DoneEvent)):
+            buffered.append(ev)
+            return head, buffered
     raise _ended()
 
 
