@@ -243,22 +243,60 @@ def test_valid_request_is_queued_and_invalid_ones_are_not(app_client, with_worke
     assert redis_client.keys("farm:cancel:*"), "a timed-out request is cancelled so no worker runs it later"
 
 
-def test_every_worker_busy_is_shed_with_503_and_retry_after(app, app_client, with_worker, redis_client):
-    """Busy shedding: the API answers at once instead of queueing without bound."""
+def _fill_ghost(app, redis_client):
+    """Another replica's request holding 99% of the ghost worker's 1000 KV blocks, seen by this app's router
+    (its load reaches the router's mirror through a stream)."""
     import time
 
     from farm.router.load import LoadTracker
 
-    c, cfg = app_client
-    LoadTracker(redis_client).begin("d", GHOST, "someone-else", 990)  # 99% of its 1000 blocks
-    router = app.extensions["farm"].gateway.router  # another replica's load reaches its mirror through a stream
+    tracker = LoadTracker(redis_client)
+    tracker.begin("d", GHOST, "someone-else", 990)
+    router = app.extensions["farm"].gateway.router
     deadline = time.monotonic() + 10
     while router.loads.loads().get(GHOST, {}).get("d") != 990 and time.monotonic() < deadline:
         time.sleep(0.01)
+    return tracker
+
+
+def test_every_worker_busy_is_shed_with_503_and_retry_after(app, app_client, with_worker, redis_client, monkeypatch):
+    """Busy shedding: a request that finds every worker's KV cache full waits `router.admission_wait_s` for room
+    (a bounded admission queue), then is refused with 503 and Retry-After, never queued without bound."""
+    import time
+
+    c, cfg = app_client
+    _fill_ghost(app, redis_client)
+    monkeypatch.setattr(cfg.router, "admission_wait_s", 1.0)
+    t0 = time.monotonic()
     resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
+    assert 0.75 <= time.monotonic() - t0 < 5, "it waited for room about admission_wait_s, no longer"
     assert_error(resp, 503, code="overloaded")
     assert int(resp.headers["Retry-After"]) == cfg.router.retry_after_s
     assert redis_client.llen(direct_queue(GHOST)) == 0
+
+
+def test_a_request_waiting_for_room_is_placed_when_the_cache_frees(app, app_client, with_worker, redis_client,
+                                                                   monkeypatch):
+    """The other side of the bounded wait: room coming back within `admission_wait_s` (the request holding the
+    cache ended) places the waiting request instead of shedding it. The ghost never answers: a 504 after it was
+    queued, where a shed request gets a 503 and is never queued."""
+    import threading
+    import time
+
+    c, cfg = app_client
+    tracker = _fill_ghost(app, redis_client)
+    monkeypatch.setattr(cfg.router, "admission_wait_s", 30.0)
+    monkeypatch.setattr(cfg.api, "first_event_timeout_s", 1)
+    freed = threading.Timer(1.0, tracker.end, ("d", GHOST, "someone-else"))
+    freed.start()
+    t0 = time.monotonic()
+    try:
+        resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
+    finally:
+        freed.join()
+    assert redis_client.llen(direct_queue(GHOST)) == 1, "placed once the cache had room"
+    assert_error(resp, 504, code="timeout")
+    assert 1.0 <= time.monotonic() - t0 < 15
 
 
 def test_unexpected_exceptions_are_json_500_without_traceback(app, app_client, monkeypatch):

@@ -314,10 +314,12 @@ def _broken(app: Flask) -> httpx.Response:
                                                                     "x-api-key": KEY_A})
 
 
-def test_every_worker_busy_is_a_529_overloaded_error(app, ghost, redis_client):
+def test_every_worker_busy_is_a_529_overloaded_error(app, ghost, redis_client, monkeypatch):
     import time
 
     from farm.router.load import LoadTracker
+
+    monkeypatch.setattr(ghost.router, "admission_wait_s", 0.5)  # the bounded wait for room, short here
 
     LoadTracker(redis_client).begin("d", GHOST, "someone-else", 990)  # 99% of its 1000 blocks
     router = app.extensions["farm"].gateway.router

@@ -293,11 +293,12 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
     candidates = [verdict.model, *verdict.alternatives]
     while True:
         model = candidates[len(tried)]
-        try:
-            st = _start(kind, body, verdict, model, ids)
+        last = len(tried) + 1 >= len(candidates)
+        try:  # only the last model waits for room in a full KV cache: before it, the next model is tried at once
+            st = _start(kind, body, verdict, model, ids, wait_for_room=last)
             break
         except _FALLS_BACK as e:
-            if len(tried) + 1 >= len(candidates) or (isinstance(e, WorkerError) and e.code == "invalid_task"):
+            if last or (isinstance(e, WorkerError) and e.code == "invalid_task"):
                 raise
             reason = next(r for t, r in _FALLBACK_REASONS if isinstance(e, t))
             log.warning("request %s: model %s failed before its first token (%s: %s); trying %s", ids.internal,
@@ -307,11 +308,13 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
     return st, headers
 
 
-def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds) -> _Started:
+def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds,
+           wait_for_room: bool = True) -> _Started:
     """Parse the request for `model` (its tokenizer, chat template and limits), reserve its tokens, submit a
     request per choice and wait until the first choice's generating worker has started and sent its first token
     (nothing has reached the client before it: a failure until then may still fall back). On failure everything
-    is released: nothing is charged for a generation that never started."""
+    is released: nothing is charged for a generation that never started. `wait_for_room`: Gateway.submit's bounded
+    wait when every worker's KV cache is full."""
     farm = _farm()
     mcfg = farm.cfg.model(model)
     tok = farm.tokenizer(model)
@@ -334,7 +337,7 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
     gen = _Generation(n_prompt, held)
     try:
         for req in _choice_requests(ids.internal, model, parsed):
-            gen.subs.append(farm.gateway.submit(req))
+            gen.subs.append(farm.gateway.submit(req, wait_for_room=wait_for_room))
         # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
         gone = client_gone_check()
         streams = [sub.events(client_gone=gone) for sub in gen.subs]

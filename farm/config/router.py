@@ -42,6 +42,9 @@ class RouterConfig(Section):
             raise ValueError("router.tier_weights needs exactly the keys device, host and disk")
         return self
     busy_threshold: float = Field(0.95, ge=0)
+    # a request that finds every worker's KV cache above busy_threshold waits this long for room (requests
+    # finishing) before its 503, as an engine's own queue would hold it; 0 = refuse at once
+    admission_wait_s: float = Field(10, ge=0)
     retry_after_s: int = Field(2, ge=1)
     placement_timeout_s: float = Field(5, gt=0)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import redis
@@ -18,9 +19,11 @@ from farm.gateway.replies import ReplyReader
 from farm.gateway.submission import Services, Submission
 from farm.infra import logcontext
 from farm.protocol import GenerationRequest
-from farm.router.router import Router
+from farm.router.router import BusyError, Router
+from farm.telemetry import prometheus
 
 log = logging.getLogger("farm.gateway")
+ADMISSION_POLL_S = 0.2  # how often a request waiting for room (Gateway.submit) asks the router again
 
 
 class Gateway:
@@ -62,9 +65,12 @@ class Gateway:
         first = estimates[0][1]
         return model, "kv-cache" if first is not None and best.overlap_blocks > first.overlap_blocks else "load"
 
-    def submit(self, req: GenerationRequest) -> Submission:
+    def submit(self, req: GenerationRequest, wait_for_room: bool = False) -> Submission:
         """Route and enqueue; raises NoWorkersError (no worker) or BusyError (every worker busy). The request's
-        events will arrive on this process's reply stream, into a mailbox opened before its task is sent."""
+        events will arrive on this process's reply stream, into a mailbox opened before its task is sent.
+        `wait_for_room`: when every worker's KV cache is full, try again until `router.admission_wait_s` has
+        passed (a bounded admission queue, where vLLM's engine would queue without bound); the API asks for it
+        unless MoM has another model to try at once."""
         if not self.replies.running:
             with self._start_lock:
                 self.replies.start()
@@ -73,12 +79,23 @@ class Gateway:
         box = self.replies.open(req.request_id)
         logcontext.bind(request_id=req.request_id, model=req.model)  # this request's lines from here on
         try:
-            placed = self.placer.place(req)
+            placed = self._place_when_room(req, self.cfg.router.admission_wait_s if wait_for_room else 0.0)
         except BaseException:
             self.replies.close(req.request_id)
             raise
         logcontext.bind(worker=",".join(dict.fromkeys(p.worker.worker_id for p in placed.placements.values())))
         return Submission(self._svc, req, placed, box)
+
+    def _place_when_room(self, req: GenerationRequest, wait_s: float) -> Placed:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.placer.place(req)
+            except BusyError as e:
+                if not e.full or time.monotonic() + ADMISSION_POLL_S > deadline:
+                    prometheus.REQUESTS_SHED.labels(stage=e.stage).inc()
+                    raise
+            time.sleep(ADMISSION_POLL_S)  # the router's load view follows finished requests within about a second
 
     def stop(self) -> None:
         self.replies.stop()

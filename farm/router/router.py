@@ -50,11 +50,15 @@ LIVE_VIEW_MAX_AGE_S = 2.0  # a placement trusts the follower's list of live work
 
 
 class BusyError(RuntimeError):
-    """Every candidate worker is above the load threshold: shed the request (503 + Retry-After)."""
+    """Every candidate worker is above the load threshold: shed the request (503 + Retry-After). `full`: every
+    one's KV cache is full (room comes back as requests finish: worth a short wait, Gateway.submit); else some
+    would only start past the TTFT target (waiting makes that worse)."""
 
-    def __init__(self, message: str, retry_after_s: int):
+    def __init__(self, message: str, retry_after_s: int, stage: str = "generate", full: bool = False):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.stage = stage
+        self.full = full
 
 
 @dataclass
@@ -286,11 +290,12 @@ class Router:
         def slow(i: int) -> bool:
             return target_s > 0 and ttfts is not None and has_queue(cands[i]) and ttfts[i] > target_s
 
-        if all(full(c) for c in cands):
+        every_full = all(full(c) for c in cands)
+        if every_full:
             why = f"above {threshold:.0%} of their KV capacity"
         elif all(full(c) or slow(i) for i, c in enumerate(cands)):
             why = f"too loaded to start this request within router.ttft_target_ms ({self.rc.ttft_target_ms:.0f} ms)"
         else:
             return
-        prometheus.REQUESTS_SHED.labels(stage=stage).inc()
-        raise BusyError(f"all {len(cands)} {stage} workers are {why}", retry_after_s=self.rc.retry_after_s)
+        raise BusyError(f"all {len(cands)} {stage} workers are {why}", retry_after_s=self.rc.retry_after_s,
+                        stage=stage, full=every_full)
