@@ -294,8 +294,11 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
     while True:
         model = candidates[len(tried)]
         last = len(tried) + 1 >= len(candidates)
+        # each hop is a request of its own inside the farm: the failed attempt's cancel flag, mailbox and task
+        # ids name the first id, and must not stop the next one (the client's ids stay the same)
+        attempt = replace(ids, internal=f"{ids.internal}.f{len(tried)}") if tried else ids
         try:  # only the last model waits for room in a full KV cache: before it, the next model is tried at once
-            st = _start(kind, body, verdict, model, ids, wait_for_room=last)
+            st = _start(kind, body, verdict, model, attempt, wait_for_room=last)
             break
         except _FALLS_BACK as e:
             if last or (isinstance(e, WorkerError) and e.code == "invalid_task"):
