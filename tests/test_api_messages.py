@@ -18,7 +18,7 @@ from flask import Flask
 from farm.openai import anthropic as a
 from farm.openai.api_error import APIError
 from tests.security_helpers import KEY_A, farm_app
-from tests.test_api_errors import GHOST
+from tests.test_api_errors import GHOST, _fill_ghost
 from tests.test_api_stream import USAGE, ScriptedWorker, both_start, deltas, done, live_ghost
 
 
@@ -315,17 +315,8 @@ def _broken(app: Flask) -> httpx.Response:
 
 
 def test_every_worker_busy_is_a_529_overloaded_error(app, ghost, redis_client, monkeypatch):
-    import time
-
-    from farm.router.load import LoadTracker
-
     monkeypatch.setattr(ghost.router, "admission_wait_s", 0.5)  # the bounded wait for room, short here
-
-    LoadTracker(redis_client).begin("d", GHOST, "someone-else", 990)  # 99% of its 1000 blocks
-    router = app.extensions["farm"].gateway.router
-    deadline = time.monotonic() + 10
-    while router.loads.loads().get(GHOST, {}).get("d") != 990 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _fill_ghost(app, redis_client)
     with pytest.raises(anthropic.APIStatusError) as e:
         sdk(app).messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"))
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"

@@ -402,6 +402,23 @@ def test_tool_loop_with_the_anthropic_sdk_streamed_and_not(farm):
     tool_loops.anthropic_sdk_loop(f"http://127.0.0.1:{farm.api_port}", farm.cfg.default_model)
 
 
+CHEMISTRY_QUESTION = "Balance the chemical equation for burning methane in oxygen and name the products."
+
+
+def _with_precise_chemistry_model(farm):
+    """The farm's configuration plus a second entry of the default model's weights, `<default>-precise`, which
+    chemistry scores 0.9 over the default's 0.6 (as config/default.yaml has it): MoM chooses it first, and falls
+    back to the default. Returns the configuration and the new model's name."""
+    from farm.supervisor.state import RESOLVED_CONFIG
+
+    cfg = load_config(environ={"FARM_CONFIG": str(farm.cfg.state_path / RESOLVED_CONFIG)})
+    precise = f"{cfg.default_model}-precise"
+    cats = [c.model_copy(update={"model_scores": {precise: 0.9, cfg.default_model: 0.6}})
+            if c.name == "chemistry" else c for c in cfg.semantic.categories]
+    return cfg.model_copy(update={"models": [*cfg.models, cfg.model(cfg.default_model).model_copy(
+        update={"name": precise})], "semantic": cfg.semantic.model_copy(update={"categories": cats})}), precise
+
+
 def test_mom_hands_a_request_its_model_cannot_start_to_the_categorys_next_model(farm):
     """Bounded fallback after selection (issue 29, item 5): MoM chose the category's best-scored model (chemistry:
     `...-precise` 0.9 over the default 0.6), whose workers are live but all busy, so the placement sheds it before
@@ -410,21 +427,14 @@ def test_mom_hands_a_request_its_model_cannot_start_to_the_categorys_next_model(
     from api.app import create_app
     from farm.router.index import forget_worker
     from farm.router.load import LoadTracker
-    from farm.supervisor.state import RESOLVED_CONFIG
 
-    cfg = load_config(environ={"FARM_CONFIG": str(farm.cfg.state_path / RESOLVED_CONFIG)})
-    precise = f"{cfg.default_model}-precise"
-    cats = [c.model_copy(update={"model_scores": {precise: 0.9, cfg.default_model: 0.6}})
-            if c.name == "chemistry" else c for c in cfg.semantic.categories]  # as config/default.yaml has it
-    cfg = cfg.model_copy(update={"models": [*cfg.models, cfg.model(cfg.default_model).model_copy(
-        update={"name": precise})], "semantic": cfg.semantic.model_copy(update={"categories": cats})})
+    cfg, precise = _with_precise_chemistry_model(farm)
     app = create_app(cfg)
     ctx = app.extensions["farm"]
     r = ctx.redis
     ghosts = [registry.WorkerInfo(f"ghost-{role}", role, precise, "h", 1, cfg.block_size(precise), num_blocks=16)
               for role in ("prefill", "decode")]
     loads = LoadTracker(r)
-    question = "Balance the chemical equation for burning methane in oxygen and name the products."
     ctx.semantic()  # built before the ghosts' heartbeats start (the embedder takes seconds to load)
     beats = [registry.Heartbeat(r, g) for g in ghosts]
     try:
@@ -439,7 +449,7 @@ def test_mom_hands_a_request_its_model_cannot_start_to_the_categorys_next_model(
         for stream in (False, True):
             ctx._served = (0.0, set())  # the layer's served-model view is cached for a second
             resp = app.test_client().post("/v1/chat/completions", json={
-                "model": "MoM", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+                "model": "MoM", "messages": [{"role": "user", "content": CHEMISTRY_QUESTION}], "max_tokens": 8,
                 "stream": stream, "temperature": 0})
             assert resp.status_code == 200, resp.get_data(as_text=True)
             assert resp.headers["x-vsr-selected-category"] == "chemistry"
@@ -476,14 +486,9 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
     from farm.protocol import EVENT_FIELD, GenerationRequest, encode_reply, reply_stream_key
     from farm.protocol.queues import direct_queue
     from farm.router.index import forget_worker
-    from farm.supervisor.state import RESOLVED_CONFIG
 
-    cfg = load_config(environ={"FARM_CONFIG": str(farm.cfg.state_path / RESOLVED_CONFIG)})
-    precise = f"{cfg.default_model}-precise"
-    cats = [c.model_copy(update={"model_scores": {precise: 0.9, cfg.default_model: 0.6}})
-            if c.name == "chemistry" else c for c in cfg.semantic.categories]
-    cfg = cfg.model_copy(update={"models": [*cfg.models, cfg.model(cfg.default_model).model_copy(
-        update={"name": precise})], "semantic": cfg.semantic.model_copy(update={"categories": cats}),
+    cfg, precise = _with_precise_chemistry_model(farm)
+    cfg = cfg.model_copy(update={
         # the ghost is an aggregated worker: no remote prefill (the farm's decode workers prefill locally)
         "disaggregation": cfg.disaggregation.model_copy(update={"mode": "never"}),
         "reliability": cfg.reliability.model_copy(update={"migration_wait_s": 1}),
@@ -506,7 +511,6 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
         beat.stop()
         r.delete(alive_key(ghost.worker_id))
 
-    question = "Balance the chemical equation for burning methane in oxygen and name the products."
     ctx.semantic()
     try:
         for stream in (False, True):
@@ -517,7 +521,7 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
             worker.start()
             ctx._served = (0.0, set())
             resp = app.test_client().post("/v1/chat/completions", json={
-                "model": "MoM", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+                "model": "MoM", "messages": [{"role": "user", "content": CHEMISTRY_QUESTION}], "max_tokens": 8,
                 "stream": stream, "temperature": 0})
             worker.join(5)
             if beat.is_alive():

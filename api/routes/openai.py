@@ -63,7 +63,7 @@ from farm.openai.parsing import (
 from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.openai.tools import CallDelta
-from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage
+from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
 from farm.semantic.layer import Verdict
 from farm.telemetry import prometheus
 from farm.tenancy.api_keys import tenant_cache_salt
@@ -294,9 +294,8 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
     while True:
         model = candidates[len(tried)]
         last = len(tried) + 1 >= len(candidates)
-        # each hop is a request of its own inside the farm: the failed attempt's cancel flag, mailbox and task
-        # ids name the first id, and must not stop the next one (the client's ids stay the same)
-        attempt = replace(ids, internal=f"{ids.internal}.f{len(tried)}") if tried else ids
+        # each hop is a request of its own inside the farm (the client's ids stay the same)
+        attempt = replace(ids, internal=fallback_id(ids.internal, len(tried))) if tried else ids
         try:  # only the last model waits for room in a full KV cache: before it, the next model is tried at once
             st = _start(kind, body, verdict, model, attempt, wait_for_room=last)
             break
@@ -311,8 +310,8 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
     return st, headers
 
 
-def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds,
-           wait_for_room: bool = True) -> _Started:
+def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds, *,
+           wait_for_room: bool) -> _Started:
     """Parse the request for `model` (its tokenizer, chat template and limits), reserve its tokens, submit a
     request per choice and wait until the first choice's generating worker has started and sent its first token
     (nothing has reached the client before it: a failure until then may still fall back). On failure everything

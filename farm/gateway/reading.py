@@ -77,7 +77,7 @@ def until_first_token(events: Iterator[Event]) -> tuple[StartEvent | DoneEvent, 
 
 
 def replay(buffered: list[Event], events: Iterator[Event]) -> Iterator[Event]:
-    """The events `until_decode_starts` read, then the rest of the stream."""
+    """The events `until_decode_starts` (or `until_first_token`) read, then the rest of the stream."""
     yield from buffered
     if not (buffered and isinstance(buffered[-1], (DoneEvent, ErrorEvent))):
         yield from events

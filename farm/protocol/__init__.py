@@ -14,6 +14,7 @@ from farm.protocol.keys import (
     STREAM_TTL_S,
     cancel_key,
     claim_key,
+    fallback_id,
     migration_id,
     reader_lease_key,
     reply_stream_key,
@@ -72,7 +73,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS", "OBS_STREAM", "PRIORITY_SEP", "RESPONSE_FORMATS", "ROLES", "SEED_RANGE", "STREAM_TTL_S",
     "TASK_BATCH_DRIVE", "TASK_DECODE", "TASK_GENERATE", "TASK_PING", "TASK_PREFILL", "DeltaEvent", "DoneEvent",
     "ErrorEvent", "Event", "GenerationRequest", "InvalidTask", "ReplyBatch", "Role", "SamplingParams", "StartEvent",
-    "Usage", "cancel_key", "claim_key", "decode_reply", "direct_queue", "encode_reply", "is_request_id",
-    "migration_id", "model_slug", "parse_event", "queue_depths", "queue_name", "queues_for_role", "reader_lease_key",
+    "Usage", "cancel_key", "claim_key", "decode_reply", "direct_queue", "encode_reply", "fallback_id",
+    "is_request_id",     "migration_id", "model_slug", "parse_event", "queue_depths", "queue_name", "queues_for_role", "reader_lease_key",
     "reply_stream_key",
 ]

@@ -45,6 +45,12 @@ def migration_id(request_id: str, attempt: int) -> str:
     return f"{request_id}.m{attempt}"
 
 
+def fallback_id(request_id: str, hop: int) -> str:
+    """The request id of MoM's `hop`-th fallback to another model (its own mailbox, task and cancel flag: the
+    attempt it replaces may have left a cancel flag on its id)."""
+    return f"{request_id}.f{hop}"
+
+
 # -- the KV-block index (farm.router.kv_publisher writes, farm.router.index follows) ----------------------
 EVENTS_STREAM = "farm:kv:events"  # every worker's KV events, in batches
 EVENTS_MAXLEN = 200_000  # stream entries kept; a reader that falls further behind resyncs from sets
