@@ -83,6 +83,15 @@ def test_passport_and_licence_need_context(det):
     assert "US_DRIVER_LICENSE" in types(det, "driver's license D1234567")
 
 
+def test_context_words_count_in_any_case_and_inflection(det):
+    """spaCy runs its NER alone (no lemmatizer): lower-cased token text stands in for lemmas, and Presidio's
+    substring match still finds its context words in capitalised and plural forms."""
+    assert det.analyzer.nlp_engine.nlp["en"].pipe_names == ["ner", "farm_lower_lemmas"]
+    assert "US_SSN" in types(det, "Social Security: 536225511")
+    assert "US_PASSPORT" in types(det, "PASSPORTS on file: 912345678")
+    assert "US_PASSPORT" not in types(det, "Totals on file: 912345678")
+
+
 def test_names_places_dates_from_ner(det):
     got = found(det, "My name is John Smith and I live in Paris, born 3 May 1980")
     assert ("PERSON", "John Smith") in got and ("LOCATION", "Paris") in got and ("DATE_TIME", "3 May 1980") in got
