@@ -474,8 +474,10 @@ def test_mom_hands_a_request_its_model_cannot_start_to_the_categorys_next_model(
 
 def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
     """Fallback after submission (issue 29, item 5): the chosen model's only worker takes the task, starts it and
-    dies before any token; the gateway's migration finds no other worker of that model, and the request goes to
-    the category's next model, whose real worker answers. Each hop is a request of its own inside the farm: the
+    dies, before any token or after one; the gateway's migration finds no other worker of that model. Before any
+    token, and for a non-streamed request at any token (nothing has reached its client), the request goes to the
+    category's next model, whose real worker answers. A stream that has sent a token is never moved to another
+    model: it ends with an error after that token. Each hop is a request of its own inside the farm: the
     migration leaves a cancel flag on the lost attempt's id, and a hop under that id was skipped by the next
     worker and hung until the timeout (bench/mom_choice's kill phase found it)."""
     import base64
@@ -498,42 +500,49 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
     r = ctx.redis
     ghost = registry.WorkerInfo("ghost-both", "both", precise, "h", 1, cfg.block_size(precise), num_blocks=4096)
     taken: list[GenerationRequest] = []
+    ghost_text = "Ghostly"
 
-    def dying_worker(beat: registry.Heartbeat) -> None:  # takes one task, starts it, dies
+    def dying_worker(beat: registry.Heartbeat, tokens: int) -> None:  # takes one task, starts it, dies
         popped = r.brpop([direct_queue(ghost.worker_id)], timeout=20)
         if not popped:
             return
         req = GenerationRequest.from_dict(json.loads(base64.b64decode(json.loads(popped[1])["body"]))[0][0])
         taken.append(req)
-        start = {"type": "start", "role": "both", "worker": ghost.worker_id}
+        events = [{"type": "start", "role": "both", "worker": ghost.worker_id}]
+        events += [{"type": "delta", "text": ghost_text, "n": 1, "ids": [42]}] * tokens
         r.xadd(reply_stream_key(req.reply_to),
-               {EVENT_FIELD: encode_reply("ghost-" + uuid.uuid4().hex, 1, {req.request_id: [start]})})
+               {EVENT_FIELD: encode_reply("ghost-" + uuid.uuid4().hex, 1, {req.request_id: events})})
         beat.stop()
         r.delete(alive_key(ghost.worker_id))
 
     ctx.semantic()
     try:
-        for stream in (False, True):
+        for tokens, stream in ((0, False), (0, True), (1, False), (1, True)):
             registry.register(r, ghost)
             beat = registry.Heartbeat(r, ghost)
             beat.start()
-            worker = threading.Thread(target=dying_worker, args=(beat,), daemon=True)
+            worker = threading.Thread(target=dying_worker, args=(beat, tokens), daemon=True)
             worker.start()
             ctx._served = (0.0, set())
             resp = app.test_client().post("/v1/chat/completions", json={
                 "model": "MoM", "messages": [{"role": "user", "content": CHEMISTRY_QUESTION}], "max_tokens": 8,
                 "stream": stream, "temperature": 0})
+            text = resp.get_data(as_text=True)  # a stream is read to its end here
             worker.join(5)
             if beat.is_alive():
                 beat.join(5)
-            assert resp.status_code == 200, resp.get_data(as_text=True)
+            assert resp.status_code == 200, text
+            if tokens and stream:  # a token reached the client: the stream stays on its model and ends in an error
+                assert "x-vsr-fallback" not in resp.headers and resp.headers["x-vsr-selected-model"] == precise
+                assert ghost_text in text and '"error"' in text, text
+                continue
             assert resp.headers["x-vsr-fallback"] == f"{precise}->{cfg.default_model}; reason=worker-error"
             assert resp.headers["x-vsr-selected-model"] == cfg.default_model
             assert resp.headers["x-farm-decode-worker"].startswith("decode-")
-            text = resp.get_data(as_text=True)
-            assert "error" not in text and (text.rstrip().endswith("data: [DONE]") if stream
-                                            else resp.get_json()["choices"][0]["message"]["content"])
-        assert len(taken) == 2 and all(q.model == precise for q in taken)
+            assert "error" not in text and ghost_text not in text
+            assert text.rstrip().endswith("data: [DONE]") if stream \
+                else resp.get_json()["choices"][0]["message"]["content"]
+        assert len(taken) == 4 and all(q.model == precise for q in taken)
     finally:
         registry.deregister(r, ghost.worker_id)
         forget_worker(r, ghost.worker_id)

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -70,6 +70,7 @@ from farm.tenancy.api_keys import tenant_cache_salt
 from farm.tenancy.quota import Reservation
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 # A client's own id for its request (the X-Request-Id header, as vLLM takes it): used when it is 1-128 of these
 # characters, else ignored (a fresh id as without one)
@@ -223,43 +224,64 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
         verdict = decide(layer, model, _completion_messages(body, model), no_cache=True, inject=False)
     if verdict.action != "forward":
         return answer_locally(kind, ids.response, verdict, *stream_flags(body, kind), header_id=ids.header)
-    st, headers = _start_with_fallback(kind, body, verdict, ids)
-    model, tok, parsed, gen, streams = st.model, st.tok, st.parsed, st.gen, st.streams
+    answers: list[Answer] = []
+    if stream_flags(body, kind)[0]:  # the first token goes out at once: a failure may fall back until then
+        st, tried, reason = _with_fallback(
+            verdict, ids, lambda m, hop, last: _start(kind, body, verdict, m, hop, wait_for_room=last))
+    else:  # nothing reaches the client before the whole answer: a failure at any token may still fall back
+        (st, answers), tried, reason = _with_fallback(
+            verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, last=last))
+    headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, st.model, reason) if tried else {})}
+    model, parsed, gen = st.model, st.parsed, st.gen
     if on_prompt is not None:
         on_prompt(st.prompt_tokens)
-    out = _Output(kind, tok, parsed.sampling.logprobs is not None)
-    # the cache's partition names the model the layer chose: an answer of a fallback model is not stored there
-    cache = (lambda text, reason: store(layer, verdict, text, reason)) if parsed.n == 1 and model == verdict.model \
-        else None
+    out = _Output(kind, st.tok, parsed.sampling.logprobs is not None)
     if parsed.stream:
-        resp = _stream_response(kind, ids, model, gen, streams, st.head, parsed, out, on_done=cache)
+        resp = _stream_response(kind, ids, model, gen, st.streams, st.head, parsed, out,
+                                on_done=_cache_store(layer, verdict, st))
         resp.headers.update(headers)
         return resp
-    answers: list[Answer] = []
-    head = st.head
-    try:
-        for i, events in enumerate(streams):
-            if i:  # the first choice's start was read by _start (its stream replays what came before it)
-                _start_event, buffered = until_decode_starts(events)
-                events = replay(buffered, events)
-            answers.append(collect(events))
-            if i == 0 and cache is not None:  # the answer a cache hit repeats: the content, without reasoning
-                content = answers[0].text if parsed.reasoning_parser is None else \
-                    read_answer(answers[0].text, None, reasoning_parser=parsed.reasoning_parser).content
-                cache(content or "", answers[0].finish_reason)
-    except BaseException as e:
-        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
-        raise
-    finally:
-        gen.end()
     prometheus.REQUESTS.labels(model=model, status="200").inc()
     choices = [Choice.of(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs), parsed.tools,
                          parsed.reasoning_parser, parsed.echo) for a in answers]
     resp = jsonify(full_response(kind, ids.response, model, choices, total_usage(a.usage for a in answers).to_dict(),
                                  role=parsed.role))
-    resp.headers.update(_worker_headers(ids.header, gen.subs[0], head, answers[0].done))
+    resp.headers.update(_worker_headers(ids.header, gen.subs[0], st.head, answers[0].done))
     resp.headers.update(headers)
     return resp
+
+
+def _cache_store(layer: Any, verdict: Verdict, st: _Started) -> Callable[[str, str], None] | None:
+    """How the first choice's answer is stored in the semantic cache, if it may be: one choice, and the model the
+    layer chose (the cache's partition names it: a fallback model's answer is not stored there)."""
+    if st.parsed.n != 1 or st.model != verdict.model:
+        return None
+    return lambda text, reason: store(layer, verdict, text, reason)
+
+
+def _whole(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds, *, last: bool
+           ) -> tuple[_Started, list[Answer]]:
+    """A non-streamed request on `model`: started, then every choice read whole. A failure part-way ends the
+    attempt; unless it is the last model's, its tokens are not charged (the client never sees them)."""
+    st = _start(kind, body, verdict, model, ids, wait_for_room=last)
+    cache = _cache_store(_farm().semantic(), verdict, st)
+    answers: list[Answer] = []
+    try:
+        for i, events in enumerate(st.streams):
+            if i:  # the first choice's start was read by _start (its stream replays what came before it)
+                _start_event, buffered = until_decode_starts(events)
+                events = replay(buffered, events)
+            answers.append(collect(events))
+            if i == 0 and cache is not None:  # the answer a cache hit repeats: the content, without reasoning
+                content = answers[0].text if st.parsed.reasoning_parser is None else \
+                    read_answer(answers[0].text, None, reasoning_parser=st.parsed.reasoning_parser).content
+                cache(content or "", answers[0].finish_reason)
+    except BaseException as e:
+        prometheus.REQUESTS.labels(model=model, status=str(to_api_error(e).status)).inc()
+        st.gen.end(charge=last or not isinstance(e, _FALLS_BACK))
+        raise
+    st.gen.end()
+    return st, answers
 
 
 @dataclass
@@ -282,12 +304,13 @@ _FALLBACK_REASONS: tuple[tuple[type[BaseException], str], ...] = (
 _FALLS_BACK = tuple(t for t, _ in _FALLBACK_REASONS)
 
 
-def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids: RequestIds
-                         ) -> tuple[_Started, dict[str, str]]:
-    """Start the generation on the verdict's model; when that model fails before its first token (no live worker,
-    every worker busy, no progress in time, an engine error: never a client's error, never once a token was sent)
-    and MoM chose it, on the category's next models (`verdict.alternatives`, bounded by `semantic.fallback_hops`),
-    saying so in x-vsr-fallback. Returns the started generation and the response's x-vsr-* and quota headers."""
+def _with_fallback(verdict: Verdict, ids: RequestIds, attempt: Callable[[str, RequestIds, bool], T]
+                   ) -> tuple[T, list[str], str]:
+    """`attempt(model, ids, last)` on the verdict's model; when it fails as a model can (no live worker, every
+    worker busy, no progress in time, an engine error: never a client's error) and MoM chose it, on the
+    category's next models (`verdict.alternatives`, bounded by `semantic.fallback_hops`). An attempt fails over
+    only until something reached the client: a stream up to its first token (`_start`), a whole answer to its
+    end (`_whole`). Returns the attempt's result, the models passed over and why the last was (x-vsr-fallback)."""
     tried: list[str] = []
     reason = ""
     candidates = [verdict.model, *verdict.alternatives]
@@ -295,19 +318,16 @@ def _start_with_fallback(kind: str, body: dict[str, Any], verdict: Verdict, ids:
         model = candidates[len(tried)]
         last = len(tried) + 1 >= len(candidates)
         # each hop is a request of its own inside the farm (the client's ids stay the same)
-        attempt = replace(ids, internal=fallback_id(ids.internal, len(tried))) if tried else ids
+        hop = replace(ids, internal=fallback_id(ids.internal, len(tried))) if tried else ids
         try:  # only the last model waits for room in a full KV cache: before it, the next model is tried at once
-            st = _start(kind, body, verdict, model, attempt, wait_for_room=last)
-            break
+            return attempt(model, hop, last), tried, reason
         except _FALLS_BACK as e:
             if last or (isinstance(e, WorkerError) and e.code == "invalid_task"):
                 raise
             reason = next(r for t, r in _FALLBACK_REASONS if isinstance(e, t))
-            log.warning("request %s: model %s failed before its first token (%s: %s); trying %s", ids.internal,
-                        model, reason, e, candidates[len(tried) + 1])
+            log.warning("request %s: model %s failed (%s: %s); trying %s", ids.internal, model, reason, e,
+                        candidates[len(tried) + 1])
             tried.append(model)
-    headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, model, reason) if tried else {})}
-    return st, headers
 
 
 def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds, *,
