@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, percentile, table
+from bench.peers.cpu import cpu_by_kind
 from bench.peers.load import RequestTiming, stream_chat, warm_up_http
 from bench.routing import question, text_of
 
@@ -142,9 +143,10 @@ def run_rate(base_url: str, model: str, convs: list[Conversation], rate: float, 
              args: argparse.Namespace) -> dict[str, Any]:
     """One (workload, rate) against a running contender: its raw requests and span."""
     starts = poisson_starts(random.Random(seed), len(convs), rate / turns)
-    sent, span = asyncio.run(_serve(base_url.rstrip("/") + "/v1/chat/completions", model, convs, starts,
-                                    args.output_tokens, args.timeout))
-    return {"span_s": span, "errors": [s.error for s in sent if s.error],
+    with cpu_by_kind() as cpu:
+        sent, span = asyncio.run(_serve(base_url.rstrip("/") + "/v1/chat/completions", model, convs, starts,
+                                        args.output_tokens, args.timeout))
+    return {"span_s": span, "errors": [s.error for s in sent if s.error], "cpu_s": cpu,
             "raw": [{"conversation": s.conversation, "turn": s.turn, "error": s.error,
                      **({k: v for k, v in asdict(s.timing).items() if k != "text"} if s.timing else {})}
                     for s in sent]}
@@ -166,6 +168,9 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
     latency = [(r["last"] - r["sent"]) * 1000 for r in done]
     good = sum(1 for r in done if r["first"] - r["sent"] <= ttft_slo_s and (_itl(r) or 0.0) <= itl_slo_s)
     prompt = sum(r["prompt_tokens"] for r in done)
+    cpu: Counter[str] = Counter()
+    for run in runs:
+        cpu.update(run.get("cpu_s", {}))
     return {
         "requests": sum(len(run["raw"]) for run in runs), "completed": len(done), "errors": errors,
         "failed": errors > 0 or any(run.get("error") for run in runs), "span_s": span,
@@ -177,6 +182,8 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
         "latency_p50_ms": percentile(latency, 0.5), "latency_p90_ms": percentile(latency, 0.9),
         "hit_ratio": sum(r["cached_tokens"] for r in done) / prompt if prompt else 0.0,
         "per_worker": dict(sorted(Counter(r["worker"] for r in done if r.get("worker")).items())),
+        # where the 2 cores went (bench/peers/cpu.py's kinds): CPU seconds per completed request
+        "cpu_s_per_request": {k: round(v / len(done), 3) for k, v in sorted(cpu.items())} if done else {},
     }
 
 
@@ -187,8 +194,14 @@ def contender(name: str, args: argparse.Namespace, setup: Any) -> Any:
     from bench.peers import contenders as c
 
     if name.startswith("farm-"):
-        extra = {"engine": {"torch_threads": 1}, "router": {"cost": "measured"}}
-        return c.farm(setup, args.backend, 2, name.removeprefix("farm-"), extra)
+        mode, _, variant = name.removeprefix("farm-").partition(":")
+        extra: dict[str, Any] = {"engine": {"torch_threads": 1}, "router": {"cost": "measured"}}
+        if variant:  # "kv:nice0": the vLLM engines at this nice value (the farm's default on CPU is 19)
+            if not variant.startswith("nice") or args.backend != "vllm":
+                raise ValueError(f"contender {name!r}: a mode's variant is nice<N>, with vLLM workers")
+            extra["models"] = [{**m, "vllm": {**m.get("vllm", {}), "engine_nice": int(variant[4:])}}
+                               for m in c.farm_overrides(setup, args.backend, mode)["models"]]
+        return c.farm(setup, args.backend, 2, mode, extra)
     from bench.peers.run import http_contender
 
     return http_contender(name, setup)
@@ -271,10 +284,11 @@ def goals(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round, one rate: proves it runs")
-    ap.add_argument("--peers", action="store_true",
-                    help="add vllm-router and Dynamo (installed under bench/.peers on first use); the farm's "
-                         "workers then run vLLM, as the peers do")
-    ap.add_argument("--modes", default=",".join(FARM_MODES), help="the farm's router modes")
+    ap.add_argument("--peers", nargs="?", const=",".join(PEERS), default="",
+                    help="add vllm-router and Dynamo (installed under bench/.peers on first use), all of them or "
+                         f"those named ({', '.join(PEERS)}); the farm's workers then run vLLM, as the peers do")
+    ap.add_argument("--modes", default=",".join(FARM_MODES),
+                    help="the farm's router modes; mode:nice<N> runs its vLLM engines at nice N (default 19 on CPU)")
     ap.add_argument("--backend", choices=("builtin", "vllm"), help="the farm's engine (default: vllm with --peers)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rates", help="Poisson arrival rates, requests/s (default 0.3,0.6,1.2; smoke 1)")
@@ -314,7 +328,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         ap.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
-    args.contenders = [f"farm-{m}" for m in args.modes.split(",") if m] + (list(PEERS) if args.peers else [])
+    peers = [p for p in args.peers.split(",") if p]
+    if sorted(set(peers) - set(PEERS)):
+        ap.error(f"unknown peers {sorted(set(peers) - set(PEERS))}; known: {', '.join(PEERS)}")
+    args.contenders = [f"farm-{m}" for m in args.modes.split(",") if m] + peers
     args.out = args.out or str(OUT_DIR / ("goodput-smoke.json" if args.smoke else "goodput.json"))
     return args
 
@@ -349,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                   r["slo_met"], r["ttft_p50_ms"], r["ttft_p90_ms"], r["itl_p50_ms"], r["itl_p90_ms"],
                   r["latency_p50_ms"], r["latency_p90_ms"], r["throughput_rps"], r["output_tok_s"], r["hit_ratio"],
                   r["errors"]] for r in rows], digits=2))
+    kinds = sorted({k for r in rows for k in r["cpu_s_per_request"]})
+    print("\nCPU seconds per completed request, by process kind (bench/peers/cpu.py)")
+    print(table(["workload", "req/s", "contender", *kinds],
+                [[r["workload"], r["rate"], r["contender"], *(r["cpu_s_per_request"].get(k) for k in kinds)]
+                 for r in rows], digits=3))
     failed = [r for r in records if r.get("error")]
     for r in failed:
         print(f"FAILED: {r['contender']} round {r['round']}: {r['error'].splitlines()[0][:200]}")

@@ -107,8 +107,9 @@ def core_bind(index: int, count: int) -> dict[str, str]:
 
 def _vllm_serve(s: Setup, tag: str, events_port: int | None, index: int, count: int) -> tuple[Service, str]:
     port = free_port()
+    # usage.prompt_tokens_details.cached_tokens, as the farm and Dynamo report it: the prefix-cache hit ratio
     cmd = [str(install.FARM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *vllm_engine_flags(s, events_port),
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
     return Service(f"vllm-serve-{tag}", cmd, s.logs / f"vllm-serve-{tag}.log",
                    env=core_bind(index, count)).start(), f"http://127.0.0.1:{port}"
 
