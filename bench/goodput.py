@@ -26,19 +26,23 @@ another's cache):
 Output: `--output-tokens` per request (greedy, `ignore_eos`, streamed). Headline: goodput = completed
 requests per second whose TTFT <= `--ttft-slo-ms` and mean ITL <= `--itl-slo-ms`; beside it TTFT, ITL and
 request latency p50/p90, throughput, the prefix-cache hit ratio (answers' usage), requests per worker.
-Figures pool both rounds. Writes bench/out/goodput.json (smoke: goodput-smoke.json).
+Figures pool both rounds; CPU seconds per request by process kind beside them (where the 2 cores went).
+Writes bench/out/goodput.json (smoke: goodput-smoke.json) and its figure beside it (.png: goodput and TTFT
+p90 by offered load; `--replot JSON` redraws a saved run's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import secrets
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -280,6 +284,56 @@ def goals(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str
     return out
 
 
+# -- the figure ---------------------------------------------------------------------------------------------
+def plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Goodput (top) and TTFT p90 (bottom), one panel per workload: against the offered rate with a line per
+    contender, or as bars when the run had one rate; a FAILED row (any failed request) is marked with an x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    colours = {name: f"C{i}" for i, name in enumerate(contenders)}
+    one_rate = len({r["rate"] for r in rows}) == 1
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 6.8), squeeze=False)
+    for col, wl in enumerate(workloads):
+        for i, name in enumerate(contenders):
+            mine = sorted((r for r in rows if r["workload"] == wl and r["contender"] == name), key=lambda r: r["rate"])
+            for ax, key, scale in ((axes[0][col], "goodput_rps", 1.0), (axes[1][col], "ttft_p90_ms", 1e-3)):
+                ys = [(r[key] or 0.0) * scale for r in mine]
+                xs = [i] * len(mine) if one_rate else [r["rate"] for r in mine]
+                if one_rate:
+                    ax.bar(xs, ys, color=colours[name], label=name)
+                else:
+                    ax.plot(xs, ys, "o-", color=colours[name], label=name, linewidth=2.5 if name == "farm-kv" else 1.2)
+                bad = [(x, y) for x, y, r in zip(xs, ys, mine, strict=True) if r["failed"]]
+                if bad:
+                    ax.plot(*zip(*bad, strict=True), "x", color="black", markersize=11)
+        axes[0][col].set_title(wl + (f" at {rows[0]['rate']:g} requests/s" if one_rate else ""))
+        axes[0][col].set_ylabel("goodput (requests/s)")
+        axes[1][col].set_ylabel("TTFT p90 (s)")
+        for ax in axes[:, col]:
+            if one_rate:
+                ax.set_xticks(range(len(contenders)), contenders, rotation=60, ha="right", fontsize=7)
+            else:
+                ax.set_xlabel("offered load (requests/s)")
+    if not one_rate:
+        axes[0][0].legend(fontsize=7)
+    fig.suptitle("bench.goodput: goodput and TTFT p90 (x: the contender failed requests)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def draw(figure: Path, rows: list[dict[str, Any]]) -> None:
+    try:
+        plot(figure, rows)
+        print(f"wrote {figure}")
+    except ImportError:
+        print("no figure: matplotlib is missing (pip install -e '.[bench]')")
+
+
 # -- main ---------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=27)
     ap.add_argument("--timeout", type=float, default=1800, help="per (workload, rate), seconds")
     ap.add_argument("--out", help="JSON path (default bench/out/goodput.json, smoke: goodput-smoke.json)")
+    ap.add_argument("--plot", help="figure path (default: the JSON's path with .png)")
+    ap.add_argument("--replot", metavar="JSON", help="only draw the figure of a saved run's JSON")
     args = ap.parse_args(argv)
     full = {"rates": "0.3,0.6,1.2", "rounds": 2, "requests": 32, "prefix_tokens": 900, "eviction_prefixes": 48,
             "eviction_tokens": 1500, "turns": 4, "context_tokens": 1200, "kv_mb": 512}
@@ -338,6 +394,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        saved = Path(args.replot)
+        draw(Path(args.plot) if args.plot else saved.with_suffix(".png"), json.loads(saved.read_text())["rows"])
+        return 0
     from bench.peers import contenders as c
     from bench.peers import install
     from farm.config import load_config
@@ -377,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     finish(args.out, {"benchmark": "goodput", "args": vars(args), "tools": tools, "model_dir": str(mdir),
                       "logs": str(logs), "load_average_start": load0, "load_average_end": load_average(),
                       "wall_s": time.monotonic() - t0, "rows": rows, "records": records}, goals(rows, args))
+    draw(Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"), rows)
     return 1 if failed or any(r["failed"] for r in rows) else 0
 
 
