@@ -225,7 +225,9 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     if verdict.action != "forward":
         return answer_locally(kind, ids.response, verdict, *stream_flags(body, kind), header_id=ids.header)
     answers: list[Answer] = []
-    if stream_flags(body, kind)[0]:  # the first token goes out at once: a failure may fall back until then
+    # the path by the body's own flag: both start with _start, which validates the whole body against the model's
+    # context (stream_flags would bound max_tokens by no context: a 400 naming a limit of 2**30 tokens)
+    if body.get("stream") is True:  # the first token goes out at once: a failure may fall back until then
         st, tried, reason = _with_fallback(
             verdict, ids, lambda m, hop, last: _start(kind, body, verdict, m, hop, wait_for_room=last))
     else:  # nothing reaches the client before the whole answer: a failure at any token may still fall back
