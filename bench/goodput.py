@@ -327,6 +327,7 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def draw(figure: Path, rows: list[dict[str, Any]]) -> None:
+    """`plot`, or a line saying why there is no figure (matplotlib comes with the `bench` extra)."""
     try:
         plot(figure, rows)
         print(f"wrote {figure}")
@@ -385,8 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     peers = [p for p in args.peers.split(",") if p]
-    if sorted(set(peers) - set(PEERS)):
-        ap.error(f"unknown peers {sorted(set(peers) - set(PEERS))}; known: {', '.join(PEERS)}")
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        ap.error(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
     args.contenders = [f"farm-{m}" for m in args.modes.split(",") if m] + peers
     args.out = args.out or str(OUT_DIR / ("goodput-smoke.json" if args.smoke else "goodput.json"))
     return args

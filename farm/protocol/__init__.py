@@ -74,6 +74,6 @@ __all__ = [
     "TASK_BATCH_DRIVE", "TASK_DECODE", "TASK_GENERATE", "TASK_PING", "TASK_PREFILL", "DeltaEvent", "DoneEvent",
     "ErrorEvent", "Event", "GenerationRequest", "InvalidTask", "ReplyBatch", "Role", "SamplingParams", "StartEvent",
     "Usage", "cancel_key", "claim_key", "decode_reply", "direct_queue", "encode_reply", "fallback_id",
-    "is_request_id",     "migration_id", "model_slug", "parse_event", "queue_depths", "queue_name", "queues_for_role", "reader_lease_key",
-    "reply_stream_key",
+    "is_request_id", "migration_id", "model_slug", "parse_event", "queue_depths", "queue_name", "queues_for_role",
+    "reader_lease_key", "reply_stream_key",
 ]
