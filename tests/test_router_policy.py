@@ -161,10 +161,12 @@ CPU_COSTS = {"prefill_ms_per_block": 36.0, "prefill_step_ms": 85.0, "prefill_sam
              "decode_step_ms": 32.0, "decode_ms_per_block": 0.7, "decode_samples": 9}
 
 
-def beat(r, worker_id: str, output_tokens: int = 16, finished: int = 10, **costs) -> None:
-    """A heartbeat with measured step costs and `finished` requests of `output_tokens` each."""
+def beat(r, worker_id: str, output_tokens: int = 16, finished: int = 10, cache: dict | None = None,
+         **costs) -> None:
+    """A heartbeat with measured step costs and `finished` requests of `output_tokens` each (`cache`: the
+    prefix cache's stats, as engines report them)."""
     gen = {"le": [float("inf")], "counts": [finished], "sum": output_tokens * finished, "count": finished}
-    registry.heartbeat(r, worker_id, {"costs": {**CPU_COSTS, **costs},
+    registry.heartbeat(r, worker_id, {"costs": {**CPU_COSTS, **costs}, **(cache or {}),
                                       "histograms": {"request_generation_tokens": gen}})
 
 
@@ -259,6 +261,34 @@ def test_shared_prefix_stays_with_its_holder_until_the_holders_batch_pays_more_t
     # without a decode batch on the holder, any cached prefix wins
     redis_client.delete(*redis_client.keys("farm:load*"), *redis_client.keys("farm:active*"))
     assert router.choose(ws, hashes, 640, "both").worker.worker_id == "w0"
+
+
+def test_a_full_cache_keeps_a_prefix_on_its_holder_where_an_empty_one_lets_load_move_it(redis_client):
+    """Once caches are full, each block a placement prefills evicts one worth the worker's measured reuse
+    (prefix hits per miss): copying a held prefix onto another worker costs the prefills of what it evicts
+    there, so the holder keeps it under a load that would move it while caches still have room. With the
+    prefix nowhere, the worker whose cached blocks are reused least gives up its blocks."""
+    ws = workers(redis_client, 2)
+    router = make_router(redis_client, prediction_ttl_s=1e-6)
+    hashes = router.hashes(list(range(640)))  # 40 blocks of 16
+    router.index.store("w0", hashes[:36])
+    router.loads.begin("d", "w0", "decoding", 40)  # the holder is busy: a request decoding, a prefill queued
+    router.loads.begin("p", "w0", "queued", 30 * 16)
+
+    def place(cached_blocks: int, hits: tuple[int, int]) -> str:
+        for w, h in zip(ws, hits, strict=True):
+            beat(redis_client, w.worker_id, cache={"blocks_total": 100, "cached_blocks": cached_blocks,
+                                                    "prefix_hit_tokens": h, "prefix_query_tokens": 1000})
+        router.refresh_costs(ws)
+        return router.choose(ws, hashes, 640, "both").worker.worker_id
+
+    assert place(0, (500, 500)) == "w1"  # room everywhere: the load moves it, as before
+    assert router.costs.of("w1").block_reuse == 1.0 and router.costs.of("w1").empty_blocks == 100
+    assert place(100, (500, 500)) == "w0"  # full caches, each block reused once: it stays
+    assert place(100, (0, 0)) == "w1"  # full caches that nobody reuses: nothing to evict of worth
+    router.index.clear_worker("w0")
+    redis_client.delete(*redis_client.keys("farm:load*"), *redis_client.keys("farm:active*"))
+    assert place(100, (900, 100)) == "w1" and place(100, (100, 900)) == "w0"
 
 
 def test_soonest_model_by_cached_prefix_then_by_queue(redis_client):

@@ -307,12 +307,13 @@ def test_translation_rehashes_with_the_farm_contract(layout):
     t.apply(decode_event_batch(v.encode(v.KVEventBatch(ts=2.0, events=[
         stored(v, hs[1:3], hs[0], PROMPT[BS:3 * BS])])))[1])
     assert rec.events == [("stored", ours[:1], None, "device"), ("stored", ours[1:3], ours[0], "device")]
-    assert [t.farm_hash(h) for h in hs] == ours
+    assert [t.farm_hash(h) for h in hs] == ours and t.device_blocks == 3
     # the same blocks offloaded to CPU: the host tier; removal from the GPU keeps the host copy
     t.apply(decode_event_batch(v.encode(v.KVEventBatch(ts=3.0, events=[
         stored(v, hs[1:3], hs[0], PROMPT[BS:3 * BS], medium="CPU"),
         v.BlockRemoved(block_hashes=hs[1:3], medium="GPU")])))[1])
     assert rec.events[2:] == [("stored", ours[1:3], ours[0], "host"), ("removed", ours[1:3], None, "device")]
+    assert t.device_blocks == 1 and len(t) == 3  # the engine's cached blocks (heartbeat) count the device's
     # a block whose parent was never reported cannot be re-hashed: skipped, not guessed
     other = vllm_hashes(list(range(5000, 5000 + 2 * BS)))
     t.apply([{"type": "BlockStored", "block_hashes": other[1:], "parent_block_hash": other[0],
@@ -324,7 +325,7 @@ def test_translation_rehashes_with_the_farm_contract(layout):
                   "token_ids": list(range(5000, 5000 + BS)), "block_size": BS, "medium": "GPU", **extra}])
     assert t.skipped == 4 and len(rec.events) == 4
     t.apply([{"type": "AllBlocksCleared"}])
-    assert rec.events[-1] == ("cleared", [], None, None) and len(t) == 0
+    assert rec.events[-1] == ("cleared", [], None, None) and len(t) == 0 == t.device_blocks
 
 
 def test_removed_is_reference_counted_across_vllm_hashes():

@@ -308,7 +308,7 @@ class VllmEngine:
             "held": 0,
             "blocks_total": total,
             "blocks_free": int(total * (1.0 - s.kv_usage)),
-            "cached_blocks": len(self.translator),
+            "cached_blocks": self.translator.device_blocks,
             "prefix_hit_tokens": s.prefix_hits,
             "prefix_query_tokens": s.prefix_queries,
             "tokens_generated": self.tokens_generated,

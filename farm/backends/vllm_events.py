@@ -136,6 +136,7 @@ class VllmKVEventTranslator:
         self.stored = 0
         self.removed = 0
         self.skipped = 0  # blocks we could not translate (unknown parent, other block size, LoRA, ...)
+        self.device_blocks = 0  # vLLM's device blocks holding an indexed prefix (the engine's cached blocks)
 
     def __len__(self) -> int:
         return len(self._farm)
@@ -160,6 +161,7 @@ class VllmKVEventTranslator:
         self._farm.clear()
         self._tiers.clear()
         self._refs.clear()
+        self.device_blocks = 0
         self.publish(KVEventKind.CLEARED, [], None)
 
     def _stored(self, ev: dict[str, Any]) -> None:
@@ -200,6 +202,7 @@ class VllmKVEventTranslator:
             if tier in tiers:
                 continue  # vLLM re-reported a block it holds: nothing changes
             tiers.add(tier)
+            self.device_blocks += tier == "device"
             refs = self._refs.get((fh, tier), 0)
             self._refs[(fh, tier)] = refs + 1
             if refs == 0:
@@ -218,6 +221,7 @@ class VllmKVEventTranslator:
             if not tiers or tier not in tiers:
                 continue  # never indexed (skipped when stored)
             tiers.discard(tier)
+            self.device_blocks -= tier == "device"
             fh = self._farm[vh]
             refs = self._refs[(fh, tier)] - 1
             if refs:

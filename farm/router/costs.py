@@ -10,11 +10,16 @@ fresh figures speak for it instead (their median), until it runs steps of its ow
 
 Beside the step costs, how long requests decode: the mean output tokens of the requests a model's workers
 finished (`request_generation_tokens` in their heartbeat's histograms, the series vLLM exports), the horizon
-over which the cost weighs a placement's effect on a worker's decode batch (farm.router.policy).
+over which the cost weighs a placement's effect on a worker's decode batch (farm.router.policy). And what its
+prefix cache is worth: how many later prompt blocks an average cached block served before it was evicted (the
+worker's prefix hits over its misses, `prefix_hit_tokens` / `prefix_query_tokens` in its heartbeat), and how
+many of its blocks hold nothing yet (`blocks_total` - `cached_blocks`): a placement that prefills more blocks
+than that evicts blocks worth the reuse they would have given.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +39,8 @@ class WorkerCosts:
     decode_s_per_block: float
     measured: bool = False  # both halves are this worker's own figures, and fresh
     decode_tokens: float = 0.0  # mean output tokens of its model's finished requests (0: none finished yet)
+    block_reuse: float = 0.0  # later prompt blocks a cached block served on average (its hits / its misses)
+    empty_blocks: float = math.inf  # cache blocks holding nothing: prefilling into them evicts nothing
 
     @classmethod
     def prior(cls, p: CostPrior) -> WorkerCosts:
@@ -70,6 +77,22 @@ def _generated(hb: Any) -> tuple[float, float]:
     except (KeyError, TypeError, ValueError):
         return 0.0, 0.0
     return (total, count) if total >= 0 and count > 0 else (0.0, 0.0)
+
+
+def _cache_value(hb: Any) -> tuple[float, float]:
+    """(block_reuse, empty_blocks) from the worker's own heartbeat: prefix hits per miss since it started (each
+    missed block is stored once, so that is what a stored block served before eviction, on average), and its
+    cache blocks holding no prefix. (0, inf) when it reports neither: nothing is charged for eviction."""
+    try:
+        hits, queries = float(hb["prefix_hit_tokens"]), float(hb["prefix_query_tokens"])
+        reuse = hits / max(queries - hits, 1.0) if 0 <= hits <= queries else 0.0
+    except (KeyError, TypeError, ValueError):
+        reuse = 0.0
+    try:
+        empty = max(0.0, float(hb["blocks_total"]) - float(hb["cached_blocks"]))
+    except (KeyError, TypeError, ValueError):
+        empty = math.inf
+    return reuse, empty
 
 
 def _stale(costs: Any, idle: str) -> bool:
@@ -115,9 +138,11 @@ class CostBook:
             p = _pick(wid, peers, prefill, old_prefill)
             d = _pick(wid, peers, decode, old_decode)
             pr = self.prior
+            reuse, empty = _cache_value(heartbeats.get(wid))
             book[wid] = WorkerCosts(*(p or (pr.prefill_s_per_block, pr.prefill_step_s)),
                                     *(d or (pr.decode_step_s, pr.decode_s_per_block)),
-                                    measured=wid in prefill and wid in decode, decode_tokens=horizon[model])
+                                    measured=wid in prefill and wid in decode, decode_tokens=horizon[model],
+                                    block_reuse=reuse, empty_blocks=empty)
         self._by_worker = book
 
     def of(self, worker_id: str) -> WorkerCosts:

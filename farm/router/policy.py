@@ -9,11 +9,17 @@ Two costs (`router.cost`):
       stall  = n x (prefill_step + prefill_per_block x (R - O))   each of them waits out its prefill
       decode = D x (decode_step(A + R) + n x decode_per_block x R)  its own tokens, and every step of
                theirs longer by its blocks while it decodes
-      cost   = TTFT + stall + decode
-  A cached prefix is worth the prefill it saves on TTFT and on the stall; a worker's decode batch weighs
-  what joining it costs the batch. A prefill-only placement has no decode there (TTFT + stall); a decode-
-  only one only the decode term, over at least the one step it joins. Before any request has finished,
-  D = 0: TTFT + stall.
+      evict  = prefill_per_block x reuse x (R - O - E)+   the later prefills of the blocks it evicts
+      cost   = TTFT + stall + decode + evict
+  where E is the worker's cache blocks holding nothing and reuse its prefix hits per miss (what a stored
+  block served, on average, before it was evicted): once a cache is full, each block a placement prefills
+  evicts one that would have saved `reuse` prefills of a block later. That is what keeps a tenant's prefix
+  on one worker under load instead of copied onto both, each copy evicting other tenants' (an LRU's oldest
+  block is worth less than the average one, so this errs towards staying). A cached prefix is worth the
+  prefill it saves on TTFT and on the stall, and the eviction it spares; a worker's decode batch weighs
+  what joining it costs the batch. A prefill-only placement has no decode there (TTFT + stall + evict); a
+  decode-only one only the decode term, over at least the one step it joins. Before any request has
+  finished, D = 0: TTFT + stall + evict.
 - `dynamo`: Dynamo's `overlap_weight x (blocks still to prefill) + (blocks active)`, where the blocks still
   to prefill are the request's blocks beyond the cached overlap plus those queued for prefill, and the
   active blocks are the worker's decoding blocks plus this request's.
@@ -82,6 +88,14 @@ def decode_cost(c: Candidate, request_blocks: int, decode_tokens: float) -> floa
                             + c.requests * k.decode_s_per_block * request_blocks)
 
 
+def eviction_cost(c: Candidate, request_blocks: int) -> float:
+    """Seconds of later prefill the placement causes by evicting cached blocks: its uncached blocks beyond the
+    worker's empty ones, each worth the worker's measured reuse of a cached block."""
+    k = _costs(c)
+    evicted = max(0.0, request_blocks - c.overlap_blocks - k.empty_blocks)
+    return k.prefill_s_per_block * k.block_reuse * evicted if evicted and k.block_reuse else 0.0
+
+
 def placement_cost(c: Candidate, request_blocks: int, stage: str, decode_tokens: float | None = None,
                    ttft: float | None = None) -> float:
     """The `measured` cost (module docstring): seconds of latency the placement adds, summed over the new
@@ -92,7 +106,7 @@ def placement_cost(c: Candidate, request_blocks: int, stage: str, decode_tokens:
         return decode_cost(c, request_blocks, max(d, 1.0))
     if ttft is None:
         ttft = predicted_ttft(c, request_blocks)
-    cost = ttft + c.requests * own_prefill(c, request_blocks)
+    cost = ttft + c.requests * own_prefill(c, request_blocks) + eviction_cost(c, request_blocks)
     return cost if stage == "prefill" else cost + decode_cost(c, request_blocks, d)
 
 
