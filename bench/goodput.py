@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, percentile, table
-from bench.peers.cpu import cpu_by_kind
+from bench.cpu import cpu_by_kind
 from bench.peers.load import RequestTiming, stream_chat, warm_up_http
 from bench.routing import question, text_of
 
@@ -147,7 +147,7 @@ def run_rate(base_url: str, model: str, convs: list[Conversation], rate: float, 
              args: argparse.Namespace) -> dict[str, Any]:
     """One (workload, rate) against a running contender: its raw requests and span."""
     starts = poisson_starts(random.Random(seed), len(convs), rate / turns)
-    with cpu_by_kind() as cpu:
+    with cpu_by_kind("machine") as cpu:
         sent, span = asyncio.run(_serve(base_url.rstrip("/") + "/v1/chat/completions", model, convs, starts,
                                         args.output_tokens, args.timeout))
     return {"span_s": span, "errors": [s.error for s in sent if s.error], "cpu_s": cpu,
@@ -186,7 +186,7 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
         "latency_p50_ms": percentile(latency, 0.5), "latency_p90_ms": percentile(latency, 0.9),
         "hit_ratio": sum(r["cached_tokens"] for r in done) / prompt if prompt else 0.0,
         "per_worker": dict(sorted(Counter(r["worker"] for r in done if r.get("worker")).items())),
-        # where the 2 cores went (bench/peers/cpu.py's kinds): CPU seconds per completed request
+        # where the 2 cores went (bench/cpu.py's kinds): CPU seconds per completed request
         "cpu_s_per_request": {k: round(v / len(done), 3) for k, v in sorted(cpu.items())} if done else {},
     }
 
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                   r["latency_p50_ms"], r["latency_p90_ms"], r["throughput_rps"], r["output_tok_s"], r["hit_ratio"],
                   r["errors"]] for r in rows], digits=2))
     kinds = sorted({k for r in rows for k in r["cpu_s_per_request"]})
-    print("\nCPU seconds per completed request, by process kind (bench/peers/cpu.py)")
+    print("\nCPU seconds per completed request, by process kind (bench/cpu.py)")
     print(table(["workload", "req/s", "contender", *kinds],
                 [[r["workload"], r["rate"], r["contender"], *(r["cpu_s_per_request"].get(k) for k in kinds)]
                  for r in rows], digits=3))

@@ -28,8 +28,8 @@ import aiohttp
 import requests
 
 from bench.common import percentile, table
+from bench.cpu import cpu_by_kind, summary
 from bench.engine_speed import load
-from bench.engine_speed.cpu import cpu_by_kind, summary
 from bench.engine_speed.farm_api import redis_connect
 from bench.engine_speed.load import Request
 from bench.peers import contenders as pc

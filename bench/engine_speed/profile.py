@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import table
-from bench.engine_speed.cpu import FARM_API, FARM_WORKER, cpu_seconds, processes_of
+from bench.cpu import FARM_API, FARM_WORKER, cpu_seconds, processes_of
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 _LINE = re.compile(r":\d+\)$")

@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from bench.common import goal, table
-from bench.engine_speed.cpu import CLIENT, MACHINE_OTHERS, REAPED, SERVER_KINDS, server_cpu
+from bench.cpu import CLIENT, MACHINE_OTHERS, REAPED, SERVER_KINDS, server_cpu
 
 METRICS = ["wall_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms", "gap_p99_ms", "itl_p50_ms",
            "latency_p50_ms", "tokens_per_chunk"]

@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, machine_info, table
+from bench.cpu import cpu_by_kind, summary
 from bench.engine_speed import admission as adm
 from bench.engine_speed import contenders as ct
 from bench.engine_speed import load, report, scale
-from bench.engine_speed.cpu import cpu_by_kind, summary
 from bench.engine_speed.model import DEFAULT_DIR, describe, make_tiny_model
 from bench.engine_speed.profile import Profiler, print_profile
 from bench.peers import contenders as pc

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import table
+from bench.cpu import FARM_API, MACHINE_OTHERS, VLLM_API, cpu_by_kind, summary
 from bench.engine_speed import load
-from bench.engine_speed.cpu import FARM_API, MACHINE_OTHERS, VLLM_API, cpu_by_kind, summary
 from bench.peers import contenders as pc
 
 SCALE_FARM = {"engine": {"torch_threads": 1}}  # 2 workers on 2 cores: one torch thread each

@@ -254,8 +254,8 @@ def free_port_below(limit: int) -> int:
 
 
 def _wait_dynamo_workers(url: str, n: int, timeout: float, services: list[Service]) -> None:
-    """The frontend lists the model as soon as one worker registers: wait for the model, then until a few
-    requests have reached both workers' engines (each answers at least once)."""
+    """Until both workers' `generate` endpoints are registered and a one-token chat is answered: /health can
+    show the instances before the frontend serves the model (a chat sent then got a 404, failing a round)."""
     wait_http(url + "/health", timeout, services)
     deadline = time.monotonic() + timeout
     while True:
@@ -265,9 +265,12 @@ def _wait_dynamo_workers(url: str, n: int, timeout: float, services: list[Servic
             body = requests.get(url + "/health", timeout=5).json()
             instances = [i for i in body.get("instances", []) if i.get("endpoint") == "generate"]
             if len({i.get("instance_id") for i in instances}) >= n:
-                return
+                chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+                if requests.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200:
+                    return
         except (requests.RequestException, ValueError):
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"Dynamo: fewer than {n} workers registered within {timeout:.0f} s")
+            raise RuntimeError(f"Dynamo: fewer than {n} workers registered, or no chat answered, within "
+                               f"{timeout:.0f} s")
         time.sleep(2.0)

@@ -70,7 +70,7 @@ def _cpu_rows(per: dict[str, list[dict[str, float]]]) -> tuple[list[str], list[l
 
 
 def single_cpu_table(runs: list[dict[str, Any]], clients: int) -> str:
-    """CPU seconds per request by kind of process at `clients` concurrent clients (bench/peers/cpu.py)."""
+    """CPU seconds per request by kind of process at `clients` concurrent clients (bench/cpu.py)."""
     per: dict[str, list[dict[str, float]]] = {}
     for r in runs:
         lv = (r.get("levels") or {}).get(clients) or (r.get("levels") or {}).get(str(clients))
@@ -81,7 +81,7 @@ def single_cpu_table(runs: list[dict[str, Any]], clients: int) -> str:
 
 
 def cpu_table(runs: list[dict[str, Any]]) -> str:
-    """CPU seconds per request by kind of process during the measured windows (bench/peers/cpu.py), mean over
+    """CPU seconds per request by kind of process during the measured windows (bench/cpu.py), mean over
     rounds: where the time of each contender goes on the machine's 2 cores."""
     per: dict[str, list[dict[str, float]]] = {}
     for r in runs:

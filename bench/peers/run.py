@@ -37,9 +37,9 @@ from typing import Any
 import yaml
 
 from bench.common import OUT_DIR, alternating, finish, load_average, table
+from bench.cpu import cpu_by_kind
 from bench.peers import contenders as c
 from bench.peers import install, report
-from bench.peers.cpu import cpu_by_kind
 from bench.peers.inprocess import inprocess_engine
 from bench.peers.load import run_http_level, warm_up_http
 
@@ -111,7 +111,7 @@ def run_single(args: argparse.Namespace, s: c.Setup) -> list[dict[str, Any]]:
                     rec["start_s"], rec["commands"] = ep.start_s, ep.commands
                     warm_up_http(ep.base_url, ep.model)
                     for clients in args.clients:
-                        with cpu_by_kind() as cpu:
+                        with cpu_by_kind("machine") as cpu:
                             lv = run_http_level(ep.base_url, ep.model, f"r{rnd}-c{clients}", clients,
                                                 _per_client(args, clients), args.max_tokens)
                         rec["levels"][clients] = {**lv, "cpu_s": cpu}
@@ -155,7 +155,7 @@ def run_multi(args: argparse.Namespace, s: c.Setup, aiperf: Path) -> list[dict[s
             warm_up_http(ep.base_url, ep.model)
             before = ep.counters() if ep.counters else None
             art = OUT_DIR / f"peers-aiperf{'-smoke' if args.smoke else ''}" / f"{name}-r{rnd}"
-            with cpu_by_kind() as cpu:
+            with cpu_by_kind("machine") as cpu:
                 summary, _, wall = aiperf_profile(aiperf, ep.model, ep.base_url, s.model_dir, art, work, args.timeout)
             after = ep.counters() if ep.counters else None
             m = aiperf_metrics(summary)
