@@ -232,7 +232,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
             verdict, ids, lambda m, hop, last: _start(kind, body, verdict, m, hop, wait_for_room=last))
     else:  # nothing reaches the client before the whole answer: a failure at any token may still fall back
         (st, answers), tried, reason = _with_fallback(
-            verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, last=last))
+            verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, layer=layer, last=last))
     headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, st.model, reason) if tried else {})}
     model, parsed, gen = st.model, st.parsed, st.gen
     if on_prompt is not None:
@@ -261,12 +261,12 @@ def _cache_store(layer: Any, verdict: Verdict, st: _Started) -> Callable[[str, s
     return lambda text, reason: store(layer, verdict, text, reason)
 
 
-def _whole(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds, *, last: bool
-           ) -> tuple[_Started, list[Answer]]:
+def _whole(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds, *, layer: Any,
+           last: bool) -> tuple[_Started, list[Answer]]:
     """A non-streamed request on `model`: started, then every choice read whole. A failure part-way ends the
     attempt; unless it is the last model's, its tokens are not charged (the client never sees them)."""
     st = _start(kind, body, verdict, model, ids, wait_for_room=last)
-    cache = _cache_store(_farm().semantic(), verdict, st)
+    cache = _cache_store(layer, verdict, st)
     answers: list[Answer] = []
     try:
         for i, events in enumerate(st.streams):
