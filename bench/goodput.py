@@ -25,7 +25,9 @@ another's cache):
   turns, each sent with the growing history.
 Output: `--output-tokens` per request (greedy, `ignore_eos`, streamed). Headline: goodput = completed
 requests per second whose TTFT <= `--ttft-slo-ms` and mean ITL <= `--itl-slo-ms`; beside it TTFT, ITL and
-request latency p50/p90, throughput, the prefix-cache hit ratio (answers' usage), requests per worker.
+request latency p50/p90, throughput, the prefix-cache hit ratio (answers' usage), requests per worker, and
+`moved`: the share of a prefix's later requests the router sent to another worker than the one before (the
+farm names its worker in its answers; the peers do not).
 Figures pool both rounds; CPU seconds per request by process kind beside them (where the 2 cores went).
 Writes bench/out/goodput.json (smoke: goodput-smoke.json) and its figure beside it (.png: goodput and TTFT
 p90 by offered load; `--replot JSON` redraws a saved run's).
@@ -151,7 +153,8 @@ def run_rate(base_url: str, model: str, convs: list[Conversation], rate: float, 
         sent, span = asyncio.run(_serve(base_url.rstrip("/") + "/v1/chat/completions", model, convs, starts,
                                         args.output_tokens, args.timeout))
     return {"span_s": span, "errors": [s.error for s in sent if s.error], "cpu_s": cpu,
-            "raw": [{"conversation": s.conversation, "turn": s.turn, "error": s.error,
+            "raw": [{"conversation": s.conversation, "label": convs[s.conversation].label, "turn": s.turn,
+                     "error": s.error,
                      **({k: v for k, v in asdict(s.timing).items() if k != "text"} if s.timing else {})}
                     for s in sent]}
 
@@ -160,6 +163,24 @@ def run_rate(base_url: str, model: str, convs: list[Conversation], rate: float, 
 def _itl(r: dict[str, Any]) -> float | None:
     n = r["completion_tokens"]
     return (r["last"] - r["first"]) / (n - 1) if n > 1 else None
+
+
+def _moves(raw: list[dict[str, Any]]) -> tuple[int, int]:
+    """(moved, repeats) of one run: requests of a prefix (a tenant, or a conversation's later turns) that came
+    after an earlier one of it, and those of them placed on another worker than the one before. Only where the
+    contender names the worker (the farm); a moved prefix is prefilled again, and then cached twice, unless the
+    other worker held it too."""
+    last: dict[str, str] = {}
+    moved = repeats = 0
+    for r in sorted(raw, key=lambda r: r.get("sent", 0.0)):
+        worker, label = r.get("worker"), r.get("label")
+        if r["error"] or not worker or label is None:
+            continue
+        if label in last:
+            repeats += 1
+            moved += last[label] != worker
+        last[label] = worker
+    return moved, repeats
 
 
 def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
@@ -175,6 +196,10 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
     cpu: Counter[str] = Counter()
     for run in runs:
         cpu.update(run.get("cpu_s", {}))
+    moved = repeats = 0
+    for run in runs:
+        m, n = _moves(run["raw"])
+        moved, repeats = moved + m, repeats + n
     return {
         "requests": sum(len(run["raw"]) for run in runs), "completed": len(done), "errors": errors,
         "failed": errors > 0 or any(run.get("error") for run in runs), "span_s": span,
@@ -186,6 +211,7 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
         "latency_p50_ms": percentile(latency, 0.5), "latency_p90_ms": percentile(latency, 0.9),
         "hit_ratio": sum(r["cached_tokens"] for r in done) / prompt if prompt else 0.0,
         "per_worker": dict(sorted(Counter(r["worker"] for r in done if r.get("worker")).items())),
+        "moved": moved / repeats if repeats else None,  # share of a prefix's later requests sent elsewhere
         # where the 2 cores went (bench/cpu.py's kinds): CPU seconds per completed request
         "cpu_s_per_request": {k: round(v / len(done), 3) for k, v in sorted(cpu.items())} if done else {},
     }
@@ -423,11 +449,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.output_tokens} output tokens; 2 engines, one core each ({args.backend}); pooled over "
           f"{args.rounds} round(s)")
     print(table(["workload", "req/s", "contender", "status", "goodput", "SLO met", "TTFT p50", "p90", "ITL p50",
-                 "p90", "latency p50", "p90", "done/s", "tok/s", "hit", "errors"],
+                 "p90", "latency p50", "p90", "done/s", "tok/s", "hit", "moved", "errors"],
                 [[r["workload"], r["rate"], r["contender"], "FAILED" if r["failed"] else "ok", r["goodput_rps"],
                   r["slo_met"], r["ttft_p50_ms"], r["ttft_p90_ms"], r["itl_p50_ms"], r["itl_p90_ms"],
                   r["latency_p50_ms"], r["latency_p90_ms"], r["throughput_rps"], r["output_tok_s"], r["hit_ratio"],
-                  r["errors"]] for r in rows], digits=2))
+                  r.get("moved"), r["errors"]] for r in rows], digits=2))
     kinds = sorted({k for r in rows for k in r["cpu_s_per_request"]})
     print("\nCPU seconds per completed request, by process kind (bench/cpu.py)")
     print(table(["workload", "req/s", "contender", *kinds],
