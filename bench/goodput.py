@@ -194,10 +194,9 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
     good = sum(1 for r in done if r["first"] - r["sent"] <= ttft_slo_s and (_itl(r) or 0.0) <= itl_slo_s)
     prompt = sum(r["prompt_tokens"] for r in done)
     cpu: Counter[str] = Counter()
-    for run in runs:
-        cpu.update(run.get("cpu_s", {}))
     moved = repeats = 0
     for run in runs:
+        cpu.update(run.get("cpu_s", {}))
         m, n = _moves(run["raw"])
         moved, repeats = moved + m, repeats + n
     return {

@@ -93,7 +93,7 @@ def eviction_cost(c: Candidate, request_blocks: int) -> float:
     worker's empty ones, each worth the worker's measured reuse of a cached block."""
     k = _costs(c)
     evicted = max(0.0, request_blocks - c.overlap_blocks - k.empty_blocks)
-    return k.prefill_s_per_block * k.block_reuse * evicted if evicted and k.block_reuse else 0.0
+    return k.prefill_s_per_block * k.block_reuse * evicted
 
 
 def placement_cost(c: Candidate, request_blocks: int, stage: str, decode_tokens: float | None = None,
