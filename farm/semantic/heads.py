@@ -12,6 +12,7 @@ evaluation and the jailbreak threshold. Serving reads only that file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -55,6 +56,15 @@ class LinearHead:
             return emb
         return np.concatenate([emb, self.ngram_weight * hashed_ngrams(texts, self.ngram_dim)], axis=1)
 
+    def digest(self) -> str:
+        """sha256 of what decides this head's output (weights as shipped, labels, features): the name under which
+        bench/semantic --final records the one reading of a final set by this head."""
+        h = hashlib.sha256()
+        for part in (self.W.astype(np.float16).tobytes(), self.b.astype(np.float32).tobytes(),
+                     json.dumps([self.labels, self.ngram_dim, self.ngram_weight]).encode()):
+            h.update(part)
+        return h.hexdigest()
+
     def proba(self, emb: np.ndarray, texts: list[str]) -> np.ndarray:
         """Class probabilities, shape (n, len(labels))."""
         z = self.features(emb, texts) @ self.W + self.b
@@ -87,7 +97,7 @@ def _head(z, name: str) -> LinearHead:
 
 
 def load_heads(path: Path = HEADS_PATH) -> dict[str, LinearHead]:
-    """The shipped heads by name: "cat" (category), "jb" and "jb_strict" (the two jailbreak heads)."""
+    """The shipped heads by name: "cat" (category) and "jb" (jailbreak)."""
     with np.load(path) as z:
         names = {k[: -len("_W")] for k in z.files if k.endswith("_W")}
         return {n: _head(z, n) for n in sorted(names)}

