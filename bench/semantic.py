@@ -5,8 +5,9 @@
 
 `--final` reads the final split (tools/semantic/sources.final_attacks / final_benign: families no training
 run, no threshold and no other choice has read), scores the shipped jailbreak head on it and appends the
-figure, the head's sha256 and the command's date and commit to bench/semantic_final.json. A head whose hash
-is already there is refused: a second reading would make the final set one more development set.
+figure, the detector's sha256 (head weights, threshold, decoding rules) and the command's date and commit to
+bench/semantic_final.json. A detector whose hash is already there is refused: a second reading would make the
+final set one more development set.
 
 Every accuracy set says what it is, and real held-out data is reported apart from template-made data:
 - category, real: MMLU questions of 13 whole subjects never trained on (one per category), and English
@@ -88,7 +89,7 @@ def score_split(det: JailbreakDetector, emb: EmbeddingCache, rows: list[dict], s
     """TPR and FPR of the detector on one split, pooled and per family or source, with examples of errors."""
     part = [r for r in rows if r["split"] == split]
     texts = [r["text"] for r in part]
-    res = det.detect(emb.encode(texts), texts)
+    res = det.screen(texts, emb.encode)  # as the serving path judges a message: itself and what it decodes to
     rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
                             [r["source"] for r in part])
     rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
@@ -117,32 +118,31 @@ def final(record_path: Path = FINAL_RECORD) -> dict:
     import json
     import subprocess
 
-    head, meta = load_heads()["jb"], heads_meta()
-    digest = head.digest()
+    meta = heads_meta()
+    det = JailbreakDetector.shipped(load_heads(), meta)
+    digest = det.digest()
     records = json.loads(record_path.read_text()) if record_path.exists() else []
-    seen = [r for r in records if r["head_sha256"] == digest]
+    seen = [r for r in records if r.get("detector_sha256") == digest]
     if seen:
-        raise SystemExit(f"bench.semantic --final: this jailbreak head ({digest[:12]}) read the final split on "
+        raise SystemExit(f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split on "
                          f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
     emb = EmbeddingCache()
     rows = jailbreak_rows(emb)
-    det = JailbreakDetector.shipped(load_heads(), meta)
     rates = score_split(det, emb, rows, "final")
     finals = [r for r in rows if r["split"] == "final"]
-    texts = [r["text"] for r in finals]
-    flagged = [x.is_jailbreak for x in det.detect(emb.encode(texts), texts)]
+    flagged = [x.is_jailbreak for x in det.screen([r["text"] for r in finals], emb.encode)]
     fpr = {}
     for name, prefix in FINAL_GROUPS.items():
         xs = [f for f, r in zip(flagged, finals, strict=True) if r["label"] == "benign" and r["source"].startswith(prefix)]
         fpr[name] = rate(sum(xs), len(xs))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"head_sha256": digest, "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
+    record = {"detector_sha256": digest, "head_sha256": det.head.digest(), "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
               "command": "python -m bench.semantic --final", "tpr": rates["tpr"], "fpr": rates["fpr"],
               "fpr_by_kind": fpr, "per_group": rates["per_group"], "dev_eval": meta["jailbreak"].get("dev_eval")}
     record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
-    print(f"final split, jailbreak head {digest[:12]} at threshold {det.threshold} (read once; recorded in "
+    print(f"final split, jailbreak detector {digest[:12]} at threshold {det.threshold} (read once; recorded in "
           f"{record_path.name})")
     print(f"TPR {fmt(rates['tpr'])}; FPR everyday {fmt(fpr['everyday'])}; FPR about security {fmt(fpr['security'])}; "
           f"FPR tool data {fmt(fpr['tool data'])}")

@@ -282,17 +282,21 @@ def test_heads_record_their_training_and_the_jailbreak_head_uses_its_threshold(t
 
 
 def test_the_final_split_is_read_once_per_head(tmp_path):
-    """bench.semantic --final refuses a head whose hash already has a final figure (before reading any data)."""
+    """bench.semantic --final refuses a detector (head, threshold, decoding) whose hash already has a final figure,
+    before reading any data; another threshold is another detector."""
     import json
 
     from bench.semantic import final
-    from farm.semantic.heads import load_heads
+    from farm.semantic.heads import heads_meta, load_heads
+    from farm.semantic.jailbreak import JailbreakDetector
 
+    detector = JailbreakDetector.shipped(load_heads(), heads_meta())
     record = tmp_path / "final.json"
-    record.write_text(json.dumps([{"head_sha256": load_heads()["jb"].digest(), "date": "2026-11-27T00:00:00+00:00"}]))
+    record.write_text(json.dumps([{"detector_sha256": detector.digest(), "date": "2026-11-27T00:00:00+00:00"}]))
     with pytest.raises(SystemExit, match="second reading"):
         final(record)
     assert len(json.loads(record.read_text())) == 1
+    assert JailbreakDetector(detector.head, detector.threshold + 0.01).digest() != detector.digest()
 
 
 @pytest.mark.parametrize("text", [  # written here, in the ways of real attack families the old default head missed

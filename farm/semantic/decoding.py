@@ -20,6 +20,7 @@ _WORD = re.compile(r"[a-z]+")
 # the commonest English words: a ROT13 text has almost none of them, its decoding many
 _COMMON = frozenset("the to and how a of you is in for what i make can do with on be it that this me my your are "
                     "write give tell an or from about step by".split())
+DECODING_VERSION = "base64+hex+rot13/1"  # part of the jailbreak detector's digest: bump when the rules change
 MAX_FORMS = 3
 MAX_CHARS = 4000  # of a decoded form: enough for any prompt worth decoding
 

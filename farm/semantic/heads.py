@@ -57,8 +57,7 @@ class LinearHead:
         return np.concatenate([emb, self.ngram_weight * hashed_ngrams(texts, self.ngram_dim)], axis=1)
 
     def digest(self) -> str:
-        """sha256 of what decides this head's output (weights as shipped, labels, features): the name under which
-        bench/semantic --final records the one reading of a final set by this head."""
+        """sha256 of what decides this head's output (weights as shipped, labels, features)."""
         h = hashlib.sha256()
         for part in (self.W.astype(np.float16).tobytes(), self.b.astype(np.float32).tobytes(),
                      json.dumps([self.labels, self.ngram_dim, self.ngram_weight]).encode()):

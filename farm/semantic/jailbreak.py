@@ -11,12 +11,13 @@ no choice has seen. An encoded message (base64, hex, ROT13) is also scored as wh
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from farm.semantic.decoding import decoded_forms
+from farm.semantic.decoding import DECODING_VERSION, decoded_forms
 from farm.semantic.heads import LinearHead
 
 
@@ -38,6 +39,11 @@ class JailbreakDetector:
     def shipped(cls, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None) -> JailbreakDetector:
         """The shipped head at the threshold chosen with it at training, unless `threshold` overrides it."""
         return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"])
+
+    def digest(self) -> str:
+        """sha256 of everything that decides a verdict: the head's weights, the threshold and the decoding
+        rules. bench/semantic --final records the one reading of the final split under it."""
+        return hashlib.sha256(f"{self.head.digest()} {self.threshold!r} {DECODING_VERSION}".encode()).hexdigest()
 
     def detect(self, emb: np.ndarray, texts: list[str]) -> list[JailbreakResult]:
         p = self.head.proba(np.atleast_2d(emb), texts)

@@ -146,6 +146,7 @@ def jailbreak_head(cache: EmbeddingCache) -> tuple[LinearHead, float, dict[str, 
     tried, best = [], None
     for setting in JB_GRID:
         head = fit_jailbreak(train, emb[split == "train"], **setting)
+        head.W = head.W.astype(np.float16).astype(np.float32)  # as shipped (save_heads): the threshold must fit it
         scores = screened_scores(head, cache, [r["text"] for r in dev])
         threshold = dev_threshold(scores, dev)
         rates = detection_rates(list(scores >= threshold), [r["label"] != "benign" for r in dev],
