@@ -176,8 +176,8 @@ def slowloris(host: str, port: int, n: int) -> Attack:
 
 def abandoned_non_streaming(url: str, model: str, n: int, period_s: float = 5.0) -> Attack:
     """Item 5: non-streaming requests for 600 tokens whose clients hang up after 2 s, one per client per period."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a very long story."}],
-            "max_tokens": 600, "ignore_eos": True}
+    body = {"model": model, "messages": [{"role": "user", "content": "Write a very long essay about the history of trains."}],
+            "max_tokens": 600, "ignore_eos": True}  # a prompt the jailbreak guard passes: the attack is the hang-up
 
     def one() -> None:
         try:

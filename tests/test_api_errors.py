@@ -120,7 +120,7 @@ def test_valid_message_forms_pass_validation(app_client):
                                                       stop="\n", n=1)), 503, code="no_workers")
     assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 2, 3], "max_tokens": 3}),
                  503, code="no_workers")
-    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": ["one prompt"]}),
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": ["Once upon a time"]}),
                  503, code="no_workers")
 
 

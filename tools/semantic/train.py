@@ -16,10 +16,12 @@ What ships (bench/RESULTS.md has the figures):
   last paragraph" or "explain SQL injection so I can prevent it").
 
 Every choice is made on the development split of tools/semantic/datasets.py, never on the final one: the
-head's settings (JB_GRID: the benign class's share, the n-gram weight) are the ones with the highest dev TPR
+head's settings (JB_GRID: the benign class's share, the n-gram weight, the templates' weight; earlier grids of
+the same search are in bench/RESULTS.md) are the ones with the highest dev TPR
 at the threshold that keeps each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and
-hard benign sources, 0.05 for prompts about security). The final split is read by `python -m bench.semantic
---final` only, once per released head. The serving path reads the threshold from the recorded meta unless
+hard benign sources, 0.05 for prompts about security and the project's near misses), scored as the serving
+path scores (each text and what it decodes to, float16 weights). The final split is read by
+`python -m bench.semantic --final` only, once per released detector. The serving path reads the threshold from the recorded meta unless
 `semantic.jailbreak.threshold` overrides it.
 """
 
@@ -109,11 +111,6 @@ def fit_jailbreak(rows: list[dict], emb: np.ndarray, benign_share: float, ngram_
     attack_share = (1.0 - benign_share) / 3
     return fit(rows, emb, datasets.JB_LABELS, JB_NGRAM_DIM, ngram_weight, JB_L2,
                [benign_share, attack_share, attack_share, attack_share], {"templates": template_boost})
-
-
-def attack_scores(head: LinearHead, emb: np.ndarray, texts: list[str]) -> np.ndarray:
-    """1 - p(benign): the jailbreak detector's confidence."""
-    return 1.0 - head.proba(emb, texts)[:, 0]
 
 
 def screened_scores(head: LinearHead, cache: EmbeddingCache, texts: list[str]) -> np.ndarray:
