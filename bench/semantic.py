@@ -79,12 +79,6 @@ def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
     return out
 
 
-def jailbreak_rows(emb: EmbeddingCache) -> list[dict]:
-    """Every jailbreak row after dropping dev and final rows that repeat an earlier split (as training does)."""
-    rows = datasets.jailbreak_rows()
-    return datasets.deduplicate_across_splits(rows, emb.encode([r["text"] for r in rows]))[0]
-
-
 def score_split(det: JailbreakDetector, emb: EmbeddingCache, rows: list[dict], split: str) -> dict:
     """TPR and FPR of the detector on one split, pooled and per family or source, with examples of errors."""
     part = [r for r in rows if r["split"] == split]
@@ -101,7 +95,7 @@ def score_split(det: JailbreakDetector, emb: EmbeddingCache, rows: list[dict], s
 
 def jailbreak_eval(emb: EmbeddingCache) -> dict:
     """The shipped head at its threshold on the development split and the template test split."""
-    rows = jailbreak_rows(emb)
+    rows = datasets.jailbreak_splits(emb.encode)[0]
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
     return {"threshold": det.threshold,
             "dev": {"kind": "real, development (every choice was made on it)", **score_split(det, emb, rows, "dev")},
@@ -127,17 +121,15 @@ def final(record_path: Path = FINAL_RECORD) -> dict:
         raise SystemExit(f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split on "
                          f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
     emb = EmbeddingCache()
-    rows = jailbreak_rows(emb)
-    rates = score_split(det, emb, rows, "final")
-    finals = [r for r in rows if r["split"] == "final"]
-    flagged = [x.is_jailbreak for x in det.screen([r["text"] for r in finals], emb.encode)]
+    rates = score_split(det, emb, datasets.jailbreak_splits(emb.encode)[0], "final")
     fpr = {}
-    for name, prefix in FINAL_GROUPS.items():
-        xs = [f for f, r in zip(flagged, finals, strict=True) if r["label"] == "benign" and r["source"].startswith(prefix)]
-        fpr[name] = rate(sum(xs), len(xs))
+    for name, prefix in FINAL_GROUPS.items():  # pooled from the per-source counts
+        mine = [v["fpr"] for g, v in rates["per_group"].items() if v["kind"] == "benign" and g.startswith(prefix)]
+        fpr[name] = rate(sum(x["k"] for x in mine), sum(x["n"] for x in mine))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"detector_sha256": digest, "head_sha256": det.head.digest(), "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
+    record = {"detector_sha256": digest, "head_sha256": det.head.digest(),
+              "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
               "command": "python -m bench.semantic --final", "tpr": rates["tpr"], "fpr": rates["fpr"],
               "fpr_by_kind": fpr, "per_group": rates["per_group"], "dev_eval": meta["jailbreak"].get("dev_eval")}

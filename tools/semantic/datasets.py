@@ -11,10 +11,11 @@ Jailbreak (benign / jailbreak / harmful_request / prompt_extraction), three spli
   instruction-override attacks and near-miss benign prompts);
 - dev: the families held out until issue 29 (Pliny, Arth Singh, AutoDAN, TAP, HarmBench, past/future-tense
   rephrasings, GCG suffixes, 0din, PyRIT's prompt extraction; FreshQA, WritingBench fiction and role-play,
-  CISSP and security guides, medicine, law; PersistBench's cross-domain everyday chat queries, added in issue 29 when
-  the short chat requests written here showed the exam-like sources too easy), and HarmBench requests encoded (base64, hex, ROT13) in wordings
-  written here (a development check of the guard's decoding, labelled as made here). Their figures were printed by every training run while features,
-  class shares and sources changed, so they are development figures: every choice is made on them;
+  CISSP and security guides, medicine, law; PersistBench's cross-domain everyday chat queries, added in issue
+  29 when the short chat requests written here showed the exam-like sources too easy), and HarmBench requests
+  encoded (base64, hex, ROT13) in wordings written here (a development check of the guard's decoding,
+  labelled as made here). Their figures were printed by every training run while features, class shares and
+  sources changed, so they are development figures: every choice is made on them;
 - final: families no run has read (sources.final_attacks, sources.final_benign), read once per released head
   by `python -m bench.semantic --final`, which records the head's hash with the figure.
 A dev or final row whose normalised text, or whose embedding (cosine >= NEAR_DUPLICATE), matches a row of an
@@ -26,6 +27,7 @@ wrappers, AdvBench and others the training ones).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +143,10 @@ def deduplicate_across_splits(rows: list[dict], emb: np.ndarray) -> tuple[list[d
                     keep[j] = False
                     dropped[split] += 1
     return [r for r, k in zip(rows, keep, strict=True) if k], emb[keep], dropped
+
+
+def jailbreak_splits(encode: Callable[[list[str]], np.ndarray]) -> tuple[list[dict], np.ndarray, dict[str, int]]:
+    """Every jailbreak row with its vector (`encode`: the embedding cache), near duplicates across splits
+    dropped: what training fits and chooses on and what bench/semantic scores."""
+    rows = jailbreak_rows()
+    return deduplicate_across_splits(rows, encode([r["text"] for r in rows]))

@@ -17,12 +17,11 @@ What ships (bench/RESULTS.md has the figures):
 
 Every choice is made on the development split of tools/semantic/datasets.py, never on the final one: the
 head's settings (JB_GRID: the benign class's share, the n-gram weight, the templates' weight; earlier grids of
-the same search are in bench/RESULTS.md) are the ones with the highest dev TPR
-at the threshold that keeps each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and
+the same search are in bench/RESULTS.md) are the ones with the highest dev TPR at the threshold that keeps each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and
 hard benign sources, 0.05 for prompts about security and the project's near misses), scored as the serving
 path scores (each text and what it decodes to, float16 weights). The final split is read by
-`python -m bench.semantic --final` only, once per released detector. The serving path reads the threshold from the recorded meta unless
-`semantic.jailbreak.threshold` overrides it.
+`python -m bench.semantic --final` only, once per released detector. The serving path reads the threshold
+from the recorded meta unless `semantic.jailbreak.threshold` overrides it.
 """
 
 from __future__ import annotations
@@ -131,8 +130,7 @@ def dev_threshold(scores: np.ndarray, rows: list[dict]) -> float:
 def jailbreak_head(cache: EmbeddingCache) -> tuple[LinearHead, float, dict[str, Any]]:
     """The jailbreak head: each JB_GRID setting fitted on train and judged on dev (TPR at the threshold that
     meets the FPR goals there); the best one ships with that threshold."""
-    rows = datasets.jailbreak_rows()
-    rows, emb, dropped = datasets.deduplicate_across_splits(rows, cache.encode([r["text"] for r in rows]))
+    rows, emb, dropped = datasets.jailbreak_splits(cache.encode)
     print(f"jailbreak rows: {len(rows)} after dropping near duplicates of an earlier split {dropped}")
     split = np.array([r["split"] for r in rows])
     train = [r for r in rows if r["split"] == "train"]
@@ -158,11 +156,10 @@ def jailbreak_head(cache: EmbeddingCache) -> tuple[LinearHead, float, dict[str, 
     for g, v in rates["per_group"].items():
         k = "tpr" if v["kind"] == "attack" else "fpr"
         print(f"    {g:40s} {k} {v[k]['value']:.3f} n={v[k]['n']}")
-    sources_in = lambda sp: sorted({r["source"] for r in rows if r["split"] == sp})  # noqa: E731
     return head, threshold, {
         "labels": head.labels, "n_train": len(train), "threshold": threshold, "data": "real and templates",
         "setting": setting, "tried": tried, "fpr_goal": FPR_GOAL, "dropped_near_duplicates": dropped,
-        "train_sources": sources_in("train"), "dev_sources": sources_in("dev"), "final_sources": sources_in("final"),
+        **{f"{sp}_sources": sorted({r["source"] for r in rows if r["split"] == sp}) for sp in datasets.SPLIT_ORDER},
         "dev_eval": {"tpr": rates["tpr"], "fpr": rates["fpr"]}}
 
 
