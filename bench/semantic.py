@@ -49,6 +49,7 @@ from bench.common import CpuShare, finish, goal, load_average, percentile, table
 from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
 from farm.infra import redis_server
+from farm.semantic.adapter import load_adapter
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
 from farm.semantic.heads import HEADS_PATH, heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
@@ -79,11 +80,12 @@ def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
     return out
 
 
-def score_split(det: JailbreakDetector, emb: EmbeddingCache, rows: list[dict], split: str) -> dict:
-    """TPR and FPR of the detector on one split, pooled and per family or source, with examples of errors."""
+def score_split(det: JailbreakDetector, guard: EmbeddingCache, rows: list[dict], split: str) -> dict:
+    """TPR and FPR of the detector on one split, pooled and per family or source, with examples of errors
+    (`guard`: the guard's vectors, the shipped adapter's cache)."""
     part = [r for r in rows if r["split"] == split]
     texts = [r["text"] for r in part]
-    res = det.screen(texts, emb.encode)  # as the serving path judges a message: itself and what it decodes to
+    res = det.screen(texts, guard.encode)  # as the serving path judges a message: itself and what it decodes to
     rates = detection_rates([r.is_jailbreak for r in res], [r["label"] != "benign" for r in part],
                             [r["source"] for r in part])
     rates["false_positives"] = [r["text"][:200] for r, x in zip(part, res, strict=True)
@@ -97,9 +99,10 @@ def jailbreak_eval(emb: EmbeddingCache) -> dict:
     """The shipped head at its threshold on the development split and the template test split."""
     rows = datasets.jailbreak_splits(emb.encode)[0]
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
+    guard = EmbeddingCache(adapter=load_adapter())
     return {"threshold": det.threshold,
-            "dev": {"kind": "real, development (every choice was made on it)", **score_split(det, emb, rows, "dev")},
-            "templates_test": {"kind": "template", **score_split(det, emb, rows, "templates_test")}}
+            "dev": {"kind": "real, development (every choice was made on it)", **score_split(det, guard, rows, "dev")},
+            "templates_test": {"kind": "template", **score_split(det, guard, rows, "templates_test")}}
 
 
 FINAL_RECORD = Path(__file__).resolve().parent / "semantic_final.json"
@@ -121,14 +124,14 @@ def final(record_path: Path = FINAL_RECORD) -> dict:
         raise SystemExit(f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split on "
                          f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
     emb = EmbeddingCache()
-    rates = score_split(det, emb, datasets.jailbreak_splits(emb.encode)[0], "final")
+    rates = score_split(det, EmbeddingCache(adapter=load_adapter()), datasets.jailbreak_splits(emb.encode)[0], "final")
     fpr = {}
     for name, prefix in FINAL_GROUPS.items():  # pooled from the per-source counts
         mine = [v["fpr"] for g, v in rates["per_group"].items() if v["kind"] == "benign" and g.startswith(prefix)]
         fpr[name] = rate(sum(x["k"] for x in mine), sum(x["n"] for x in mine))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"detector_sha256": digest, "head_sha256": det.head.digest(),
+    record = {"detector_sha256": digest, "head_sha256": det.head.digest(), "adapter_sha256": det.adapter_digest,
               "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
               "command": "python -m bench.semantic --final", "tpr": rates["tpr"], "fpr": rates["fpr"],

@@ -90,9 +90,8 @@ def test_the_category_reads_the_last_user_turn(layer):
 
 def test_earlier_turns_are_embedded_once(layer, embedder, monkeypatch):
     seen: list[str] = []
-    one, many = embedder.encode_one, embedder.encode_many
-    monkeypatch.setattr(embedder, "encode_one", lambda t: seen.append(t) or one(t))
-    monkeypatch.setattr(embedder, "encode_many", lambda ts: seen.extend(ts) or many(ts))
+    many = embedder.encode_texts
+    monkeypatch.setattr(embedder, "encode_texts", lambda ts: seen.extend(ts) or many(ts))
     turns = [("system", "You are a concise assistant for a bakery."), ("user", "Do you sell sourdough bread?"),
              ("assistant", "Yes, every morning from 7 am."), ("user", "Is it gluten free?")]
     layer.before("MoM", conv(*turns))
@@ -102,13 +101,15 @@ def test_earlier_turns_are_embedded_once(layer, embedder, monkeypatch):
     assert sorted(seen) == ["Do you have rye?", "No, it is made with wheat."]
 
 
-def test_one_padded_forward_gives_each_text_its_own_vector(embedder):
+def test_one_padded_forward_gives_each_text_its_own_vectors(embedder):
+    """Texts embedded together (padded to one length) get the vectors, sentence and guard, each gets alone."""
     texts = ["ok", "You are a concise assistant for a bakery that sells bread and cakes.", "Is it gluten free?",
              "word " * 300]  # the last one longer than the embedding window
-    many = embedder.encode_many(texts)
-    for text, (vec, truncated) in zip(texts, many, strict=True):
-        one, one_truncated = embedder.encode_one(text)
-        assert float(vec @ one) > 0.9999 and truncated == one_truncated
+    many = embedder.encode_texts(texts)
+    for text, enc in zip(texts, many, strict=True):
+        one = embedder.encode_texts([text])[0]
+        assert float(enc.vector @ one.vector) > 0.9999 and float(enc.guard @ one.guard) > 0.9999
+        assert enc.truncated == one.truncated == (text == texts[-1])
 
 
 def test_the_guards_memo_is_per_tenant():

@@ -258,9 +258,30 @@ def test_lean_embedding_matches_sentence_transformers(embedder):
     # the per-request path (ONNX Runtime, exported at start) gives the same vectors at any length
     assert embedder.backend == "onnx", "the export failed: the API would run the slower torch model"
     texts.append("word " * 300)  # beyond the embedding window: truncated, as `encode` does
-    for text, vec in zip(texts, embedder.encode(texts), strict=True):
-        one, truncated = embedder.encode_one(text)
-        assert np.abs(one - vec).max() < 1e-4 and truncated == (text == texts[-1])
+    for text, vec, guard in zip(texts, embedder.encode(texts), embedder.encode(texts, guard=True), strict=True):
+        one = embedder.encode_texts([text])[0]
+        assert np.abs(one.vector - vec).max() < 1e-4 and one.truncated == (text == texts[-1])
+        # the guard's branch (the shipped adapter) too, and it is not the sentence embedding
+        assert np.abs(one.guard - guard).max() < 1e-4 and float(one.guard @ one.vector) < 0.999
+
+
+def test_the_guard_adapter_is_the_shipped_one_and_small(embedder):
+    """The embedder serves the adapter recorded with the jailbreak head (its digest is part of the detector's),
+    as low-rank updates to the top layers; another adapter is another detector."""
+    from farm.semantic.adapter import GuardAdapter, load_adapter
+    from farm.semantic.heads import heads_meta, load_heads
+    from farm.semantic.jailbreak import JailbreakDetector
+
+    shipped = load_adapter()
+    assert shipped is not None and embedder.adapter is not None
+    assert embedder.adapter.digest() == shipped.digest() == heads_meta()["jailbreak"]["adapter"]["digest"]
+    assert sum(a.size + b.size for a, b in shipped.updates.values()) < 200_000
+    assert all(layer >= shipped.first_layer for layer, _ in shipped.updates)
+    detector = JailbreakDetector.shipped(load_heads(), heads_meta())
+    assert detector.adapter_digest == shipped.digest()
+    other = GuardAdapter(shipped.first_layer, shipped.rank,
+                         {k: (a, b * 1.01) for k, (a, b) in shipped.updates.items()})
+    assert JailbreakDetector(detector.head, detector.threshold, other.digest()).digest() != detector.digest()
 
 
 def test_heads_record_their_training_and_the_jailbreak_head_uses_its_threshold(tmp_path, redis_url, redis_client,

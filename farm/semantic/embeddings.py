@@ -5,12 +5,16 @@ start path and adds per-call overhead; the model is a plain BERT, so `transforme
 pooling over the attention mask and L2 normalisation give the same vectors (checked in the tests) at
 lower latency. Every classifier and the semantic cache share one embedding per request.
 
-The per-request path (`encode_one`, one text, no padding) runs on ONNX Runtime: the encoder is exported
-from the loaded torch model into memory when the process starts (about 2 s, nothing written to disk) and
-checked against eager torch at two lengths. On a 2-core CPU that is about half the time of the torch
-forward (bench/RESULTS.md), which is most of the semantic layer's latency. `backend="torch"`, a missing
-`onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
+The per-request path (`encode_texts`: one text unpadded, or texts of similar length in one padded forward)
+runs on ONNX Runtime: the encoder is exported from the loaded torch model into memory when the process starts
+(about 2 s, nothing written to disk) and checked against eager torch. On a 2-core CPU that is about half the
+time of the torch forward (bench/RESULTS.md), which is most of the semantic layer's latency. `backend="torch"`,
+a missing `onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
 evaluation) stays on torch.
+
+With the jailbreak guard's adapter (farm.semantic.adapter, shipped in heads.npz) the same forward also runs the
+adapted top layers on the hidden states entering them: one call gives each text its sentence embedding and
+the guard's vector (`Encoded`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import logging
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from farm.infra.cooperative import offload, pause
+from farm.semantic.adapter import GuardAdapter, load_adapter, run_branch
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +48,23 @@ def model_path() -> Path:
     return Path(get_model_path())
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """One text through the encoder: its sentence embedding (category, cache, /v1/embeddings), the jailbreak
+    guard's vector from the adapter's branch (farm.semantic.adapter; the sentence embedding when no adapter is
+    loaded), and whether the text was longer than the window."""
+
+    vector: np.ndarray
+    guard: np.ndarray
+    truncated: bool
+
+
 class Embedder:
-    """Batched, normalised MiniLM embeddings on CPU; thread-safe (one forward at a time)."""
+    """Batched, normalised MiniLM embeddings on CPU; thread-safe (one forward at a time). With an `adapter`,
+    every forward also gives the guard's vector (`Encoded.guard`, `encode(..., guard=True)`)."""
 
     def __init__(self, path: Path | None = None, threads: int = 0, max_tokens: int = MAX_TOKENS,
-                 backend: str = "onnx") -> None:
+                 backend: str = "onnx", adapter: GuardAdapter | None = None) -> None:
         import torch
 
         from farm.models.tokenization import HF_LOAD_LOCK
@@ -62,6 +80,8 @@ class Embedder:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             self.model = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
         self.max_tokens = max_tokens
+        self.adapter = adapter
+        self._branch = adapter.branch(self.model) if adapter is not None else None
         self._lock = threading.Lock()
         self._session = self._onnx_session(threads) if backend == "onnx" else None
 
@@ -70,60 +90,62 @@ class Embedder:
         """What `encode_one` runs on: "onnx" or "torch"."""
         return "onnx" if self._session is not None else "torch"
 
-    def _hidden(self, ids: list[int]) -> np.ndarray:
-        """Last hidden state of one unpadded sequence, on ONNX Runtime or torch (both release the GIL)."""
-        if self._session is not None:
-            return self._session.run(None, _onnx_inputs([ids]))[0]
-        return self._hidden_torch(ids)
+    def _forward_torch(self, input_ids, attention_mask) -> tuple:
+        """(last hidden state, the guard branch's last hidden state or None) of a padded batch of tensors."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         token_type_ids=self._torch.zeros_like(input_ids),
+                         output_hidden_states=self._branch is not None)
+        if self._branch is None:
+            return out.last_hidden_state, None
+        entering = out.hidden_states[self.adapter.first_layer]
+        return out.last_hidden_state, run_branch(self._branch, entering, attention_mask)
 
-    def _hidden_batch(self, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """Last hidden states of a padded batch (`_onnx_inputs`), on ONNX Runtime or torch."""
+    def _hidden_batch(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Last hidden states of a padded batch (`_onnx_inputs`): the model's and the guard's (the model's again
+        without an adapter), on ONNX Runtime or torch (both release the GIL)."""
         if self._session is not None:
-            return self._session.run(None, batch)[0]
-        torch = self._torch
-        ids = torch.from_numpy(batch["input_ids"])
-        with torch.inference_mode():
-            return self.model(input_ids=ids, attention_mask=torch.from_numpy(batch["attention_mask"]),
-                              token_type_ids=torch.zeros_like(ids)).last_hidden_state.numpy()
-
-    def _hidden_torch(self, ids: list[int]) -> np.ndarray:
-        torch = self._torch
-        input_ids = torch.tensor([ids])
-        with torch.inference_mode():
-            return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                              token_type_ids=torch.zeros_like(input_ids)).last_hidden_state.numpy()
+            outs = self._session.run(None, batch)
+        else:
+            torch = self._torch
+            with torch.inference_mode():
+                outs = [x.numpy() for x in self._forward_torch(torch.from_numpy(batch["input_ids"]),
+                                                               torch.from_numpy(batch["attention_mask"]))
+                        if x is not None]
+        return outs[0], outs[-1]
 
     def _onnx_session(self, threads: int):
-        """The encoder (ids -> last hidden state, all-ones mask) on ONNX Runtime; None if unavailable."""
+        """The encoder (ids, mask -> last hidden state, and the guard's) on ONNX Runtime; None if unavailable."""
         try:
             import onnxruntime as ort
         except ImportError:
             log.info("onnxruntime is not installed: embeddings run on torch")
             return None
         torch = self._torch
+        outer = self
 
         class Encoder(torch.nn.Module):
-            def __init__(self, model):
+            def __init__(self):
                 super().__init__()
-                self.model = model
+                self.model, self.branch = outer.model, outer._branch
 
             def forward(self, input_ids, attention_mask):
-                return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                  token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+                main, guard = outer._forward_torch(input_ids, attention_mask)
+                return main if guard is None else (main, guard)
 
         samples = [self.tokenizer(t)["input_ids"] for t in (
             "a sentence to export the encoder with",
             "a longer sentence, of another length, checks that the export does not bake in the sequence length")]
+        names = ["hidden"] if self._branch is None else ["hidden", "guard"]
         try:
             buf = io.BytesIO()
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
                 ids0 = torch.tensor([samples[0]])
                 axes = {0: "batch", 1: "tokens"}
-                torch.onnx.export(Encoder(self.model).eval(), (ids0, torch.ones_like(ids0)), buf,
-                                  input_names=["input_ids", "attention_mask"], output_names=["hidden"],
-                                  opset_version=17, dynamic_axes={"input_ids": axes, "attention_mask": axes,
-                                                                  "hidden": axes}, dynamo=False)
+                torch.onnx.export(Encoder().eval(), (ids0, torch.ones_like(ids0)), buf,
+                                  input_names=["input_ids", "attention_mask"], output_names=names,
+                                  opset_version=17, dynamic_axes={n: axes for n in ["input_ids", "attention_mask", *names]},
+                                  dynamo=False)
             opts = ort.SessionOptions()
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             opts.intra_op_num_threads = threads
@@ -131,13 +153,16 @@ class Embedder:
             # no busy-waiting between requests: spinning threads would take the CPU from everything else
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
-            ok = all(np.allclose(session.run(None, _onnx_inputs([ids]))[0], self._hidden_torch(ids), atol=1e-4)
-                     for ids in samples)
-            # a padded batch (`encode_many`) gives each row the vector of its text alone
-            padded = _onnx_inputs(samples)
-            pooled = _mean_pool(session.run(None, padded)[0], padded["attention_mask"])
-            ok = ok and np.allclose(pooled[0], _mean_pool(self._hidden_torch(samples[0]),
-                                                          np.ones((1, len(samples[0])), np.int64))[0], atol=1e-4)
+            ok = True
+            # each text alone, and a padded batch (`encode_texts`) giving each row the vector of its text alone
+            for batch in [_onnx_inputs([ids]) for ids in samples] + [_onnx_inputs(samples)]:
+                got = _pooled_pair(session.run(None, batch), batch["attention_mask"])
+                with torch.inference_mode():
+                    ref = [x.numpy() for x in self._forward_torch(torch.from_numpy(batch["input_ids"]),
+                                                                  torch.from_numpy(batch["attention_mask"]))
+                           if x is not None]
+                want = _pooled_pair(ref, batch["attention_mask"])
+                ok = ok and all(np.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True))
         except Exception as e:  # noqa: BLE001 - any export failure means: stay on torch
             log.warning("embedding model could not run on ONNX Runtime (%s); using torch", str(e).splitlines()[0])
             return None
@@ -146,51 +171,45 @@ class Embedder:
             return None
         return session
 
-    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        """Unit-length float32 vectors, shape (len(texts), 384)."""
+    def encode(self, texts: list[str], batch_size: int = 64, guard: bool = False) -> np.ndarray:
+        """Unit-length float32 vectors, shape (len(texts), 384): the sentence embeddings, or with `guard` the
+        guard's vectors (training and evaluation; torch, padded batches)."""
         if not texts:
             return np.zeros((0, DIM), dtype=np.float32)
         out = []
         torch = self._torch
         for i in range(0, len(texts), batch_size):
             chunk = texts[i:i + batch_size]
-            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_tokens,
-                                 return_tensors="pt")
+            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt")
             with self._lock, torch.inference_mode():
-                hidden = self.model(**enc).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-            out.append(pooled.numpy().astype(np.float32))
+                main, branch = self._forward_torch(enc["input_ids"], enc["attention_mask"])
+            hidden = branch if guard and branch is not None else main
+            out.append(_mean_pool(hidden.numpy(), enc["attention_mask"].numpy()))
         return np.concatenate(out)
 
     def encode_one(self, text: str) -> tuple[np.ndarray, bool]:
         """(unit vector, whether the text was longer than the embedding window) with one tokenization."""
-        ids = self.tokenizer(text, truncation=False)["input_ids"]
-        truncated = len(ids) > self.max_tokens
-        if truncated:
-            ids = truncate_ids(ids, self.max_tokens)
-        return self.embed_ids(ids), truncated
+        one = self.encode_texts([text])[0]
+        return one.vector, one.truncated
 
-    def encode_many(self, texts: list[str]) -> list[tuple[np.ndarray, bool]]:
-        """`encode_one` of each text in one padded forward: a conversation's messages cost one call into the
-        encoder, not one per message (the per-call overhead is most of a short text's time)."""
+    def encode_texts(self, texts: list[str]) -> list[Encoded]:
+        """Each text through the encoder (`Encoded`), texts of similar length in one padded forward: a
+        conversation's messages cost one call into the encoder, not one per message (the per-call overhead is
+        most of a short text's time)."""
         ids, truncated = [], []
         for text in texts:
             one = self.tokenizer(text, truncation=False)["input_ids"]
             truncated.append(len(one) > self.max_tokens)
             ids.append(truncate_ids(one, self.max_tokens))
-        vecs: list[np.ndarray] = [np.zeros(DIM, np.float32)] * len(texts)
+        out: list[Encoded | None] = [None] * len(texts)
         for group in _length_groups([len(x) for x in ids]):
-            if len(group) == 1:
-                vecs[group[0]] = self.embed_ids(ids[group[0]])
-                continue
             batch = _onnx_inputs([ids[i] for i in group])
-            with self._lock:
-                hidden = offload(self._hidden_batch, batch)
-            for i, vec in zip(group, _mean_pool(hidden, batch["attention_mask"]), strict=True):
-                vecs[i] = vec
-        return list(zip(vecs, truncated, strict=True))
+            with self._lock:  # one forward at a time, off the API's gevent hub (it would stall every stream)
+                pair = offload(self._hidden_batch, batch)
+            vectors, guards = _pooled_pair(pair, batch["attention_mask"])
+            for i, vec, g in zip(group, vectors, guards, strict=True):
+                out[i] = Encoded(vec, g, truncated[i])
+        return [x for x in out if x is not None]
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids, [CLS] and [SEP] included, untruncated (/v1/embeddings counts and checks them). On the
@@ -205,10 +224,16 @@ class Embedder:
     def embed_ids(self, ids: list[int]) -> np.ndarray:
         """The unit vector of one tokenized text (as `token_ids` gives it, at most MAX_TOKENS ids): the same
         vector `encode_one` gives the text."""
-        with self._lock:  # one forward at a time, off the API's gevent hub (it would stall every stream)
-            hidden = offload(self._hidden, list(ids))
-        vec = hidden[0].mean(0)
-        return (vec / max(float(np.linalg.norm(vec)), 1e-12)).astype(np.float32)
+        batch = _onnx_inputs([list(ids)])
+        with self._lock:
+            main, _ = offload(self._hidden_batch, batch)
+        return _mean_pool(main, batch["attention_mask"])[0]
+
+
+def _pooled_pair(outs, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unit vectors of the model's and the guard's hidden states (the model's twice without a guard)."""
+    main = _mean_pool(outs[0], mask)
+    return main, (_mean_pool(outs[-1], mask) if len(outs) > 1 else main)
 
 
 def _length_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
@@ -256,9 +281,10 @@ _shared_lock = threading.Lock()
 
 
 def get_embedder(threads: int = 0, backend: str = "onnx") -> Embedder:
-    """The process-wide embedder (the model is loaded once per API process; the first caller's settings)."""
+    """The process-wide embedder with the shipped guard adapter (the model is loaded once per API process; the
+    first caller's settings)."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = Embedder(threads=threads, backend=backend)
+            _shared = Embedder(threads=threads, backend=backend, adapter=load_adapter())
         return _shared

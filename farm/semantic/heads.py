@@ -79,9 +79,12 @@ def _plain(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
 
-def save_heads(path: Path, heads: dict[str, LinearHead], meta: dict[str, Any]) -> None:
-    """Write heads (float16 weights) and their training record; `load_heads` reads them back."""
-    arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta, sort_keys=True, default=_plain))}
+def save_heads(path: Path, heads: dict[str, LinearHead], meta: dict[str, Any],
+               extra: dict[str, np.ndarray] | None = None) -> None:
+    """Write heads (float16 weights), their training record and `extra` arrays (the guard's adapter,
+    farm.semantic.adapter); `load_heads` reads the heads back."""
+    arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta, sort_keys=True, default=_plain)),
+                                     **(extra or {})}
     for name, h in heads.items():
         arrays.update({f"{name}_W": h.W.astype(np.float16), f"{name}_b": h.b.astype(np.float32),
                        f"{name}_labels": np.array(h.labels), f"{name}_ngram_dim": np.array(h.ngram_dim),

@@ -1,7 +1,9 @@
 """Jailbreak / prompt-injection detection with a type and a confidence.
 
-Softmax regression over [MiniLM embedding, hashed word uni/bigrams]: benign and attack classes (jailbreak,
+Softmax regression over [the guard's vector, hashed word uni/bigrams]: benign and attack classes (jailbreak,
 harmful_request, prompt_extraction). Confidence = 1 - p(benign); the type is the most likely attack class.
+The guard's vector is MiniLM's with a low-rank adapter fine-tuned for the guard on its top layers
+(farm.semantic.adapter): the frozen sentence embedding did not carry a harmful request over to new wordings.
 One head ships ("jb" in heads.npz): trained on real attack collections, real benign prompts and the project's
 near misses ("disregard my last paragraph", "explain SQL injection so I can prevent it"), its threshold
 chosen on a development split (tools/semantic/train.py); bench/semantic --final scores it once on families
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from farm.semantic.adapter import load_adapter
 from farm.semantic.decoding import DECODING_VERSION, decoded_forms
 from farm.semantic.heads import LinearHead
 
@@ -29,21 +32,29 @@ class JailbreakResult:
 
 
 class JailbreakDetector:
-    def __init__(self, head: LinearHead, threshold: float) -> None:
+    """The head over the guard's vectors (the adapter's branch of the encoder, farm.semantic.adapter, whose
+    digest `adapter_digest` names) at a threshold."""
+
+    def __init__(self, head: LinearHead, threshold: float, adapter_digest: str = "") -> None:
         if head.labels[0] != "benign":
             raise ValueError("the jailbreak head's first label must be 'benign'")
         self.head = head
         self.threshold = threshold
+        self.adapter_digest = adapter_digest
 
     @classmethod
     def shipped(cls, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None) -> JailbreakDetector:
         """The shipped head at the threshold chosen with it at training, unless `threshold` overrides it."""
-        return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"])
+        adapter = load_adapter()
+        return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"], adapter.digest() if adapter else "")
 
     def digest(self) -> str:
-        """sha256 of everything that decides a verdict: the head's weights, the threshold and the decoding
-        rules. bench/semantic --final records the one reading of the final split under it."""
-        return hashlib.sha256(f"{self.head.digest()} {self.threshold!r} {DECODING_VERSION}".encode()).hexdigest()
+        """sha256 of everything that decides a verdict: the adapter's and the head's weights, the threshold and
+        the decoding rules. bench/semantic --final records the one reading of the final split under it."""
+        parts = f"{self.head.digest()} {self.threshold!r} {DECODING_VERSION}"
+        if self.adapter_digest:
+            parts += f" {self.adapter_digest}"
+        return hashlib.sha256(parts.encode()).hexdigest()
 
     def detect(self, emb: np.ndarray, texts: list[str]) -> list[JailbreakResult]:
         p = self.head.proba(np.atleast_2d(emb), texts)
@@ -56,8 +67,9 @@ class JailbreakDetector:
         return out
 
     def screen(self, texts: list[str], vectors_of: Callable[[list[str]], np.ndarray]) -> list[JailbreakResult]:
-        """Each text's result: the worst of the text itself and of what it decodes to. `vectors_of` embeds a
-        list of texts (the serving path passes its memoised encoder, training and the bench their cache)."""
+        """Each text's result: the worst of the text itself and of what it decodes to. `vectors_of` gives a
+        list of texts' guard vectors (the serving path passes its memoised encoder, training and the bench
+        their cache)."""
         forms = [[t, *decoded_forms(t)] for t in texts]
         flat = list(dict.fromkeys(x for f in forms for x in f))
         found = dict(zip(flat, self.detect(vectors_of(flat), flat), strict=True))

@@ -71,6 +71,7 @@ from farm.semantic.cache import (
     word_sequence,
 )
 from farm.semantic.classifier import CategoryClassifier, CustomCategories
+from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.pii import PIIDetector
@@ -170,7 +171,7 @@ class SemanticLayer:
         self.cache = cache
         self.selector = ModelSelector(cfg, default_model, served)
         self.prefer = prefer
-        self._vectors: Memo[tuple[np.ndarray, bool]] = Memo()
+        self._vectors: Memo[Encoded] = Memo()
         self._pii_types: Memo[frozenset[str]] = Memo()
 
     @classmethod
@@ -229,14 +230,14 @@ class SemanticLayer:
 
         # embeddings of every message (the last user message's is shared by every stage below)
         vectors = self._embed(texts if cfg.jailbreak.enabled else [last] if last else [], tenant)
-        vec, truncated = vectors[last] if last else (np.zeros(384, np.float32), False)
+        vec, truncated = (vectors[last].vector, vectors[last].truncated) if last else (np.zeros(384, np.float32), False)
         t["embed"] = _ms(t0)
         explain: dict[str, Any] = {}
 
         # 1. jailbreak guard, on every message: an instruction hidden in a system, assistant or tool turn too
         if cfg.jailbreak.enabled and texts:
             s = time.perf_counter()
-            found = self.jailbreak.screen(texts, lambda xs: self._stacked(xs, tenant))
+            found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, tenant))
             by_text = dict(zip(texts, found, strict=True))
             # the message furthest above (or least below) its role's threshold
             worst = max(scanned, key=lambda x: by_text[x[2]].confidence - self._jb_threshold(x[1]))
@@ -331,9 +332,9 @@ class SemanticLayer:
         base = self.jailbreak.threshold
         return max(base, self.cfg.jailbreak.system_threshold) if role in ("system", "developer") else base
 
-    def _embed(self, texts: list[str], tenant: str) -> dict[str, tuple[np.ndarray, bool]]:
-        """Each text's (unit vector, truncated): from the tenant's memo, the rest in one call to the encoder."""
-        out: dict[str, tuple[np.ndarray, bool]] = {}
+    def _embed(self, texts: list[str], tenant: str) -> dict[str, Encoded]:
+        """Each text through the encoder: from the tenant's memo, the rest in one call to the encoder."""
+        out: dict[str, Encoded] = {}
         todo = []
         for text in texts:
             hit = self._vectors.get(text, tenant)
@@ -342,16 +343,15 @@ class SemanticLayer:
             else:
                 out[text] = hit
         if todo:
-            encoded = self.embedder.encode_many(todo) if len(todo) > 1 else [self.embedder.encode_one(todo[0])]
-            for text, pair in zip(todo, encoded, strict=True):
-                self._vectors.put(text, pair, tenant)
-                out[text] = pair
+            for text, enc in zip(todo, self.embedder.encode_texts(todo), strict=True):
+                self._vectors.put(text, enc, tenant)
+                out[text] = enc
         return out
 
-    def _stacked(self, texts: list[str], tenant: str) -> np.ndarray:
-        """The texts' vectors in their order (what the jailbreak guard scores: messages and their decodings)."""
-        vectors = self._embed(texts, tenant)
-        return np.stack([vectors[t][0] for t in texts])
+    def _guard_vectors(self, texts: list[str], tenant: str) -> np.ndarray:
+        """The texts' guard vectors in their order (what the jailbreak guard scores: messages and their decodings)."""
+        encoded = self._embed(texts, tenant)
+        return np.stack([encoded[t].guard for t in texts])
 
     def _pii_of(self, texts: list[str], tenant: str) -> dict[str, frozenset[str]]:
         """The PII types in each text: remembered ones (earlier turns come back with every request), the rest

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from farm.semantic.adapter import GuardAdapter
 from tools.semantic.wheels import cache_dir
 
 WINDOW = 128  # config/default.yaml semantic.max_embed_tokens
@@ -23,8 +24,13 @@ def _key(text: str) -> str:
 
 
 class EmbeddingCache:
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path or cache_dir().parent / f"minilm-{WINDOW}.npz"
+    """The sentence embeddings of texts, or with an `adapter` the jailbreak guard's vectors (a cache per
+    adapter, named by its digest)."""
+
+    def __init__(self, path: Path | None = None, adapter: GuardAdapter | None = None) -> None:
+        self.adapter = adapter
+        suffix = f"-guard-{adapter.digest()[:16]}" if adapter is not None else ""
+        self.path = path or cache_dir().parent / f"minilm-{WINDOW}{suffix}.npz"
         self.vectors: dict[str, np.ndarray] = {}
         if self.path.exists():
             z = np.load(self.path)
@@ -33,13 +39,15 @@ class EmbeddingCache:
 
     def encode(self, texts: list[str]) -> np.ndarray:
         keys = [_key(t) for t in texts]
-        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self.vectors}.items())
+        # by length: padded batches of similar lengths (the vectors do not depend on the batch)
+        missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self.vectors}.items(),
+                         key=lambda kt: (len(kt[1]), kt[0]))
         if missing:
             if self._embedder is None:
                 from farm.semantic.embeddings import Embedder
 
-                self._embedder = Embedder(threads=2, max_tokens=WINDOW, backend="torch")
-            vecs = self._embedder.encode([t for _, t in missing])
+                self._embedder = Embedder(threads=2, max_tokens=WINDOW, backend="torch", adapter=self.adapter)
+            vecs = self._embedder.encode([t for _, t in missing], guard=self.adapter is not None)
             self.vectors.update({k: v for (k, _), v in zip(missing, vecs, strict=True)})
             self.save()
         return np.stack([self.vectors[k] for k in keys]) if keys else np.zeros((0, 384), np.float32)

