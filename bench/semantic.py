@@ -109,7 +109,7 @@ FINAL_RECORD = Path(__file__).resolve().parent / "semantic_final.json"
 FINAL_GROUPS = {"everyday": "final:everyday/", "security": "final:security/", "tool data": "final:tool_data"}
 
 
-def final(record_path: Path = FINAL_RECORD) -> dict:
+def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
     """Score the shipped jailbreak head on the final split once and record it; refuse a head read before."""
     import datetime
     import json
@@ -135,7 +135,10 @@ def final(record_path: Path = FINAL_RECORD) -> dict:
               "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
               "command": "python -m bench.semantic --final", "tpr": rates["tpr"], "fpr": rates["fpr"],
-              "fpr_by_kind": fpr, "per_group": rates["per_group"], "dev_eval": meta["jailbreak"].get("dev_eval")}
+              "fpr_by_kind": fpr, "per_group": rates["per_group"], "dev_eval": meta["jailbreak"].get("dev_eval"),
+              # what was known of the final split when this detector was chosen: the readings before it, and
+              # `--note`, which says what they changed (a reading that steered a choice makes the next not blind)
+              "earlier_readings": len(records), "note": note}
     record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
     print(f"final split, jailbreak detector {digest[:12]} at threshold {det.threshold} (read once; recorded in "
           f"{record_path.name})")
@@ -364,9 +367,10 @@ def main() -> None:
     ap.add_argument("--accuracy-only", action="store_true", help="skip the latency runs (no quiet machine needed)")
     ap.add_argument("--final", action="store_true", help="score the shipped jailbreak head on the final split, "
                     "once per head (recorded in bench/semantic_final.json), and nothing else")
+    ap.add_argument("--note", default="", help="with --final: what earlier final readings changed in this detector")
     args = ap.parse_args()
     if args.final:
-        final()
+        final(note=args.note)
         return
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-semantic-"))
     port = _free_port()
