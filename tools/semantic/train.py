@@ -136,6 +136,19 @@ def dev_threshold(scores: np.ndarray, rows: list[dict]) -> float:
     return math.ceil(min(threshold, 0.95) * 1e4) / 1e4  # rounded up: never below a benign score it must clear
 
 
+def unseen_source_fpr(scores: np.ndarray, rows: list[dict]) -> dict[str, float]:
+    """Each dev benign source's FPR at the threshold the other dev sources would have chosen: what a threshold
+    fitted on dev does to a benign source it never saw (the final split's case). A development diagnostic,
+    recorded beside each setting; no choice is made on it (it did not foresee the adapter's final FPR:
+    bench/RESULTS.md)."""
+    out = {}
+    for src in sorted({r["source"] for r in rows if r["label"] == "benign"}):
+        mine = np.array([r["source"] == src for r in rows])
+        threshold = dev_threshold(scores[~mine], [r for r, m in zip(rows, mine, strict=True) if not m])
+        out[src] = float((scores[mine] >= threshold).mean())
+    return out
+
+
 def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[GuardAdapter | None, LinearHead, float,
                                                                               dict[str, Any]]:
     """The guard's vectors and the jailbreak head over them: the sentence embedding as it is, and with
@@ -161,8 +174,13 @@ def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[G
             rates = detection_rates(list(scores >= threshold), [r["label"] != "benign" for r in dev],
                                     [r["source"] for r in dev])
             choice = {"adapter": adapter is not None, **setting}
-            tried.append({**choice, "threshold": threshold, "dev_tpr": rates["tpr"], "dev_fpr": rates["fpr"]})
-            print(f"  {choice}: threshold {threshold}, dev TPR {fmt(rates['tpr'])}, FPR {fmt(rates['fpr'])}")
+            unseen = unseen_source_fpr(scores, dev)
+            tried.append({**choice, "threshold": threshold, "dev_tpr": rates["tpr"], "dev_fpr": rates["fpr"],
+                          "unseen_source_fpr": unseen})
+            worst = max(unseen, key=unseen.get)
+            print(f"  {choice}: threshold {threshold}, dev TPR {fmt(rates['tpr'])}, FPR {fmt(rates['fpr'])}; "
+                  f"a source left out of the threshold: mean FPR {np.mean(list(unseen.values())):.3f}, "
+                  f"worst {worst} {unseen[worst]:.3f}")
             if best is None or rates["tpr"]["value"] > best[2]["tpr"]["value"]:
                 best = (head, threshold, rates, choice, adapter)
     head, threshold, rates, choice, adapter = best
