@@ -99,7 +99,7 @@ def jailbreak_eval(emb: EmbeddingCache) -> dict:
     """The shipped head at its threshold on the development split and the template test split."""
     rows = datasets.jailbreak_splits(emb.encode)[0]
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
-    guard = EmbeddingCache(adapter=load_adapter())
+    guard = emb.with_adapter(load_adapter())
     return {"threshold": det.threshold,
             "dev": {"kind": "real, development (every choice was made on it)", **score_split(det, guard, rows, "dev")},
             "templates_test": {"kind": "template", **score_split(det, guard, rows, "templates_test")}}
@@ -124,7 +124,7 @@ def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
         raise SystemExit(f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split on "
                          f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
     emb = EmbeddingCache()
-    rates = score_split(det, EmbeddingCache(adapter=load_adapter()), datasets.jailbreak_splits(emb.encode)[0], "final")
+    rates = score_split(det, emb.with_adapter(load_adapter()), datasets.jailbreak_splits(emb.encode)[0], "final")
     fpr = {}
     for name, prefix in FINAL_GROUPS.items():  # pooled from the per-source counts
         mine = [v["fpr"] for g, v in rates["per_group"].items() if v["kind"] == "benign" and g.startswith(prefix)]

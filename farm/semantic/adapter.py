@@ -1,12 +1,14 @@
 """The jailbreak guard's adapter on the embedding model: low-rank updates (LoRA) to MiniLM's top layers.
 
 Why: a linear head over the frozen sentence embedding does not carry a harmful request's meaning over to a new
-wording (issue 29: TPR 0.36 on unseen attack families). Fine-tuning the top layers for the guard does, but the
+wording (issue 29: TPR 0.36 on unseen attack families). Fine-tuning the top layers for the guard might, but the
 category head, the custom categories, the semantic cache and /v1/embeddings need the embedding as it is. So
 the guard gets its own branch: the lower layers run once for both, then the top `len(layers)` layers run
 twice, as shipped and with the adapter's updates merged in (W + B @ A). The guard's vector costs those layers
 again (a third of the encoder for two of six), not a second model; the adapter ships as float16 matrices of
-rank `rank` in heads.npz (about 0.2 MB), trained by `python -m tools.semantic.train`.
+rank `rank` in heads.npz (about 0.2 MB), trained by `python -m tools.semantic.train --adapter`. None ships:
+the two read on the final split caught more attacks (0.44) but refused too many everyday questions (0.031 and
+0.059, goal 0.02; bench/RESULTS.md). Without one the guard's vector is the sentence embedding.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class GuardAdapter:
                                      for i in range(self.first_layer, len(model.encoder.layer)))
         with torch.no_grad():
             for (i, target), (a, b) in self.updates.items():
-                lin = _module(layers[i - self.first_layer], target)
+                lin = submodule(layers[i - self.first_layer], target)
                 lin.weight += torch.from_numpy(b.astype(np.float32)) @ torch.from_numpy(a.astype(np.float32))
         return layers.eval()
 
@@ -67,7 +69,8 @@ class GuardAdapter:
         return out
 
 
-def _module(layer, path: str):
+def submodule(layer, path: str):
+    """The module at a dotted attribute path ("attention.self.query") inside `layer`."""
     for part in path.split("."):
         layer = getattr(layer, part)
     return layer

@@ -12,7 +12,7 @@ time of the torch forward (bench/RESULTS.md), which is most of the semantic laye
 a missing `onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
 evaluation) stays on torch.
 
-With the jailbreak guard's adapter (farm.semantic.adapter, shipped in heads.npz) the same forward also runs the
+With a jailbreak guard's adapter (farm.semantic.adapter, when heads.npz carries one) the same forward also runs the
 adapted top layers on the hidden states entering them: one call gives each text its sentence embedding and
 the guard's vector (`Encoded`).
 """

@@ -2,8 +2,8 @@
 
 Softmax regression over [the guard's vector, hashed word uni/bigrams]: benign and attack classes (jailbreak,
 harmful_request, prompt_extraction). Confidence = 1 - p(benign); the type is the most likely attack class.
-The guard's vector is MiniLM's with a low-rank adapter fine-tuned for the guard on its top layers
-(farm.semantic.adapter): the frozen sentence embedding did not carry a harmful request over to new wordings.
+The guard's vector is the sentence embedding, or MiniLM's with a low-rank adapter on its top layers when
+heads.npz carries one (farm.semantic.adapter; none ships).
 One head ships ("jb" in heads.npz): trained on real attack collections, real benign prompts and the project's
 near misses ("disregard my last paragraph", "explain SQL injection so I can prevent it"), its threshold
 chosen on a development split (tools/semantic/train.py); bench/semantic --final scores it once on families
@@ -32,8 +32,8 @@ class JailbreakResult:
 
 
 class JailbreakDetector:
-    """The head over the guard's vectors (the adapter's branch of the encoder, farm.semantic.adapter, whose
-    digest `adapter_digest` names) at a threshold."""
+    """The head over the guard's vectors at a threshold; `adapter_digest` names the adapter that makes them
+    (farm.semantic.adapter; "" for the plain sentence embedding)."""
 
     def __init__(self, head: LinearHead, threshold: float, adapter_digest: str = "") -> None:
         if head.labels[0] != "benign":

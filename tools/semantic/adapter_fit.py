@@ -16,12 +16,12 @@ everyday questions (bench/RESULTS.md, issue 29).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import numpy as np
 
-from farm.semantic.adapter import TARGETS, GuardAdapter, run_branch
+from farm.semantic.adapter import TARGETS, GuardAdapter, run_branch, submodule
 from farm.semantic.embeddings import Embedder
+from tools.semantic import datasets
 
 ADAPTER = {"first_layer": 4, "rank": 8, "epochs": 2.0, "lr": 5e-4, "benign_share": 0.5, "batch": 32,
            "template_boost": 3.0, "seed": 0}
@@ -50,25 +50,6 @@ def _entering(embedder: Embedder, texts: list[str], layer: int) -> list[np.ndarr
     return out
 
 
-def _weights(rows: list[dict], labels: list[str], benign_share: float, template_boost: float) -> np.ndarray:
-    """As the heads weigh rows (tools.semantic.train.fit): every source the same inside its class, the
-    benign class `benign_share` of the total, the attack classes the rest in equal parts; mean 1."""
-    per: dict[tuple[str, str], int] = defaultdict(int)
-    for r in rows:
-        per[(r["label"], r["source"])] += 1
-    sources_in: dict[str, set] = defaultdict(set)
-    for lab, src in per:
-        sources_in[lab].add(src)
-    w = np.array([(template_boost if r["source"] == "templates" else 1.0)
-                  / (per[(r["label"], r["source"])] * len(sources_in[r["label"]])) for r in rows])
-    y = np.array([labels.index(r["label"]) for r in rows])
-    share = [benign_share] + [(1.0 - benign_share) / (len(labels) - 1)] * (len(labels) - 1)
-    for c in range(len(labels)):
-        if (y == c).any():
-            w[y == c] *= share[c] / w[y == c].sum()
-    return w / w.mean()
-
-
 def fit_adapter(rows: list[dict], labels: list[str], first_layer: int, rank: int, epochs: float, lr: float,
                 benign_share: float, batch: int, template_boost: float, seed: int) -> GuardAdapter:
     """LoRA updates of rank `rank` to every linear map of the layers from `first_layer` up, trained with a
@@ -84,7 +65,8 @@ def fit_adapter(rows: list[dict], labels: list[str], first_layer: int, rank: int
     hidden = _entering(embedder, [r["text"] for r in rows], first_layer)
     print(f"  adapter: hidden states of {len(rows)} training texts in {time.time() - t0:.0f}s")
     y = torch.tensor([labels.index(r["label"]) for r in rows])
-    w = torch.from_numpy(_weights(rows, labels, benign_share, template_boost)).float()
+    share = [benign_share] + [(1.0 - benign_share) / (len(labels) - 1)] * (len(labels) - 1)
+    w = torch.from_numpy(datasets.row_weights(rows, labels, share, {"templates": template_boost})).float()
 
     class LoRA(torch.nn.Module):
         def __init__(self, lin: torch.nn.Linear) -> None:
@@ -104,9 +86,7 @@ def fit_adapter(rows: list[dict], labels: list[str], first_layer: int, rank: int
     for offset, layer in enumerate(layers):
         for target in TARGETS:
             parent_path, name = target.rsplit(".", 1)
-            parent = layer
-            for part in parent_path.split("."):
-                parent = getattr(parent, part)
+            parent = submodule(layer, parent_path)
             wrapped[(first_layer + offset, target)] = lora = LoRA(getattr(parent, name))
             setattr(parent, name, lora)
     clf = torch.nn.Linear(384, len(labels))

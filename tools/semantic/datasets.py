@@ -27,6 +27,7 @@ wrappers, AdvBench and others the training ones).
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -150,3 +151,26 @@ def jailbreak_splits(encode: Callable[[list[str]], np.ndarray]) -> tuple[list[di
     dropped: what training fits and chooses on and what bench/semantic scores."""
     rows = jailbreak_rows()
     return deduplicate_across_splits(rows, encode([r["text"] for r in rows]))
+
+
+def row_weights(rows: list[dict], labels: list[str], class_share: list[float] | None = None,
+                source_boost: dict[str, float] | None = None) -> np.ndarray:
+    """Each row's training weight (mean 1): each class weighs its `class_share` of the total (default: equal
+    shares), and inside a class every source weighs the same (a large source must not drown the small families
+    a model should also learn); `source_boost` multiplies a source's share inside its class."""
+    y = np.array([labels.index(r["label"]) for r in rows])
+    per_source: dict[tuple[str, str], int] = defaultdict(int)
+    for r in rows:
+        per_source[(r["label"], r["source"])] += 1
+    sources_in = defaultdict(set)
+    for lab, src in per_source:
+        sources_in[lab].add(src)
+    boost = source_boost or {}
+    w = np.array([boost.get(r["source"], 1.0) / (per_source[(r["label"], r["source"])] * len(sources_in[r["label"]]))
+                  for r in rows])
+    share = class_share or [1.0 / len(labels)] * len(labels)
+    for c in range(len(labels)):
+        m = y == c
+        if m.any():
+            w[m] *= len(rows) * share[c] / w[m].sum()
+    return w

@@ -37,6 +37,11 @@ class EmbeddingCache:
             self.vectors = dict(zip(z["keys"].tolist(), z["vecs"], strict=True))
         self._embedder = None
 
+    def with_adapter(self, adapter: GuardAdapter | None) -> EmbeddingCache:
+        """The cache of the guard's vectors under `adapter`: this one when there is none (the guard then scores
+        the sentence embedding), not a second copy of it read from disk."""
+        return self if adapter is None else EmbeddingCache(adapter=adapter)
+
     def encode(self, texts: list[str]) -> np.ndarray:
         keys = [_key(t) for t in texts]
         # by length: padded batches of similar lengths (the vectors do not depend on the batch)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -90,26 +89,12 @@ def train_softmax(X: np.ndarray, y: np.ndarray, k: int, l2: float, iters: int = 
 def fit(rows: list[dict], emb: np.ndarray, labels: list[str], ngram_dim: int, ngram_weight: float,
         l2: float, class_share: list[float] | None = None,
         source_boost: dict[str, float] | None = None) -> LinearHead:
-    """A head on these rows: each class weighs its `class_share` of the total (default: equal shares), and
-    inside a class every source weighs the same (a large source must not drown the small families the head
-    should also learn); `source_boost` multiplies a source's share inside its class."""
+    """A head on these rows, weighted by `datasets.row_weights` (class shares, every source the same inside its
+    class, `source_boost`)."""
     head = LinearHead(np.zeros(0), np.zeros(0), labels, ngram_dim, ngram_weight)
     X = head.features(emb, [r["text"] for r in rows])
     y = np.array([labels.index(r["label"]) for r in rows])
-    per_source: dict[tuple[str, str], int] = defaultdict(int)
-    for r in rows:
-        per_source[(r["label"], r["source"])] += 1
-    sources_in = defaultdict(set)
-    for lab, src in per_source:
-        sources_in[lab].add(src)
-    boost = source_boost or {}
-    w = np.array([boost.get(r["source"], 1.0) / (per_source[(r["label"], r["source"])] * len(sources_in[r["label"]]))
-                  for r in rows])
-    share = class_share or [1.0 / len(labels)] * len(labels)
-    for c in range(len(labels)):
-        m = y == c
-        if m.any():
-            w[m] *= len(rows) * share[c] / w[m].sum()
+    w = datasets.row_weights(rows, labels, class_share, source_boost)
     head.W, head.b = train_softmax(X, y, len(labels), l2=l2, sample_weight=w)
     return head
 
@@ -164,7 +149,7 @@ def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[G
     dev = [r for r in rows if r["split"] == "dev" or (r["split"] == "templates_test" and r["label"] == "benign")]
     tried, best = [], None
     for adapter in (None, fit_adapter(train, datasets.JB_LABELS, **ADAPTER)) if with_adapter else (None,):
-        vectors = EmbeddingCache(adapter=adapter) if adapter is not None else cache
+        vectors = cache.with_adapter(adapter)
         train_emb = vectors.encode([r["text"] for r in train])
         for setting in JB_GRID:
             head = fit_jailbreak(train, train_emb, **setting)
