@@ -1,6 +1,7 @@
 """MoM's model choice judged by time to first token, and its fallback when a model's worker dies (issue 29, item 5).
 
     .venv/bin/python -m bench.mom_choice            # score vs kv-aware in alternating order, 2 rounds; the kill phase
+    .venv/bin/python -m bench.mom_choice --affinity # per-turn vs conversation category, system prompts injected
     .venv/bin/python -m bench.mom_choice --smoke    # tiny sizes, one round: proves it runs
 
 Two model entries with the same weights (the default model, and a copy named `<default>-b`) serve every category
@@ -14,11 +15,17 @@ Workload: `--conversations` conversations, each a long system prompt of its own 
 `--turns` short user turns sent one after another with the growing history (so a conversation's later turns
 find their prefix cached where the earlier ones ran), arriving by a seeded Poisson process at `--rate`
 requests per second (bench.goodput's open-loop client), streamed, `--output-tokens` each, the semantic cache
-off, and no category system prompt injected: each turn is classified on its own, and a turn of another category
-would get another system prompt in front of the conversation, so no turn would find the earlier ones' prefix
-cached on any model (a property of per-turn classification, measured by the smoke run: hit ratio 0.01-0.02). The headline is TTFT p50 of kv-aware / score (issue 29's goal: <= 0.7), beside TTFT p90, ITL, request
-latency, the prefix-cache hit ratio, the requests per model and the selection reasons. Any failed request marks
-its mode FAILED.
+off, and no category system prompt injected (these two modes classify each turn alone: a turn of another
+category would get another system prompt in front of the conversation, and no turn would find the earlier ones'
+prefix cached on any model; measured by the smoke run before conversation affinity: hit ratio 0.01-0.02). The
+headline is TTFT p50 of kv-aware / score (issue 29's goal: <= 0.7), beside TTFT p90, ITL, request latency, the
+prefix-cache hit ratio, the requests per model and the selection reasons. Any failed request marks its mode FAILED.
+
+`--affinity` compares instead, on the same workload and the same kv-aware choice, with the categories' system
+prompts injected (the default configuration): `per-turn` (`semantic.conversation.affinity: false`, every turn
+classified alone) against `conversation` (the default: the conversation's category, farm.semantic.conversation).
+Beside the table: the hit ratio of the later turns, and how often a later turn's category differed from the turn
+before it (the model's or the system prompt's change that loses the conversation's cached prefix).
 
 The kill phase (`--kill-at-s`, kv-aware): the first model's worker is killed (SIGKILL) while the load runs. Requests
 MoM sent there that had not started move to the other model (`x-vsr-fallback: ...; reason=...`); one that
@@ -47,7 +54,15 @@ from bench.goodput import Conversation, run_rate, summarize
 from bench.peers.load import warm_up_http
 from bench.routing import question, text_of
 
-MODES = {"score": 0.0, "kv-aware": 0.05}
+# each mode's semantic settings over farm_env's: the cache off and the classifier's threshold 0 in every mode
+MODES: dict[str, dict[str, Any]] = {
+    "score": {"cache_aware_margin": 0.0, "inject_system_prompt": False, "conversation": {"affinity": False}},
+    "kv-aware": {"cache_aware_margin": 0.05, "inject_system_prompt": False, "conversation": {"affinity": False}},
+}
+AFFINITY_MODES: dict[str, dict[str, Any]] = {
+    "per-turn": {"cache_aware_margin": 0.05, "inject_system_prompt": True, "conversation": {"affinity": False}},
+    "conversation": {"cache_aware_margin": 0.05, "inject_system_prompt": True, "conversation": {"affinity": True}},
+}
 
 
 def conversations(args: argparse.Namespace, tok: Any, tag: str) -> list[Conversation]:
@@ -57,7 +72,7 @@ def conversations(args: argparse.Namespace, tok: Any, tag: str) -> list[Conversa
             for c in range(args.conversations)]
 
 
-def farm_env(tmp: Path, margin: float, args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
+def farm_env(tmp: Path, semantic: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
     """The environment of a farm serving the default model's weights under two names that score alike."""
     from farm.config import load_config
     from tests.conftest import free_port, make_farm_env
@@ -70,8 +85,8 @@ def farm_env(tmp: Path, margin: float, args: argparse.Namespace) -> tuple[dict[s
     override = {"models": [{**one, "name": n} for n in names],
                 "engine": {"torch_threads": 1, "kv_cache_mb": args.kv_mb},
                 "api": {"allow_unauthenticated": True},
-                "semantic": {"categories": cats, "cache_aware_margin": margin, "classifier": {"threshold": 0.0},
-                             "cache": {"enabled": False}, "inject_system_prompt": False}}
+                "semantic": {"categories": cats, "classifier": {"threshold": 0.0}, "cache": {"enabled": False},
+                             **semantic}}
     path = tmp / "mom-choice.yaml"
     path.write_text(yaml.safe_dump(override))
     env["FARM_CONFIG"] = str(path)
@@ -86,7 +101,7 @@ def run_mode(mode: str, rnd: int, args: argparse.Namespace, tok: Any, kill_at_s:
     from tests.conftest import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix=f"farm-mom-{mode}-"))
-    env, names = farm_env(tmp, MODES[mode], args)
+    env, names = farm_env(tmp, {**MODES, **AFFINITY_MODES}[mode], args)
     cfg = load_config(environ=env)
     rec: dict[str, Any] = {"mode": mode, "round": rnd, "killed": bool(kill_at_s)}
     print(f"round {rnd + 1}: {mode}{' + kill' if kill_at_s else ''} (load {load_average()})", flush=True)
@@ -129,12 +144,30 @@ def row(name: str, recs: list[dict[str, Any]], args: argparse.Namespace) -> dict
     s["reasons"] = dict(Counter((x.get("vsr") or {}).get("x-vsr-selection-reason", "") for x in done))
     s["fallbacks"] = sum(1 for x in done if "x-vsr-fallback" in (x.get("vsr") or {}))
     s["first_errors"] = [e for run in runs for e in run["errors"]][:5] + [r["error"] for r in runs if r.get("error")]
+    s.update(later_turns(runs))
     return {"contender": name, **s}
+
+
+def later_turns(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the turns after a conversation's first met: their prefix-cache hit ratio, and the share of them whose
+    category (x-vsr-selected-category) or model differed from the turn before in the same conversation."""
+    hit = prompt = changed = later = 0
+    for run in runs:
+        before: dict[int, tuple[str, str]] = {}
+        for x in sorted((x for x in run["raw"] if not x["error"]), key=lambda x: (x["conversation"], x["turn"])):
+            now = ((x.get("vsr") or {}).get("x-vsr-selected-category", ""), x.get("model", ""))
+            if x["turn"] > 0:
+                hit, prompt, later = hit + x["cached_tokens"], prompt + x["prompt_tokens"], later + 1
+                changed += x["conversation"] in before and before[x["conversation"]] != now
+            before[x["conversation"]] = now
+    return {"later_hit_ratio": hit / prompt if prompt else None, "later_changed": changed / later if later else None}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--affinity", action="store_true",
+                    help="per-turn vs conversation category, system prompts injected (no kill phase)")
     ap.add_argument("--rounds", type=int, help="rounds in alternating order (default 2, smoke 1)")
     ap.add_argument("--conversations", type=int, help="default 24, smoke 4")
     ap.add_argument("--turns", type=int, default=3)
@@ -155,7 +188,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.out = args.out or str(OUT_DIR / ("mom_choice-smoke.json" if args.smoke else "mom_choice.json"))
+    if args.affinity:
+        args.kill_at_s = 0.0
+    name = "mom_affinity" if args.affinity else "mom_choice"
+    args.out = args.out or str(OUT_DIR / (f"{name}-smoke.json" if args.smoke else f"{name}.json"))
     return args
 
 
@@ -168,21 +204,32 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(environ={})
     tok = get_tokenizer(base, base.default_model)
     t0 = time.monotonic()
-    records = [run_mode(mode, rnd, args, tok) for rnd, mode in alternating(list(MODES), args.rounds)]
+    modes = list(AFFINITY_MODES if args.affinity else MODES)
+    records = [run_mode(mode, rnd, args, tok) for rnd, mode in alternating(modes, args.rounds)]
     if args.kill_at_s:
         records.append(run_mode("kv-aware", args.rounds, args, tok, kill_at_s=args.kill_at_s))
-    rows = [row(m, [r for r in records if r["mode"] == m and not r["killed"]], args) for m in MODES]
+    rows = [row(m, [r for r in records if r["mode"] == m and not r["killed"]], args) for m in modes]
     if args.kill_at_s:
         rows.append(row("kv-aware, first model's worker killed", [r for r in records if r["killed"]], args))
     print(f"\n{args.conversations} conversations x {args.turns} turns at {args.rate:g} req/s, system prompts of "
           f"{args.prefix_tokens} tokens, {args.output_tokens} output tokens; pooled over {args.rounds} round(s)")
     print(table(["mode", "status", "TTFT p50", "p90", "ITL p50", "latency p50", "p90", "goodput", "hit",
-                 "per model", "reasons", "fallbacks", "errors"],
+                 "later turns: hit", "changed", "per model", "reasons", "fallbacks", "errors"],
                 [[r["contender"], "FAILED" if r["failed"] else "ok", r["ttft_p50_ms"], r["ttft_p90_ms"],
                   r["itl_p50_ms"], r["latency_p50_ms"], r["latency_p90_ms"], r["goodput_rps"], r["hit_ratio"],
-                  "/".join(str(v) for v in r["models"].values()), r["reasons"], r["fallbacks"], r["errors"]]
+                  r["later_hit_ratio"], r["later_changed"], "/".join(str(v) for v in r["models"].values()),
+                  r["reasons"], r["fallbacks"], r["errors"]]
                  for r in rows], digits=2))
     by = {r["contender"]: r for r in rows}
+    if args.affinity:
+        ratios = {k: by["conversation"][k] / by["per-turn"][k] for k in ("ttft_p50_ms", "ttft_p90_ms", "latency_p50_ms")
+                  if by["per-turn"][k] and by["conversation"][k] is not None}
+        print("\nconversation / per-turn: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+        goals = [goal("failed requests (per-turn, conversation)",
+                      float(by["per-turn"]["errors"] + by["conversation"]["errors"]), 0.0, higher_is_better=False)]
+        finish(args.out, {"benchmark": "mom_affinity", "args": vars(args), "wall_s": time.monotonic() - t0,
+                          "rows": rows, "ratios": ratios, "records": records}, goals)
+        return 1 if any(r["failed"] for r in rows) else 0
     goals = []
     if by["score"]["ttft_p50_ms"] and by["kv-aware"]["ttft_p50_ms"] is not None:
         goals.append(goal("TTFT p50 kv-aware / score", by["kv-aware"]["ttft_p50_ms"] / by["score"]["ttft_p50_ms"],

@@ -1,6 +1,6 @@
 """Both guards read every message of the conversation (issue 29): an attack hidden in a system, developer,
-assistant or tool turn is blocked, PII in any turn is reported; the category still reads the last user turn,
-and earlier turns sent again are not embedded again."""
+assistant or tool turn is blocked, PII in any turn is reported; the category is the conversation's (its first
+confidently classified user turn's), and earlier turns sent again are not embedded again."""
 
 from __future__ import annotations
 
@@ -82,10 +82,89 @@ def test_pii_in_any_turn_is_reported_and_blocked_by_policy(layer):
     assert layer.before("MoM", in_tool).headers["x-vsr-pii-types"] == "B-CREDIT_CARD"
 
 
-def test_the_category_reads_the_last_user_turn(layer):
-    v = layer.before("MoM", conv(("system", "You are a historian."), ("user", "Who was Napoleon?"),
-                                 ("assistant", "A French emperor."), ("user", "Solve for x: 2x + 6 = 10")))
-    assert v.category == "math"
+# -- the conversation's category, not its last turn's (farm.semantic.conversation) ----------------------------------
+MODEL_B = "SmolLM2-135M-Instruct-b"
+MATH_ASK = "What is the derivative of x^2?"
+HISTORY_ASK = "Thanks! And who was Napoleon Bonaparte?"
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory, embedder):
+    """A layer whose math goes to model A under a math prompt, history to B under a history prompt."""
+    def make(conversation: dict | None = None, threshold: float = 0.25) -> SemanticLayer:
+        p = tmp_path_factory.mktemp("conversation") / "conversation.yaml"
+        p.write_text(yaml.safe_dump({
+            "models": [{"name": MODEL_A, "source": "builtin:smollm2"}, {"name": MODEL_B, "source": "builtin:smollm2"}],
+            "semantic": {"cache": {"enabled": False}, "conversation": conversation or {},
+                         "classifier": {"threshold": threshold},
+                         "categories": [{"name": "math", "model_scores": {MODEL_A: 1.0}, "system_prompt": "Math expert."},
+                                        {"name": "history", "model_scores": {MODEL_B: 1.0},
+                                         "system_prompt": "History expert."}]}}))
+        return SemanticLayer.from_config(load_config(p, environ={}), embedder=embedder)
+    return make
+
+
+def test_a_follow_up_keeps_the_conversations_model_and_its_cached_prefix(routed):
+    lay = routed()
+    first = lay.before("MoM", conv(("user", MATH_ASK)))
+    assert (first.category, first.model) == ("math", MODEL_A) and first.messages[0]["content"] == "Math expert."
+    assert "x-vsr-conversation-affinity" not in first.headers
+    v = lay.before("MoM", conv(("user", MATH_ASK), ("assistant", "2x."), ("user", HISTORY_ASK)))
+    assert (v.category, v.model) == ("math", MODEL_A), v.explain
+    assert v.headers["x-vsr-conversation-affinity"] == "turn=1" and v.headers["x-vsr-selected-category"] == "math"
+    assert v.explain["conversation"]["last_turn"]["name"] == "history"  # what the follow-up alone would have got
+    assert v.messages[:len(first.messages)] == first.messages  # the same prompt in front: the history's blocks are found
+
+
+def test_without_affinity_each_turn_is_classified_alone(routed):
+    lay = routed({"affinity": False})
+    v = lay.before("MoM", conv(("user", MATH_ASK), ("assistant", "2x."), ("user", HISTORY_ASK)))
+    assert (v.category, v.model) == ("history", MODEL_B) and v.messages[0]["content"] == "History expert."
+    assert "x-vsr-conversation-affinity" not in v.headers and "conversation" not in v.explain
+
+
+def test_a_sure_turn_of_another_category_moves_the_conversation(routed):
+    lay = routed({"switch_confidence": 0.5})
+    turns = [("user", MATH_ASK), ("assistant", "2x."), ("user", HISTORY_ASK)]
+    moved = lay.before("MoM", conv(*turns))
+    assert (moved.category, moved.model) == ("history", MODEL_B), moved.explain
+    assert "x-vsr-conversation-affinity" not in moved.headers  # the last turn decided
+    later = lay.before("MoM", conv(*turns, ("assistant", "A French emperor."), ("user", "Please continue.")))
+    assert (later.category, later.model) == ("history", MODEL_B), later.explain
+    assert later.headers["x-vsr-conversation-affinity"] == "turn=2; switched"
+    assert later.messages[:len(moved.messages)] == moved.messages
+
+
+def test_an_unsure_opening_leaves_the_decision_to_the_first_sure_turn(routed):
+    lay = routed()  # "hi" is below the default threshold (0.25), the derivative above it
+    opening = lay.before("MoM", conv(("user", "hi")))
+    assert opening.category is None and opening.model == MODEL_A, opening.explain  # the default model, no prompt
+    turns = [("user", "hi"), ("assistant", "Hello! How can I help?"), ("user", MATH_ASK), ("assistant", "2x."),
+             ("user", HISTORY_ASK)]
+    v = lay.before("MoM", conv(*turns))
+    assert (v.category, v.model) == ("math", MODEL_A) and v.headers["x-vsr-conversation-affinity"] == "turn=2"
+
+
+def test_the_fold_classifies_only_the_turns_that_can_decide():
+    from farm.semantic.classifier import Category
+    from farm.semantic.conversation import conversation_category
+
+    labels = {"a": Category("math", 0.9), "b": Category("history", 0.6), "c": Category("law", 0.95),
+              "low": Category("other", 0.1)}
+    asked: list[str] = []
+
+    def decide(_vec, text):
+        asked.append(text)
+        return labels[text]
+
+    turns = lambda *ts: [(None, t) for t in ts]  # noqa: E731
+    c = conversation_category(turns("low", "a", "b", "c"), decide, 0.25, None)
+    assert (c.category.name, c.decided_at, c.turn.name, c.switched) == ("math", 1, "law", False)
+    assert asked == ["low", "a", "c"]  # "b" could not move the conversation: never classified
+    c = conversation_category(turns("a", "b", "c", "b"), decide, 0.25, 0.9)
+    assert (c.category.name, c.decided_at, c.turn.name, c.switched) == ("law", 2, "history", True)
+    c = conversation_category(turns("low", "low"), decide, 0.25, None)
+    assert (c.category.name, c.decided_at) == ("other", 1)  # nobody sure: the last turn's own (not accepted)
 
 
 def test_earlier_turns_are_embedded_once(layer, embedder, monkeypatch):

@@ -148,6 +148,16 @@ class CategoryConfig(Section):
         return v
 
 
+class ConversationConfig(Section):
+    """MoM in a conversation (farm.semantic.conversation): the category, and with it the model, its reasoning mode
+    and the injected system prompt, is the one the conversation's first confidently classified user turn got, so a
+    follow-up keeps the model and the history's cached prefix."""
+
+    affinity: bool = True  # False: every request is classified on its last user turn alone
+    # a later turn of another category at least this sure moves the conversation to it; None: never
+    switch_confidence: float | None = Field(None, gt=0, le=1)
+
+
 class SemanticConfig(Section):
     enabled: bool = True
     aliases: list[str] = Field(default_factory=lambda: ["MoM", "auto"])  # model names that mean "choose for me"
@@ -173,6 +183,7 @@ class SemanticConfig(Section):
     pii: PIIConfig = PIIConfig()
     cache: CacheConfig = CacheConfig()
     classifier: ClassifierConfig = ClassifierConfig()
+    conversation: ConversationConfig = ConversationConfig()
     categories: list[CategoryConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")

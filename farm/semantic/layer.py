@@ -36,8 +36,10 @@ types found, allowed or not); only types the answering model's policy denies blo
 
 Both guards read every message of the conversation (issue 29): instructions hidden in a system, developer,
 assistant or tool turn, or PII in an earlier turn, count as in the last user turn; a message sent encoded
-(base64, hex, ROT13) is judged by what it decodes to as well (farm.semantic.decoding). The cache and the
-category still read the user's last turn only. The messages' embeddings are computed in padded forwards of
+(base64, hex, ROT13) is judged by what it decodes to as well (farm.semantic.decoding). The cache reads the
+user's last turn (partitioned by the earlier ones); in a conversation the category is the conversation's, the one
+its first confidently classified user turn got (farm.semantic.conversation), so a follow-up keeps its model, its
+system prompt and with them the history's cached prefix. The messages' embeddings are computed in padded forwards of
 similar lengths, and kept in a small per-process memo (with each text's PII types), so a conversation's earlier
 turns, sent again with every request, are embedded and scanned once. The last user message's embedding is
 shared by every stage. The route decision (category, model, injected prompt) is computed before the cache lookup because
@@ -71,6 +73,7 @@ from farm.semantic.cache import (
     word_sequence,
 )
 from farm.semantic.classifier import CategoryClassifier, CustomCategories
+from farm.semantic.conversation import conversation_category
 from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
@@ -85,6 +88,9 @@ H_REASONING_APPLIED = "x-vsr-reasoning-applied"
 H_INJECTED = "x-vsr-injected-system-prompt"
 H_FALLBACK = "x-vsr-fallback"  # MoM passed over models (no live worker; or failed before a token): fallback_value
 H_SELECTION_REASON = "x-vsr-selection-reason"  # why MoM chose this model: score | default | fallback | kv-cache | load
+# the category came from an earlier user turn of the conversation (farm.semantic.conversation): "turn=<n>" (1-based,
+# among the user turns), "; switched" when a turn after the first moved the conversation there
+H_AFFINITY = "x-vsr-conversation-affinity"
 # the roles whose text the guards read; "function" is the legacy name of a tool result
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
@@ -227,9 +233,12 @@ class SemanticLayer:
         users = [x for x in scanned if x[1] == "user"]
         last = users[-1][2] if users else ""
         texts = list(dict.fromkeys(x[2] for x in scanned))  # each distinct text once
+        # the user turns the category is folded from (farm.semantic.conversation), or the last one alone
+        conversation = cfg.conversation.affinity and len(users) > 1
+        user_texts = list(dict.fromkeys(x[2] for x in users)) if conversation else [last] if last else []
 
         # embeddings of every message (the last user message's is shared by every stage below)
-        vectors = self._embed(texts if cfg.jailbreak.enabled else [last] if last else [], tenant)
+        vectors = self._embed(texts if cfg.jailbreak.enabled else user_texts, tenant)
         vec, truncated = (vectors[last].vector, vectors[last].truncated) if last else (np.zeros(384, np.float32), False)
         t["embed"] = _ms(t0)
         explain: dict[str, Any] = {}
@@ -253,7 +262,18 @@ class SemanticLayer:
 
         # the route (classification + selection) is needed by the PII policy of "MoM" and by the cache
         s = time.perf_counter()
-        cat = self.classifier.decide(vec, last) if last else None
+        cat, affinity = None, ""
+        if conversation:  # the conversation's category, as its deciding turn got it (not a follow-up's own)
+            conv = conversation_category([(vectors[x[2]].vector, x[2]) for x in users], self.classifier.decide,
+                                         cfg.classifier.threshold, cfg.conversation.switch_confidence)
+            cat = conv.category
+            explain["conversation"] = {"user_turns": len(users), "decided_at_turn": conv.decided_at + 1,
+                                       "switched": conv.switched, "last_turn": {
+                                           "name": conv.turn.name, "confidence": conv.turn.confidence}}
+            if conv.decided_at < len(users) - 1:
+                affinity = f"turn={conv.decided_at + 1}" + ("; switched" if conv.switched else "")
+        elif last:
+            cat = self.classifier.decide(vec, last)
         route = self.selector.select(model, cat.name if cat else "other", cat.confidence if cat else 0.0)
         if cat is not None:
             explain["category"] = {"name": cat.name, "confidence": cat.confidence, "rule": cat.rule,
@@ -303,6 +323,8 @@ class SemanticLayer:
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
         if route.category:
             headers[H_CATEGORY] = route.category
+            if affinity:
+                headers[H_AFFINITY] = affinity
         if route.reasoning is not None:
             headers[H_REASONING] = "on" if route.reasoning else "off"
         if out_messages is not messages:

@@ -1,0 +1,54 @@
+"""The category of a conversation, not of its last turn (MoM's conversation affinity).
+
+Classified turn by turn, a conversation moves whenever a follow-up reads like another subject: "Thanks, now make
+it shorter" after a calculus question is no subject at all. MoM would then answer it with another model (which
+never saw how the conversation began) or put another category's system prompt in front of the same history, so
+no block of the history the workers cached on the turns before is found again (the Semantic Router's issues
+#1439 and #2503 ask for this). So in a conversation the category is the one its **first user turn the classifier
+was sure of** (confidence at or above `semantic.classifier.threshold`) got, the decision that turn itself received
+when it was the last one. Nothing is stored: every request carries its history, and the fold below gives the same
+answer for the same turns, so the same model, reasoning mode and system prompt stay in front of the conversation
+as it grows.
+
+A later turn moves the conversation only when its own category differs and is at least
+`semantic.conversation.switch_confidence` sure (None: never); from that turn on it is the conversation's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from farm.semantic.classifier import Category
+
+
+@dataclass(frozen=True)
+class ConversationCategory:
+    category: Category  # what decides this request's route
+    turn: Category  # the last user turn's own category
+    decided_at: int  # the index (0-based, among the user turns) of the turn whose category stands
+    switched: bool = False  # a later turn moved the conversation (switch_confidence)
+
+
+def conversation_category(turns: Sequence[tuple[np.ndarray, str]], decide: Callable[[np.ndarray, str], Category],
+                          threshold: float, switch_confidence: float | None) -> ConversationCategory:
+    """Fold the user turns (each its embedding and text, oldest first; at least one) into the conversation's
+    category. Turns after the first accepted one are classified only when they could move it (`switch_confidence`)
+    and for the last turn's own category."""
+    last = len(turns) - 1
+    current: Category | None = None
+    at, switched = last, False
+    for i, (vec, text) in enumerate(turns):
+        if current is not None and switch_confidence is None and i < last:
+            continue  # nothing after the first accepted turn can move the conversation
+        d = decide(vec, text)
+        if current is None:
+            if d.confidence >= threshold or i == last:
+                current, at = d, i
+        elif switch_confidence is not None and d.name != current.name and d.confidence >= switch_confidence:
+            current, at, switched = d, i, True
+        if i == last:
+            return ConversationCategory(current, d, at, switched)
+    raise ValueError("a conversation needs at least one user turn")
