@@ -472,6 +472,96 @@ def test_mom_hands_a_request_its_model_cannot_start_to_the_categorys_next_model(
         ctx.gateway.stop()
 
 
+def test_a_stream_whose_only_worker_dies_continues_on_the_restarted_worker(farm):
+    """A stream that has sent tokens cannot go to another model; with no other worker of its model it used to end
+    in an error. The supervisor restarts a dead worker under the same id: the migration waits for it (up to
+    reliability.migration_wait_s) and the new process, started after the lost one, takes the request with the
+    tokens already streamed, so the client gets the whole answer. A ghost worker (its events written by hand)
+    streams one token and dies; a second process under its id continues."""
+    import base64
+    import uuid
+
+    from api.app import create_app
+    from farm.cluster.liveness import alive_key
+    from farm.protocol import EVENT_FIELD, GenerationRequest, encode_reply, reply_stream_key
+    from farm.protocol.queues import direct_queue
+    from farm.router.index import forget_worker
+
+    cfg, precise = _with_precise_chemistry_model(farm)
+    cfg = cfg.model_copy(update={
+        "disaggregation": cfg.disaggregation.model_copy(update={"mode": "never"}),
+        "reliability": cfg.reliability.model_copy(update={"migration_wait_s": 15}),
+        "api": cfg.api.model_copy(update={"first_event_timeout_s": 30})})
+    app = create_app(cfg)
+    ctx = app.extensions["farm"]
+    r = ctx.redis
+    first = registry.WorkerInfo("ghost-restarted", "both", precise, "h", 1, cfg.block_size(precise), num_blocks=4096)
+    taken: list[GenerationRequest] = []
+
+    def take() -> GenerationRequest | None:
+        deadline, popped = time.monotonic() + 40, None
+        while popped is None and time.monotonic() < deadline:  # short waits: under the client's socket timeout
+            popped = r.brpop([direct_queue(first.worker_id)], timeout=1)
+        if popped is None:
+            return None
+        req = GenerationRequest.from_dict(json.loads(base64.b64decode(json.loads(popped[1])["body"]))[0][0])
+        taken.append(req)
+        return req
+
+    def emit(req: GenerationRequest, events: list[dict]) -> None:
+        r.xadd(reply_stream_key(req.reply_to),
+               {EVENT_FIELD: encode_reply("ghost-" + uuid.uuid4().hex, 1, {req.request_id: events})})
+
+    def worker_life() -> None:
+        req = take()  # the first process: one token, then it dies
+        if req is None:
+            return
+        emit(req, [{"type": "start", "role": "both", "worker": first.worker_id},
+                   {"type": "delta", "text": "Ghostly", "n": 1, "ids": [42]}])
+        beat.stop()
+        r.delete(alive_key(first.worker_id))
+        time.sleep(1.0)  # the supervisor's restart: a new process under the same id, started later
+        again = registry.WorkerInfo(first.worker_id, "both", precise, "h", 2, first.block_size, num_blocks=4096)
+        registry.register(r, again)
+        beat2 = registry.Heartbeat(r, again)
+        beat2.start()
+        try:
+            req = take()
+            if req is not None:
+                emit(req, [{"type": "start", "role": "both", "worker": again.worker_id},
+                           {"type": "delta", "text": " again", "n": 2, "ids": [7, 8]},
+                           {"type": "done", "finish_reason": "length",
+                            "usage": {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": 2,
+                                      "cached_tokens": 0}}])
+        finally:
+            beat2.stop()
+
+    registry.register(r, first)
+    beat = registry.Heartbeat(r, first)
+    beat.start()
+    worker = threading.Thread(target=worker_life, daemon=True)
+    worker.start()
+    try:
+        resp = app.test_client().post("/v1/chat/completions", json={
+            "model": precise, "messages": [{"role": "user", "content": CHEMISTRY_QUESTION}], "max_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0})
+        text = resp.get_data(as_text=True)
+        worker.join(20)
+        assert resp.status_code == 200, text
+        assert '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text
+        assert "Ghostly" in text and " again" in text
+        usage = [json.loads(line[6:])["usage"] for line in text.splitlines()
+                 if line.startswith("data: {") and json.loads(line[6:]).get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == 3
+        assert [q.request_id.rsplit(".", 1)[-1] for q in taken][1:] == ["m1"]  # the second process took the hop
+        assert taken[1].prompt_token_ids == taken[0].prompt_token_ids + [42]  # with the token already streamed
+    finally:
+        beat.stop()
+        registry.deregister(r, first.worker_id)
+        forget_worker(r, first.worker_id)
+        ctx.gateway.stop()
+
+
 def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
     """Fallback after submission (issue 29, item 5): the chosen model's only worker takes the task, starts it and
     dies, before any token or after one; the gateway's migration finds no other worker of that model. Before any

@@ -1,7 +1,9 @@
 """Whether a worker is gone: the gateway asks it of the workers serving its requests, to migrate them.
 
-A worker is gone when its heartbeat lapsed (farm.cluster.registry) or, on this host, its process no longer runs
-(seconds earlier than the heartbeat TTL).
+A worker is gone when its heartbeat lapsed (farm.cluster.registry), when its id was registered again by a process
+that started later (the supervisor restarted it, possibly before the heartbeat could lapse: the one the request
+depends on is dead all the same, on any host), or, on this host, when its process no longer runs (seconds earlier
+than the heartbeat TTL).
 """
 
 from __future__ import annotations
@@ -18,20 +20,30 @@ _HOST = socket.gethostname()
 
 
 def worker_gone(r: redis.Redis, worker_id: str, info: registry.WorkerInfo | None = None) -> bool:
-    """Whether `worker_id` is dead: heartbeat lapsed, or (same host) its process is gone or is another one."""
-    if not r.exists(alive_key(worker_id)):
-        return True
-    if info is None:
-        raw = r.hget(WORKERS_KEY, worker_id)
-        info = registry.WorkerInfo.from_json(raw) if raw else None
-    return _process_gone(info)
+    """Whether `worker_id` (the process `info` describes, if given) is dead: heartbeat lapsed, its id registered
+    again by a later process, or (same host) its process is gone or is another one."""
+    return worker_id in workers_gone(r, {worker_id: info})
 
 
 def workers_gone(r: redis.Redis, workers: dict[str, registry.WorkerInfo | None]) -> set[str]:
-    """`worker_gone` for many workers in one round trip (their records as the caller knows them)."""
+    """The dead among `workers` (each with its record as the caller knows it, or None), in one round trip."""
     ids = list(workers)
-    beats = r.mget([alive_key(w) for w in ids])
-    return {w for w, beat in zip(ids, beats, strict=True) if beat is None or _process_gone(workers[w])}
+    pipe = r.pipeline(transaction=False)
+    pipe.mget([alive_key(w) for w in ids])
+    pipe.hmget(WORKERS_KEY, ids)
+    beats, records = pipe.execute()
+    gone = set()
+    for w, beat, raw in zip(ids, beats, records, strict=True):
+        now = registry.WorkerInfo.from_json(raw) if raw else None
+        known = workers[w] or now
+        if beat is None or _process_gone(known) or _replaced(known, now):
+            gone.add(w)
+    return gone
+
+
+def _replaced(known: registry.WorkerInfo | None, now: registry.WorkerInfo | None) -> bool:
+    """Whether the id's registered process is a later one than the process the caller depends on."""
+    return known is not None and now is not None and now.started_at > known.started_at
 
 
 def _process_gone(info: registry.WorkerInfo | None) -> bool:

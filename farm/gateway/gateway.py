@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from farm.config import FarmConfig
-from farm.gateway.placement import Placed, Placer
+from farm.gateway.placement import NOTHING_LOST, Lost, Placed, Placer
 from farm.gateway.replies import ReplyReader
 from farm.gateway.submission import Services, Submission
 from farm.infra import logcontext
@@ -46,7 +46,7 @@ class Gateway:
         """How `model` is served now (disaggregated | conditional | aggregated | decode-only); NoWorkersError."""
         return self.placer.layout(model)
 
-    def place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Placed:
+    def place(self, req: GenerationRequest, exclude: Lost = NOTHING_LOST) -> Placed:
         return self.placer.place(req, exclude)
 
     def soonest(self, prompts: dict[str, list[int]], cache_salt: str = "") -> tuple[str, str] | None:

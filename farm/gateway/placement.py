@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from farm.cluster import registry
@@ -26,6 +28,17 @@ from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRe
 from farm.protocol.queues import direct_queue
 from farm.router.router import Estimate, Placement, Router
 from farm.telemetry import prometheus
+
+# The workers a request has lost (farm.gateway.submission): worker id -> the start time (WorkerInfo.started_at) of
+# the process that was lost. A worker registered again under that id and started later is a new process (the
+# supervisor restarted it): it may take the request, which then continues on the same model instead of failing.
+Lost = Mapping[str, float]
+NOTHING_LOST: Lost = MappingProxyType({})
+
+
+def was_lost(w: registry.WorkerInfo, lost: Lost) -> bool:
+    """Whether `w` is (a process no newer than) one the request lost."""
+    return w.worker_id in lost and w.started_at <= lost[w.worker_id]
 
 
 @dataclass
@@ -54,10 +67,10 @@ class Pools:
     decode: list[registry.WorkerInfo]  # decode workers, else aggregated ones (both decode)
 
     @classmethod
-    def of(cls, live: list[registry.WorkerInfo], model: str, exclude: set[str] | frozenset[str] = frozenset()) -> Pools:
+    def of(cls, live: list[registry.WorkerInfo], model: str, exclude: Lost = NOTHING_LOST) -> Pools:
         by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
         for w in live:
-            if w.model == model and w.worker_id not in exclude:  # e.g. just died, its heartbeat not yet lapsed
+            if w.model == model and not was_lost(w, exclude):  # e.g. just died, its heartbeat not yet lapsed
                 by_role.setdefault(w.role, []).append(w)
         return cls(by_role["prefill"], by_role["decode"] or by_role["both"])
 
@@ -68,7 +81,7 @@ class Placer:
     def __init__(self, cfg: FarmConfig, r: Any, router: Router, celery: Any):
         self.cfg, self.r, self.router, self.celery = cfg, r, router, celery
 
-    def _read(self, model: str, exclude: set[str] | frozenset[str]) -> tuple[Pools, str]:
+    def _read(self, model: str, exclude: Lost) -> tuple[Pools, str]:
         """The model's live workers and the layout they serve it in. From the router's view of the live workers,
         refreshed about every second by its follower (no Redis round trip per placement); from Redis when that
         view is missing or stale, when re-placing a request, and before refusing one (a worker that registered
@@ -84,7 +97,7 @@ class Placer:
         pools = Pools.of(registry.live_workers(self.r, model=model), model, exclude)
         return pools, self._layout(model, pools, bool(exclude))
 
-    def layout(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
+    def layout(self, model: str, exclude: Lost = NOTHING_LOST) -> str:
         """How `model` is served now; raises NoWorkersError when nothing can serve it."""
         return self._read(model, exclude)[1]
 
@@ -100,7 +113,7 @@ class Placer:
             return "disaggregated" if mode == "always" else "conditional"
         return "aggregated" if pools.decode[0].role == "both" else "decode-only"
 
-    def place(self, req: GenerationRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Placed:
+    def place(self, req: GenerationRequest, exclude: Lost = NOTHING_LOST) -> Placed:
         """Choose workers for `req`, record their load and send its first task; NoWorkersError, BusyError."""
         if not tracing.ENABLED:
             return self._place(req, exclude)
@@ -123,7 +136,7 @@ class Placer:
         workers = pools.prefill if layout == "disaggregated" else pools.decode
         return self.router.estimate(workers, self.router.hashes(token_ids, model, cache_salt), len(token_ids))
 
-    def _place(self, req: GenerationRequest, exclude: set[str] | frozenset[str]) -> Placed:
+    def _place(self, req: GenerationRequest, exclude: Lost) -> Placed:
         pools, layout = self._read(req.model, exclude)
         req.created = req.created or time.time()
         t0 = time.perf_counter()

@@ -91,7 +91,9 @@ class ReplyReader:
         self._boxes: dict[str, Mailbox] = {}
         self._seen: dict[str, int] = {}  # writer -> last sequence number read
         self._watched: dict[str, tuple[registry.WorkerInfo | None, int]] = {}  # worker -> (info, requests)
-        self._gone: frozenset[str] = frozenset()
+        # worker -> the start time of the process the last check found dead (None: not known): a process started
+        # later under the same id (restarted) is not gone
+        self._gone: dict[str, float | None] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,7 +136,8 @@ class ReplyReader:
         """Keep `worker_id`'s liveness current while a request depends on it (`unwatch` when it no longer does)."""
         with self._lock:
             old, n = self._watched.get(worker_id, (None, 0))
-            self._watched[worker_id] = (info or old, n + 1)
+            newer = info is not None and (old is None or info.started_at > old.started_at)  # a restarted worker
+            self._watched[worker_id] = (info if newer else old or info, n + 1)
 
     def unwatch(self, worker_id: str) -> None:
         with self._lock:
@@ -144,9 +147,18 @@ class ReplyReader:
             else:
                 self._watched[worker_id] = (info, n - 1)
 
+    def info(self, worker_id: str) -> registry.WorkerInfo | None:
+        """The record of the watched worker's process, as the requests watching it know it (None: not known)."""
+        with self._lock:
+            return self._watched.get(worker_id, (None, 0))[0]
+
     def gone(self, worker_id: str) -> bool:
-        """Whether a watched worker was found dead at the last check (at most `check_interval_s` ago)."""
-        return worker_id in self._gone
+        """Whether a watched worker was found dead at the last check (at most `check_interval_s` ago); a process
+        watched now that started after the one found dead (the worker was restarted under its id) is not."""
+        if worker_id not in self._gone:
+            return False
+        judged, now = self._gone[worker_id], self.info(worker_id)
+        return judged is None or now is None or now.started_at <= judged
 
     # -- the reader thread -------------------------------------------------------------------------------
     def _renew_lease(self) -> None:
@@ -155,7 +167,8 @@ class ReplyReader:
     def _check_workers(self) -> None:
         with self._lock:
             watched = {w: info for w, (info, _) in self._watched.items()}
-        self._gone = frozenset(workers_gone(self.r, watched)) if watched else frozenset()
+        dead = workers_gone(self.r, watched) if watched else set()
+        self._gone = {w: watched[w].started_at if watched[w] is not None else None for w in dead}
 
     def _run(self) -> None:
         last_id = "0-0"

@@ -98,7 +98,7 @@ class Submission:
         self._carried = 0  # tokens of _ids that are part of the current attempt's prompt
         self._boundary: IncrementalDetokenizer | None = None  # renders the first text after a migration
         self._stage: dict[str, str] = {}  # stage -> worker that serves it now (from start events)
-        self._lost: set[str] = set()
+        self._lost: dict[str, float] = {}  # workers this request lost: id -> start time of the lost process
 
     @property
     def predicted_overlap_tokens(self) -> int:
@@ -167,9 +167,16 @@ class Submission:
 
     def _lost_worker(self) -> str | None:
         for wid in self._watched():
-            if wid in self._lost or self.svc.replies.gone(wid):
+            if self._lost_before(wid) or self.svc.replies.gone(wid):
                 return wid
         return None
+
+    def _lost_before(self, worker_id: str) -> bool:
+        """Whether the process now serving this request under `worker_id` is one it lost before (not a restart)."""
+        if worker_id not in self._lost:
+            return False
+        info = self.svc.replies.info(worker_id)
+        return info is None or info.started_at <= self._lost[worker_id]
 
     # -- migration -------------------------------------------------------------------------------------------
     def _clean_prefix(self) -> int:
@@ -191,7 +198,8 @@ class Submission:
     def _migrate(self, lost: str) -> Event | None:
         """Move the request off `lost`; returns the event that ends the stream instead, if any."""
         rcfg = self.svc.cfg.reliability
-        self._lost.add(lost)
+        info = self.svc.replies.info(lost)  # the lost process; one restarted under its id later may take the request
+        self._lost[lost] = max(self._lost.get(lost, 0.0), info.started_at if info is not None else time.time())
         try:  # if it was only slow, it stops now
             self.svc.r.set(cancel_key(self.attempt_id), "1", ex=CANCEL_TTL_S)
         except redis.RedisError:
