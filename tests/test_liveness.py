@@ -1,0 +1,42 @@
+"""Whether a worker a request depends on is gone (farm.cluster.liveness), on a real redis-server: its heartbeat,
+its process on this host, and its id registered again by a later process (a restart, on any host)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from farm.cluster import registry
+from farm.cluster.liveness import worker_gone, workers_gone
+from farm.protocol.keys import alive_key
+
+
+def info(worker_id: str, started_at: float, host: str = "elsewhere", pid: int = 1) -> registry.WorkerInfo:
+    return registry.WorkerInfo(worker_id, "both", "m", host, pid, 16, started_at=started_at)
+
+
+def test_a_worker_is_gone_when_its_heartbeat_lapses(redis_client):
+    first = info("w-1", 100.0)
+    registry.register(redis_client, first)
+    assert workers_gone(redis_client, {"w-1": first}) == set()
+    redis_client.delete(alive_key("w-1"))
+    assert workers_gone(redis_client, {"w-1": first}) == {"w-1"} and worker_gone(redis_client, "w-1")
+
+
+def test_a_worker_registered_again_by_a_later_process_is_gone_for_the_earlier_one(redis_client):
+    """The supervisor restarts a worker under the same id, often before its heartbeat could lapse: requests of the
+    earlier process must still see it gone (another host: no pid to check), requests of the new one must not."""
+    first, again = info("w-1", 100.0), info("w-1", 160.0)
+    registry.register(redis_client, first)
+    registry.register(redis_client, again)
+    assert workers_gone(redis_client, {"w-1": first}) == {"w-1"}
+    assert workers_gone(redis_client, {"w-1": again}) == set()
+    assert not worker_gone(redis_client, "w-1")  # no record given: the registered one, which is alive
+
+
+def test_on_this_host_a_dead_pid_is_gone_before_its_heartbeat_lapses(redis_client):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = info("w-2", 0.0, socket.gethostname(), int(done.stdout))  # a reused pid started later: gone too
+    registry.register(redis_client, dead)
+    assert workers_gone(redis_client, {"w-2": dead}) == {"w-2"}
