@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.mom_choice            # score vs kv-aware in alternating order, 2 rounds; the kill phase
     .venv/bin/python -m bench.mom_choice --affinity # per-turn vs conversation category, system prompts injected
+    .venv/bin/python -m bench.mom_choice --kill-only  # the kill phase alone
     .venv/bin/python -m bench.mom_choice --smoke    # tiny sizes, one round: proves it runs
 
 Two model entries with the same weights (the default model, and a copy named `<default>-b`) serve every category
@@ -27,9 +28,11 @@ classified alone) against `conversation` (the default: the conversation's catego
 Beside the table: the hit ratio of the later turns, and how often a later turn's category differed from the turn
 before it (the model's or the system prompt's change that loses the conversation's cached prefix).
 
-The kill phase (`--kill-at-s`, kv-aware): the first model's worker is killed (SIGKILL) while the load runs. Requests
-MoM sent there that had not started move to the other model (`x-vsr-fallback: ...; reason=...`); one that
-had streamed tokens cannot (a different model may not continue another's answer) and fails: counted.
+The kill phase (`--kill-at-s`, kv-aware): the first model's worker is killed (SIGKILL) while the load runs, and the
+bench supervises the farm as `farm run` does (the worker is restarted under its name). Requests MoM sent there that
+had not started move to the other model (`x-vsr-fallback: ...; reason=...`); one that had streamed tokens cannot (a
+different model may not continue another's answer): it waits up to `reliability.migration_wait_s` for the restarted
+worker, and fails if none takes it: counted.
 Writes bench/out/mom_choice.json (smoke: mom_choice-smoke.json).
 """
 
@@ -115,6 +118,7 @@ def run_mode(mode: str, rnd: int, args: argparse.Namespace, tok: Any, kill_at_s:
                 warm_up_http(url, name)
             time.sleep(3.0)  # the workers' heartbeats carry their first measured step costs to the router
             killer = None
+            supervising = threading.Event()
             if kill_at_s:
                 victim = next(p for p in farm.procs if p.name == "both-1")  # the first model's worker
 
@@ -122,13 +126,22 @@ def run_mode(mode: str, rnd: int, args: argparse.Namespace, tok: Any, kill_at_s:
                     time.sleep(kill_at_s)
                     os.kill(victim.pid, signal.SIGKILL)
                     rec["killed_at_s"] = kill_at_s
+
+                def supervise() -> None:  # as `farm run` does: a worker that dies is restarted under its name
+                    while not supervising.wait(0.5):
+                        farm.supervise_once()
                 killer = threading.Thread(target=kill, daemon=True)
                 killer.start()
+                threading.Thread(target=supervise, daemon=True).start()
             tag = f"r{rnd}" + ("-kill" if kill_at_s else "")
-            rec["run"] = run_rate(url, "MoM", conversations(args, tok, tag), args.rate, args.turns,
-                                  f"{args.seed}-{tag}", args)
+            try:
+                rec["run"] = run_rate(url, "MoM", conversations(args, tok, tag), args.rate, args.turns,
+                                      f"{args.seed}-{tag}", args)
+            finally:
+                supervising.set()
             if killer is not None:
                 killer.join()
+            rec["restarts"] = {p.name: p.restarts for p in farm.procs if p.restarts}
     except Exception as e:  # noqa: BLE001 - a farm that fails to run is reported FAILED, not a crash
         rec["error"] = f"{type(e).__name__}: {e}"
     rec["names"] = names
@@ -166,6 +179,7 @@ def later_turns(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--kill-only", action="store_true", help="the kill phase alone (kv-aware, a worker killed)")
     ap.add_argument("--affinity", action="store_true",
                     help="per-turn vs conversation category, system prompts injected (no kill phase)")
     ap.add_argument("--rounds", type=int, help="rounds in alternating order (default 2, smoke 1)")
@@ -190,7 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.affinity:
         args.kill_at_s = 0.0
-    name = "mom_affinity" if args.affinity else "mom_choice"
+    if args.kill_only and not args.kill_at_s:
+        ap.error("--kill-only needs the kill phase (--kill-at-s > 0; off in --smoke and --affinity)")
+    name = "mom_affinity" if args.affinity else "mom_choice-kill" if args.kill_only else "mom_choice"
     args.out = args.out or str(OUT_DIR / (f"{name}-smoke.json" if args.smoke else f"{name}.json"))
     return args
 
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(environ={})
     tok = get_tokenizer(base, base.default_model)
     t0 = time.monotonic()
-    modes = list(AFFINITY_MODES if args.affinity else MODES)
+    modes = [] if args.kill_only else list(AFFINITY_MODES if args.affinity else MODES)
     records = [run_mode(mode, rnd, args, tok) for rnd, mode in alternating(modes, args.rounds)]
     if args.kill_at_s:
         records.append(run_mode("kv-aware", args.rounds, args, tok, kill_at_s=args.kill_at_s))
@@ -231,17 +247,18 @@ def main(argv: list[str] | None = None) -> int:
                           "rows": rows, "ratios": ratios, "records": records}, goals)
         return 1 if any(r["failed"] for r in rows) else 0
     goals = []
-    if by["score"]["ttft_p50_ms"] and by["kv-aware"]["ttft_p50_ms"] is not None:
+    if modes and by["score"]["ttft_p50_ms"] and by["kv-aware"]["ttft_p50_ms"] is not None:
         goals.append(goal("TTFT p50 kv-aware / score", by["kv-aware"]["ttft_p50_ms"] / by["score"]["ttft_p50_ms"],
                           0.7, higher_is_better=False))
-    goals.append(goal("failed requests (score, kv-aware)", float(by["score"]["errors"] + by["kv-aware"]["errors"]),
-                      0.0, higher_is_better=False))
+    if modes:
+        goals.append(goal("failed requests (score, kv-aware)", float(by["score"]["errors"] + by["kv-aware"]["errors"]),
+                          0.0, higher_is_better=False))
     if args.kill_at_s:
         goals.append(goal("failed requests with a model's worker killed", float(rows[-1]["errors"]), 0.0,
                           higher_is_better=False))
     finish(args.out, {"benchmark": "mom_choice", "args": vars(args), "wall_s": time.monotonic() - t0,
                       "rows": rows, "records": records}, goals)
-    return 1 if any(r["failed"] for r in rows[:2]) else 0
+    return 1 if any(r["failed"] for r in rows[:len(modes)]) else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from farm.cluster import registry
-from farm.cluster.liveness import worker_gone, workers_gone
+from farm.cluster.liveness import process_of, processes_gone, worker_gone
 from farm.protocol.keys import alive_key
 
 
@@ -19,9 +19,9 @@ def info(worker_id: str, started_at: float, host: str = "elsewhere", pid: int = 
 def test_a_worker_is_gone_when_its_heartbeat_lapses(redis_client):
     first = info("w-1", 100.0)
     registry.register(redis_client, first)
-    assert workers_gone(redis_client, {"w-1": first}) == set()
+    assert not worker_gone(redis_client, "w-1", first)
     redis_client.delete(alive_key("w-1"))
-    assert workers_gone(redis_client, {"w-1": first}) == {"w-1"} and worker_gone(redis_client, "w-1")
+    assert worker_gone(redis_client, "w-1", first) and worker_gone(redis_client, "w-1")
 
 
 def test_a_worker_registered_again_by_a_later_process_is_gone_for_the_earlier_one(redis_client):
@@ -30,8 +30,8 @@ def test_a_worker_registered_again_by_a_later_process_is_gone_for_the_earlier_on
     first, again = info("w-1", 100.0), info("w-1", 160.0)
     registry.register(redis_client, first)
     registry.register(redis_client, again)
-    assert workers_gone(redis_client, {"w-1": first}) == {"w-1"}
-    assert workers_gone(redis_client, {"w-1": again}) == set()
+    old, new = process_of("w-1", first), process_of("w-1", again)
+    assert processes_gone(redis_client, {old: first, new: again}) == {old}  # one round trip, both processes
     assert not worker_gone(redis_client, "w-1")  # no record given: the registered one, which is alive
 
 
@@ -39,4 +39,28 @@ def test_on_this_host_a_dead_pid_is_gone_before_its_heartbeat_lapses(redis_clien
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = info("w-2", 0.0, socket.gethostname(), int(done.stdout))  # a reused pid started later: gone too
     registry.register(redis_client, dead)
-    assert workers_gone(redis_client, {"w-2": dead}) == {"w-2"}
+    assert worker_gone(redis_client, "w-2", dead)
+
+
+def test_the_reply_reader_tells_a_restarted_worker_from_the_process_that_died(redis_client):
+    """Two requests were on a worker that died; one has already moved to its restart (same id, later process).
+    The other must still see its process gone, and the moved one must see its own alive."""
+    import time
+
+    from farm.config.processes import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+
+    first, again = info("w-3", 100.0), info("w-3", 160.0)
+    registry.register(redis_client, first)
+    reader = ReplyReader(redis_client, ReliabilityConfig(check_interval_s=0.05)).start()
+    try:
+        stayed, moved = reader.watch("w-3", first), reader.watch("w-3", first)
+        reader.unwatch(moved)
+        registry.register(redis_client, again)  # the restart, before the old heartbeat could lapse
+        restarted = reader.watch("w-3", again)
+        deadline = time.monotonic() + 5
+        while not reader.gone(stayed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reader.gone(stayed) and not reader.gone(restarted)
+    finally:
+        reader.stop()

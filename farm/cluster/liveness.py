@@ -19,25 +19,36 @@ from farm.protocol.keys import WORKERS_KEY, alive_key
 _HOST = socket.gethostname()
 
 
+# A worker's process: its id and the start time of the process (WorkerInfo.started_at); None: whichever process is
+# registered under the id now. A restart keeps the id and changes the start time.
+Process = tuple[str, float | None]
+
+
+def process_of(worker_id: str, info: registry.WorkerInfo | None) -> Process:
+    return worker_id, info.started_at if info is not None else None
+
+
 def worker_gone(r: redis.Redis, worker_id: str, info: registry.WorkerInfo | None = None) -> bool:
     """Whether `worker_id` (the process `info` describes, if given) is dead: heartbeat lapsed, its id registered
     again by a later process, or (same host) its process is gone or is another one."""
-    return worker_id in workers_gone(r, {worker_id: info})
+    return bool(processes_gone(r, {process_of(worker_id, info): info}))
 
 
-def workers_gone(r: redis.Redis, workers: dict[str, registry.WorkerInfo | None]) -> set[str]:
-    """The dead among `workers` (each with its record as the caller knows it, or None), in one round trip."""
-    ids = list(workers)
+def processes_gone(r: redis.Redis, processes: dict[Process, registry.WorkerInfo | None]) -> set[Process]:
+    """The dead among `processes` (each with its record as the caller knows it, or None), in one round trip."""
+    ids = sorted({wid for wid, _ in processes})
     pipe = r.pipeline(transaction=False)
     pipe.mget([alive_key(w) for w in ids])
     pipe.hmget(WORKERS_KEY, ids)
     beats, records = pipe.execute()
+    beat = dict(zip(ids, beats, strict=True))
+    now = {w: registry.WorkerInfo.from_json(raw) if raw else None for w, raw in zip(ids, records, strict=True)}
     gone = set()
-    for w, beat, raw in zip(ids, beats, records, strict=True):
-        now = registry.WorkerInfo.from_json(raw) if raw else None
-        known = workers[w] or now
-        if beat is None or _process_gone(known) or _replaced(known, now):
-            gone.add(w)
+    for proc, known in processes.items():
+        wid = proc[0]
+        known = known or now[wid]
+        if beat[wid] is None or _process_gone(known) or _replaced(known, now[wid]):
+            gone.add(proc)
     return gone
 
 

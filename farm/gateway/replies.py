@@ -10,7 +10,8 @@ The reader also keeps what every request of the process would otherwise ask Redi
 - its lease (`reader_lease_key`), refreshed every quarter of `reliability.lease_ttl_s`: workers abort the
   requests of a reader whose lease lapsed (the process died, nobody reads);
 - which of the workers serving its requests are gone (`gone`), refreshed every `reliability.check_interval_s`
-  in one round trip (farm.cluster.liveness.workers_gone), for the requests' migration.
+  in one round trip (farm.cluster.liveness.processes_gone), for the requests' migration; by process, so a worker
+  restarted under its id is alive for the requests placed on it and gone for those of the process that died.
 
 It reads from the last entry id it saw, so a Redis restart loses nothing it has not read (the workers retry their
 flushes) and a batch written twice (a retried flush) is skipped by its writer's sequence number. Entries it has
@@ -35,7 +36,7 @@ from collections import deque
 import redis
 
 from farm.cluster import registry
-from farm.cluster.liveness import workers_gone
+from farm.cluster.liveness import Process, process_of, processes_gone
 from farm.config.processes import ReliabilityConfig
 from farm.protocol import EVENT_FIELD, Event, decode_reply, reader_lease_key, reply_stream_key
 
@@ -90,10 +91,10 @@ class ReplyReader:
         self.lease_ttl_s = rcfg.lease_ttl_s
         self._boxes: dict[str, Mailbox] = {}
         self._seen: dict[str, int] = {}  # writer -> last sequence number read
-        self._watched: dict[str, tuple[registry.WorkerInfo | None, int]] = {}  # worker -> (info, requests)
-        # worker -> the start time of the process the last check found dead (None: not known): a process started
-        # later under the same id (restarted) is not gone
-        self._gone: dict[str, float | None] = {}
+        # the worker processes requests depend on -> (their record, how many requests): a worker restarted under its
+        # id is another process, watched apart from the one that died
+        self._watched: dict[Process, tuple[registry.WorkerInfo | None, int]] = {}
+        self._gone: frozenset[Process] = frozenset()  # the watched processes found dead at the last check
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,33 +133,26 @@ class ReplyReader:
     def close(self, attempt_id: str) -> None:
         self._boxes.pop(attempt_id, None)
 
-    def watch(self, worker_id: str, info: registry.WorkerInfo | None) -> None:
-        """Keep `worker_id`'s liveness current while a request depends on it (`unwatch` when it no longer does)."""
+    def watch(self, worker_id: str, info: registry.WorkerInfo | None) -> Process:
+        """Keep the liveness of `worker_id`'s process (the one `info` describes; None: whichever runs under the id)
+        current while a request depends on it; returns the key to `unwatch` and ask `gone` with."""
+        proc = process_of(worker_id, info)
         with self._lock:
-            old, n = self._watched.get(worker_id, (None, 0))
-            newer = info is not None and (old is None or info.started_at > old.started_at)  # a restarted worker
-            self._watched[worker_id] = (info if newer else old or info, n + 1)
+            old, n = self._watched.get(proc, (None, 0))
+            self._watched[proc] = (info or old, n + 1)
+        return proc
 
-    def unwatch(self, worker_id: str) -> None:
+    def unwatch(self, proc: Process) -> None:
         with self._lock:
-            info, n = self._watched.get(worker_id, (None, 0))
+            info, n = self._watched.get(proc, (None, 0))
             if n <= 1:
-                self._watched.pop(worker_id, None)
+                self._watched.pop(proc, None)
             else:
-                self._watched[worker_id] = (info, n - 1)
+                self._watched[proc] = (info, n - 1)
 
-    def info(self, worker_id: str) -> registry.WorkerInfo | None:
-        """The record of the watched worker's process, as the requests watching it know it (None: not known)."""
-        with self._lock:
-            return self._watched.get(worker_id, (None, 0))[0]
-
-    def gone(self, worker_id: str) -> bool:
-        """Whether a watched worker was found dead at the last check (at most `check_interval_s` ago); a process
-        watched now that started after the one found dead (the worker was restarted under its id) is not."""
-        if worker_id not in self._gone:
-            return False
-        judged, now = self._gone[worker_id], self.info(worker_id)
-        return judged is None or now is None or now.started_at <= judged
+    def gone(self, proc: Process) -> bool:
+        """Whether a watched process was found dead at the last check (at most `check_interval_s` ago)."""
+        return proc in self._gone
 
     # -- the reader thread -------------------------------------------------------------------------------
     def _renew_lease(self) -> None:
@@ -166,9 +160,8 @@ class ReplyReader:
 
     def _check_workers(self) -> None:
         with self._lock:
-            watched = {w: info for w, (info, _) in self._watched.items()}
-        dead = workers_gone(self.r, watched) if watched else set()
-        self._gone = {w: watched[w].started_at if watched[w] is not None else None for w in dead}
+            watched = {proc: info for proc, (info, _) in self._watched.items()}
+        self._gone = frozenset(processes_gone(self.r, watched)) if watched else frozenset()
 
     def _run(self) -> None:
         last_id = "0-0"

@@ -14,6 +14,7 @@ from typing import Any
 import redis
 
 from farm.cluster import registry
+from farm.cluster.liveness import Process, process_of
 from farm.config import FarmConfig
 from farm.gateway.failures import ClientGone, GatewayTimeout, NoWorkersError
 from farm.gateway.placement import Placed, Placer
@@ -87,7 +88,7 @@ class Submission:
         self._started = False
         self._prefill_open = True  # the prefill load is still held
         self._loads: list[tuple[str, str, str]] = []  # (kind, worker, request id) not yet ended
-        self._watching: list[str] = []  # workers this request asked the reader to watch
+        self._watching: list[Process] = []  # worker processes this request asked the reader to watch
         self._open_attempt(placed, req.request_id)
         self._t0 = time.monotonic()
         self.ttft_s: float | None = None
@@ -129,15 +130,19 @@ class Submission:
             self._watch(pl.worker.worker_id, pl.worker)
 
     def _watch(self, worker_id: str, info: registry.WorkerInfo | None = None) -> None:
-        if worker_id not in self._watching:
-            self._watching.append(worker_id)
-            self.svc.replies.watch(worker_id, info)
+        info = info or self._placed_info(worker_id)
+        if process_of(worker_id, info) not in self._watching:
+            self._watching.append(self.svc.replies.watch(worker_id, info))
+
+    def _placed_info(self, worker_id: str) -> registry.WorkerInfo | None:
+        """The record of the process this attempt was placed on under `worker_id` (None: not one of its placements)."""
+        return next((pl.worker for pl in self.placements.values() if pl.worker.worker_id == worker_id), None)
 
     def _close_attempt(self) -> None:
         """The current attempt is over (finished, cancelled or migrated away): no more events, load, watching."""
         self.svc.replies.close(self.attempt_id)
-        for wid in self._watching:
-            self.svc.replies.unwatch(wid)
+        for proc in self._watching:
+            self.svc.replies.unwatch(proc)
         self._watching = []
         self._end_load("p")
         self._end_load("d")
@@ -167,16 +172,15 @@ class Submission:
 
     def _lost_worker(self) -> str | None:
         for wid in self._watched():
-            if self._lost_before(wid) or self.svc.replies.gone(wid):
+            proc = process_of(wid, self._placed_info(wid))
+            if self._lost_before(proc) or self.svc.replies.gone(proc):
                 return wid
         return None
 
-    def _lost_before(self, worker_id: str) -> bool:
-        """Whether the process now serving this request under `worker_id` is one it lost before (not a restart)."""
-        if worker_id not in self._lost:
-            return False
-        info = self.svc.replies.info(worker_id)
-        return info is None or info.started_at <= self._lost[worker_id]
+    def _lost_before(self, proc: Process) -> bool:
+        """Whether the process serving this attempt under that id is one the request lost before (not a restart)."""
+        wid, started = proc
+        return wid in self._lost and (started is None or started <= self._lost[wid])
 
     # -- migration -------------------------------------------------------------------------------------------
     def _clean_prefix(self) -> int:
@@ -198,7 +202,7 @@ class Submission:
     def _migrate(self, lost: str) -> Event | None:
         """Move the request off `lost`; returns the event that ends the stream instead, if any."""
         rcfg = self.svc.cfg.reliability
-        info = self.svc.replies.info(lost)  # the lost process; one restarted under its id later may take the request
+        info = self._placed_info(lost)  # the lost process; one restarted under its id later may take the request
         self._lost[lost] = max(self._lost.get(lost, 0.0), info.started_at if info is not None else time.time())
         try:  # if it was only slow, it stops now
             self.svc.r.set(cancel_key(self.attempt_id), "1", ex=CANCEL_TTL_S)
