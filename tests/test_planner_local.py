@@ -27,6 +27,9 @@ from farm.supervisor import Farm
 from tests.conftest import make_farm_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# the ramp-down's long requests must still decode when the planner's 10 s window lets it scale down: 160 tokens
+# once finished first on a fast day (CI on 2026-11-27); 400 keep them decoding on fast and slow machines alike
+LONG_TOKENS = 400
 
 
 class Client(threading.Thread):
@@ -122,7 +125,7 @@ def test_local_planner_scales_decode_up_under_load_and_back_down(farm_cfg, redis
         # -- ramp down: two long requests, one on each worker; load 2/8 -> retire the newest (decode-2)
         longs = []
         while not any(c.worker == second for c in longs) and len(longs) < 4:
-            c = Client(gw, tok, 100 + len(longs), max_tokens=160, once=True)
+            c = Client(gw, tok, 100 + len(longs), max_tokens=LONG_TOKENS, once=True)
             c.start()
             assert c.placed.wait(30)
             longs.append(c)
