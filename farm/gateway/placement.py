@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from farm.cluster import registry
+from farm.cluster.liveness import Process, process_of
 from farm.config import FarmConfig
 from farm.gateway.failures import NoWorkersError
 from farm.infra import tracing
@@ -36,9 +37,11 @@ Lost = Mapping[str, float]
 NOTHING_LOST: Lost = MappingProxyType({})
 
 
-def was_lost(w: registry.WorkerInfo, lost: Lost) -> bool:
-    """Whether `w` is (a process no newer than) one the request lost."""
-    return w.worker_id in lost and w.started_at <= lost[w.worker_id]
+def was_lost(proc: Process, lost: Lost) -> bool:
+    """Whether the worker process `proc` is (no newer than) one the request lost; a process of unknown start under a
+    lost id counts as lost."""
+    wid, started = proc
+    return wid in lost and (started is None or started <= lost[wid])
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Pools:
     def of(cls, live: list[registry.WorkerInfo], model: str, exclude: Lost = NOTHING_LOST) -> Pools:
         by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
         for w in live:
-            if w.model == model and not was_lost(w, exclude):  # e.g. just died, its heartbeat not yet lapsed
+            if w.model == model and not was_lost(process_of(w.worker_id, w), exclude):  # e.g. just died, its heartbeat not yet lapsed
                 by_role.setdefault(w.role, []).append(w)
         return cls(by_role["prefill"], by_role["decode"] or by_role["both"])
 

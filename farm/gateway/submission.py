@@ -17,7 +17,7 @@ from farm.cluster import registry
 from farm.cluster.liveness import Process, process_of
 from farm.config import FarmConfig
 from farm.gateway.failures import ClientGone, GatewayTimeout, NoWorkersError
-from farm.gateway.placement import Placed, Placer
+from farm.gateway.placement import Placed, Placer, was_lost
 from farm.gateway.replies import Mailbox, ReplyReader
 from farm.infra.redis_batch import Job
 from farm.models.tokenization import IncrementalDetokenizer, get_tokenizer
@@ -172,15 +172,10 @@ class Submission:
 
     def _lost_worker(self) -> str | None:
         for wid in self._watched():
-            proc = process_of(wid, self._placed_info(wid))
-            if self._lost_before(proc) or self.svc.replies.gone(proc):
+            proc = process_of(wid, self._placed_info(wid))  # a restart under a lost id is not lost
+            if was_lost(proc, self._lost) or self.svc.replies.gone(proc):
                 return wid
         return None
-
-    def _lost_before(self, proc: Process) -> bool:
-        """Whether the process serving this attempt under that id is one the request lost before (not a restart)."""
-        wid, started = proc
-        return wid in self._lost and (started is None or started <= self._lost[wid])
 
     # -- migration -------------------------------------------------------------------------------------------
     def _clean_prefix(self) -> int:
