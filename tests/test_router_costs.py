@@ -169,11 +169,12 @@ def test_idle_worker_wins_when_the_cached_prefix_is_short(redis_client):
     router.index.store("w0", hashes[:2])  # 2 blocks saved = 80 ms
     router.loads.begin("d", "w0", "decoding", 200)  # a step over 200 blocks = 130 ms
     assert router.choose(ws, hashes, 320, "both").worker.worker_id == "w1"
-    # 10 blocks saved = 400 ms of its TTFT, but the request decoding on w0 would wait out its prefill of the
-    # other 10 (50 + 400 ms): w0 0.58 + 0.45 s against w1 0.85 s
-    router.index.store("w0", hashes[:10])
+    # 6 blocks saved = 240 ms of its TTFT, but the request decoding on w0 would wait out its prefill of the
+    # other 14 (50 + 560 ms): w0 0.74 + 0.61 s against w1 0.85 s, + half a request's stall there (the pool holds
+    # 0.5 requests per worker: the next arrival placed on w1 waits out that prefill too) = 1.275 s
+    router.index.store("w0", hashes[:6])
     assert router.choose(ws, hashes, 320, "both").worker.worker_id == "w1"
-    router.index.store("w0", hashes[:16])  # 16 saved: w0 50 + 160 + 130 ms, + a 210 ms stall = 0.55 s
+    router.index.store("w0", hashes[:10])  # 10 saved: w0 0.58 + 0.45 = 1.03 s against 1.275 s
     assert router.choose(ws, hashes, 320, "both").worker.worker_id == "w0"
 
 

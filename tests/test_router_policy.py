@@ -235,7 +235,9 @@ def test_no_sharing_kv_chooses_as_least_loaded_does_and_does_not_pack():
 def test_shared_prefix_stays_with_its_holder_until_the_holders_batch_pays_more_than_the_prefill_saved(
         redis_client):
     """The holder has 36 of the request's 40 blocks; each request decoding there (40 blocks) makes the holder
-    dearer by its stall (the new request's prefill) and by what the two slow each other's decode steps."""
+    dearer by its stall (the new request's prefill) and by what the two slow each other's decode steps. The idle
+    worker is not free either: half the pool's requests would wait out the prefill it does there (the next
+    arrivals placed on it)."""
     ws = workers(redis_client, 2)
     for w in ws:
         beat(redis_client, w.worker_id, output_tokens=16)
@@ -245,7 +247,10 @@ def test_shared_prefix_stays_with_its_holder_until_the_holders_batch_pays_more_t
     router.index.store("w0", hashes[:36])
     k = router.costs.of("w0")
     assert k.decode_tokens == 16
-    saved = k.prefill_s_per_block * 36
+    other = Candidate("w1", 0, costs=k)
+
+    def saved(n: int) -> float:  # what the holder's cached blocks save: the prefill, and the pool's stall of it
+        return k.prefill_s_per_block * 36 + n / 2 * own_prefill(other, 40)
 
     def suffers(n: int) -> float:  # what placing on the holder costs its batch of n, beyond the other worker
         holder = Candidate("w0", 36, 0, 40 * n, costs=k, requests=n)
@@ -255,7 +260,7 @@ def test_shared_prefix_stays_with_its_holder_until_the_holders_batch_pays_more_t
     chosen = []
     for n in range(6):
         chosen.append(router.choose(ws, hashes, 640, "both").worker.worker_id)
-        assert chosen[-1] == ("w0" if suffers(n) < saved else "w1"), n
+        assert chosen[-1] == ("w0" if suffers(n) < saved(n) else "w1"), n
         router.loads.begin("d", "w0", f"decoding-{n}", 40)
     assert chosen[0] == "w0" and chosen[-1] == "w1"  # both sides of the trade are reached
     # without a decode batch on the holder, any cached prefix wins

@@ -6,12 +6,15 @@ Two costs (`router.cost`):
   blocks, O of them cached on the worker, n requests already there (decoding, or queued ahead of it and
   decoding by the time it prefills), A blocks of theirs, D = the model's mean output tokens (measured):
       TTFT   = prefill_step + prefill_per_block x (blocks queued for prefill + R - O) + one decode step over A
-      stall  = n x (prefill_step + prefill_per_block x (R - O))   each of them waits out its prefill
+      stall  = max(n, L) x (prefill_step + prefill_per_block x (R - O))   each of them waits out its prefill
       decode = D x (decode_step(A + R) + n x decode_per_block x R)  its own tokens, and every step of
                theirs longer by its blocks while it decodes
       evict  = prefill_per_block x reuse x (R - O - E)+   the later prefills of the blocks it evicts
       cost   = TTFT + stall + decode + evict
-  where E is the worker's cache blocks holding nothing and reuse its prefix hits per miss (what a stored
+  where L is the mean of n over the candidates: under load a worker with fewer requests than that does not stay
+  so, the router places the next arrivals there and they wait out this prefill too (an idle worker of a busy
+  pool is not free; without this, a tenant held by a busy worker moves to an idle one and is prefilled twice).
+  E is the worker's cache blocks holding nothing and reuse its prefix hits per miss (what a stored
   block served, on average, before it was evicted): once a cache is full, each block a placement prefills
   evicts one that would have saved `reuse` prefills of a block later. That is what keeps a tenant's prefix
   on one worker under load instead of copied onto both, each copy evicting other tenants' (an LRU's oldest
@@ -97,16 +100,18 @@ def eviction_cost(c: Candidate, request_blocks: int) -> float:
 
 
 def placement_cost(c: Candidate, request_blocks: int, stage: str, decode_tokens: float | None = None,
-                   ttft: float | None = None) -> float:
+                   ttft: float | None = None, pool_requests: float = 0.0) -> float:
     """The `measured` cost (module docstring): seconds of latency the placement adds, summed over the new
-    request and those already on the worker. `decode_tokens` None: the model's measured mean."""
+    request and those its prefill stalls: the worker's requests, or `pool_requests` (the candidates' mean) when
+    more. `decode_tokens` None: the model's measured mean."""
     k = _costs(c)
     d = k.decode_tokens if decode_tokens is None else decode_tokens
     if stage == "decode":
         return decode_cost(c, request_blocks, max(d, 1.0))
     if ttft is None:
         ttft = predicted_ttft(c, request_blocks)
-    cost = ttft + c.requests * own_prefill(c, request_blocks) + eviction_cost(c, request_blocks)
+    stalled = max(c.requests, pool_requests)
+    cost = ttft + stalled * own_prefill(c, request_blocks) + eviction_cost(c, request_blocks)
     return cost if stage == "prefill" else cost + decode_cost(c, request_blocks, d)
 
 
@@ -118,7 +123,8 @@ def has_queue(c: Candidate) -> bool:
 def measured_costs(cands: list[Candidate], request_blocks: int, stage: str, decode_tokens: float | None = None,
                    ttfts: list[float] | None = None) -> list[float]:
     """`placement_cost` per candidate (`ttfts`: their predicted TTFTs, when computed already)."""
-    return [placement_cost(c, request_blocks, stage, decode_tokens, ttfts[i] if ttfts else None)
+    pool = sum(c.requests for c in cands) / len(cands) if cands else 0.0
+    return [placement_cost(c, request_blocks, stage, decode_tokens, ttfts[i] if ttfts else None, pool)
             for i, c in enumerate(cands)]
 
 
