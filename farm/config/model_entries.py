@@ -39,8 +39,8 @@ class VllmOptions(Section):
     kv_connector: Literal["NixlConnector", "LMCacheConnectorV1"] | None = None
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] | None = None  # None: from the worker's role
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
-    # nice value of vLLM's engine core (not its model executor), whose busy waiting would otherwise hold the cores
-    # the request path and the executor need; None: 19 on CPU-only machines, 0 with a GPU (farm.backends.cpu_binding)
+    # nice value of vLLM's engine processes (engine core, model executor), whose busy waiting would otherwise
+    # hold the cores the request path needs; None: 19 on CPU-only machines, 0 with a GPU (farm.backends.cpu_binding)
     engine_nice: int | None = Field(None, ge=0, le=19)
 
     @model_validator(mode="after")
