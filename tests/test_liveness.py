@@ -8,12 +8,17 @@ import subprocess
 import sys
 
 from farm.cluster import registry
-from farm.cluster.liveness import process_of, processes_gone, worker_gone
+from farm.cluster.liveness import process_of, processes_gone
 from farm.protocol.keys import alive_key
 
 
 def info(worker_id: str, started_at: float, host: str = "elsewhere", pid: int = 1) -> registry.WorkerInfo:
     return registry.WorkerInfo(worker_id, "both", "m", host, pid, 16, started_at=started_at)
+
+
+def worker_gone(r, worker_id: str, known: registry.WorkerInfo | None = None) -> bool:
+    """One process's answer (`known`: the record the caller holds; None: whichever is registered now)."""
+    return bool(processes_gone(r, {process_of(worker_id, known): known}))
 
 
 def test_a_worker_is_gone_when_its_heartbeat_lapses(redis_client):

@@ -28,12 +28,6 @@ def process_of(worker_id: str, info: registry.WorkerInfo | None) -> Process:
     return worker_id, info.started_at if info is not None else None
 
 
-def worker_gone(r: redis.Redis, worker_id: str, info: registry.WorkerInfo | None = None) -> bool:
-    """Whether `worker_id` (the process `info` describes, if given) is dead: heartbeat lapsed, its id registered
-    again by a later process, or (same host) its process is gone or is another one."""
-    return bool(processes_gone(r, {process_of(worker_id, info): info}))
-
-
 def processes_gone(r: redis.Redis, processes: dict[Process, registry.WorkerInfo | None]) -> set[Process]:
     """The dead among `processes` (each with its record as the caller knows it, or None), in one round trip."""
     ids = sorted({wid for wid, _ in processes})
