@@ -567,9 +567,11 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
     dies, before any token or after one; the gateway's migration finds no other worker of that model. Before any
     token, and for a non-streamed request at any token (nothing has reached its client), the request goes to the
     category's next model, whose real worker answers. A stream that has sent a token is never moved to another
-    model: it ends with an error after that token. Each hop is a request of its own inside the farm: the
-    migration leaves a cancel flag on the lost attempt's id, and a hop under that id was skipped by the next
-    worker and hung until the timeout (bench/mom_choice's kill phase found it)."""
+    model: it ends with an error after that token, once `reliability.migration_wait_s` has passed without another
+    worker of its model. A request that can still fall back does not wait that long for one: the next model is
+    there now. Each hop is a request of its own inside the farm: the migration leaves a cancel flag on the lost
+    attempt's id, and a hop under that id was skipped by the next worker and hung until the timeout
+    (bench/mom_choice's kill phase found it)."""
     import base64
     import uuid
 
@@ -583,7 +585,7 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
     cfg = cfg.model_copy(update={
         # the ghost is an aggregated worker: no remote prefill (the farm's decode workers prefill locally)
         "disaggregation": cfg.disaggregation.model_copy(update={"mode": "never"}),
-        "reliability": cfg.reliability.model_copy(update={"migration_wait_s": 1}),
+        "reliability": cfg.reliability.model_copy(update={"migration_wait_s": 8}),
         "api": cfg.api.model_copy(update={"first_event_timeout_s": 30})})  # a hang fails here in 30 s, not 300
     app = create_app(cfg)
     ctx = app.extensions["farm"]
@@ -614,10 +616,12 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
             worker = threading.Thread(target=dying_worker, args=(beat, tokens), daemon=True)
             worker.start()
             ctx._served = (0.0, set())
+            t0 = time.monotonic()
             resp = app.test_client().post("/v1/chat/completions", json={
                 "model": "MoM", "messages": [{"role": "user", "content": CHEMISTRY_QUESTION}], "max_tokens": 8,
                 "stream": stream, "temperature": 0})
             text = resp.get_data(as_text=True)  # a stream is read to its end here
+            elapsed = time.monotonic() - t0
             worker.join(5)
             if beat.is_alive():
                 beat.join(5)
@@ -625,7 +629,9 @@ def test_mom_hands_on_a_request_whose_chosen_worker_dies_after_taking_it(farm):
             if tokens and stream:  # a token reached the client: the stream stays on its model and ends in an error
                 assert "x-vsr-fallback" not in resp.headers and resp.headers["x-vsr-selected-model"] == precise
                 assert ghost_text in text and '"error"' in text, text
+                assert elapsed >= 8, elapsed  # it waited for a worker of its own model
                 continue
+            assert elapsed < 8, (tokens, stream, elapsed)  # the next model, without waiting for this one's
             assert resp.headers["x-vsr-fallback"] == f"{precise}->{cfg.default_model}; reason=worker-error"
             assert resp.headers["x-vsr-selected-model"] == cfg.default_model
             assert resp.headers["x-farm-decode-worker"].startswith("decode-")

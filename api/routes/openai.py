@@ -229,7 +229,9 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     # context (stream_flags would bound max_tokens by no context: a 400 naming a limit of 2**30 tokens)
     if body.get("stream") is True:  # the first token goes out at once: a failure may fall back until then
         st, tried, reason = _with_fallback(
-            verdict, ids, lambda m, hop, last: _start(kind, body, verdict, m, hop, wait_for_room=last))
+            verdict, ids, lambda m, hop, last: _start(kind, body, verdict, m, hop, last=last))
+        for sub in st.gen.subs:  # from here on the client has its first token: no other model may take over
+            sub.reached_client()
     else:  # nothing reaches the client before the whole answer: a failure at any token may still fall back
         (st, answers), tried, reason = _with_fallback(
             verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, layer=layer, last=last))
@@ -265,7 +267,7 @@ def _whole(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
            last: bool) -> tuple[_Started, list[Answer]]:
     """A non-streamed request on `model`: started, then every choice read whole. A failure part-way ends the
     attempt; unless it is the last model's, its tokens are not charged (the client never sees them)."""
-    st = _start(kind, body, verdict, model, ids, wait_for_room=last)
+    st = _start(kind, body, verdict, model, ids, last=last)
     cache = _cache_store(layer, verdict, st)
     answers: list[Answer] = []
     try:
@@ -333,12 +335,13 @@ def _with_fallback(verdict: Verdict, ids: RequestIds, attempt: Callable[[str, Re
 
 
 def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: RequestIds, *,
-           wait_for_room: bool) -> _Started:
+           last: bool) -> _Started:
     """Parse the request for `model` (its tokenizer, chat template and limits), reserve its tokens, submit a
     request per choice and wait until the first choice's generating worker has started and sent its first token
     (nothing has reached the client before it: a failure until then may still fall back). On failure everything
-    is released: nothing is charged for a generation that never started. `wait_for_room`: Gateway.submit's bounded
-    wait when every worker's KV cache is full."""
+    is released: nothing is charged for a generation that never started. `last`: MoM has no other model to try, so
+    the request waits for room when every worker's KV cache is full and, when its worker dies, for another worker of
+    this model (Gateway.submit); else both failures go to the next model at once."""
     farm = _farm()
     mcfg = farm.cfg.model(model)
     tok = farm.tokenizer(model)
@@ -361,7 +364,7 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
     gen = _Generation(n_prompt, held)
     try:
         for req in _choice_requests(ids.internal, model, parsed):
-            gen.subs.append(farm.gateway.submit(req, wait_for_room=wait_for_room))
+            gen.subs.append(farm.gateway.submit(req, wait_for_room=last, falls_back=not last))
         # a client that leaves while it waits (queued, or for a whole non-streaming answer) cancels the generation
         gone = client_gone_check()
         streams = [sub.events(client_gone=gone) for sub in gen.subs]

@@ -65,12 +65,13 @@ class Gateway:
         first = estimates[0][1]
         return model, "kv-cache" if first is not None and best.overlap_blocks > first.overlap_blocks else "load"
 
-    def submit(self, req: GenerationRequest, wait_for_room: bool = False) -> Submission:
+    def submit(self, req: GenerationRequest, wait_for_room: bool = False, falls_back: bool = False) -> Submission:
         """Route and enqueue; raises NoWorkersError (no worker) or BusyError (every worker busy). The request's
         events will arrive on this process's reply stream, into a mailbox opened before its task is sent.
         `wait_for_room`: when every worker's KV cache is full, try again until `router.admission_wait_s` has
         passed (a bounded admission queue, where vLLM's engine would queue without bound); the API asks for it
-        unless MoM has another model to try at once."""
+        unless MoM has another model to try at once. `falls_back`: MoM has one; while nothing of the request has
+        reached its client (Submission.reached_client), a migration does not wait for a worker of this model."""
         if not self.replies.running:
             with self._start_lock:
                 self.replies.start()
@@ -84,7 +85,7 @@ class Gateway:
             self.replies.close(req.request_id)
             raise
         logcontext.bind(worker=",".join(dict.fromkeys(p.worker.worker_id for p in placed.placements.values())))
-        return Submission(self._svc, req, placed, box)
+        return Submission(self._svc, req, placed, box, falls_back)
 
     def _place_when_room(self, req: GenerationRequest, wait_s: float) -> Placed:
         deadline = time.monotonic() + wait_s

@@ -71,7 +71,7 @@ class Submission:
     worker; its events continue the same stream, with usage counted as if nothing happened.
     """
 
-    def __init__(self, svc: Services, req: GenerationRequest, placed: Placed, box: Mailbox):
+    def __init__(self, svc: Services, req: GenerationRequest, placed: Placed, box: Mailbox, falls_back: bool = False):
         self.svc = svc
         self.req = req
         self.request_id = req.request_id
@@ -100,6 +100,12 @@ class Submission:
         self._boundary: IncrementalDetokenizer | None = None  # renders the first text after a migration
         self._stage: dict[str, str] = {}  # stage -> worker that serves it now (from start events)
         self._lost: dict[str, float] = {}  # workers this request lost: id -> start time of the lost process
+        self._falls_back = falls_back  # another model may take it while nothing of it has reached the client
+
+    def reached_client(self) -> None:
+        """Something of this request has reached its client: from now on a lost worker is replaced by another of
+        the same model, waited for up to `reliability.migration_wait_s`, never by another model."""
+        self._falls_back = False
 
     @property
     def predicted_overlap_tokens(self) -> int:
@@ -224,7 +230,8 @@ class Submission:
                                 cache_salt=orig.cache_salt, generated=k)
         log.warning("request %s: worker %s lost after %d tokens; migrating as %s", orig.request_id, lost, k,
                     req.request_id)
-        deadline = time.monotonic() + rcfg.migration_wait_s
+        # with another model to go to (MoM) and nothing sent yet, a worker of this model is not waited for
+        deadline = time.monotonic() + (0.0 if self._falls_back else rcfg.migration_wait_s)
         while True:
             self.attempt_id = req.request_id
             self._box = self.svc.replies.open(req.request_id)
