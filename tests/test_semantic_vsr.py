@@ -3,6 +3,7 @@ maps and names every key that does not; the loader takes such a file directly as
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -200,3 +201,15 @@ def test_semantic_test_shows_the_decision_and_why(tmp_path, capsys, monkeypatch)
     report = __import__("json").loads(capsys.readouterr().out)
     assert report["category"]["name"] == "math" and report["category"]["rule"] == "head"
     assert len(report["category"]["alternatives"]) == 3 and report["model"] == MODEL_B
+    # a conversation (--history): a follow-up keeps the category its first confident user turn got
+    history = tmp_path / "history.json"
+    history.write_text(json.dumps([{"role": "user", "content": "Solve 2x + 6 = 10"},
+                                   {"role": "assistant", "content": "x = 2"}]))
+    follow_up = "How do I make crispy roast potatoes?"
+    assert main(["--config", str(p), "semantic", "test", follow_up, "--history", str(history)]) == 0
+    out = capsys.readouterr().out
+    assert "category:   math" in out and "conversation: 2 user turns; the category is user turn 1's" in out
+    assert "the last turn alone: cooking" in out
+    history.write_text(json.dumps({"role": "user"}))
+    assert main(["--config", str(p), "semantic", "test", follow_up, "--history", str(history)]) != 0
+    assert "--history" in capsys.readouterr().err

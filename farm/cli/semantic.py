@@ -44,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("prompt", help="the user's message")
     t.add_argument("--model", default="MoM", help="the model the request names (default: MoM, the layer chooses)")
     t.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
+    t.add_argument("--history", metavar="FILE", help="earlier turns of the conversation, before the prompt: a JSON "
+                   "array of OpenAI chat messages ('-': stdin); the layer then decides as for that conversation")
     t.add_argument("--json", action="store_true", help="one JSON object instead of text")
     t.set_defaults(func=cmd_semantic_test)
 
@@ -95,7 +97,7 @@ def cmd_semantic_test(cfg: FarmConfig, args: argparse.Namespace) -> int:
     scfg = cfg.semantic
     no_cache = scfg.model_copy(update={"cache": scfg.cache.model_copy(update={"enabled": False})})
     layer = SemanticLayer.from_config(cfg.model_copy(update={"semantic": no_cache}))
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + _history(args.history) + [
         {"role": "user", "content": args.prompt}]
     v = layer.before(args.model, messages)
     report = explain(v, args.model, layer.is_alias(args.model))
@@ -104,6 +106,24 @@ def cmd_semantic_test(cfg: FarmConfig, args: argparse.Namespace) -> int:
     else:
         print(render(report))
     return 0
+
+
+def _history(path: str | None) -> list[dict[str, Any]]:
+    """The earlier turns `--history` names, checked as the API checks a request's messages (ConfigError, naming
+    the file, when they are not a list of chat messages)."""
+    if path is None:
+        return []
+    from pydantic import ValidationError
+
+    from farm.openai.schemas import ChatMessage
+
+    try:
+        raw = json.loads(sys.stdin.read() if path == "-" else Path(path).read_text())
+        if not isinstance(raw, list):
+            raise ValueError("expected a JSON array of chat messages")
+        return [ChatMessage.model_validate(m).model_dump(exclude_none=True) for m in raw]
+    except (OSError, ValueError, ValidationError) as e:
+        raise ConfigError(f"--history {path}: {e}") from None
 
 
 def explain(v: Any, requested: str, routed: bool) -> dict[str, Any]:
@@ -118,7 +138,7 @@ def explain(v: Any, requested: str, routed: bool) -> dict[str, Any]:
         "category": cat and {**cat, "alternatives": [{"name": n, "confidence": c, "rule": r}
                                                      for n, c, r in cat["alternatives"]]},
         "reasoning": v.reasoning, "jailbreak": ex.get("jailbreak"), "pii": ex.get("pii"),
-        "fallback": ex.get("fallback"),
+        "fallback": ex.get("fallback"), "conversation": ex.get("conversation"),
         "system_prompt_injected": v.headers.get("x-vsr-injected-system-prompt") == "true",
         "headers": v.headers, "timings_ms": {k: round(x, 2) for k, x in v.timings_ms.items()},
     }
@@ -145,6 +165,12 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"category:   {cat['name']}, confidence {cat['confidence']:.3f}, rule: {rule}{accepted}")
         alts = ", ".join(f"{a['name']} {a['confidence']:.3f} ({a['rule']})" for a in cat["alternatives"])
         lines.append(f"  runners-up: {alts}")
+    conv = r["conversation"]
+    if conv:
+        own = conv["last_turn"]
+        lines.append(f"conversation: {conv['user_turns']} user turns; the category is user turn "
+                     f"{conv['decided_at_turn']}'s" + (" (a later turn switched it)" if conv["switched"] else "")
+                     + f"; the last turn alone: {own['name']} {own['confidence']:.3f}")
     reasoning = {None: "-", True: "on", False: "off"}[r["reasoning"]]
     lines.append(f"model:      {r['model']} ({r['model_rule']}); reasoning {reasoning}; "
                  f"system prompt injected: {'yes' if r['system_prompt_injected'] else 'no'}")
