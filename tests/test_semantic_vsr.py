@@ -198,7 +198,7 @@ def test_semantic_test_shows_the_decision_and_why(tmp_path, capsys, monkeypatch)
     assert "category:   cooking" in out and "rule: custom similarity" in out and "runners-up:" in out
     assert f"model:      {MODEL_B} (the category's best-scored served model)" in out
     assert main(["--config", str(p), "semantic", "test", "Solve 2x + 6 = 10", "--json"]) == 0
-    report = __import__("json").loads(capsys.readouterr().out)
+    report = json.loads(capsys.readouterr().out)
     assert report["category"]["name"] == "math" and report["category"]["rule"] == "head"
     assert len(report["category"]["alternatives"]) == 3 and report["model"] == MODEL_B
     # a conversation (--history): a follow-up keeps the category its first confident user turn got

@@ -73,7 +73,8 @@ class Pools:
     def of(cls, live: list[registry.WorkerInfo], model: str, exclude: Lost = NOTHING_LOST) -> Pools:
         by_role: dict[str, list[registry.WorkerInfo]] = {"prefill": [], "decode": [], "both": []}
         for w in live:
-            if w.model == model and not was_lost(process_of(w.worker_id, w), exclude):  # e.g. just died, its heartbeat not yet lapsed
+            # a lost process is left out, e.g. one that just died, its heartbeat not yet lapsed
+            if w.model == model and not was_lost(process_of(w.worker_id, w), exclude):
                 by_role.setdefault(w.role, []).append(w)
         return cls(by_role["prefill"], by_role["decode"] or by_role["both"])
 
