@@ -29,6 +29,9 @@ request latency p50/p90, throughput, the prefix-cache hit ratio (answers' usage)
 `moved`: the share of a prefix's later requests the router sent to another worker than the one before (the
 farm names its worker in its answers; the peers do not).
 Figures pool both rounds; CPU seconds per request by process kind beside them (where the 2 cores went).
+After the goals, what no router could beat in the run (bench/goodput_bound.py): the hit ceiling of the
+seeded workload, the TTFT p90 floor its cold requests set, the goodput ceiling its arrivals set, and which
+goals were within reach of any router.
 Writes bench/out/goodput.json (smoke: goodput-smoke.json) and its figure beside it (.png: goodput and TTFT
 p90 by offered load; `--replot JSON` redraws a saved run's).
 """
@@ -51,6 +54,7 @@ import aiohttp
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, percentile, table
 from bench.cpu import cpu_by_kind
+from bench.goodput_bound import bounds, goal_bounds, report
 from bench.peers.load import RequestTiming, stream_chat, warm_up_http
 from bench.routing import question, text_of
 
@@ -310,9 +314,11 @@ def goals(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str
 
 
 # -- the figure ---------------------------------------------------------------------------------------------
-def plot(path: Path, rows: list[dict[str, Any]]) -> None:
+def plot(path: Path, rows: list[dict[str, Any]], ceilings: list[dict[str, Any]] | None = None) -> None:
     """Goodput (top) and TTFT p90 (bottom), one panel per workload: against the offered rate with a line per
-    contender, or as bars when the run had one rate; a FAILED row (any failed request) is marked with an x."""
+    contender, or as bars when the run had one rate; a FAILED row (any failed request) is marked with an x.
+    With `ceilings` (bench/goodput_bound.py's rows), what no router could beat: a dashed line (one rate) or
+    dashed curve (several) at the goodput ceiling and the TTFT p90 floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,6 +342,13 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
                 bad = [(x, y) for x, y, r in zip(xs, ys, mine, strict=True) if r["failed"]]
                 if bad:
                     ax.plot(*zip(*bad, strict=True), "x", color="black", markersize=11)
+        mine = sorted((b for b in ceilings or [] if b["workload"] == wl), key=lambda b: b["rate"])
+        for ax, key, scale in ((axes[0][col], "goodput_ceiling_rps", 1.0), (axes[1][col], "ttft_p90_floor_ms", 1e-3)):
+            pts = [(b["rate"], b[key] * scale) for b in mine if b[key] is not None]
+            if pts and one_rate:
+                ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="no router beyond")
+            elif pts:
+                ax.plot(*zip(*pts, strict=True), "k--", linewidth=1, label="no router beyond")
         axes[0][col].set_title(wl + (f" at {rows[0]['rate']:g} requests/s" if one_rate else ""))
         axes[0][col].set_ylabel("goodput (requests/s)")
         axes[1][col].set_ylabel("TTFT p90 (s)")
@@ -346,15 +359,16 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
                 ax.set_xlabel("offered load (requests/s)")
     if not one_rate:
         axes[0][0].legend(fontsize=7)
-    fig.suptitle("bench.goodput: goodput and TTFT p90\n(x: the contender failed requests)", fontsize=10)
+    fig.suptitle("bench.goodput: goodput and TTFT p90\n(x: the contender failed requests; dashed: the goodput "
+                 "ceiling and TTFT p90 floor no router could pass in this run)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
-def draw(figure: Path, rows: list[dict[str, Any]]) -> None:
+def draw(figure: Path, rows: list[dict[str, Any]], ceilings: list[dict[str, Any]] | None = None) -> None:
     """`plot`, or a line saying why there is no figure (matplotlib comes with the `bench` extra)."""
     try:
-        plot(figure, rows)
+        plot(figure, rows, ceilings)
         print(f"wrote {figure}")
     except ImportError:
         print("no figure: matplotlib is missing (pip install -e '.[bench]')")
@@ -423,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
         saved = Path(args.replot)
-        draw(Path(args.plot) if args.plot else saved.with_suffix(".png"), json.loads(saved.read_text())["rows"])
+        run = json.loads(saved.read_text())
+        beside = saved.with_name(saved.stem + "-bounds.json")  # bench.goodput_bound's, for a run without its own
+        ceilings = run.get("bounds") or (json.loads(beside.read_text())["bounds"] if beside.exists() else None)
+        draw(Path(args.plot) if args.plot else saved.with_suffix(".png"), run["rows"], ceilings)
         return 0
     from bench.peers import contenders as c
     from bench.peers import install
@@ -458,13 +475,18 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["workload", "req/s", "contender", *kinds],
                 [[r["workload"], r["rate"], r["contender"], *(r["cpu_s_per_request"].get(k) for k in kinds)]
                  for r in rows], digits=3))
+    reached = goals(rows, args)
+    ceilings = bounds(records, args, tok)
+    within_reach = goal_bounds(ceilings, rows, reached)
+    report(ceilings, within_reach)
     failed = [r for r in records if r.get("error")]
     for r in failed:
         print(f"FAILED: {r['contender']} round {r['round']}: {r['error'].splitlines()[0][:200]}")
     finish(args.out, {"benchmark": "goodput", "args": vars(args), "tools": tools, "model_dir": str(mdir),
                       "logs": str(logs), "load_average_start": load0, "load_average_end": load_average(),
-                      "wall_s": time.monotonic() - t0, "rows": rows, "records": records}, goals(rows, args))
-    draw(Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"), rows)
+                      "wall_s": time.monotonic() - t0, "rows": rows, "records": records, "bounds": ceilings,
+                      "goals_within_reach": within_reach}, reached)
+    draw(Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"), rows, ceilings)
     return 1 if failed or any(r["failed"] for r in rows) else 0
 
 
