@@ -33,7 +33,7 @@ from typing import Any
 
 from bench.common import table, write_json
 
-BLOCK = 16  # vLLM's default KV block size, the bench's engines': prefix caching reuses whole blocks
+BLOCK = 16  # vLLM's default KV block size (the bench's engines use bench.peers' Setup.block_size)
 COLD_P90 = 0.10  # more cold requests than this, and every p90 is at least a cold prefill
 
 
@@ -76,14 +76,14 @@ def _ttft(r: dict[str, Any]) -> float:
 
 
 def workload_bound(runs: list[dict[str, Any]], first_turn_blocks: list[int], last_start_s: float,
-                   turns: int) -> dict[str, Any]:
+                   turns: int, block: int = BLOCK) -> dict[str, Any]:
     """The ceilings of one (workload, rate) over every contender's runs of it (their `raw` records)."""
     hit_ceiling, cold, cold_share, fastest = 0.0, [], 0.0, None
     for run in runs:
         done = [r for r in run["raw"] if not r["error"]]
         if not done:
             continue
-        reuse = reusable_tokens(done, first_turn_blocks)
+        reuse = reusable_tokens(done, first_turn_blocks, block)
         prompt = sum(r["prompt_tokens"] for r in done)
         hit_ceiling = max(hit_ceiling, sum(reuse.values()) / prompt if prompt else 0.0)
         mine = [r for r in done if reuse[(r["conversation"], r["turn"])] == 0]
@@ -109,7 +109,10 @@ def _hit(runs: list[dict[str, Any]]) -> float:
 def bounds(records: list[dict[str, Any]], args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
     """One row per (workload, rate) of a run's records."""
     from bench.goodput import conversations, poisson_starts
+    from bench.peers.contenders import Setup
     from farm.models.tokenization import chat_prompt_ids
+
+    block = Setup.block_size  # every contender's engines: vllm serve, Dynamo and the farm's (bench.peers)
 
     rows = []
     for wl in args.workloads:
@@ -121,13 +124,15 @@ def bounds(records: list[dict[str, Any]], args: argparse.Namespace, tok: Any) ->
                 continue
             convs = conversations(wl, args, tok, tag, args.requests)
             starts = poisson_starts(random.Random(f"{args.seed}-{tag}"), len(convs), rate / turns)
-            first = reusable_blocks(chat_prompt_ids(tok, [{"role": "system", "content": c.system},
-                                                          {"role": "user", "content": c.users[0]}]) for c in convs)
-            bound = workload_bound(runs, first, max(starts), turns)
+            first = reusable_blocks((chat_prompt_ids(tok, [{"role": "system", "content": c.system},
+                                                           {"role": "user", "content": c.users[0]}])
+                                     for c in convs), block)
+            bound = workload_bound(runs, first, max(starts), turns, block)
             hits = {name: _hit([r["runs"][tag] for r in records if r["contender"] == name and tag in r["runs"]])
                     for name in {r["contender"] for r in records if tag in r.get("runs", {})}}
             best = max(hits, key=lambda name: hits[name])
-            rows.append({"workload": wl, "rate": rate, **bound, "best_hit": hits[best], "best_hit_by": best,
+            rows.append({"workload": wl, "rate": rate, "block": block, **bound,
+                         "best_hit": hits[best], "best_hit_by": best,
                          # the most any router could cut the best contender's uncached prompt tokens by
                          "prefill_cut_max": 1 - (1 - bound["hit_ceiling"]) / (1 - hits[best]) if hits[best] < 1
                          else 0.0})
