@@ -27,7 +27,8 @@ Output: `--output-tokens` per request (greedy, `ignore_eos`, streamed). Headline
 requests per second whose TTFT <= `--ttft-slo-ms` and mean ITL <= `--itl-slo-ms`; beside it TTFT, ITL and
 request latency p50/p90, throughput, the prefix-cache hit ratio (answers' usage), requests per worker, and
 `moved`: the share of a prefix's later requests the router sent to another worker than the one before (the
-farm names its worker in its answers; the peers do not).
+farm names its worker in its answers; the peers do not), and `recomputed`: the share of them that reused none
+of it (sent where it never was, or evicted there; every contender has it).
 Figures pool both rounds; CPU seconds per request by process kind beside them (where the 2 cores went).
 After the goals, what no router could beat in the run (bench/goodput_bound.py): the hit ceiling of the
 seeded workload, the TTFT p90 floor its cold requests set, the goodput ceiling its arrivals set, and which
@@ -54,7 +55,8 @@ import aiohttp
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, percentile, table
 from bench.cpu import cpu_by_kind
-from bench.goodput_bound import bounds, goal_bounds, report
+from bench.goodput_bound import bounds, goal_bounds, recomputed_requests, report
+from bench.peers.contenders import Setup
 from bench.peers.load import RequestTiming, stream_chat, warm_up_http
 from bench.routing import question, text_of
 
@@ -62,6 +64,7 @@ WORKLOADS = ("no-sharing", "shared-prefix", "eviction", "agentic")
 FARM_MODES = ("kv", "least-loaded", "round-robin")
 PEERS = ("router-round_robin", "router-cache_aware", "router-kv_aware", "dynamo-kv")
 SHARED = ("shared-prefix", "eviction", "agentic")  # workloads where a prefix is reused
+BLOCK = Setup.block_size  # every contender's KV block size (bench.peers): a reuse under one block is none
 
 
 # -- workloads ----------------------------------------------------------------------------------------------
@@ -198,11 +201,13 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
     good = sum(1 for r in done if r["first"] - r["sent"] <= ttft_slo_s and (_itl(r) or 0.0) <= itl_slo_s)
     prompt = sum(r["prompt_tokens"] for r in done)
     cpu: Counter[str] = Counter()
-    moved = repeats = 0
+    moved = repeats = recomputed = returns = 0
     for run in runs:
         cpu.update(run.get("cpu_s", {}))
         m, n = _moves(run["raw"])
         moved, repeats = moved + m, repeats + n
+        m, n = recomputed_requests(run["raw"], BLOCK)
+        recomputed, returns = recomputed + m, returns + n
     return {
         "requests": sum(len(run["raw"]) for run in runs), "completed": len(done), "errors": errors,
         "failed": errors > 0 or any(run.get("error") for run in runs), "span_s": span,
@@ -215,6 +220,7 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
         "hit_ratio": sum(r["cached_tokens"] for r in done) / prompt if prompt else 0.0,
         "per_worker": dict(sorted(Counter(r["worker"] for r in done if r.get("worker")).items())),
         "moved": moved / repeats if repeats else None,  # share of a prefix's later requests sent elsewhere
+        "recomputed": recomputed / returns if returns else None,  # ... that reused none of it
         # where the 2 cores went (bench/cpu.py's kinds): CPU seconds per completed request
         "cpu_s_per_request": {k: round(v / len(done), 3) for k, v in sorted(cpu.items())} if done else {},
     }
@@ -465,11 +471,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.output_tokens} output tokens; 2 engines, one core each ({args.backend}); pooled over "
           f"{args.rounds} round(s)")
     print(table(["workload", "req/s", "contender", "status", "goodput", "SLO met", "TTFT p50", "p90", "ITL p50",
-                 "p90", "latency p50", "p90", "done/s", "tok/s", "hit", "moved", "errors"],
+                 "p90", "latency p50", "p90", "done/s", "tok/s", "hit", "moved", "recomputed", "errors"],
                 [[r["workload"], r["rate"], r["contender"], "FAILED" if r["failed"] else "ok", r["goodput_rps"],
                   r["slo_met"], r["ttft_p50_ms"], r["ttft_p90_ms"], r["itl_p50_ms"], r["itl_p90_ms"],
                   r["latency_p50_ms"], r["latency_p90_ms"], r["throughput_rps"], r["output_tok_s"], r["hit_ratio"],
-                  r.get("moved"), r["errors"]] for r in rows], digits=2))
+                  r.get("moved"), r.get("recomputed"), r["errors"]] for r in rows], digits=2))
     kinds = sorted({k for r in rows for k in r["cpu_s_per_request"]})
     print("\nCPU seconds per completed request, by process kind (bench/cpu.py)")
     print(table(["workload", "req/s", "contender", *kinds],

@@ -71,6 +71,25 @@ def reusable_tokens(raw: list[dict[str, Any]], first_turn_blocks: list[int], blo
     return out
 
 
+def recomputed_requests(raw: list[dict[str, Any]], block: int = BLOCK) -> tuple[int, int]:
+    """(recomputed, repeats) of one run: requests of a prefix (a tenant, or a conversation's later turns) that
+    came after an earlier one of it, and those of them that reused less than one block of it: prefilled again
+    because the router sent them where the prefix never was or the engine had evicted it. Unlike `moved`, it
+    needs no worker names (every contender has it) and counts only moves that cost a prefill; with unlimited
+    cache none of them would be (bench.goodput's `recomputed` column)."""
+    seen: set[str] = set()
+    recomputed = repeats = 0
+    for r in sorted(raw, key=lambda r: r.get("sent", 0.0)):
+        label = r.get("label")
+        if r["error"] or label is None:
+            continue
+        if label in seen:
+            repeats += 1
+            recomputed += r["cached_tokens"] < block
+        seen.add(label)
+    return recomputed, repeats
+
+
 def _ttft(r: dict[str, Any]) -> float:
     return r["first"] - r["sent"]
 

@@ -1,7 +1,13 @@
 """bench/goodput_bound.py: the ceilings no router could beat on a bench.goodput run (pure arithmetic over
 records; no services)."""
 
-from bench.goodput_bound import goal_bounds, reusable_blocks, reusable_tokens, workload_bound
+from bench.goodput_bound import (
+    goal_bounds,
+    recomputed_requests,
+    reusable_blocks,
+    reusable_tokens,
+    workload_bound,
+)
 
 
 def _rec(conv, turn, sent, first, last, prompt, completion=4, cached=0, error=""):
@@ -61,3 +67,15 @@ def test_a_goal_is_out_of_reach_when_even_the_ceiling_misses_it():
     assert not out["eviction: kv TTFT p90 / cache_aware"]["reachable"]  # 1900 / 3400 = 0.56 > 0.5
     assert out["eviction: kv goodput / router-kv_aware"]["reachable"]  # 1.6 >= 1.0
     assert abs(out["eviction: kv goodput / cache_aware"]["best_any_router"] - 0.8 / 0.7) < 1e-9
+
+
+def test_recomputed_counts_later_requests_of_a_prefix_that_reused_none_of_it():
+    def req(label, sent, cached, error=""):
+        return {"label": label, "sent": sent, "cached_tokens": cached, "error": error}
+
+    raw = [req("a", 0, 0), req("b", 1, 0), req("a", 2, 1504), req("a", 3, 0), req("b", 4, 16),
+           req("c", 5, 0), req("b", 6, 0, error="timeout")]
+    # later requests of a prefix: a@2 (reused), a@3 (none), b@4 (16 tokens: under one 32-token block);
+    # first visits and failed requests are not counted
+    assert recomputed_requests(raw, block=32) == (2, 3)
+    assert recomputed_requests(list(reversed(raw)), block=16) == (1, 3)  # arrival order, not list order
