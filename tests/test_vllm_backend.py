@@ -229,6 +229,42 @@ def test_engine_args_size_the_kv_cache_and_pick_roles_on_cpu(tmp_path):
     assert dec["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 
 
+def test_engine_args_ask_for_vllms_iteration_details(tmp_path):
+    """The router's step costs come from each step's own prompt tokens and engine time (below); a vLLM whose
+    args have no such field gets none (its frontend timing is the fallback)."""
+    cfg = _load(tmp_path, {"name": "m", "path": "/models/m", "backend": "vllm"})
+    args = build_engine_args(cfg, cfg.model("m"), Path("/models/m"), "e", None, device="cpu")
+    assert args["enable_logging_iteration_details"] is True
+    old = build_engine_args(cfg, cfg.model("m"), Path("/models/m"), "e", None, device="cpu",
+                            known_fields={"model", "block_size"})
+    assert "enable_logging_iteration_details" not in old
+
+
+def test_step_costs_come_from_vllms_iteration_details():
+    """A step with prompt tokens (a chunk of a long prompt with decodes in it too) is a prefill step of those
+    tokens; a step without is a decode step over the blocks in use; a dummy step is nothing. The engine
+    core's time is the step's: no frontend delay reaches the decode line."""
+    from farm.backends.vllm import VllmEngine
+    from farm.engine.step_costs import StepCosts
+
+    eng = SimpleNamespace(costs=StepCosts(32), pool=SimpleNamespace(num_blocks=100), _last_iteration=0.0,
+                          _stats=SimpleNamespace(kv_usage=0.5, running=1, waiting=0))
+
+    def step(ctx, gen, ms, dummy=False):
+        VllmEngine._observe_step(eng, None, SimpleNamespace(num_ctx_tokens=ctx, num_generation_tokens=gen,
+                                                             elapsed_ms=ms, is_dummy=dummy))
+
+    for _ in range(6):
+        step(1024, 2, 800.0)
+        step(0, 2, 30.0)
+    step(0, 0, 0.0, dummy=True)
+    step(0, 2, 9000.0)  # no step takes 9 s: a stall, not a cost
+    snap = eng.costs.snapshot()
+    assert snap["prefill_samples"] == 4 and snap["decode_samples"] == 4  # the first 2 of each kind are warm-up
+    assert snap["prefill_ms_per_block"] == pytest.approx(800 / 1024 * 32)
+    assert snap["decode_step_ms"] + 50 * snap["decode_ms_per_block"] == pytest.approx(30.0)  # 50 blocks in use
+
+
 # -- vllm missing -----------------------------------------------------------------------------------
 def test_clear_error_when_vllm_is_missing(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:

@@ -181,7 +181,9 @@ class VllmEngine:
             def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *_a: Any, **_k: Any) -> None:
                 if iteration_stats is not None:
                     stats.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
-                    observe_step(iteration_stats)
+                details = getattr(scheduler_stats, "iteration_details", None)
+                if details is None and iteration_stats is not None:
+                    observe_step(iteration_stats, None)
                 if scheduler_stats is None:
                     return
                 cpc = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
@@ -199,6 +201,8 @@ class VllmEngine:
                 if pc is not None:
                     stats.prefix_queries += int(getattr(pc, "queries", 0))
                     stats.prefix_hits += int(getattr(pc, "hits", 0))
+                if details is not None:
+                    observe_step(None, details)  # after kv_usage: a decode step's blocks are this step's
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -208,18 +212,34 @@ class VllmEngine:
 
         return FarmStatLogger
 
-    def _observe_step(self, it: Any) -> None:
-        """One vLLM iteration as a step cost: the time since the previous one, if the engine had work
-        meanwhile; a step that completed prompts counts as prefill (their computed tokens), else as decode."""
-        now = float(getattr(it, "iteration_timestamp", 0.0) or 0.0)
-        last, self._last_iteration = self._last_iteration, now
-        if not last or not (self._stats.running or self._stats.waiting) or not 0 < now - last < 5:
-            return
-        computed = int(getattr(getattr(it, "prompt_token_stats", None), "computed", 0) or 0)
+    def _observe_step(self, it: Any, details: Any) -> None:
+        """One engine step as a step cost: a step that computed prompt tokens counts as prefill (those tokens),
+        else as decode (the KV blocks in use).
+
+        `details`: vLLM's iteration details (engine arg `enable_logging_iteration_details`, which the farm sets):
+        the prompt tokens the step computed, a chunk of a long prompt included, and the engine core's own time
+        for it. Without them (a vLLM that has no such field), `it`'s iteration stats: the time since the
+        previous iteration the frontend saw, if the engine had work meanwhile, and the prompts the step
+        completed. That reading lets the frontend's own delays, and a step that computed only part of a
+        prompt, into the decode line: under load it made decode steps look several times their cost."""
+        if details is not None:
+            seconds = float(getattr(details, "elapsed_ms", 0.0) or 0.0) / 1000
+            computed = int(getattr(details, "num_ctx_tokens", 0) or 0)
+            decoded = int(getattr(details, "num_generation_tokens", 0) or 0)
+            if getattr(details, "is_dummy", False) or not 0 < seconds < 5:
+                return
+        else:
+            now = float(getattr(it, "iteration_timestamp", 0.0) or 0.0)
+            last, self._last_iteration = self._last_iteration, now
+            if not last or not (self._stats.running or self._stats.waiting) or not 0 < now - last < 5:
+                return
+            seconds = now - last
+            computed = int(getattr(getattr(it, "prompt_token_stats", None), "computed", 0) or 0)
+            decoded = int(getattr(it, "num_generation_tokens", 0) or 0)
         if computed:
-            self.costs.observe_prefill(computed, now - last)
-        elif getattr(it, "num_generation_tokens", 0):
-            self.costs.observe_decode(int(self._stats.kv_usage * self.pool.num_blocks), now - last)
+            self.costs.observe_prefill(computed, seconds)
+        elif decoded:
+            self.costs.observe_decode(int(self._stats.kv_usage * self.pool.num_blocks), seconds)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> VllmEngine:

@@ -134,6 +134,10 @@ def build_engine_args(cfg: FarmConfig, model: ModelConfig, model_dir: Path, kv_e
         "block_size": cfg.block_size(model.name), "enable_prefix_caching": True,
         "kv_events_config": vllm.KVEventsConfig(**events) if vllm else events,
     }
+    if known_fields is None or "enable_logging_iteration_details" in known_fields:
+        # each step's prompt tokens and the engine core's own time for it reach the farm's stat logger: the
+        # router's step costs (VllmEngine._observe_step), measured where the step runs
+        args["enable_logging_iteration_details"] = True
     if not KV_SIZING_ARGS & set(opts.engine_args):  # the farm's KV budget, unless the entry sizes it itself
         args["kv_cache_memory_bytes"] = cfg.engine.kv_cache_mb * 2**20
     dtype = cfg.engine.dtype
