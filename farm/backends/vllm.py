@@ -161,6 +161,9 @@ class VllmEngine:
 
     async def _create(self) -> Any:
         args = self.vllm.AsyncEngineArgs(**self.engine_args)
+        # vLLM adds its own logging stat logger when that logger speaks at INFO, and with iteration details it
+        # would print every step; the farm's stat logger (below) keeps what the heartbeat and metrics show
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         try:
             return self.vllm.AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
         except TypeError:  # a vLLM without stat_loggers: stats fall back to our own counts
