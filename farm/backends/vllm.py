@@ -55,6 +55,14 @@ from farm.protocol.kv_events import KVEventHook
 log = logging.getLogger(__name__)
 
 
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+_WARNINGS_ONLY = _WarningsOnly()  # one instance: addFilter keeps it once however many engines start
+
+
 # -- the engine adapter -------------------------------------------------------------------------------
 class _Runner:
     """What WorkerRuntime reads from `engine.runner`: vLLM's connector moves the KV, not our transfer
@@ -161,9 +169,10 @@ class VllmEngine:
 
     async def _create(self) -> Any:
         args = self.vllm.AsyncEngineArgs(**self.engine_args)
-        # vLLM adds its own logging stat logger when that logger speaks at INFO, and with iteration details it
-        # would print every step; the farm's stat logger (below) keeps what the heartbeat and metrics show
-        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+        # vLLM's own logging stat logger would print every step's iteration details at INFO; the farm's stat
+        # logger (below) keeps what the heartbeat and metrics show. A filter, not a level: vLLM reconfigures
+        # its loggers when it builds an engine, which resets a child logger's level but not its filters.
+        logging.getLogger("vllm.v1.metrics.loggers").addFilter(_WARNINGS_ONLY)
         try:
             return self.vllm.AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
         except TypeError:  # a vLLM without stat_loggers: stats fall back to our own counts
