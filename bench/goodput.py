@@ -55,8 +55,7 @@ import aiohttp
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, percentile, table
 from bench.cpu import cpu_by_kind
-from bench.goodput_bound import bounds, goal_bounds, recomputed_requests, report
-from bench.peers.contenders import Setup
+from bench.goodput_bound import BLOCK, bounds, goal_bounds, recomputed_requests, report
 from bench.peers.load import RequestTiming, stream_chat, warm_up_http
 from bench.routing import question, text_of
 
@@ -64,7 +63,6 @@ WORKLOADS = ("no-sharing", "shared-prefix", "eviction", "agentic")
 FARM_MODES = ("kv", "least-loaded", "round-robin")
 PEERS = ("router-round_robin", "router-cache_aware", "router-kv_aware", "dynamo-kv")
 SHARED = ("shared-prefix", "eviction", "agentic")  # workloads where a prefix is reused
-BLOCK = Setup.block_size  # every contender's KV block size (bench.peers): a reuse under one block is none
 
 
 # -- workloads ----------------------------------------------------------------------------------------------
@@ -482,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["workload"], r["rate"], r["contender"], *(r["cpu_s_per_request"].get(k) for k in kinds)]
                  for r in rows], digits=3))
     reached = goals(rows, args)
-    ceilings = bounds(records, args, tok)
+    ceilings = bounds(records, rows, args, tok)
     within_reach = goal_bounds(ceilings, rows, reached)
     report(ceilings, within_reach)
     failed = [r for r in records if r.get("error")]

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import table, write_json
+from bench.peers.contenders import Setup
 
-BLOCK = 16  # vLLM's default KV block size (the bench's engines use bench.peers' Setup.block_size)
+BLOCK = Setup.block_size  # every contender's KV block size (bench.peers): prefix caching reuses whole blocks
 COLD_P90 = 0.10  # more cold requests than this, and every p90 is at least a cold prefill
 
 
@@ -119,21 +120,13 @@ def workload_bound(runs: list[dict[str, Any]], first_turn_blocks: list[int], las
     }
 
 
-def _hit(runs: list[dict[str, Any]]) -> float:
-    done = [r for run in runs for r in run["raw"] if not r["error"]]
-    prompt = sum(r["prompt_tokens"] for r in done)
-    return sum(r["cached_tokens"] for r in done) / prompt if prompt else 0.0
-
-
-def bounds(records: list[dict[str, Any]], args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
-    """One row per (workload, rate) of a run's records."""
+def bounds(records: list[dict[str, Any]], rows: list[dict[str, Any]], args: argparse.Namespace,
+           tok: Any) -> list[dict[str, Any]]:
+    """One row per (workload, rate) of a run's records; `rows`: bench.goodput's pooled rows (their hit ratios)."""
     from bench.goodput import conversations, poisson_starts
-    from bench.peers.contenders import Setup
     from farm.models.tokenization import chat_prompt_ids
 
-    block = Setup.block_size  # every contender's engines: vllm serve, Dynamo and the farm's (bench.peers)
-
-    rows = []
+    out = []
     for wl in args.workloads:
         turns = args.turns if wl == "agentic" else 1
         for rate in args.rates:
@@ -143,19 +136,17 @@ def bounds(records: list[dict[str, Any]], args: argparse.Namespace, tok: Any) ->
                 continue
             convs = conversations(wl, args, tok, tag, args.requests)
             starts = poisson_starts(random.Random(f"{args.seed}-{tag}"), len(convs), rate / turns)
-            first = reusable_blocks((chat_prompt_ids(tok, [{"role": "system", "content": c.system},
-                                                           {"role": "user", "content": c.users[0]}])
-                                     for c in convs), block)
-            bound = workload_bound(runs, first, max(starts), turns, block)
-            hits = {name: _hit([r["runs"][tag] for r in records if r["contender"] == name and tag in r["runs"]])
-                    for name in {r["contender"] for r in records if tag in r.get("runs", {})}}
-            best = max(hits, key=lambda name: hits[name])
-            rows.append({"workload": wl, "rate": rate, "block": block, **bound,
-                         "best_hit": hits[best], "best_hit_by": best,
-                         # the most any router could cut the best contender's uncached prompt tokens by
-                         "prefill_cut_max": 1 - (1 - bound["hit_ceiling"]) / (1 - hits[best]) if hits[best] < 1
-                         else 0.0})
-    return rows
+            first = reusable_blocks(chat_prompt_ids(tok, [{"role": "system", "content": c.system},
+                                                          {"role": "user", "content": c.users[0]}])
+                                    for c in convs)
+            bound = workload_bound(runs, first, max(starts), turns)
+            best = max((r for r in rows if r["workload"] == wl and r["rate"] == rate), key=lambda r: r["hit_ratio"])
+            out.append({"workload": wl, "rate": rate, "block": BLOCK, **bound,
+                        "best_hit": best["hit_ratio"], "best_hit_by": best["contender"],
+                        # the most any router could cut the best contender's uncached prompt tokens by
+                        "prefill_cut_max": 1 - (1 - bound["hit_ceiling"]) / (1 - best["hit_ratio"])
+                        if best["hit_ratio"] < 1 else 0.0})
+    return out
 
 
 def goal_bounds(bound_rows: list[dict[str, Any]], rows: list[dict[str, Any]],
@@ -211,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = json.loads(path.read_text())
     args = argparse.Namespace(**saved["args"])
     base = load_config(environ={})
-    b = bounds(saved["records"], args, get_tokenizer(base, base.default_model))
+    b = bounds(saved["records"], saved["rows"], args, get_tokenizer(base, base.default_model))
     g = goal_bounds(b, saved["rows"], saved.get("goals", []))
     report(b, g)
     out = write_json(opts.out or path.with_name(path.stem + "-bounds.json"),

@@ -43,7 +43,7 @@ def test_the_ceilings_come_from_cold_requests_and_the_last_arrival():
     for r in fast:
         slow.append({**r, "first": r["first"] + 1, "last": r["last"] + 1})
     first_blocks = [0, 3, 0, 3]
-    b = workload_bound([{"raw": fast}, {"raw": slow}], first_blocks, last_start_s=6.0, turns=1)
+    b = workload_bound([{"raw": fast}, {"raw": slow}], first_blocks, last_start_s=6.0, turns=1, block=16)
     assert b["cold_share"] == 0.5
     assert b["ttft_p90_floor_ms"] == 1500.0  # the fastest first token a cold request got, over both runs
     assert b["goodput_ceiling_rps"] == 4 / (6.0 + 0.6)  # the fastest request took 0.6 s (sent 1.0, done 1.6)
