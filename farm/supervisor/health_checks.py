@@ -84,11 +84,14 @@ class HealthChecks:
 
         `progress(health, elapsed_s)` is called after every poll (farm up prints the component states with it).
         Raises FarmStartError as soon as a child exits (with its log tail), or when `timeout` passes
-        (naming what is still missing, with the log tail of the first of those).
+        (naming what is still missing, with the log tail of the first of those); KeyboardInterrupt once serve()
+        has counted a stop signal, even if the interrupt its handler raised was swallowed (by a `__del__`).
         """
         start = time.monotonic()
         deadline = start + timeout
         while True:
+            if self._stop_signals:  # serve()'s interrupt can be lost: raised inside a finalizer, Python drops it
+                raise KeyboardInterrupt("stop signal during start-up")
             self.check_alive("while starting")
             h = self.health()
             if progress is not None:
