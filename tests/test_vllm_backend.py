@@ -23,7 +23,13 @@ import yaml
 import zmq
 
 from farm.backends import connector_import, make_engine
-from farm.backends.vllm_args import PREFILL_PARAMS, build_engine_args, sampling_kwargs
+from farm.backends.vllm_args import (
+    LMCACHE_TENANT_TAG,
+    PREFILL_PARAMS,
+    build_engine_args,
+    connector_params,
+    sampling_kwargs,
+)
 from farm.backends.vllm_events import (
     END_SEQ,
     VllmKVEventSubscriber,
@@ -537,6 +543,44 @@ def test_lmcache_handle_carries_empty_params():
                               block_size=BS, ttl_s=60, secret=SECRET)
     assert h["kv_transfer_params"] == {}
     assert import_from_handle(h, SECRET, "LMCacheConnectorV1").kv_transfer_params == {}
+
+
+def _lmcache_tags(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """What LMCache's vLLM adapter makes of a request's kv_transfer_params: its `lmcache.tag.*` entries are
+    part of every key it stores and looks up (its extract_request_configs and CacheEngineKey tags)."""
+    return {k: v for k, v in (kv_transfer_params or {}).items() if k.startswith("lmcache.tag.")}
+
+
+def test_lmcache_requests_are_scoped_by_their_tenants_salt():
+    """LMCache's store is shared by every worker and keyed by tokens, not by vLLM's cache_salt: every salted
+    request to it (aggregated, prefill-only, and the decode that pulls the prefill's KV) carries the salt as a
+    tag, so two tenants with the same prompt never share an entry, and one tenant's stages agree."""
+    a, b = "t-" + "a" * 32, "t-" + "b" * 32
+    for kw in ({}, {"prefill_only": True}, {"imported": {}}):
+        tags_a = _lmcache_tags(connector_params("LMCacheConnectorV1", a, **kw))
+        tags_b = _lmcache_tags(connector_params("LMCacheConnectorV1", b, **kw))
+        assert tags_a == {LMCACHE_TENANT_TAG: a} and tags_b == {LMCACHE_TENANT_TAG: b}, kw
+    # prefill and decode of one tenant's request look up the same key
+    assert (_lmcache_tags(connector_params("LMCacheConnectorV1", a, prefill_only=True))
+            == _lmcache_tags(connector_params("LMCacheConnectorV1", a, imported={})))
+    # nothing salted (a farm without keys): LMCache as before, aggregated requests ask nothing of it
+    assert connector_params("LMCacheConnectorV1", "") is None
+    assert connector_params("LMCacheConnectorV1", "", prefill_only=True) == {}
+    # NIXL moves one request's own blocks, hashed with its salt by vLLM: its parameters are untouched
+    assert connector_params("NixlConnector", a, prefill_only=True) == PREFILL_PARAMS["NixlConnector"]
+    assert connector_params("NixlConnector", a, imported={"remote_block_ids": [1]}) == {"remote_block_ids": [1]}
+    assert connector_params(None, a) is None
+
+
+def test_lmcache_tag_reaches_vllms_request():
+    """The tag travels as vLLM carries kv_transfer_params to a connector: in the SamplingParams' extra_args."""
+    from vllm import SamplingParams as VllmSamplingParams  # `make test` installs vLLM
+
+    salt = "t-" + "c" * 32
+    p = SamplingParams(max_tokens=4)
+    sp = VllmSamplingParams(**sampling_kwargs(p, 8, 64, kv_transfer_params=connector_params(
+        "LMCacheConnectorV1", salt)))
+    assert _lmcache_tags(sp.extra_args["kv_transfer_params"]) == {LMCACHE_TENANT_TAG: salt}
 
 
 def test_builtin_handles_keep_their_signature():

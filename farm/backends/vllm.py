@@ -35,8 +35,8 @@ from typing import Any
 from farm.backends.cpu_binding import engine_nice, lower_priority
 from farm.backends.reaper import start_reaper
 from farm.backends.vllm_args import (
-    PREFILL_PARAMS,
     build_engine_args,
+    connector_params,
     import_vllm,
     sampling_kwargs,
     token_logprobs,
@@ -290,12 +290,10 @@ class VllmEngine:
             on_output(RequestOutput(request_id, finished=True, finish_reason="error:structured output cannot resume "
                                     "on a vLLM worker after its first worker was lost"))
             return
-        kv_params: dict[str, Any] | None = None
-        if prefill_only and self.connector:
-            kv_params = dict(PREFILL_PARAMS.get(self.connector, {}))
-        elif isinstance(kv_import, ConnectorImport):
-            kv_params = kv_import.kv_transfer_params
-        elif kv_import is not None:  # raw tensors from a built-in prefill worker: vLLM cannot take them
+        imported = kv_import.kv_transfer_params if isinstance(kv_import, ConnectorImport) else None
+        kv_params = connector_params(self.connector, cache_salt, prefill_only=prefill_only, imported=imported)
+        if kv_import is not None and not isinstance(kv_import, ConnectorImport):
+            # raw tensors from a built-in prefill worker: vLLM cannot take them
             log.warning("request %s: vLLM cannot import KV tensors pulled from a built-in worker; "
                         "prefilling locally", request_id)
             if getattr(kv_import, "release", None):

@@ -1,6 +1,6 @@
 """The vLLM backend's mapping of the farm onto vLLM's API: importing vLLM's public classes (`import_vllm`), the
 engine arguments from the farm's configuration (`build_engine_args`), a request's sampling parameters
-(`sampling_kwargs`, and what a prefill-only request asks of each KV connector, `PREFILL_PARAMS`), and vLLM's
+(`sampling_kwargs`, and what a request asks of its KV connector, `connector_params`), and vLLM's
 log-probabilities in the farm's form (`token_logprobs`). Pure functions, testable without vLLM; the engine adapter
 that uses them is farm.backends.vllm.
 """
@@ -25,6 +25,26 @@ PREFILL_PARAMS: dict[str, dict[str, Any]] = {
                       "remote_block_ids": None, "remote_host": None, "remote_port": None},
     "LMCacheConnectorV1": {},
 }
+
+# LMCache keys its store by token hashes and a request's `lmcache.tag.*` kv_transfer_params, not by vLLM's
+# `cache_salt` (LMCache issue #2878): without a tag one tenant's prompt would find another's KV there (shared
+# by every worker using the store), which the tenant's salt exists to prevent.
+LMCACHE_TENANT_TAG = "lmcache.tag.farm_cache_salt"
+
+
+def connector_params(connector: str | None, cache_salt: str, *, prefill_only: bool = False,
+                     imported: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A request's kv_transfer_params for the worker's KV connector: what a prefill-only request asks of it,
+    or what a decode request imports (`imported`, from the prefill's handle), and for LMCache the tenant's
+    scope (its cache salt as a tag, on every request: a store, a lookup and a disaggregated pull agree on it).
+    None when the request has nothing to say to a connector."""
+    if prefill_only and connector:
+        params = dict(PREFILL_PARAMS.get(connector, {}))
+    else:
+        params = dict(imported) if imported is not None else None
+    if connector == "LMCacheConnectorV1" and cache_salt:
+        params = {**(params or {}), LMCACHE_TENANT_TAG: cache_salt}
+    return params
 
 
 def import_vllm(model: str = "") -> SimpleNamespace:
