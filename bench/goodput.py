@@ -332,7 +332,7 @@ def plot(path: Path, rows: list[dict[str, Any]], ceilings: list[dict[str, Any]] 
     contenders = list(dict.fromkeys(r["contender"] for r in rows))
     colours = {name: f"C{i}" for i, name in enumerate(contenders)}
     one_rate = len({r["rate"] for r in rows}) == 1
-    fig, axes = plt.subplots(2, len(workloads), figsize=(max(5.6, 4.2 * len(workloads)), 6.8), squeeze=False)
+    fig, axes = plt.subplots(2, len(workloads), figsize=(max(5.6, 4.2 * len(workloads)), 7.4), squeeze=False)
     for col, wl in enumerate(workloads):
         for i, name in enumerate(contenders):
             mine = sorted((r for r in rows if r["workload"] == wl and r["contender"] == name), key=lambda r: r["rate"])
@@ -363,8 +363,8 @@ def plot(path: Path, rows: list[dict[str, Any]], ceilings: list[dict[str, Any]] 
                 ax.set_xlabel("offered load (requests/s)")
     if not one_rate:
         axes[0][0].legend(fontsize=7)
-    fig.suptitle("bench.goodput: goodput and TTFT p90\n(x: the contender failed requests; dashed: the goodput "
-                 "ceiling and TTFT p90 floor no router could pass in this run)", fontsize=10)
+    fig.suptitle("bench.goodput: goodput and TTFT p90\n(x: the contender failed requests;\ndashed: the goodput "
+                 "ceiling and TTFT p90 floor\nno router could pass in this run)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
