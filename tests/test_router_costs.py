@@ -27,10 +27,11 @@ def test_linear_fit_separates_step_overhead_from_per_unit_cost():
         fit.observe(x, 0.05 + 0.002 * x)
     base, slope = fit.line()
     assert base == pytest.approx(0.05, rel=1e-6) and slope == pytest.approx(0.002, rel=1e-6)
+    assert fit.separated()
     same = LinearFit(warmup=0)
     for _ in range(5):
         same.observe(64, 0.2)  # no spread: no way to split, so the whole step counts per unit
-    assert same.line() == (0.0, pytest.approx(0.2 / 64))
+    assert same.line() == (0.0, pytest.approx(0.2 / 64)) and not same.separated()
 
 
 def test_step_costs_snapshot_is_in_milliseconds_per_block():
@@ -87,6 +88,30 @@ def test_a_worker_idle_for_long_takes_its_peers_fresh_figures_until_it_steps_aga
     everyone_idle = {**busy, "prefill_idle_s": 60.0, "decode_idle_s": 60.0}
     book.update({"a": "m", "b": "m"}, {"a": {"costs": slow_and_idle}, "b": {"costs": everyone_idle}})
     assert book.of("a").prefill_s_per_block == pytest.approx(0.120)  # no one fresher: its own, not the prior
+
+
+def test_a_line_through_the_origin_yields_to_a_peers_separated_line():
+    """A worker whose decode batches all held about as many blocks cannot tell a step's base from its cost per
+    block: its line goes through the origin, and its per-block slope (the whole step over the blocks) is what
+    the router would charge each block a placement adds to its batch, several times the marginal cost. A peer of
+    its model that measured a separated line speaks for it; with none, its own rough line stands."""
+    rough = StepCosts(block_size=16)
+    for _ in range(8):
+        rough.observe_decode(50, 0.045)  # about 50 blocks in every step
+        rough.observe_prefill(640, 0.1)
+    snap = rough.snapshot()
+    assert snap["decode_separated"] is False and snap["decode_step_ms"] == 0.0
+    assert snap["decode_ms_per_block"] == pytest.approx(0.9)
+    book = CostBook(CostPrior())
+    book.update({"a": "m", "b": "m"}, {"a": {"costs": snap}, "b": {"costs": {**CPU, "decode_separated": True}}})
+    a = book.of("a")
+    assert (a.decode_step_s, a.decode_s_per_block) == (pytest.approx(0.030), pytest.approx(0.0005))
+    assert not a.measured and book.of("b").measured
+    book.update({"a": "m"}, {"a": {"costs": snap}})  # no peer with a line: its own
+    assert book.of("a").decode_s_per_block == pytest.approx(0.0009) and book.of("a").measured
+    # heartbeats without the flag (a worker of an earlier version) count as separated lines, as before
+    book.update({"a": "m", "b": "m"}, {"a": {"costs": CPU}, "b": {"costs": {**CPU, "decode_ms_per_block": 0.7}}})
+    assert book.of("a").decode_s_per_block == pytest.approx(0.0005) and book.of("a").measured
 
 
 def test_measured_cost_is_the_predicted_time_to_first_token():

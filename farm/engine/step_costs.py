@@ -43,17 +43,25 @@ class LinearFit:
 
     def line(self) -> tuple[float, float]:
         """(base, slope); (0, 0) before any observation counted."""
+        return self._fit()[0]
+
+    def separated(self) -> bool:
+        """Whether the line has a base and a slope of its own (else it goes through the origin, and its slope, an
+        average cost per unit, overstates what one more unit adds)."""
+        return self._fit()[1]
+
+    def _fit(self) -> tuple[tuple[float, float], bool]:
         if not self.samples:
-            return 0.0, 0.0
+            return (0.0, 0.0), False
         through_origin = (0.0, self._y / self._x)
         var = self._xx - self._x * self._x
         if var <= (self.min_spread * self._x) ** 2:
-            return through_origin
+            return through_origin, False
         slope = (self._xy - self._x * self._y) / var
         base = self._y - slope * self._x
         if slope <= 0 or base < 0:
-            return through_origin
-        return base, slope
+            return through_origin, False
+        return (base, slope), True
 
 
 class StepCosts:
@@ -83,16 +91,18 @@ class StepCosts:
         """The heartbeat's `costs`: milliseconds per prefill block (and per prefill step), per decode step
         and per active decode block, with how many steps each rests on (0: not measured yet) and how long
         ago the last step of each kind ran (`*_idle_s`: a worker that gets no work keeps old figures, which
-        the router then trusts less)."""
+        the router then trusts less), and whether each line separates a base from its slope (`*_separated`:
+        without enough spread in the amounts it goes through the origin, and the router prefers a peer's line)."""
         with self._lock:
             p_base, p_slope = self.prefill.line()
             d_base, d_slope = self.decode.line()
             now = self._clock()
             return {"prefill_ms_per_block": round(p_slope * self.block_size * 1000, 4),
                     "prefill_step_ms": round(p_base * 1000, 4), "prefill_samples": self.prefill.samples,
-                    "prefill_idle_s": _idle(now, self._last_prefill),
+                    "prefill_idle_s": _idle(now, self._last_prefill), "prefill_separated": self.prefill.separated(),
                     "decode_step_ms": round(d_base * 1000, 4), "decode_ms_per_block": round(d_slope * 1000, 5),
-                    "decode_samples": self.decode.samples, "decode_idle_s": _idle(now, self._last_decode)}
+                    "decode_samples": self.decode.samples, "decode_idle_s": _idle(now, self._last_decode),
+                    "decode_separated": self.decode.separated()}
 
 
 def _idle(now: float, last: float | None) -> float | None:

@@ -3,7 +3,10 @@
 Workers publish `costs` in their heartbeat stats (farm.engine.step_costs: prefill ms per block and per
 step, decode ms per step and per active block, and how many steps each figure rests on). A figure a
 worker has not measured yet is taken from the live workers of its model that have (the same model on
-the same kind of machine costs about the same), else from `router.cost_prior`. So is a figure gone stale:
+the same kind of machine costs about the same), else from `router.cost_prior`. So is a line the worker could
+not separate into a step's base and a slope (its steps all held about as much work: its line goes through the
+origin, and its slope, the whole step per unit, would make each block a placement adds look several times
+dearer than it is), when a peer has one. So is a figure gone stale:
 a worker that has run no step of a kind for `STALE_AFTER_S` keeps what it measured last, perhaps in a
 contended moment, and would lose every placement on it and never measure again; its model's workers with
 fresh figures speak for it instead (their median), until it runs steps of its own again.
@@ -106,15 +109,22 @@ def _stale(costs: Any, idle: str) -> bool:
 Figures = dict[str, tuple[float, float]]  # worker id -> one half of its costs, in seconds
 
 
-def _figures(heartbeats: dict[str, dict[str, Any]], kind: str, half: tuple[str, str]) -> tuple[Figures, Figures]:
-    """(fresh, stale): the workers' measured figures of one kind ("prefill" or "decode")."""
+def _figures(heartbeats: dict[str, dict[str, Any]], kind: str, half: tuple[str, str]
+             ) -> tuple[Figures, Figures, Figures]:
+    """(fresh, unseparated, stale): the workers' measured figures of one kind ("prefill" or "decode"); fresh
+    ones whose line went through the origin (`<kind>_separated` false: too little spread in the amounts to
+    tell the step's base from the per-unit slope) apart, since their slope overstates a marginal block."""
     fresh: Figures = {}
+    unseparated: Figures = {}
     stale: Figures = {}
     for wid, hb in heartbeats.items():
         costs = hb.get("costs") if isinstance(hb, dict) else None
         if (pair := _measured(costs, half, f"{kind}_samples")) is not None:
-            (stale if _stale(costs, f"{kind}_idle_s") else fresh)[wid] = pair
-    return fresh, stale
+            if _stale(costs, f"{kind}_idle_s"):
+                stale[wid] = pair
+            else:
+                (fresh if costs.get(f"{kind}_separated", True) else unseparated)[wid] = pair
+    return fresh, unseparated, stale
 
 
 class CostBook:
@@ -126,8 +136,8 @@ class CostBook:
 
     def update(self, models: dict[str, str], heartbeats: dict[str, dict[str, Any]]) -> None:
         """`models`: live worker id -> model; `heartbeats`: worker id -> its heartbeat (stats included)."""
-        prefill, old_prefill = _figures(heartbeats, "prefill", _PREFILL)
-        decode, old_decode = _figures(heartbeats, "decode", _DECODE)
+        prefill, rough_prefill, old_prefill = _figures(heartbeats, "prefill", _PREFILL)
+        decode, rough_decode, old_decode = _figures(heartbeats, "decode", _DECODE)
         by_model: dict[str, list[str]] = {}
         for wid, model in models.items():
             by_model.setdefault(model, []).append(wid)
@@ -135,13 +145,14 @@ class CostBook:
         book = {}
         for wid, model in models.items():
             peers = by_model[model]
-            p = _pick(wid, peers, prefill, old_prefill)
-            d = _pick(wid, peers, decode, old_decode)
+            p = _pick(wid, peers, prefill, rough_prefill, old_prefill)
+            d = _pick(wid, peers, decode, rough_decode, old_decode)
             pr = self.prior
             reuse, empty = _cache_value(heartbeats.get(wid))
             book[wid] = WorkerCosts(*(p or (pr.prefill_s_per_block, pr.prefill_step_s)),
                                     *(d or (pr.decode_step_s, pr.decode_s_per_block)),
-                                    measured=wid in prefill and wid in decode, decode_tokens=horizon[model],
+                                    measured=_own(wid, p, prefill, rough_prefill) and _own(wid, d, decode, rough_decode),
+                                    decode_tokens=horizon[model],
                                     block_reuse=reuse, empty_blocks=empty)
         self._by_worker = book
 
@@ -158,10 +169,21 @@ def _mean_tokens(heartbeats: dict[str, dict[str, Any]], workers: list[str]) -> f
     return total / count if count else 0.0
 
 
-def _pick(wid: str, peers: list[str], fresh: Figures, stale: Figures) -> tuple[float, float] | None:
-    """The worker's own fresh figure, else its peers' fresh ones, else its own stale one, else its peers'."""
-    return (fresh.get(wid) or _median([fresh[w] for w in peers if w in fresh])
-            or stale.get(wid) or _median([stale[w] for w in peers if w in stale]))
+def _pick(wid: str, peers: list[str], fresh: Figures, unseparated: Figures, stale: Figures
+          ) -> tuple[float, float] | None:
+    """The worker's own fresh line, else its peers' fresh lines, else the same for fresh lines through the
+    origin, else its own stale figure, else its peers'."""
+    for figures in (fresh, unseparated, stale):
+        if (own := figures.get(wid)) is not None:
+            return own
+        if (theirs := _median([figures[w] for w in peers if w in figures])) is not None:
+            return theirs
+    return None
+
+
+def _own(wid: str, chosen: tuple[float, float] | None, *fresh: Figures) -> bool:
+    """Whether `chosen` (what _pick returned) is one of the worker's own fresh figures."""
+    return chosen is not None and any(chosen is figures.get(wid) for figures in fresh)
 
 
 def _median(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
