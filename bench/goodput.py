@@ -55,7 +55,7 @@ import aiohttp
 
 from bench.common import OUT_DIR, alternating, finish, goal, load_average, percentile, table
 from bench.cpu import cpu_by_kind
-from bench.goodput_bound import BLOCK, bounds, goal_bounds, recomputed_requests, report
+from bench.goodput_bound import BLOCK, bounds, goal_bounds, mean_itl_s, recomputed_requests, report
 from bench.peers.load import RequestTiming, stream_chat, warm_up_http
 from bench.routing import question, text_of
 
@@ -165,11 +165,6 @@ def run_rate(base_url: str, model: str, convs: list[Conversation], rate: float, 
 
 
 # -- figures ------------------------------------------------------------------------------------------------
-def _itl(r: dict[str, Any]) -> float | None:
-    n = r["completion_tokens"]
-    return (r["last"] - r["first"]) / (n - 1) if n > 1 else None
-
-
 def _moves(raw: list[dict[str, Any]]) -> tuple[int, int]:
     """(moved, repeats) of one run: requests of a prefix (a tenant, or a conversation's later turns) that came
     after an earlier one of it, and those of them placed on another worker than the one before. Only where the
@@ -194,9 +189,9 @@ def summarize(runs: list[dict[str, Any]], ttft_slo_s: float, itl_slo_s: float) -
     errors = sum(len(run["errors"]) for run in runs)
     span = sum(run["span_s"] for run in runs)
     ttft = [(r["first"] - r["sent"]) * 1000 for r in done]
-    itl = [x * 1000 for r in done if (x := _itl(r)) is not None]
+    itl = [x * 1000 for r in done if (x := mean_itl_s(r)) is not None]
     latency = [(r["last"] - r["sent"]) * 1000 for r in done]
-    good = sum(1 for r in done if r["first"] - r["sent"] <= ttft_slo_s and (_itl(r) or 0.0) <= itl_slo_s)
+    good = sum(1 for r in done if r["first"] - r["sent"] <= ttft_slo_s and (mean_itl_s(r) or 0.0) <= itl_slo_s)
     prompt = sum(r["prompt_tokens"] for r in done)
     cpu: Counter[str] = Counter()
     moved = repeats = recomputed = returns = 0

@@ -95,6 +95,12 @@ def _ttft(r: dict[str, Any]) -> float:
     return r["first"] - r["sent"]
 
 
+def mean_itl_s(r: dict[str, Any]) -> float | None:
+    """A completed request's mean inter-token latency (the SLO's ITL), None with fewer than two tokens."""
+    n = r["completion_tokens"]
+    return (r["last"] - r["first"]) / (n - 1) if n > 1 else None
+
+
 def workload_bound(runs: list[dict[str, Any]], first_turn_blocks: list[int], last_start_s: float,
                    turns: int, block: int = BLOCK) -> dict[str, Any]:
     """The ceilings of one (workload, rate) over every contender's runs of it (their `raw` records)."""

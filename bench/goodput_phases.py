@@ -19,11 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import table, write_json
-
-
-def _itl_s(r: dict[str, Any]) -> float:
-    n = r["completion_tokens"]
-    return (r["last"] - r["first"]) / (n - 1) if n > 1 else 0.0
+from bench.goodput_bound import mean_itl_s
 
 
 def phase_misses(raw: list[dict[str, Any]], cold_s: float, ttft_slo_s: float, itl_slo_s: float
@@ -37,7 +33,7 @@ def phase_misses(raw: list[dict[str, Any]], cold_s: float, ttft_slo_s: float, it
     t0 = min(r["sent"] for r in done)
     for r in done:
         part = out["cold" if r["sent"] - t0 < cold_s else "after"]
-        slow_first, slow_tokens = r["first"] - r["sent"] > ttft_slo_s, _itl_s(r) > itl_slo_s
+        slow_first, slow_tokens = r["first"] - r["sent"] > ttft_slo_s, (mean_itl_s(r) or 0.0) > itl_slo_s
         part["requests"] += 1
         part["ttft_missed"] += slow_first
         part["itl_missed"] += slow_tokens

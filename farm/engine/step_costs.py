@@ -43,14 +43,14 @@ class LinearFit:
 
     def line(self) -> tuple[float, float]:
         """(base, slope); (0, 0) before any observation counted."""
-        return self._fit()[0]
+        return self.fit()[0]
 
     def separated(self) -> bool:
-        """Whether the line has a base and a slope of its own (else it goes through the origin, and its slope, an
-        average cost per unit, overstates what one more unit adds)."""
-        return self._fit()[1]
+        return self.fit()[1]
 
-    def _fit(self) -> tuple[tuple[float, float], bool]:
+    def fit(self) -> tuple[tuple[float, float], bool]:
+        """((base, slope), separated): whether the line has a base and a slope of its own (else it goes through
+        the origin, and its slope, an average cost per unit, overstates what one more unit adds)."""
         if not self.samples:
             return (0.0, 0.0), False
         through_origin = (0.0, self._y / self._x)
@@ -94,15 +94,15 @@ class StepCosts:
         the router then trusts less), and whether each line separates a base from its slope (`*_separated`:
         without enough spread in the amounts it goes through the origin, and the router prefers a peer's line)."""
         with self._lock:
-            p_base, p_slope = self.prefill.line()
-            d_base, d_slope = self.decode.line()
+            (p_base, p_slope), p_separated = self.prefill.fit()
+            (d_base, d_slope), d_separated = self.decode.fit()
             now = self._clock()
             return {"prefill_ms_per_block": round(p_slope * self.block_size * 1000, 4),
                     "prefill_step_ms": round(p_base * 1000, 4), "prefill_samples": self.prefill.samples,
-                    "prefill_idle_s": _idle(now, self._last_prefill), "prefill_separated": self.prefill.separated(),
+                    "prefill_idle_s": _idle(now, self._last_prefill), "prefill_separated": p_separated,
                     "decode_step_ms": round(d_base * 1000, 4), "decode_ms_per_block": round(d_slope * 1000, 5),
                     "decode_samples": self.decode.samples, "decode_idle_s": _idle(now, self._last_decode),
-                    "decode_separated": self.decode.separated()}
+                    "decode_separated": d_separated}
 
 
 def _idle(now: float, last: float | None) -> float | None:

@@ -145,14 +145,13 @@ class CostBook:
         book = {}
         for wid, model in models.items():
             peers = by_model[model]
-            p = _pick(wid, peers, prefill, rough_prefill, old_prefill)
-            d = _pick(wid, peers, decode, rough_decode, old_decode)
+            p, own_p = _pick(wid, peers, prefill, rough_prefill, old_prefill)
+            d, own_d = _pick(wid, peers, decode, rough_decode, old_decode)
             pr = self.prior
             reuse, empty = _cache_value(heartbeats.get(wid))
             book[wid] = WorkerCosts(*(p or (pr.prefill_s_per_block, pr.prefill_step_s)),
                                     *(d or (pr.decode_step_s, pr.decode_s_per_block)),
-                                    measured=_own(wid, p, prefill, rough_prefill) and _own(wid, d, decode, rough_decode),
-                                    decode_tokens=horizon[model],
+                                    measured=own_p and own_d, decode_tokens=horizon[model],
                                     block_reuse=reuse, empty_blocks=empty)
         self._by_worker = book
 
@@ -170,20 +169,15 @@ def _mean_tokens(heartbeats: dict[str, dict[str, Any]], workers: list[str]) -> f
 
 
 def _pick(wid: str, peers: list[str], fresh: Figures, unseparated: Figures, stale: Figures
-          ) -> tuple[float, float] | None:
+          ) -> tuple[tuple[float, float] | None, bool]:
     """The worker's own fresh line, else its peers' fresh lines, else the same for fresh lines through the
-    origin, else its own stale figure, else its peers'."""
+    origin, else its own stale figure, else its peers'; and whether it is the worker's own fresh figure."""
     for figures in (fresh, unseparated, stale):
         if (own := figures.get(wid)) is not None:
-            return own
+            return own, figures is not stale
         if (theirs := _median([figures[w] for w in peers if w in figures])) is not None:
-            return theirs
-    return None
-
-
-def _own(wid: str, chosen: tuple[float, float] | None, *fresh: Figures) -> bool:
-    """Whether `chosen` (what _pick returned) is one of the worker's own fresh figures."""
-    return chosen is not None and any(chosen is figures.get(wid) for figures in fresh)
+            return theirs, False
+    return None, False
 
 
 def _median(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
