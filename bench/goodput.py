@@ -228,11 +228,13 @@ def contender(name: str, args: argparse.Namespace, setup: Any) -> Any:
     if name.startswith("farm-"):
         mode, _, variant = name.removeprefix("farm-").partition(":")
         extra: dict[str, Any] = {"engine": {"torch_threads": 1}, "router": {"cost": "measured"}}
-        if variant:  # "kv:nice0": the vLLM engines at this nice value (the farm's default on CPU is 19)
-            if not variant.startswith("nice") or args.backend != "vllm":
-                raise ValueError(f"contender {name!r}: a mode's variant is nice<N>, with vLLM workers")
+        if variant.startswith("nice") and args.backend == "vllm":  # "kv:nice0": the engines at this nice
             extra["models"] = [{**m, "vllm": {**m.get("vllm", {}), "engine_nice": int(variant[4:])}}
                                for m in c.farm_overrides(setup, args.backend, mode)["models"]]
+        elif variant.startswith("busy"):  # "kv:busy1": router.busy_threshold (1 = no worker busy by its KV)
+            extra["router"]["busy_threshold"] = float(variant[4:])
+        elif variant:
+            raise ValueError(f"contender {name!r}: a mode's variant is nice<N> (vLLM workers) or busy<share>")
         return c.farm(setup, args.backend, 2, mode, extra)
     from bench.peers.run import http_contender
 
@@ -381,7 +383,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="add vllm-router and Dynamo (installed under bench/.peers on first use), all of them or "
                          f"those named ({', '.join(PEERS)}); the farm's workers then run vLLM, as the peers do")
     ap.add_argument("--modes", default=",".join(FARM_MODES),
-                    help="the farm's router modes; mode:nice<N> runs its vLLM engines at nice N (default 19 on CPU)")
+                    help="the farm's router modes; mode:nice<N> runs its vLLM engines at nice N (default 19 on CPU), "
+                         "mode:busy<share> sets router.busy_threshold")
     ap.add_argument("--backend", choices=("builtin", "vllm"), help="the farm's engine (default: vllm with --peers)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rates", help="Poisson arrival rates, requests/s (default 0.3,0.6,1.2; smoke 1)")
