@@ -22,16 +22,16 @@ def test_linear_fit_separates_step_overhead_from_per_unit_cost():
     fit = LinearFit(alpha=0.2, warmup=2)
     fit.observe(10, 5.0)  # warm-up steps (first-call allocations) are left out
     fit.observe(10, 5.0)
-    assert fit.line() == (0.0, 0.0) and fit.samples == 0
+    assert fit.fit() == ((0.0, 0.0), False) and fit.samples == 0
     for x in [16, 400, 48, 900, 160, 32, 640] * 4:
         fit.observe(x, 0.05 + 0.002 * x)
-    base, slope = fit.line()
+    (base, slope), separated = fit.fit()
     assert base == pytest.approx(0.05, rel=1e-6) and slope == pytest.approx(0.002, rel=1e-6)
-    assert fit.separated()
+    assert separated
     same = LinearFit(warmup=0)
     for _ in range(5):
         same.observe(64, 0.2)  # no spread: no way to split, so the whole step counts per unit
-    assert same.line() == (0.0, pytest.approx(0.2 / 64)) and not same.separated()
+    assert same.fit() == ((0.0, pytest.approx(0.2 / 64)), False)
 
 
 def test_step_costs_snapshot_is_in_milliseconds_per_block():

@@ -41,16 +41,10 @@ class LinearFit:
         self._xy += a * (x * y - self._xy)
         self.samples += 1
 
-    def line(self) -> tuple[float, float]:
-        """(base, slope); (0, 0) before any observation counted."""
-        return self.fit()[0]
-
-    def separated(self) -> bool:
-        return self.fit()[1]
-
     def fit(self) -> tuple[tuple[float, float], bool]:
-        """((base, slope), separated): whether the line has a base and a slope of its own (else it goes through
-        the origin, and its slope, an average cost per unit, overstates what one more unit adds)."""
+        """((base, slope), separated), ((0, 0), False) before any observation counted. `separated`: whether the
+        line has a base and a slope of its own (else it goes through the origin, and its slope, an average cost
+        per unit, overstates what one more unit adds)."""
         if not self.samples:
             return (0.0, 0.0), False
         through_origin = (0.0, self._y / self._x)
