@@ -1,5 +1,6 @@
 """The worker's stream writer batches token deltas into one reply-stream entry per reader and flush, without
-losing what they carry; readers skip a batch written twice; a lapsed reader lease aborts its requests."""
+losing what they carry; readers skip a batch written twice; a lapsed reader lease aborts its requests; the pump
+flushes a linger after the first unsent event (at once for a first token or an end) and sleeps while idle."""
 
 from __future__ import annotations
 
@@ -53,6 +54,56 @@ def test_one_entry_per_reader_and_flush_with_merged_deltas_keeping_ids_and_logpr
     (plain,) = a.events["r2"]
     assert plain.ids == [1, 2] and plain.lp is None
     assert [e.text for e in b.events["r3"]] == ["c"]
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_first_token_and_end_go_at_once_the_rest_after_the_linger(redis_client):
+    w = StreamWriter(redis_client, flush_ms=400).start()
+    try:
+        w.open("r1", "api-linger")
+        t0 = time.monotonic()
+        w.emit("r1", StartEvent("both", "w"))  # lingers: it goes with the first token
+        w.emit("r1", DeltaEvent("a", 1, [1]))  # the first token: at once
+        _wait_for(lambda: len(events_of(redis_client, "api-linger", "r1")) == 2)
+        assert time.monotonic() - t0 < 0.3
+        w.emit("r1", DeltaEvent("b", 1, [2]))  # a later token waits for the linger
+        t1 = time.monotonic()
+        time.sleep(0.15)
+        assert len(events_of(redis_client, "api-linger", "r1")) == 2
+        _wait_for(lambda: len(events_of(redis_client, "api-linger", "r1")) == 3)
+        assert time.monotonic() - t1 >= 0.35
+        w.emit("r1", DeltaEvent("c", 1, [3]))
+        w.emit("r1", DoneEvent("stop", Usage(3, 3, 0)))  # an end takes what is pending with it, at once
+        _wait_for(lambda: len(events_of(redis_client, "api-linger", "r1")) == 5, timeout=0.3)
+        assert [type(e).__name__ for e in events_of(redis_client, "api-linger", "r1")] == [
+            "StartEvent", "DeltaEvent", "DeltaEvent", "DeltaEvent", "DoneEvent"]
+    finally:
+        w.stop()
+
+
+def test_an_idle_pump_sleeps(redis_client, monkeypatch):
+    """Nothing open and nothing to send: the pump neither flushes nor polls flags until an event comes."""
+    w = StreamWriter(redis_client, flush_ms=5, on_cancel=lambda rid: None, cancel_poll_s=0.01)
+    calls = []
+    flush, poll = w.flush, w._poll_flags
+    monkeypatch.setattr(w, "flush", lambda: (calls.append("flush"), flush()))
+    monkeypatch.setattr(w, "_poll_flags", lambda: (calls.append("poll"), poll()))
+    w.start()
+    try:
+        time.sleep(0.3)
+        assert calls == []
+        w.open("r1", "api-idle")  # an open request is polled for its cancel flag again
+        w.emit("r1", StartEvent("both", "w"))
+        _wait_for(lambda: "flush" in calls and calls.count("poll") >= 2)
+    finally:
+        monkeypatch.undo()
+        w.stop()
 
 
 def test_closed_and_unrouted_requests_emit_nothing(redis_client):

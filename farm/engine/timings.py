@@ -184,7 +184,9 @@ def from_prometheus(registry: Any = None, prefix: str = "vllm:") -> dict[str, di
     if registry is None:
         from prometheus_client import REGISTRY as registry  # noqa: N811 - the process-wide default
     out: dict[str, dict[str, Any]] = {}
-    for family in registry.collect():
+    # only these families: collecting all of vLLM's series took about 1.5 ms of every heartbeat
+    names = [f"{prefix}{h}{suffix}" for h in HISTOGRAMS for suffix in ("", "_bucket", "_sum", "_count")]
+    for family in registry.restricted_registry(names).collect():
         name = family.name.removeprefix(prefix)
         if not family.name.startswith(prefix) or name not in HISTOGRAMS:
             continue

@@ -6,8 +6,9 @@ shared event stream and applies it to the worker's snapshot set, with the last e
 start from a consistent snapshot and then follow the stream. Event ids are monotonic per worker; a
 reader that sees a gap resyncs that worker from its set. A (re)starting worker begins with `cleared`.
 
-The event and its wire form are farm.protocol.kv_events.KVEvent; `epoch` changes when the worker process restarts
-(ids start again at 1).
+The flush thread sleeps until an event arrives, then lingers `flush_ms` to gather the step's others: an idle
+worker costs no wakeups. The event and its wire form are farm.protocol.kv_events.KVEvent; `epoch` changes when the
+worker process restarts (ids start again at 1).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class KVEventPublisher:
         self._next_id = 1
         self.epoch = time.time_ns()  # a new incarnation of the worker: readers reset its view
         self._stop = threading.Event()
+        self._pending = threading.Event()  # set when the buffer gets its first event since the last flush
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.published = 0
 
@@ -55,6 +57,9 @@ class KVEventPublisher:
             self._buf.append(KVEvent(self.worker_id, self.epoch, self._next_id, KVEventKind(kind), list(hashes),
                                      parent, tier or self.tier))
             self._next_id += 1
+            first = len(self._buf) == 1
+        if first:
+            self._pending.set()
 
     def start(self) -> KVEventPublisher:
         self(KVEventKind.CLEARED, [], None)  # a (re)started worker holds nothing
@@ -64,6 +69,7 @@ class KVEventPublisher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._pending.set()
         self._thread.join(timeout=5)
         try:
             self.flush()
@@ -104,8 +110,15 @@ class KVEventPublisher:
         return pipe
 
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_s):
+        while not self._stop.is_set():
+            self._pending.wait()
+            if self._stop.wait(self.flush_s):  # the linger: one batch for the events of the next few steps
+                return
+            self._pending.clear()  # before taking the buffer: an event after this wakes the next round
             try:
                 self.flush()
             except redis.RedisError:
                 log.warning("KV event flush failed", exc_info=True)
+            with self._lock:
+                if self._buf:  # kept after Redis was unreachable: try again after the next linger
+                    self._pending.set()
