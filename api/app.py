@@ -42,6 +42,18 @@ class FarmContext:
         self._semantic_lock = threading.Lock()
         self._semantic = None
         self._served: tuple[float, set[str]] = (0.0, set())
+        self._celery = None
+
+    @property
+    def celery(self):
+        """The Celery app that hands a batch to a driver (generation tasks go out through the gateway's
+        TaskPublisher), built on first use."""
+        with self._lock:
+            if self._celery is None:
+                from farm.infra.broker import make_celery
+
+                self._celery = make_celery(self.cfg)
+            return self._celery
 
     def semantic(self):
         """The semantic layer (farm.semantic), built on first use and shared by the process's threads;

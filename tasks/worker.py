@@ -15,6 +15,7 @@ import socket
 import sys
 
 from celery import signals
+from kombu import Exchange, Queue
 
 from farm.config import ConfigError, get_config
 from farm.infra import logcontext, tracing
@@ -83,13 +84,28 @@ def main(argv: list[str] | None = None) -> int:
             _runtime.stop()
             set_runtime(None)
 
+    shared, own = queues_for_role(model, args.role), direct_queue(name)
+    app.conf.task_queues = [*(Queue(q, Exchange(q), routing_key=q) for q in shared), own_queue(own)]
     app.worker_main([
         "worker", "--pool", "threads", "--concurrency", str(args.concurrency or cfg.celery.worker_threads),
-        "--queues", ",".join(queues_for_role(model, args.role) + [direct_queue(name)]), "--hostname", name,
+        "--queues", ",".join([*shared, own]), "--hostname", name,
         "--without-gossip", "--without-mingle", *(["--task-events"] if cfg.celery.task_events else []),
         "--loglevel", args.loglevel,
     ])
     return 0
+
+
+def own_queue(name: str) -> Queue:
+    """The worker's own queue, where the router places its requests, consumed without kombu's acknowledgements.
+
+    On Redis kombu emulates them: every message is copied into an `unacked` hash when taken and removed when
+    acknowledged, two transactions per request on the consumer's thread, so that a message whose consumer died
+    comes back after the visibility timeout (an hour). A generation task is acknowledged once its request is in
+    the engine, milliseconds later, and the request's reader re-places a request whose worker died long before
+    that hour (farm.gateway.submission: migration, `router.placement_timeout_s`), while the stage's claim keeps a
+    redelivery from running twice. So the copy bought nothing here. The model's shared queues keep it, and with it
+    the prefetch limit that keeps one worker from taking a whole shared queue."""
+    return Queue(name, Exchange(name), routing_key=name, no_ack=True)
 
 
 if __name__ == "__main__":

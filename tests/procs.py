@@ -72,5 +72,5 @@ def send_and_read(gw, req, task: str, args_after_request: list, queue: str):
     gw.replies.start()
     req.reply_to, req.lease_s = gw.replies.reader_id, gw.cfg.reliability.lease_ttl_s
     box = gw.replies.open(req.request_id)
-    gw.celery.send_task(task, args=[req.to_dict(), *args_after_request], queue=queue)
+    gw.placer.publisher.send(task, [req.to_dict(), *args_after_request], queue)
     return Submission(gw._svc, req, Placed("decode-only", {}, Dispatch(task, "")), box)

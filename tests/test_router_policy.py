@@ -303,7 +303,7 @@ def test_soonest_model_by_cached_prefix_then_by_queue(redis_client):
 
     cfg = load_config(environ={})
     router = Router(cfg, redis_client, follow=False)
-    gw = Gateway(cfg, redis_client, celery_app=object(), router=router)
+    gw = Gateway(cfg, redis_client, router=router)
     for i, model in enumerate(("m", "m2")):
         registry.register(redis_client, registry.WorkerInfo(f"{model}-w", "both", model, "h", i, 16,
                                                             num_blocks=1000))

@@ -151,7 +151,7 @@ def test_the_apis_choice_among_alike_models_sees_only_the_tenants_own_cache(redi
                                                    {**one["models"][0], "name": b}]}))
     cfg = load_config(p, environ=env)
     router = Router(cfg, redis_client, follow=False)
-    ctx = FarmContext(cfg, Gateway(cfg, redis_client, celery_app=object(), router=router))
+    ctx = FarmContext(cfg, Gateway(cfg, redis_client, router=router))
     messages = [{"role": "system", "content": "You are a careful assistant. " * 40},
                 {"role": "user", "content": "Summarize the notes."}]
     ctx.tokenizer(a)

@@ -89,7 +89,7 @@ def create_batch():
                           "invalid_value")
     b = ctx.batches.create(file_id, endpoint, window, ctx.cfg.completion_window_s, metadata, owner, schedule)
     farm = current_app.extensions["farm"]
-    send_to_driver(farm.gateway.celery, ctx.batches, b["id"], ctx.cfg, force=True)
+    send_to_driver(farm.celery, ctx.batches, b["id"], ctx.cfg, force=True)
     return jsonify(public_batch(b))
 
 
@@ -124,5 +124,5 @@ def cancel_batch(batch_id: str):
         raise APIError(409, f"Cannot cancel a batch with status {st!r}", param="id", code="batch_not_cancellable",
                        type="invalid_request_error")
     if ok and not ctx.batches.leased(batch_id):  # no driver holds it (queued): let one finish the cancel
-        send_to_driver(current_app.extensions["farm"].gateway.celery, ctx.batches, batch_id, ctx.cfg, force=True)
+        send_to_driver(current_app.extensions["farm"].celery, ctx.batches, batch_id, ctx.cfg, force=True)
     return jsonify(public_batch(ctx.batches.get(batch_id) or {}))

@@ -57,10 +57,11 @@ from farm.batch.preparation import Preparation
 from farm.batch.results import Results
 from farm.batch.schedule import Plan
 from farm.batch.store import TERMINAL, BatchStore
-from farm.batch.throttle import LoadWatch, LowPriority, Slots
+from farm.batch.throttle import LoadWatch, Slots
 from farm.batch.validate import PreparedLine
 from farm.config import FarmConfig
 from farm.gateway.reading import Answer
+from farm.infra.broker import TaskPublisher
 from farm.infra.redis_client import connect
 from farm.protocol import DoneEvent, Usage
 from farm.protocol.keys import batch_kick_key
@@ -102,7 +103,7 @@ class BatchDriver:
             if self._gateway is None:
                 from farm.gateway import Gateway
 
-                self._gateway = Gateway(self.cfg, self.r, celery_app=LowPriority(self.celery, self.bcfg.priority),
+                self._gateway = Gateway(self.cfg, self.r, publisher=TaskPublisher(self.r, self.bcfg.priority),
                                         reader_kind="batch")
             return self._gateway
 

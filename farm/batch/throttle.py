@@ -1,6 +1,7 @@
 """How much of the farm a driver process's batch lines may take (farm.batch.driver explains why the driver is the
-throttle): `LoadWatch` sizes the window of lines in flight from the farm's interactive load, `Slots` counts the
-lines in flight against it, and `LowPriority` sends every line's task with the batch's low message priority."""
+throttle): `LoadWatch` sizes the window of lines in flight from the farm's interactive load and `Slots` counts the
+lines in flight against it; every line's task goes out with the batch's low message priority (batch.priority, the
+driver's TaskPublisher)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,6 @@ import redis
 
 from farm.config.batch import BatchConfig
 from farm.telemetry import prometheus
-
-
-class LowPriority:
-    """The Celery app as the Gateway sees it, sending every task with a low message priority."""
-
-    def __init__(self, app, priority: int):
-        self._app = app
-        self._priority = priority
-
-    def send_task(self, *args, **kwargs):
-        kwargs.setdefault("priority", self._priority)
-        return self._app.send_task(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._app, name)
 
 
 class LoadWatch:

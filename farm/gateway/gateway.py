@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 import redis
 
@@ -18,6 +17,7 @@ from farm.gateway.placement import NOTHING_LOST, Lost, Placed, Placer
 from farm.gateway.replies import ReplyReader
 from farm.gateway.submission import Services, Submission
 from farm.infra import logcontext
+from farm.infra.broker import TaskPublisher
 from farm.protocol import GenerationRequest
 from farm.router.router import BusyError, Router
 from farm.telemetry import prometheus
@@ -27,17 +27,12 @@ ADMISSION_POLL_S = 0.2  # how often a request waiting for room (Gateway.submit) 
 
 
 class Gateway:
-    def __init__(self, cfg: FarmConfig, r: redis.Redis, celery_app: Any = None, router: Router | None = None,
-                 reader_kind: str = "api"):
+    def __init__(self, cfg: FarmConfig, r: redis.Redis, publisher: TaskPublisher | None = None,
+                 router: Router | None = None, reader_kind: str = "api"):
         self.cfg = cfg
         self.r = r
-        if celery_app is None:
-            from farm.infra.broker import make_celery
-
-            celery_app = make_celery(cfg)
-        self.celery = celery_app
         self.router = router or Router(cfg, r)
-        self.placer = Placer(cfg, r, self.router, celery_app)
+        self.placer = Placer(cfg, r, self.router, publisher or TaskPublisher(r))
         self.replies = ReplyReader(r, cfg.reliability, reader_kind)
         self._svc = Services(cfg, r, self.router.loads, self.replies, self.placer)
         self._start_lock = threading.Lock()

@@ -24,7 +24,7 @@ from farm.cluster.liveness import Process, process_of
 from farm.config import FarmConfig
 from farm.gateway.failures import NoWorkersError
 from farm.infra import tracing
-from farm.infra.broker import send_generation
+from farm.infra.broker import TaskPublisher, send_generation
 from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PREFILL, GenerationRequest
 from farm.protocol.queues import direct_queue
 from farm.router.router import Estimate, Placement, Router
@@ -82,8 +82,8 @@ class Pools:
 class Placer:
     """Chooses workers for requests and sends their first task (one per gateway)."""
 
-    def __init__(self, cfg: FarmConfig, r: Any, router: Router, celery: Any):
-        self.cfg, self.r, self.router, self.celery = cfg, r, router, celery
+    def __init__(self, cfg: FarmConfig, r: Any, router: Router, publisher: TaskPublisher):
+        self.cfg, self.r, self.router, self.publisher = cfg, r, router, publisher
 
     def _read(self, model: str, exclude: Lost) -> tuple[Pools, str]:
         """The model's live workers and the layout they serve it in. From the router's view of the live workers,
@@ -175,5 +175,5 @@ class Placer:
                 task, args = TASK_DECODE, [req.to_dict(), None]
         self.router.loads.begin_soon([("p", p.worker.worker_id, req.request_id, max(0, n - p.overlap_blocks * bs)),
                                       ("d", d.worker.worker_id, req.request_id, math.ceil(n / bs))])
-        send_generation(self.celery, task, args, direct_queue(p.worker.worker_id))
+        send_generation(self.publisher, task, args, direct_queue(p.worker.worker_id))
         return Placed(layout, placements, Dispatch(task, p.worker.worker_id))

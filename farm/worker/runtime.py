@@ -31,7 +31,7 @@ from farm.engine.contract import ConnectorEngine, RequestOutput, ServingEngine
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.scheduler import KVImport
 from farm.infra import tracing
-from farm.infra.broker import send_generation
+from farm.infra.broker import TaskPublisher, send_generation
 from farm.infra.redis_client import connect
 from farm.models.directories import model_vocab_size, require_model_dir
 from farm.protocol import (
@@ -96,6 +96,8 @@ class WorkerRuntime:
         self.block_size = cfg.block_size(model)
         self.vocab_size = model_vocab_size(mdir)  # task messages are checked against it (accept)
         self.r = connect(cfg.redis, health_check_interval=10)
+        # the decode tasks of this worker's prefills (none without a Celery app: a runtime driven by hand)
+        self.publisher = TaskPublisher(self.r) if celery_app is not None else None
         self._check_block_size()
         self.kv_events = KVEventPublisher(self.r, worker_id)
         self.engine: ServingEngine = make_engine(cfg, mcfg, mdir, self.kv_events, worker_id=worker_id,
@@ -378,8 +380,8 @@ class WorkerRuntime:
             queue = req.decode_queue or queue_name(req.model, "decode")
             if queue.startswith("farm.w.") and not self._direct_queue_alive(queue):
                 queue = queue_name(req.model, "decode")  # the chosen decode worker vanished: any will do
-            if self.celery is not None:
-                send_generation(self.celery, TASK_DECODE, [req.to_dict(), handle], queue)
+            if self.publisher is not None:
+                send_generation(self.publisher, TASK_DECODE, [req.to_dict(), handle], queue)
             return handle
         except Exception:  # the reader migrates the request when nothing follows
             log.exception("request %s: hand-over to decode failed", req.request_id)

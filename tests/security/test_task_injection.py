@@ -22,6 +22,7 @@ from farm.config import EngineConfig, load_config
 from farm.engine.engine import Engine
 from farm.engine.scheduler import Sequence
 from farm.gateway import Gateway
+from farm.infra.broker import make_celery
 from farm.models.tokenization import IncrementalDetokenizer, chat_prompt_ids, get_tokenizer
 from farm.protocol import (
     EVENT_FIELD,
@@ -206,6 +207,7 @@ def first_event(r: redis.Redis, rid: str, timeout: float = 60) -> Event:
 def test_bad_tasks_through_celery_fail_only_themselves(worker):
     cfg, r, proc = worker
     gw = Gateway(cfg, r)
+    celery = make_celery(cfg)  # messages sent by hand, as any client holding the Redis password could
     model = cfg.default_model
     ids = chat_prompt_ids(get_tokenizer(cfg, model), [{"role": "user", "content": "Count from one to fifty."}])
     legit = GenerationRequest(uuid.uuid4().hex, model, ids, LEGIT)
@@ -220,7 +222,7 @@ def test_bad_tasks_through_celery_fail_only_themselves(worker):
 
     def send(task: str, msg: dict, *extra) -> None:
         q = queue_name(model, "generate" if task == TASK_GENERATE else "decode")
-        gw.celery.send_task(task, args=[msg, *extra], queue=q)
+        celery.send_task(task, args=[msg, *extra], queue=q)
         bad[msg["request_id"]] = (task, extra)
 
     rid = lambda: "evil-" + uuid.uuid4().hex  # noqa: E731
@@ -230,8 +232,8 @@ def test_bad_tasks_through_celery_fail_only_themselves(worker):
     send(TASK_GENERATE, good_message(request_id=rid(), model=model, prompt_token_ids=[7] * 5000))
     send(TASK_GENERATE, good_message(request_id=rid(), model="someone-elses-model"))
     send(TASK_DECODE, good_message(request_id=rid(), model=model), "not a handle")
-    gw.celery.send_task(TASK_GENERATE, args=["not an object"], queue=queue_name(model, "generate"))
-    gw.celery.send_task(TASK_GENERATE, args=[good_message(request_id=7, model=model)],
+    celery.send_task(TASK_GENERATE, args=["not an object"], queue=queue_name(model, "generate"))
+    celery.send_task(TASK_GENERATE, args=[good_message(request_id=7, model=model)],
                         queue=queue_name(model, "generate"))
     for rid_, (task, _) in bad.items():
         ev = first_event(r, rid_)
