@@ -231,10 +231,14 @@ def contender(name: str, args: argparse.Namespace, setup: Any) -> Any:
         if variant.startswith("nice") and args.backend == "vllm":  # "kv:nice0": the engines at this nice
             extra["models"] = [{**m, "vllm": {**m.get("vllm", {}), "engine_nice": int(variant[4:])}}
                                for m in c.farm_overrides(setup, args.backend, mode)["models"]]
+        elif variant == "float" and args.backend == "vllm":  # "kv:float": vLLM's engine cores left to float
+            extra["models"] = [{**m, "vllm": {**m.get("vllm", {}), "pin_engine_core": False}}
+                               for m in c.farm_overrides(setup, args.backend, mode)["models"]]
         elif variant.startswith("busy"):  # "kv:busy1": router.busy_threshold (1 = no worker busy by its KV)
             extra["router"]["busy_threshold"] = float(variant[4:])
         elif variant:
-            raise ValueError(f"contender {name!r}: a mode's variant is nice<N> (vLLM workers) or busy<share>")
+            raise ValueError(f"contender {name!r}: a mode's variant is nice<N> or float (vLLM workers), "
+                             "or busy<share>")
         return c.farm(setup, args.backend, 2, mode, extra)
     from bench.peers.run import http_contender
 
@@ -384,6 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"those named ({', '.join(PEERS)}); the farm's workers then run vLLM, as the peers do")
     ap.add_argument("--modes", default=",".join(FARM_MODES),
                     help="the farm's router modes; mode:nice<N> runs its vLLM engines at nice N (default 19 on CPU), "
+                         "mode:float leaves vLLM's engine cores unpinned (models[].vllm.pin_engine_core: false), "
                          "mode:busy<share> sets router.busy_threshold")
     ap.add_argument("--backend", choices=("builtin", "vllm"), help="the farm's engine (default: vllm with --peers)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))

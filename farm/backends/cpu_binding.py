@@ -6,6 +6,13 @@ per machine. Several workers on one machine would each take the same cores (meas
 engines bound to core 0, the other core idle). So when the farm starts more than one vLLM worker on a
 machine, it gives each its own share of the cores; one worker keeps vLLM's own choice. A bind the user
 sets in the environment always wins. On a GPU, vLLM ignores the variable.
+
+vLLM binds only its model executor's compute threads; its engine core (the scheduler process, which waits for the
+executor in a busy loop) floats over every core. With one worker per core share that float is a thief: measured on 2
+cores with 2 SmolLM2 workers decoding 8 streams, each engine core spun on the other worker's core and took 0.45 of the
+2 cores, and the executors got 1.41 (vLLM engine cores 0.45 against 0.07 once each stayed on its own worker's share;
+scratch runs, bench/RESULTS.md "The engine core on its worker's cores"). So the worker keeps its engine core on its
+own share (`engine_core_cpus`): the spinning then waits on the cores whose result it waits for.
 """
 
 from __future__ import annotations
@@ -47,6 +54,45 @@ def bind_env(index: int, count: int, environ: dict[str, str] | None = None) -> d
     if BIND_ENV in environ or count <= 1:
         return {}
     return {BIND_ENV: core_shares(usable_cores(), count)[index % count]}
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """The cores of a bind in vLLM's syntax ("0-3,5", ranks separated by "|"); [] for "auto", "nobind" or nothing."""
+    cores: set[int] = set()
+    for rank in spec.split("|"):
+        for part in rank.split(","):
+            part = part.strip()
+            if not part or not part[0].isdigit():
+                continue
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cores)
+
+
+def engine_core_cpus(environ: dict[str, str] | None = None) -> list[int]:
+    """Where this worker's vLLM engine core should run: the cores of its bind (its share, or the user's), [] when
+    vLLM binds itself ("auto": it keeps a core back for the engine core) or nothing is bound."""
+    environ = os.environ if environ is None else environ
+    return parse_cpu_list(environ.get(BIND_ENV, ""))
+
+
+def pin_threads(pids: list[int], cpus: list[int]) -> int:
+    """Set the CPU affinity of every thread of the processes `pids` to `cpus` (threads started later take their
+    creator's); returns how many threads were set. A thread that is gone, or a core this process may not use, is
+    skipped."""
+    pinned = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            tids = [pid]
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                pinned += 1
+            except OSError:
+                continue
+    return pinned
 
 
 # -- the engine's processes and the request path on shared cores ---------------------------------------------

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from farm.backends.cpu_binding import engine_nice, lower_priority
+from farm.backends.cpu_binding import engine_core_cpus, engine_nice, lower_priority, pin_threads
 from farm.backends.reaper import start_reaper
 from farm.backends.vllm_args import (
     build_engine_args,
@@ -157,13 +157,17 @@ class VllmEngine:
         self._yield_cores()
 
     def _yield_cores(self) -> None:
-        """Lower vLLM's own processes (everything this process started but the reaper) so their busy waiting
-        gives way to the request path on shared cores (farm.backends.cpu_binding.engine_nice)."""
+        """On a CPU host: keep vLLM's engine core (this process's own children but the reaper; the model executor is
+        the engine core's child, bound by vLLM) on this worker's cores, and lower all of vLLM's processes so their
+        busy waiting gives way to the request path on shared cores (farm.backends.cpu_binding)."""
+        import psutil
+
+        if self.device == "cpu" and self.opts.pin_engine_core and (cpus := engine_core_cpus()):
+            cores = [p.pid for p in psutil.Process().children() if p.pid != self._reaper.pid]
+            log.info("vLLM engine core %s kept on cores %s (%d threads)", cores, cpus, pin_threads(cores, cpus))
         nice = engine_nice(self.opts.engine_nice, self.device)
         if nice <= 0:
             return
-        import psutil
-
         pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != self._reaper.pid]
         log.info("vLLM engine processes %s run at nice %d (%d threads)", pids, nice, lower_priority(pids, nice))
 

@@ -42,6 +42,9 @@ class VllmOptions(Section):
     # nice value of vLLM's engine processes (engine core, model executor), whose busy waiting would otherwise
     # hold the cores the request path needs; None: 19 on CPU-only machines, 0 with a GPU (farm.backends.cpu_binding)
     engine_nice: int | None = Field(None, ge=0, le=19)
+    # on a CPU machine whose vLLM workers have core shares: keep each worker's engine core (vLLM's scheduler, which
+    # busy-waits for its executor) on its own share instead of letting it float onto the other workers' cores
+    pin_engine_core: bool = True
 
     @model_validator(mode="after")
     def _args_ok(self) -> VllmOptions:

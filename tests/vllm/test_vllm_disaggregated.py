@@ -9,12 +9,15 @@ decode side count the prompt tokens brought in and the transfers made, and greed
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import openai
+import psutil
 import pytest
 import redis
 
+from farm.backends.cpu_binding import parse_cpu_list
 from farm.cluster import registry
 from farm.supervisor import Farm
 from tests.vllm.conftest import MODEL, vllm_farm
@@ -73,3 +76,13 @@ def test_vllm_workers_of_one_machine_get_their_own_cores(farm):
     each worker its own share."""
     binds = {p.name: p.env.get("VLLM_CPU_OMP_THREADS_BIND") for p in farm.procs if p.role in ("prefill", "decode")}
     assert len(binds) == 2 and None not in binds.values() and len(set(binds.values())) == 2
+    # and each worker's engine core (vLLM's scheduler, which busy-waits for its executor) stays on that share
+    for proc in farm.procs:
+        if proc.role not in ("prefill", "decode"):
+            continue
+        cores = set(parse_cpu_list(binds[proc.name]))
+        engine_cores = [c for c in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(c.cmdline())
+                        or "EngineCore" in c.name()]
+        assert engine_cores, f"{proc.name}: no vLLM engine core among {psutil.Process(proc.pid).children()}"
+        for c in engine_cores:
+            assert {frozenset(os.sched_getaffinity(t.id)) for t in c.threads()} == {frozenset(cores)}, proc.name
