@@ -8,16 +8,18 @@ machine, it gives each its own share of the cores; one worker keeps vLLM's own c
 sets in the environment always wins. On a GPU, vLLM ignores the variable.
 
 vLLM binds only its model executor's compute threads; its engine core (the scheduler process, which waits for the
-executor in a busy loop) floats over every core. With one worker per core share that float is a thief: measured on 2
-cores with 2 SmolLM2 workers decoding 8 streams, each engine core spun on the other worker's core and took 0.45 of the
-2 cores, and the executors got 1.41 (vLLM engine cores 0.45 against 0.07 once each stayed on its own worker's share;
-scratch runs, bench/RESULTS.md "The engine core on its worker's cores"). So the worker keeps its engine core on its
-own share (`engine_core_cpus`): the spinning then waits on the cores whose result it waits for.
+executor in a busy loop) floats over every core. With one worker per core share that float is a thief: on 2 cores
+with 2 SmolLM2 workers decoding 8 streams, the floating engine cores spun on each other's cores and took 0.36 of the
+2 cores, and the executors got 1.51; kept each on its own worker's share, the engine cores took 0.07 and the
+executors 1.74, 1.37x the tokens per second (`python -m bench.engine_cores`, bench/RESULTS.md "The engine core on
+its worker's cores"). So the worker keeps its engine core on its own share (`engine_core_cpus`): the spinning then
+waits on the cores whose result it waits for.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -76,22 +78,27 @@ def engine_core_cpus(environ: dict[str, str] | None = None) -> list[int]:
     return parse_cpu_list(environ.get(BIND_ENV, ""))
 
 
+def _threads(pids: list[int]) -> Iterator[int]:
+    """The thread ids of the processes `pids` (Linux sets affinity and nice per thread); a process whose threads
+    cannot be listed yields its own id, which the caller's call then skips if it is gone."""
+    for pid in pids:
+        try:
+            yield from (int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            yield pid
+
+
 def pin_threads(pids: list[int], cpus: list[int]) -> int:
     """Set the CPU affinity of every thread of the processes `pids` to `cpus` (threads started later take their
     creator's); returns how many threads were set. A thread that is gone, or a core this process may not use, is
     skipped."""
     pinned = 0
-    for pid in pids:
+    for tid in _threads(pids):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            os.sched_setaffinity(tid, cpus)
+            pinned += 1
         except OSError:
-            tids = [pid]
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-                pinned += 1
-            except OSError:
-                continue
+            continue
     return pinned
 
 
@@ -119,16 +126,11 @@ def lower_priority(pids: list[int], nice: int) -> int:
     these processes start later take their creator's); returns how many threads were changed. Raising nice needs
     no privilege; a thread that is gone or not ours is skipped."""
     changed = 0
-    for pid in pids:
+    for tid in _threads(pids):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                changed += 1
         except OSError:
-            tids = [pid]
-        for tid in tids:
-            try:
-                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
-                    changed += 1
-            except OSError:
-                continue
+            continue
     return changed

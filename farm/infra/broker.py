@@ -19,9 +19,9 @@ engine and torch); `tasks/celery_app.py`, the workers' entry point, adds its tas
   `sentinel://` URLs and the `master_name` to ask the sentinels for.
 - Generation tasks, one or more per request, are published by `TaskPublisher`: the very message Celery's
   `send_task` puts on the queue's Redis list (Celery's task protocol 2 in kombu's Redis envelope), written with one
-  LPUSH on the process's own Redis client. Celery's and kombu's layers cost the API ~0.35 ms of CPU per send
-  measured alone, and a quarter of the API's CPU per request under load; the workers consume it as any Celery
-  message (tests/test_broker.py holds the two shapes equal).
+  LPUSH on the process's own Redis client (119 us of CPU per send against Celery's 379, measured alone; end to end
+  on bench/engine_speed no gain could be told from the noise, bench/RESULTS.md); the workers consume it as any
+  Celery message (tests/test_broker.py holds the two shapes equal).
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ def priority_queue_key(queue: str, priority: int) -> str:
     return f"{queue}{PRIORITY_SEP}{step}" if step else queue
 
 
+def _request_id(args: list[Any]) -> str:
+    """The request id of a generation task's arguments (its first is the request message)."""
+    return args[0].get("request_id", "?") if args and isinstance(args[0], dict) else "?"
+
+
 class TaskPublisher:
     """Publishes generation tasks as Celery would, without its per-call machinery: one JSON envelope and one LPUSH.
 
@@ -69,7 +74,7 @@ class TaskPublisher:
 
     def message(self, task: str, args: list[Any], queue: str, headers: dict[str, Any] | None = None) -> str:
         """The Redis list entry of one task (what kombu's Redis transport LPUSHes for Celery's send_task)."""
-        rid = args[0].get("request_id", "?") if args and isinstance(args[0], dict) else "?"
+        rid = _request_id(args)
         task_id = f"{rid}.{task.rsplit('.', 1)[-1]}"
         argsrepr = f"(<request {rid}: prompt not shown>)"
         body = json.dumps([args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])
@@ -101,7 +106,7 @@ def send_generation(publisher: TaskPublisher, task: str, args: list[Any], queue:
     if not tracing.ENABLED:
         publisher.send(task, args, queue)
         return
-    rid = args[0].get("request_id", "?") if args and isinstance(args[0], dict) else "?"
+    rid = _request_id(args)
     with tracing.span(f"{task} publish", tracing.PRODUCER, {
             "messaging.system": "celery", "messaging.destination.name": queue, "farm.request_id": rid}):
         publisher.send(task, args, queue, tracing.inject() or None)
