@@ -88,10 +88,23 @@ FIRST_MODULE_DB = 3  # databases 0-2 stay free for tests that pick one of their 
 _module_dbs = itertools.count()
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on and this process has not handed out before.
+
+    The kernel may give the same free port to two binds in a row once the first socket is
+    closed, so a farm asking for five ports could get one twice (a CI run did: the Redis HA
+    fixture's primary and third sentinel).
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def start_redis(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:

@@ -23,17 +23,10 @@ from farm.config import FarmConfig, load_config
 from farm.gateway import Gateway
 from farm.infra.orphans import die_with_parent
 from farm.protocol import DeltaEvent, Event, GenerationRequest, SamplingParams
+from tests.conftest import free_port
 from tests.procs import ROOT, WorkerProc, wait_registered
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Redis:

@@ -22,7 +22,8 @@ from farm.config import load_config
 from farm.infra import redis_server
 from farm.infra.redis_client import primary_address
 from farm.supervisor import Farm
-from tests.chaos.harness import MODEL, farm_env, free_port
+from tests.chaos.harness import MODEL, farm_env
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
