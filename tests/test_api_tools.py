@@ -54,7 +54,8 @@ def test_auto_tool_calls_read_by_the_models_parser(client, redis_client):
 
 def test_auto_tool_calls_streamed_as_openai_streams_them(client, redis_client):
     c, cfg = client
-    w = ScriptedWorker(redis_client, [both_start(), *deltas(*CALL), done()])
+    pieces = [*CALL[:-1], '"arguments": {"ci', 'ty": "Os', 'lo"}}\n</tool_call>']  # arguments as a model writes them
+    w = ScriptedWorker(redis_client, [both_start(), *deltas(*pieces), done()])
     events = sse(post(c, "/v1/chat/completions", ask(cfg, tools=[TOOL], stream=True)))
     assert w.request.sampling.response_format is None  # auto: the model decides, nothing forced
     assert events[-1] == "[DONE]"
@@ -62,8 +63,10 @@ def test_auto_tool_calls_streamed_as_openai_streams_them(client, redis_client):
     content = "".join(ch["delta"].get("content") or "" for ch in chunks)
     assert content == "I will check.\n"  # the text before the call, as it came; nothing of the call itself
     calls = [tc for ch in chunks for tc in ch["delta"].get("tool_calls", [])]
-    assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
-                      "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",  # the name once it is written...
+                        "function": {"name": "get_weather", "arguments": ""}}
+    assert all(tc.keys() == {"index", "function"} and tc["index"] == 0 for tc in calls[1:])  # ...then arguments
+    assert [tc["function"]["arguments"] for tc in calls[1:]] == ['{"ci', 'ty": "Os', 'lo"}']
     assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
@@ -106,7 +109,7 @@ def test_reasoning_then_a_call(client, redis_client):
     chunks = [e["choices"][0] for e in events[:-1]]
     assert "".join(ch["delta"].get("reasoning") or "" for ch in chunks) == "Need the tool."
     calls = [tc for ch in chunks for tc in ch["delta"].get("tool_calls", [])]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Oslo"}
     assert chunks[-1]["finish_reason"] == "tool_calls"
 
 

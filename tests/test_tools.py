@@ -1,5 +1,5 @@
 """Tool calling and structured output, below HTTP: the request's checks, the prompt a template without tools gets,
-the parsers, the streamed pieces, and the built-in engine's grammar-constrained decoding on a random model (whose
+the parsers, and the built-in engine's grammar-constrained decoding on a random model (whose
 unconstrained output is never JSON, so a valid answer is the grammar's doing)."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from farm.openai.api_error import APIError
 from farm.openai.parsing import parse_chat
 from farm.openai.responses import Choice, full_response
 from farm.openai.tool_parsers import HermesParser, Llama3JsonParser
-from farm.openai.tools import CallDelta, ToolStream
 from farm.protocol import SamplingParams
 from tests.test_engine import run
 
@@ -138,28 +137,6 @@ def test_choices_carry_calls_and_the_finish_reason(tok):
                                       .tools).tool_calls] == ["get_time", "get_weather"]
     cut = Choice.of(two[:-30], "length", tools=parse(tok, tools=[WEATHER, TIME], tool_choice="required").tools)
     assert [c.name for c in cut.tool_calls] == ["get_time"]  # max_tokens cut the second call: the first stands
-
-
-def feed(stream: ToolStream, pieces: list[str]) -> list:
-    out = [p for piece in pieces for p in stream.feed(piece)]
-    return out + list(stream.finish())
-
-
-def test_streamed_pieces(tok):
-    auto = parse(tok, tools=[WEATHER]).tools
-    out = feed(ToolStream(auto), ["Let me", " look.\n<tool", '_call>\n{"name": "get_weather", ',
-                                  '"arguments": {"city": "Oslo"}}\n</tool_call>'])
-    assert out[:2] == ["Let me", " look.\n"] and len(out) == 3 and isinstance(out[2], CallDelta)
-    assert (out[2].index, out[2].name, json.loads(out[2].arguments)) == (0, "get_weather", {"city": "Oslo"})
-    assert "".join(feed(ToolStream(auto), ["a <", "b> c", " <tool"])) == "a <b> c <tool"  # never a call: all text
-    named = parse(tok, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tools
-    out = feed(ToolStream(named), ['{"city"', ': "Oslo"}'])
-    assert out[0].name == "get_weather" and out[0].id and out[1].id is None
-    assert "".join(d.arguments for d in out) == '{"city": "Oslo"}'
-    llama = parse(tok, "llama3_json", tools=[WEATHER]).tools
-    assert feed(ToolStream(llama), ["It is", " sunny"]) == ["It is", " sunny"]
-    out = feed(ToolStream(llama), [' {"name": "get_weather", ', '"parameters": {"city": "Oslo"}}'])
-    assert len(out) == 1 and out[0].name == "get_weather"
 
 
 # --- the built-in engine's structured output -----------------------------------------------------------------------

@@ -62,7 +62,7 @@ from farm.openai.parsing import (
 )
 from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
-from farm.openai.tools import CallDelta
+from farm.openai.tool_stream import CallDelta
 from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
 from farm.semantic.layer import Verdict
 from farm.telemetry import prometheus

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from farm.openai.reasoning import REASONING_PARSERS, ReasoningStream, Thought
 from farm.openai.tool_parsers import ToolCall
-from farm.openai.tools import CallDelta, ToolRequest, ToolStream
+from farm.openai.tool_stream import CallDelta, ToolStream
+from farm.openai.tools import ToolRequest
 
 
 @dataclass
@@ -60,6 +61,6 @@ class AnswerStream:
             yield from self.tools.finish()
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        if self.tools is None:
+        if self.tools is None or self.tools.cut:  # a call cut short (max_tokens) ends as the engine says
             return engine_reason
         return self.tools.request.finish_reason(engine_reason, self.tools.calls)

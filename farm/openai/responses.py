@@ -10,7 +10,8 @@ from typing import Any
 
 from farm.openai.answer import read_answer
 from farm.openai.tool_parsers import ToolCall
-from farm.openai.tools import CallDelta, ToolRequest
+from farm.openai.tool_stream import CallDelta
+from farm.openai.tools import ToolRequest
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps(separators=...) builds one per call
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from farm.models.tokenization import partial_stop, template_reads
+from farm.models.tokenization import template_reads
 from farm.openai.api_error import bad_request
 from farm.openai.structured import check_schema
-from farm.openai.tool_parsers import PARSERS, PYTHON_TAG, ToolCall, ToolParser, call_id, get_parser
+from farm.openai.tool_parsers import PARSERS, ToolCall, ToolParser, call_id, get_parser
 
 MAX_TOOLS = 128
 _DECODER = json.JSONDecoder()
@@ -227,75 +226,3 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-# -- the answer, streamed -----------------------------------------------------------------------------------------
-@dataclass
-class CallDelta:
-    """A piece of a streamed call: the first of each call carries its id and name."""
-
-    index: int
-    arguments: str
-    id: str | None = None
-    name: str | None = None
-
-
-@dataclass
-class ToolStream:
-    """Turns one choice's text deltas into content deltas and call deltas (OpenAI's streamed `tool_calls`)."""
-
-    request: ToolRequest
-    text: str = ""
-    sent: int = 0  # characters of `text` sent as content
-    held: bool = False  # a call may have begun: the rest is read when the answer ends
-    calls: list[ToolCall] = field(default_factory=list)
-
-    def feed(self, delta: str) -> Iterator[str | CallDelta]:
-        self.text += delta
-        r = self.request
-        if r.choice == "function":  # every token is the named function's arguments
-            if not self.calls:
-                self.calls.append(ToolCall(call_id(), str(r.function), ""))
-                yield CallDelta(0, delta, self.calls[0].id, r.function)
-            elif delta:
-                yield CallDelta(0, delta)
-            return
-        if r.choice == "required" or self.held:
-            return  # read whole at the end
-        parser = get_parser(r.parser)
-        if not parser.starts_anywhere:  # llama3_json: a call is the whole answer, so its first characters decide
-            head = self.text.lstrip()
-            if not head or PYTHON_TAG.startswith(head):
-                return  # not decided yet
-            if head.startswith(("{", PYTHON_TAG)):
-                self.held = True
-                return
-            yield from self._content(len(self.text))
-            return
-        at = self.text.find(parser.start, self.sent)
-        if at >= 0:
-            self.held = True
-            yield from self._content(at)
-            return
-        yield from self._content(len(self.text) - partial_stop(self.text, [parser.start]))
-
-    def _content(self, end: int) -> Iterator[str]:
-        if end > self.sent:
-            piece, self.sent = self.text[self.sent:end], end
-            yield piece
-
-    def finish(self) -> Iterator[str | CallDelta]:
-        """What is left once the answer ended: the calls read from the held text, or that text as content."""
-        r = self.request
-        if r.choice == "function":
-            if not self.calls:
-                self.calls.append(ToolCall(call_id(), str(r.function), ""))
-                yield CallDelta(0, "", self.calls[0].id, r.function)
-            return
-        _, calls = r.read(self.text)
-        if calls:  # the content before the first call was sent as it came
-            self.calls = calls
-            for i, c in enumerate(calls):
-                yield CallDelta(i, c.arguments, c.id, c.name)
-            return
-        yield from self._content(len(self.text))
