@@ -64,3 +64,43 @@ def test_a_kombu_consumer_reads_them_back_high_priority_first(redis_client, redi
     args, kwargs, _embed = got[0].decode()
     assert args == [REQUEST] and kwargs == {}
     assert got[1].properties["priority"] == 9
+
+
+def _consume_one(redis_url: str, queue_name: str, no_ack: bool):
+    """One message taken by a kombu consumer as a Celery worker takes it; (connection, message)."""
+    from kombu import Exchange, Queue
+
+    conn = Connection(redis_url)
+    got = []
+    consumer = conn.Consumer(Queue(queue_name, Exchange(queue_name), routing_key=queue_name, no_ack=no_ack),
+                             callbacks=[lambda _body, message: got.append(message)], accept=["json"])
+    consumer.consume()
+    conn.drain_events(timeout=5)
+    return conn, got[0]
+
+
+def _zrems(r) -> int:
+    return r.info("commandstats").get("cmdstat_zrem", {}).get("calls", 0)
+
+
+def test_an_acknowledgement_costs_redis_nothing_for_a_message_never_copied(redis_client, redis_url):
+    from farm.infra.broker import ack_only_copied_messages
+
+    ack_only_copied_messages()
+    ack_only_copied_messages()  # idempotent
+    publisher = TaskPublisher(redis_client)
+    unacked = "unacked"  # kombu's copies of messages taken with acks, by delivery tag
+    redis_client.delete(unacked)
+    publisher.send(TASK_GENERATE, [REQUEST], "farm.shared.q")  # a shared queue: taken with a copy, acked
+    conn, message = _consume_one(redis_url, "farm.shared.q", no_ack=False)
+    assert redis_client.hexists(unacked, message.delivery_tag)
+    message.ack()
+    assert not redis_client.hexists(unacked, message.delivery_tag)
+    conn.release()
+    publisher.send(TASK_GENERATE, [REQUEST], "farm.w.own")  # a worker's own queue: no copy, no round trip
+    conn, message = _consume_one(redis_url, "farm.w.own", no_ack=True)
+    assert not redis_client.hexists(unacked, message.delivery_tag)
+    before = _zrems(redis_client)
+    message.ack()  # what Celery does for an acks_late task once it returned
+    assert _zrems(redis_client) == before
+    conn.release()

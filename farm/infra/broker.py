@@ -186,3 +186,25 @@ def survive_broker_reconnects() -> None:
 
     for name in ("ack", "restore_unacked"):
         setattr(kombu_redis.QoS, name, guarded(name))
+
+
+def ack_only_copied_messages() -> None:
+    """kombu acknowledges a message on Redis by removing its copy from the `unacked` index (ZREM and HDEL, one
+    round trip on the task's thread) even when it was consumed without acks and never copied there: a worker's own
+    queue (tasks/worker.py `own_queue`), where every generation task arrives. Such an acknowledgement is skipped:
+    a message is copied exactly when kombu's QoS records it as delivered (`QoS.append`), so one it does not know
+    has nothing to remove. It was about a tenth of a vLLM worker's samples on one-token requests (py-spy,
+    bench/RESULTS.md). Workers call it once; it patches kombu's class, idempotently."""
+    from kombu.transport import redis as kombu_redis
+
+    original = kombu_redis.QoS.ack
+    if getattr(original, "_farm_copied_only", False):
+        return
+
+    def ack(self, delivery_tag):  # noqa: ANN001, ANN202 - kombu's signature
+        if delivery_tag not in self._delivered:
+            return None  # consumed without acks: nothing in kombu's index
+        return original(self, delivery_tag)
+
+    ack._farm_copied_only = True  # type: ignore[attr-defined]
+    kombu_redis.QoS.ack = ack
