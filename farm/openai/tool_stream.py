@@ -139,9 +139,8 @@ class ToolStream:
     request: ToolRequest
     text: str = ""
     sent: int = 0  # characters of `text` sent as content
-    held: bool = False  # a call has begun: the rest is calls
     calls: list[ToolCall] = field(default_factory=list)
-    scanner: CallScanner | None = None
+    scanner: CallScanner | None = None  # from where the first call begins: the rest of the answer is calls
 
     def feed(self, delta: str) -> Iterator[str | CallDelta]:
         self.text += delta
@@ -158,7 +157,7 @@ class ToolStream:
             return
         limit = None if r.parallel else 1
         if r.choice == "required":  # a forced JSON list of {name, parameters}
-            self.held, self.scanner = True, CallScanner("", limit)
+            self.scanner = CallScanner("", limit)
             yield from self.scanner.feed(self.text)
             return
         parser = get_parser(r.parser)
@@ -167,14 +166,14 @@ class ToolStream:
             if not head or PYTHON_TAG.startswith(head):
                 return  # not decided yet
             if head.startswith(("{", PYTHON_TAG)):
-                self.held, self.scanner = True, CallScanner("", limit)
+                self.scanner = CallScanner("", limit)
                 yield from self.scanner.feed(self.text)
                 return
             yield from self._content(len(self.text))
             return
         at = self.text.find(parser.start, self.sent)
         if at >= 0:
-            self.held, self.scanner = True, CallScanner(parser.start, limit)
+            self.scanner = CallScanner(parser.start, limit)
             yield from self._content(at)
             yield from self.scanner.feed(self.text[at:])
             return
