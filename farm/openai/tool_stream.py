@@ -106,16 +106,23 @@ class CallScanner:
         self._json = _Json()
         yield CallDelta(len(self.calls) - 1, "", call.id, call.name)
 
-    def _args(self) -> Iterator[CallDelta]:
+    def _closed_at(self) -> int | None:
+        """Where in `buf` the object being read closes (the index after its brace), or None: all of it is inside."""
         for i, ch in enumerate(self.buf):
             self._json.step(ch)
             if self._json.depth == 0:
-                yield from self._arguments(self.buf[:i + 1])
-                self.open, self.state, self.buf = False, "tail", self.buf[i + 1:]
-                self._json = _Json(depth=1)  # inside the call's object, after its arguments
-                return
-        piece, self.buf = self.buf, ""
-        yield from self._arguments(piece)
+                return i + 1
+        return None
+
+    def _args(self) -> Iterator[CallDelta]:
+        end = self._closed_at()
+        if end is None:
+            piece, self.buf = self.buf, ""
+            yield from self._arguments(piece)
+            return
+        yield from self._arguments(self.buf[:end])
+        self.open, self.state, self.buf = False, "tail", self.buf[end:]
+        self._json = _Json(depth=1)  # inside the call's object, after its arguments
 
     def _arguments(self, piece: str) -> Iterator[CallDelta]:
         last = self.calls[-1]
@@ -123,12 +130,8 @@ class CallScanner:
         yield CallDelta(len(self.calls) - 1, piece)
 
     def _tail(self) -> Iterator[CallDelta]:
-        for i, ch in enumerate(self.buf):
-            self._json.step(ch)
-            if self._json.depth == 0:
-                self.state, self.buf = "seek", self.buf[i + 1:]
-                return
-        self.buf = ""
+        end = self._closed_at()
+        self.state, self.buf = ("tail", "") if end is None else ("seek", self.buf[end:])
         yield from ()
 
 
