@@ -121,6 +121,15 @@ def engine_nice(setting: int | None, device: str) -> int:
     return CPU_ENGINE_NICE if device == "cpu" else 0
 
 
+def ring_wait(setting: str | None, device: str) -> str:
+    """How vLLM's processes wait for each other's messages (farm.backends.vllm_plugin): the model's
+    `vllm.ring_wait`, else "block" on CPU, where a spinning engine core stretches its own executor's steps on the
+    cores they share, and "spin" (vLLM's own) with a GPU, where the spinning runs beside idle cores."""
+    if setting is not None:
+        return setting
+    return "block" if device == "cpu" else "spin"
+
+
 def lower_priority(pids: list[int], nice: int) -> int:
     """Set `nice` on every thread of the processes `pids` (Linux keeps a nice value per thread, and the threads
     these processes start later take their creator's); returns how many threads were changed. Raising nice needs

@@ -32,7 +32,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from farm.backends.cpu_binding import engine_core_cpus, engine_nice, lower_priority, pin_threads
+from farm.backends import vllm_plugin
+from farm.backends.cpu_binding import engine_core_cpus, engine_nice, lower_priority, pin_threads, ring_wait
 from farm.backends.reaper import start_reaper
 from farm.backends.vllm_args import (
     build_engine_args,
@@ -145,6 +146,7 @@ class VllmEngine:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
+        self._choose_ring_wait()
         try:
             self.llm = asyncio.run_coroutine_threadsafe(self._create(), self.loop).result()
         except BaseException:
@@ -155,6 +157,18 @@ class VllmEngine:
         cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
         self.pool = SimpleNamespace(num_blocks=int(getattr(cache, "num_gpu_blocks", 0) or 0))
         self._yield_cores()
+
+    def _choose_ring_wait(self) -> None:
+        """Tell vLLM's processes, through the environment they inherit, how to wait for each other (the farm's vLLM
+        plugin, farm.backends.vllm_plugin, reads it in each of them)."""
+        mode = ring_wait(self.opts.ring_wait, self.device)
+        os.environ[vllm_plugin.ENV] = mode
+        if mode == vllm_plugin.BLOCK and (why := vllm_plugin.why_not_installed()):
+            log.warning("models[].vllm.ring_wait is block, but vLLM will not load the farm's plugin (%s): vLLM's "
+                        "processes will spin", why)
+        else:
+            log.info("vLLM's engine core and executor %s while they wait for each other (models[].vllm.ring_wait)",
+                     "block" if mode == vllm_plugin.BLOCK else "spin")
 
     def _yield_cores(self) -> None:
         """On a CPU host: keep vLLM's engine core (this process's own children but the reaper; the model executor is

@@ -45,6 +45,10 @@ class VllmOptions(Section):
     # on a CPU machine whose vLLM workers have core shares: keep each worker's engine core (vLLM's scheduler, which
     # busy-waits for its executor) on its own share instead of letting it float onto the other workers' cores
     pin_engine_core: bool = True
+    # how vLLM's engine core and model executor wait for each other's messages: "spin" (vLLM's own: sched_yield for
+    # a second after each read) or "block" (a ZeroMQ wake-up, polled every millisecond); None: block on CPU-only
+    # machines, where the spinning takes the cores the model and the request path need, spin with a GPU
+    ring_wait: Literal["spin", "block"] | None = None
 
     @model_validator(mode="after")
     def _args_ok(self) -> VllmOptions:

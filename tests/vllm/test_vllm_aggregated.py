@@ -75,6 +75,9 @@ def test_workers_are_vllm_engines_with_the_models_block_size(farm, r):
         s = stats(r, w.worker_id)
         assert s["backend"] == "vllm" and s["blocks_total"] > 0
     assert {w.device for w in workers} == {"cpu"}
+    for proc in farm.procs:  # on CPU, vLLM's engine core and executor wait for each other by blocking
+        if proc.role == "both":
+            assert "vLLM's engine core and executor block while they wait" in farm.log_path(proc.name).read_text()
 
 
 def test_openai_sdk_chat_and_completion_streamed_and_not(farm, client):

@@ -1,0 +1,167 @@
+"""The farm's vLLM plugin (farm/backends/vllm_plugin.py) on vLLM's own shared-memory ring: a reader it patched waits
+by blocking, not by spinning, still gets every message in order, and vLLM finds the plugin through its entry point;
+and the setting that asks for it (`models[].vllm.ring_wait`) with its defaults per device."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import resource
+import threading
+import time
+
+import pytest
+
+from farm.backends import vllm_plugin
+from farm.backends.cpu_binding import ring_wait
+from farm.config import VllmOptions
+
+shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+
+
+@pytest.fixture
+def ring_class(monkeypatch):
+    """vLLM's SpinCondition, restored after the test whatever the test patched."""
+    cls = shm_broadcast.SpinCondition
+    monkeypatch.setattr(cls, "wait", cls.wait)
+    monkeypatch.setattr(cls, "_farm_blocking", False, raising=False)
+    return cls
+
+
+@pytest.fixture
+def pair(ring_class):
+    """A writer's and a reader's SpinCondition over a real ZeroMQ notification socket."""
+    import zmq
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    context = zmq.Context()
+    address = get_open_zmq_ipc_path()
+    writer = ring_class(is_reader=False, context=context, notify_address=address)
+    reader = ring_class(is_reader=True, context=context, notify_address=address)
+    time.sleep(0.2)  # the subscription reaches the publisher
+    yield writer, reader
+    context.destroy(linger=0)
+
+
+class _Recorded:
+    """A zmq.Poller stand-in that records the timeouts it was asked for."""
+
+    def __init__(self, poller):
+        self.poller, self.timeouts = poller, []
+
+    def poll(self, timeout=None):
+        self.timeouts.append(timeout)
+        return self.poller.poll(timeout=timeout)
+
+
+def test_vllms_reader_spins_after_a_read_and_a_patched_one_blocks(pair, ring_class, monkeypatch):
+    writer, reader = pair
+    yields = []
+    monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: yields.append(1))
+    reader.poller = recorded = _Recorded(reader.poller)
+
+    reader.record_read()
+    reader.wait(timeout_ms=5000)  # vLLM's own: a read just now, so it spins (yields and returns)
+    assert yields == [1] and recorded.timeouts == []
+
+    vllm_plugin.block_ring_waits(ring_class)
+    reader.record_read()
+    t0 = time.monotonic()
+    reader.wait(timeout_ms=5000)  # nothing written: it sleeps in the poll, cut at POLL_MS
+    assert time.monotonic() - t0 < 0.5
+    assert yields == [1] and recorded.timeouts == [vllm_plugin.POLL_MS]
+
+
+def test_an_idle_patched_reader_keeps_vllms_idle_wait(pair, ring_class):
+    writer, reader = pair
+    vllm_plugin.block_ring_waits(ring_class)
+    vllm_plugin.block_ring_waits(ring_class)  # vLLM loads plugins more than once: the second is a no-op
+    reader.poller = recorded = _Recorded(reader.poller)
+    reader.last_read = time.monotonic() - 2 * vllm_plugin.ACTIVE_S  # idle: no read for two seconds
+    wake = threading.Timer(0.05, writer.notify)  # the next message, while the reader waits
+    wake.start()
+    t0 = time.monotonic()
+    reader.wait(timeout_ms=3000)
+    wake.join()
+    assert recorded.timeouts == [3000]  # not woken every millisecond while the engine has nothing to do
+    assert time.monotonic() - t0 < 1.0  # but at once by the writer's notification
+
+
+def _read(handle, count: int, out) -> None:
+    """A spawned process reading the ring as vLLM's engine core does, with the farm's plugin applied."""
+    from vllm.distributed.device_communicators import shm_broadcast as sb
+
+    vllm_plugin.block_ring_waits(sb.SpinCondition)
+    ring = sb.MessageQueue.create_from_handle(handle, 0)
+    ring.wait_until_ready()
+    cpu0 = _cpu()
+    got = [ring.dequeue(timeout=30) for _ in range(count)]
+    out.put((got, _cpu() - cpu0))
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_a_patched_reader_gets_every_message_in_order_without_spinning(ring_class):
+    count = 120
+    ring = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    reader = ctx.Process(target=_read, args=(ring.export_handle(), count, out), daemon=True)
+    reader.start()
+    try:
+        ring.wait_until_ready()
+        rng = random.Random(7)
+        sent = 0
+        t0 = time.monotonic()
+        while sent < count:  # bursts of 1-3 messages, 0-40 ms apart: over a second of waiting
+            for _ in range(min(rng.randint(1, 3), count - sent)):
+                ring.enqueue({"i": sent, "pad": "x" * rng.randint(0, 2000)})
+                sent += 1
+            time.sleep(rng.random() * 0.04)
+        wall = time.monotonic() - t0
+        got, cpu = out.get(timeout=60)
+    finally:
+        reader.join(10)
+        if reader.is_alive():
+            reader.kill()
+    assert [m["i"] for m in got] == list(range(count))
+    # vLLM's own reader spins through all of it (about a core for the whole time); this one sleeps between messages
+    assert wall > 1.0
+    assert cpu < 0.25 * wall, (cpu, wall)
+
+
+def test_vllm_finds_the_plugin_through_its_entry_point(monkeypatch):
+    from vllm.plugins import load_plugins_by_group
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert vllm_plugin.NAME in load_plugins_by_group(vllm_plugin.GROUP)
+    assert vllm_plugin.why_not_installed() is None
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_elses")
+    assert "VLLM_PLUGINS" in vllm_plugin.why_not_installed()
+
+
+def test_register_patches_only_when_the_farm_asked(ring_class, monkeypatch):
+    spin_wait = ring_class.wait
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    vllm_plugin.register()  # `vllm serve` from the same virtualenv: untouched
+    assert ring_class.wait is spin_wait
+    monkeypatch.setenv(vllm_plugin.ENV, "spin")
+    vllm_plugin.register()
+    assert ring_class.wait is spin_wait
+    monkeypatch.setenv(vllm_plugin.ENV, vllm_plugin.BLOCK)
+    vllm_plugin.register()
+    assert ring_class.wait is not spin_wait and ring_class._farm_blocking
+
+
+def test_ring_wait_defaults_per_device_and_the_setting_wins():
+    assert ring_wait(None, "cpu") == "block"
+    assert ring_wait(None, "cuda") == "spin"
+    assert ring_wait("spin", "cpu") == "spin"
+    assert ring_wait("block", "cuda") == "block"
+    assert VllmOptions().ring_wait is None
+    assert VllmOptions(ring_wait="block").ring_wait == "block"
+    with pytest.raises(ValueError, match="ring_wait"):
+        VllmOptions(ring_wait="sleep")
