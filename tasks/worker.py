@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{name}@{socket.gethostname()}"
 
     configure_logging(args.loglevel, cfg.logs.format == "json")  # text, or JSON lines (logs.format)
+    quiet_per_task_logs(args.loglevel)  # the runtime writes one line per request instead
     logcontext.set_process_fields(worker=name, model=model)  # in every log line of this process
     tracing.setup("farm-worker", worker=name, role=args.role, model=model)  # on when OTEL_EXPORTER_OTLP_* is set
     from farm.worker import task_context
@@ -93,6 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         "--loglevel", args.loglevel,
     ])
     return 0
+
+
+# Celery's INFO lines for every task: "received", and "succeeded in 0.003s" once the request is in the engine, which
+# says nothing of how the request went. Two formatted writes per request on the worker's hot path; shown at DEBUG.
+# The runtime's own line when the engine is done with a request (farm.worker.runtime) carries the same context.
+PER_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+
+
+def quiet_per_task_logs(loglevel: str) -> None:
+    """Celery's per-task lines only when the worker logs at DEBUG (a failed task is still logged: an error)."""
+    level = logging.getLevelName(loglevel.upper())
+    if not isinstance(level, int) or level > logging.DEBUG:
+        for name in PER_TASK_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def own_queue(name: str) -> Queue:

@@ -13,6 +13,7 @@ engine to finish before the engine stops.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -221,6 +222,7 @@ class WorkerRuntime:
         rid = req.request_id
         espan = task_context.engine_span(req, self.role, self.worker_id) if tracing.ENABLED else None
         first = [espan is not None]  # a first token still to mark
+        fields, t0 = contextvars.copy_context(), time.monotonic()  # the task's log fields, for the request's last line
 
         def on_output(out: RequestOutput) -> None:
             if first[0] and out.token_ids:
@@ -230,6 +232,7 @@ class WorkerRuntime:
                 lp = [x.to_list() for x in out.logprobs] if out.logprobs else None
                 self.streams.emit(rid, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp))
             if out.finished:
+                fields.run(_log_finished, self.role, out, time.monotonic() - t0)
                 token = None
                 if espan is not None:
                     task_context.end_engine_span(espan, out)
@@ -438,6 +441,15 @@ class _TaskSlot:
 
 
 _runtime: WorkerRuntime | None = None
+
+
+def _log_finished(role: str, out: RequestOutput, seconds: float) -> None:
+    """A worker's one INFO line per request, when the engine is done with it, in the request's log context (id,
+    model, trace id; farm.infra.logcontext). Celery's own per-task lines are off at INFO (tasks/worker.py): they
+    came when the request entered the engine and said nothing of how it went."""
+    log.info("request %s %s in %.3f s: %s, %d prompt tokens (%d cached), %d generated", out.request_id,
+             "prefilled" if role == "prefill" else "finished", seconds, out.finish_reason or "stop",
+             out.prompt_tokens, out.cached_tokens, out.completion_tokens)
 
 
 def set_runtime(rt: WorkerRuntime | None) -> None:
