@@ -168,7 +168,7 @@ class VllmEngine:
                         "processes will spin", why)
         else:
             log.info("vLLM's engine core and executor %s while they wait for each other (models[].vllm.ring_wait)",
-                     "block" if mode == vllm_plugin.BLOCK else "spin")
+                     mode)
 
     def _yield_cores(self) -> None:
         """On a CPU host: keep vLLM's engine core (this process's own children but the reaper; the model executor is
