@@ -7,12 +7,16 @@ core spends most of a step spinning for its executor, and the executor spins for
 those spins run beside many idle cores and save microseconds. On a CPU host they run on the cores that compute
 the model and serve the farm's requests: the spinning engine core stretches its own executor's step. The reader
 already has a blocking wait (a ZeroMQ notification the writer sends with every message); this makes it use that
-wait at once instead of after a second of spinning. Within that second the wait is cut at a millisecond: the
-notifications are not reliable (the reader's socket conflates them; sent just before the reader polls, half were
-missed in a scratch test, whatever the writer's high-water mark), and without the cut such a read waited for
-vLLM's 5-second recheck (measured in the farm: TTFT p50 5 s). vLLM itself only blocks after a second of quiet,
-where a late wake-up costs little. Past that second its own idle wait is kept, so an idle engine does not wake a
-thousand times a second.
+wait at once instead of after a second of spinning.
+
+The notification had to be made reliable first. The writer's PUB socket has a high-water mark of 1, and ZeroMQ
+learns that its peer took the last message from a command the sending thread reads at most about once a
+millisecond: a notification sent within that time of the previous one, long delivered, was dropped as if the pipe
+were full. In a ping-pong of the two rings half the round trips lost one, and a blocking reader then waited for its
+timeout. The writer now reads its socket's pending commands (`getsockopt(EVENTS)`, which is not throttled) before
+each notification; a notification dropped after that means the one before it is still on its way, and the reader
+it wakes finds both messages. While the ring is active a wait is still cut at `POLL_MS`, a bound on what a lost
+notification could cost, not a polling rate; past a second of quiet vLLM's own idle wait is kept.
 
 It acts only when the farm asked for it: `FARM_VLLM_RING_WAIT=block` in the environment vLLM's processes inherit,
 set by farm.backends.vllm from `models[].vllm.ring_wait`. A `vllm serve` run from the same virtualenv, without it,
@@ -29,7 +33,7 @@ from typing import Any
 GROUP, NAME = "vllm.general_plugins", "farm_ring_wait"  # as pyproject.toml registers it
 ENV = "FARM_VLLM_RING_WAIT"
 BLOCK = "block"
-POLL_MS = 1  # while active, the longest a missed notification can delay a read
+POLL_MS = 20  # while active, the longest a lost notification (none seen since the fix) delays a read
 ACTIVE_S = 1.0  # active: a read within this many seconds (vLLM's own busy period)
 
 
@@ -43,8 +47,8 @@ def register() -> None:
 
 
 def block_ring_waits(cls: Any) -> None:
-    """Patch `cls.wait` (vLLM's SpinCondition) so a reader never spins: the busy period is zero for every instance,
-    those made before the plugin loaded included (an executor may create its rings first)."""
+    """Patch `cls` (vLLM's SpinCondition) so a reader never spins and a writer's notification is not dropped: for
+    every instance, those made before the plugin loaded included (an executor may create its rings first)."""
     if getattr(cls, "_farm_blocking", False):
         return
     spin_wait = cls.wait
@@ -55,7 +59,16 @@ def block_ring_waits(cls: Any) -> None:
         self.busy_loop_s = 0.0
         return spin_wait(self, timeout_ms)
 
+    def notify(self: Any) -> None:
+        import zmq
+
+        socket = self.local_notify_socket
+        # take in the peer's "read it" first, so the high-water mark of 1 does not drop this notification
+        socket.getsockopt(zmq.EVENTS)
+        socket.send(b"\x00")
+
     cls.wait = wait
+    cls.notify = notify
     cls._farm_blocking = True
 
 

@@ -46,7 +46,7 @@ class VllmOptions(Section):
     # busy-waits for its executor) on its own share instead of letting it float onto the other workers' cores
     pin_engine_core: bool = True
     # how vLLM's engine core and model executor wait for each other's messages: "spin" (vLLM's own: sched_yield for
-    # a second after each read) or "block" (a ZeroMQ wake-up, polled every millisecond); None: block on CPU-only
+    # a second after each read) or "block" (sleep until the writer's ZeroMQ wake-up); None: block on CPU-only
     # machines, where the spinning takes the cores the model and the request path need, spin with a GPU
     ring_wait: Literal["spin", "block"] | None = None
 
