@@ -51,6 +51,8 @@ def block_ring_waits(cls: Any) -> None:
     every instance, those made before the plugin loaded included (an executor may create its rings first)."""
     if getattr(cls, "_farm_blocking", False):
         return
+    import zmq  # vLLM's own dependency: imported here, where vLLM is loaded, not when the farm imports this module
+
     spin_wait = cls.wait
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
@@ -60,8 +62,6 @@ def block_ring_waits(cls: Any) -> None:
         return spin_wait(self, timeout_ms)
 
     def notify(self: Any) -> None:
-        import zmq
-
         socket = self.local_notify_socket
         # take in the peer's "read it" first, so the high-water mark of 1 does not drop this notification
         socket.getsockopt(zmq.EVENTS)
