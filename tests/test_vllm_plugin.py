@@ -9,6 +9,7 @@ import random
 import resource
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -17,6 +18,7 @@ from farm.backends.cpu_binding import ring_wait
 from farm.config import VllmOptions
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+SPAWN = multiprocessing.get_context("spawn")  # vLLM's processes are spawned, and a ring's handle crosses as they do
 
 
 @pytest.fixture
@@ -128,26 +130,21 @@ def test_patched_rings_hand_messages_back_and_forth_without_waiting_for_the_cut(
     vllm_plugin.block_ring_waits(ring_class)
     count = 300
     outbox = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
-    ctx = multiprocessing.get_context("spawn")
-    handles = ctx.Queue()
-    echo = ctx.Process(target=_echo, args=(outbox.export_handle(), count, handles), daemon=True)
-    echo.start()
+    handles = SPAWN.Queue()
     inbox = None
     try:
-        inbox = shm_broadcast.MessageQueue.create_from_handle(handles.get(timeout=60), 0)
-        outbox.wait_until_ready()
-        inbox.wait_until_ready()
-        slow = 0
-        for i in range(count):
-            t0 = time.monotonic()
-            outbox.enqueue(i)
-            assert inbox.dequeue(timeout=30) == i
-            slow += time.monotonic() - t0 >= 0.8 * vllm_plugin.POLL_MS / 1000
+        with _spawned(_echo, outbox.export_handle(), count, handles):
+            inbox = shm_broadcast.MessageQueue.create_from_handle(handles.get(timeout=60), 0)
+            outbox.wait_until_ready()
+            inbox.wait_until_ready()
+            slow = 0
+            for i in range(count):
+                t0 = time.monotonic()
+                outbox.enqueue(i)
+                assert inbox.dequeue(timeout=30) == i
+                slow += time.monotonic() - t0 >= 0.8 * vllm_plugin.POLL_MS / 1000
     finally:
-        echo.join(10)
-        if echo.is_alive():
-            echo.kill()
-        _close(*[ring for ring in (outbox, inbox) if ring is not None])
+        _close(outbox, inbox)
     assert slow <= count // 50, slow  # a loaded machine may stall a few; lost notifications stall about half
 
 
@@ -163,12 +160,25 @@ def _read(handle, count: int, out) -> None:
     out.put((got, _cpu() - cpu0))
 
 
+@contextmanager
+def _spawned(target, *args):
+    """`target(*args)` in a spawned process, waited for (then killed) however the test's part ends."""
+    process = SPAWN.Process(target=target, args=args, daemon=True)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+
+
 def _close(*rings) -> None:
-    """Close a ring's ZeroMQ sockets without lingering: a failed test's pending notifications must not hang pytest's
-    exit in the context's termination."""
+    """Close a ring's ZeroMQ sockets without lingering (None: a ring never made): a failed test's pending
+    notifications must not hang pytest's exit in the context's termination."""
     import zmq
 
-    for ring in rings:
+    for ring in filter(None, rings):
         for owner in (ring, ring._spin_condition):
             for value in vars(owner).values():
                 if isinstance(value, zmq.Socket):
@@ -183,26 +193,21 @@ def _cpu() -> float:
 def test_a_patched_reader_gets_every_message_in_order_without_spinning(ring_class):
     count = 120
     ring = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    reader = ctx.Process(target=_read, args=(ring.export_handle(), count, out), daemon=True)
-    reader.start()
+    out = SPAWN.Queue()
     try:
-        ring.wait_until_ready()
-        rng = random.Random(7)
-        sent = 0
-        t0 = time.monotonic()
-        while sent < count:  # bursts of 1-3 messages, 0-40 ms apart: over a second of waiting
-            for _ in range(min(rng.randint(1, 3), count - sent)):
-                ring.enqueue({"i": sent, "pad": "x" * rng.randint(0, 2000)})
-                sent += 1
-            time.sleep(rng.random() * 0.04)
-        wall = time.monotonic() - t0
-        got, cpu = out.get(timeout=60)
+        with _spawned(_read, ring.export_handle(), count, out):
+            ring.wait_until_ready()
+            rng = random.Random(7)
+            sent = 0
+            t0 = time.monotonic()
+            while sent < count:  # bursts of 1-3 messages, 0-40 ms apart: over a second of waiting
+                for _ in range(min(rng.randint(1, 3), count - sent)):
+                    ring.enqueue({"i": sent, "pad": "x" * rng.randint(0, 2000)})
+                    sent += 1
+                time.sleep(rng.random() * 0.04)
+            wall = time.monotonic() - t0
+            got, cpu = out.get(timeout=60)
     finally:
-        reader.join(10)
-        if reader.is_alive():
-            reader.kill()
         _close(ring)
     assert [m["i"] for m in got] == list(range(count))
     # vLLM's own reader spins through all of it (about a core for the whole time); this one sleeps between messages
