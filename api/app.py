@@ -14,6 +14,7 @@ from farm.config import FarmConfig, get_config
 from farm.gateway import Gateway
 from farm.infra import tracing
 from farm.infra.cooperative import cooperative
+from farm.infra.gc_heap import freeze_startup_heap
 from farm.infra.redis_client import connect
 from farm.models.directories import ModelNotFoundError
 from farm.models.tokenization import get_tokenizer
@@ -158,8 +159,10 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     if cooperative():
         # Under gunicorn's gevent worker a "thread" is a greenlet on the one hub: loading tokenizers or the
         # semantic layer there later would freeze every open stream (and /health/live) for seconds. Load
-        # them now, before the worker accepts its first connection.
+        # them now, before the worker accepts its first connection; then keep what they loaded out of the
+        # garbage collector's full passes, which would stall every stream for a quarter of a second.
         _warm(ctx, warm_semantic)
+        freeze_startup_heap()
     else:  # a plain process (tests, tools): a real thread, so the first request need not pay for it
         threading.Thread(target=_warm, args=(ctx, warm_semantic), name="api-warmup", daemon=True).start()
     return app

@@ -19,6 +19,7 @@ from kombu import Exchange, Queue
 
 from farm.config import ConfigError, get_config
 from farm.infra import logcontext, tracing
+from farm.infra.gc_heap import freeze_startup_heap
 from farm.infra.logfiles import configure_logging
 from farm.protocol import ROLES, queues_for_role
 from farm.protocol.queues import direct_queue
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     @signals.worker_ready.connect(weak=False)
     def _start_runtime(**_kw) -> None:
+        freeze_startup_heap()  # the engine and Celery are loaded: full collections skip them from now on
         runtime.start()  # registers the worker: routers may place work on it from now on
 
     @signals.worker_shutdown.connect(weak=False)
