@@ -49,24 +49,32 @@ def client(app, redis_client):
 
 
 class ScriptedWorker(threading.Thread):
-    """Takes one task from GHOST's queue and writes `events` to that request's reader."""
+    """Takes one task from GHOST's queue and writes `events` to that request's reader.
+
+    On a connection of its own: the API can read the last event and the test end before this thread has read
+    the reply to its XADD, and the test's client, closed at teardown, would cut that read."""
 
     def __init__(self, r: redis.Redis, events: list[dict[str, Any]]):
         super().__init__(daemon=True)
-        self.r, self.events = r, events
+        pool = r.connection_pool
+        self.r = redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
+        self.events = events
         self.request: GenerationRequest | None = None
         self.start()
 
     def run(self) -> None:
-        popped = self.r.brpop([direct_queue(GHOST)], timeout=10)
-        assert popped, "no task was queued"
-        msg = json.loads(popped[1])
-        args = json.loads(base64.b64decode(msg["body"]))[0]
-        self.request = GenerationRequest.from_dict(args[0])
-        writer = "scripted-" + uuid.uuid4().hex  # a reader skips sequence numbers it has seen from a writer
-        for seq, ev in enumerate(self.events, start=1):
-            batch = encode_reply(writer, seq, {self.request.request_id: [ev]})
-            self.r.xadd(reply_stream_key(self.request.reply_to), {EVENT_FIELD: batch})
+        try:
+            popped = self.r.brpop([direct_queue(GHOST)], timeout=10)
+            assert popped, "no task was queued"
+            msg = json.loads(popped[1])
+            args = json.loads(base64.b64decode(msg["body"]))[0]
+            self.request = GenerationRequest.from_dict(args[0])
+            writer = "scripted-" + uuid.uuid4().hex  # a reader skips sequence numbers it has seen from a writer
+            for seq, ev in enumerate(self.events, start=1):
+                batch = encode_reply(writer, seq, {self.request.request_id: [ev]})
+                self.r.xadd(reply_stream_key(self.request.reply_to), {EVENT_FIELD: batch})
+        finally:
+            self.r.connection_pool.disconnect()
 
     @property
     def request_id(self) -> str:
