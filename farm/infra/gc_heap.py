@@ -3,7 +3,7 @@
 Why: a farm process loads hundreds of thousands of objects it keeps for its whole life before it serves
 (the tokenizers, chat templates and semantic layer in the API; torch, vLLM or the built-in engine in a
 worker), and every full collection of Python's cyclic garbage collector walks all of them again. On the
-2-core test VM one took 260-290 ms in the API (about once per 5,000 one-token requests) and 400 ms in a
+2-core test VM one took 243-274 ms in the API (about every 15 s under one-token load) and 380-410 ms in a
 vLLM worker's front end; in a gevent API no stream moves meanwhile. `gc.freeze()` once the process is warm
 moves them to the permanent generation, which collections skip, as `vllm serve` does after its start-up
 (vllm.utils.gc_utils.freeze_gc_heap). Reference counting still frees what they drop; only cycles among
