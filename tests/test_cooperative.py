@@ -1,0 +1,115 @@
+"""Work off the gevent hub (farm.infra.cooperative): a `Lane` runs every call on one native thread of its own, one
+at a time, and the PII pass goes through one, so no two threads ever contend for the gevent locks spaCy takes.
+
+Each check runs in a fresh interpreter monkey-patched as gunicorn's gevent worker patches the API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+from tests.procs import ROOT
+
+PATCHED = """
+    from gevent import monkey
+    monkey.patch_all()
+    import json, threading, time
+    import gevent
+    native_ident = monkey.get_original("_thread", "get_ident")
+    native_sleep = monkey.get_original("time", "sleep")
+    native_lock = monkey.get_original("_thread", "allocate_lock")
+
+    class Calls:
+        \"\"\"Which native threads ran the calls, and how many ran at once at most.\"\"\"
+        def __init__(self):
+            self.lock, self.now, self.most, self.threads = native_lock(), 0, 0, set()
+        def enter(self):
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+                self.threads.add(native_ident())
+        def leave(self):
+            with self.lock:
+                self.now -= 1
+"""
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(PATCHED) + textwrap.dedent(code)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_lane_runs_every_call_on_one_native_thread_one_at_a_time():
+    got = _run("""
+        from farm.infra.cooperative import Lane, offload
+        lane, calls, pooled = Lane(), Calls(), Calls()
+
+        def work(i, seen):
+            seen.enter()
+            native_sleep(0.005)          # computing, GIL released: the pool would run several at once
+            seen.leave()
+            if i == 7:
+                raise ValueError("seven")
+            return i * i
+
+        def one(i):
+            try:
+                return lane.run(work, i, calls)
+            except ValueError as e:
+                return str(e)
+
+        ticks = []
+        ticker = gevent.spawn(lambda: [ticks.append(gevent.sleep(0.002)) for _ in range(20)])
+        greenlets = [gevent.spawn(one, i) for i in range(16)]
+        gevent.joinall(greenlets + [ticker])
+        gevent.joinall([gevent.spawn(offload, work, i, pooled) for i in range(16)])
+        print(json.dumps({"results": [g.value for g in greenlets], "threads": len(calls.threads),
+                          "on_hub": native_ident() in calls.threads, "most": calls.most, "ticks": len(ticks),
+                          "pool_most": pooled.most}))
+    """)
+    assert got["results"] == [i * i if i != 7 else "seven" for i in range(16)]  # each caller its own answer
+    assert got["threads"] == 1 and not got["on_hub"]
+    assert got["most"] == 1
+    assert got["ticks"] == 20  # the hub kept running its other greenlets while the lane worked
+    assert got["pool_most"] > 1  # what the lane prevents: the hub's pool runs such calls side by side
+
+
+def test_a_lane_runs_in_place_in_a_plain_process():
+    from farm.infra.cooperative import Lane
+
+    assert Lane().run(threading.get_ident) == threading.get_ident()
+
+
+def test_the_pii_pass_under_gevent_runs_on_one_thread_and_still_finds_pii():
+    """Concurrent requests' PII passes, as the API makes them: one thread, never two passes at once (spaCy's
+    forward takes thinc's lock, gevent's here, and contention between pool threads hung a request for good)."""
+    got = _run("""
+        from farm.semantic.pii import PIIDetector
+        calls = Calls()
+        detector = PIIDetector()
+        inner = detector._detect_many
+
+        def watched(texts):
+            calls.enter()
+            try:
+                return inner(texts)
+            finally:
+                calls.leave()
+
+        detector._detect_many = watched
+        texts = [[f"Mail jane{i}@example.org please", f"call +44 20 7946 09{i:02d} tomorrow"] for i in range(24)]
+        greenlets = [gevent.spawn(detector.detect_many, t) for t in texts]
+        gevent.joinall(greenlets, timeout=240)
+        found = [[sorted({e.type for e in per}) for per in g.value] for g in greenlets if g.successful()]
+        print(json.dumps({"found": found, "threads": len(calls.threads), "on_hub": native_ident() in calls.threads,
+                          "most": calls.most}))
+    """)
+    assert len(got["found"]) == 24
+    assert all(f == [["EMAIL_ADDRESS"], ["PHONE_NUMBER"]] for f in got["found"]), got["found"][:3]
+    assert got["threads"] == 1 and not got["on_hub"]
+    assert got["most"] == 1
