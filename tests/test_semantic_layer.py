@@ -264,6 +264,55 @@ def test_lean_embedding_matches_sentence_transformers(embedder):
         assert np.abs(one.guard - guard).max() < 1e-4
 
 
+def test_concurrent_requests_share_the_encoders_forwards_and_each_gets_its_own_vectors(embedder, monkeypatch):
+    """Calls that arrive while the encoder is busy run together once it is free (one padded forward for texts of
+    similar length, MAX_BATCH at most), each with the vectors it would get alone; a failed forward fails each."""
+    import threading
+    import time
+
+    from farm.semantic import embeddings
+
+    texts = [f"Request {i}: how long should I boil an egg for a soft yolk?" for i in range(12)]
+    alone = [embedder.encode_texts([t])[0] for t in texts]
+    forwards = []
+    real = embedder._hidden_batch
+    monkeypatch.setattr(embedder, "_hidden_batch", lambda batch: forwards.append(len(batch["input_ids"])) or real(batch))
+    monkeypatch.setattr(embeddings, "MAX_BATCH", 8)
+
+    def run_while_busy(call) -> list:
+        got: list = [None] * len(texts)
+
+        def one(i: int) -> None:
+            try:
+                got[i] = call([texts[i]])[0]
+            except Exception as e:  # noqa: BLE001 - the test looks at what each call got
+                got[i] = e
+
+        with embedder._lock:  # the encoder busy with another request: every call queues
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while len(embedder._queue) < len(texts) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        for t in threads:
+            t.join(30)
+        return got
+
+    got = run_while_busy(embedder.encode_texts)
+    assert forwards == [8, 4], "12 waiting texts of one length: two forwards of at most MAX_BATCH"
+    for one, ref in zip(got, alone, strict=True):
+        assert np.abs(one.vector - ref.vector).max() < 1e-4 and np.abs(one.guard - ref.guard).max() < 1e-4
+
+    def broken(batch):
+        raise RuntimeError("encoder failed")
+
+    monkeypatch.setattr(embedder, "_hidden_batch", broken)
+    failed = run_while_busy(embedder.encode_texts)
+    assert all(isinstance(e, RuntimeError) and str(e) == "encoder failed" for e in failed)
+    assert embedder._queue == []
+
+
 def test_the_embedder_serves_the_shipped_guard_adapter(embedder):
     """The embedder runs the adapter recorded with the jailbreak head, or none when training chose the plain
     embedding; the adapter's digest is part of the detector's."""
