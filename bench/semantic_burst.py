@@ -61,13 +61,14 @@ def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: floa
     from gevent import monkey
 
     from farm.config import load_config
-    from farm.infra.cooperative import offload
     from farm.semantic import pii
     from farm.semantic.layer import SemanticLayer
 
     if contender == "pool":
         class Pool:  # every pass on gevent's shared pool, as before d50cb7b
-            run = staticmethod(offload)
+            @staticmethod
+            def submit(fn, *args):
+                return gevent.get_hub().threadpool.spawn(fn, *args).get
 
         pii._LANE = Pool()
     cfg = load_config(environ={"FARM_REDIS__URL": redis_url})

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 from tests.procs import ROOT
 
@@ -80,10 +81,44 @@ def test_a_lane_runs_every_call_on_one_native_thread_one_at_a_time():
     assert got["pool_most"] > 1  # what the lane prevents: the hub's pool runs such calls side by side
 
 
-def test_a_lane_runs_in_place_in_a_plain_process():
+def test_a_lane_in_a_plain_process_is_one_thread_of_its_own_too():
+    """Without gevent (batch validation, the CLI, the benches) a lane is a plain thread: calls from many threads run
+    there one at a time, and `submit` returns at once, so the caller computes while the call runs."""
     from farm.infra.cooperative import Lane
 
-    assert Lane().run(threading.get_ident) == threading.get_ident()
+    lane, lock, seen, now, most = Lane(), threading.Lock(), set(), [0], [0]
+
+    def work(i: int) -> int:
+        with lock:
+            seen.add(threading.get_ident())
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.005)
+        with lock:
+            now[0] -= 1
+        if i == 3:
+            raise ValueError("three")
+        return i * i
+
+    def one(i: int, out: dict) -> None:
+        try:
+            out[i] = lane.run(work, i)
+        except ValueError as e:
+            out[i] = str(e)
+
+    out: dict[int, object] = {}
+    callers = [threading.Thread(target=one, args=(i, out)) for i in range(8)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert out == {i: i * i if i != 3 else "three" for i in range(8)}
+    assert len(seen) == 1 and not seen & {t.ident for t in callers} and most[0] == 1
+
+    started = threading.Event()
+    wait = lane.submit(lambda: started.wait(5))  # would never return if submit ran the call in place
+    started.set()
+    assert wait() is True
 
 
 def test_the_pii_pass_under_gevent_runs_on_one_thread_and_still_finds_pii():

@@ -3,6 +3,8 @@ every guard and policy path, model selection, system prompt injection and the ca
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import yaml
@@ -108,6 +110,31 @@ def test_pii_in_an_earlier_user_turn_is_caught(layer):
             {"role": "user", "content": "Is that the card you have on file?"}]
     v = layer.before("MoM", msgs)
     assert v.action == "block" and v.headers["x-vsr-pii-types"] == "B-CREDIT_CARD"
+
+
+def test_the_pii_pass_runs_while_the_messages_are_embedded(layer, monkeypatch):
+    """The PII pass starts first, on the analyzer's own thread, and the messages are embedded meanwhile: a request
+    waits for the longer of the two, not their sum. Each is slowed by 0.3 s here: one after the other, 0.6 s."""
+    spans: dict[str, list[float]] = {}
+
+    def slowed(name, fn):
+        def run(texts):
+            spans[name] = [time.perf_counter()]
+            time.sleep(0.3)
+            try:
+                return fn(texts)
+            finally:
+                spans[name].append(time.perf_counter())
+        return run
+
+    monkeypatch.setattr(layer.pii, "_detect_many", slowed("pii", layer.pii._detect_many))
+    monkeypatch.setattr(layer.embedder, "encode_texts", slowed("embed", layer.embedder.encode_texts))
+    t = time.perf_counter()
+    v = layer.before("MoM", user("Mail the invoice to jane.doe@example.org by Friday"))
+    took = time.perf_counter() - t
+    assert v.headers["x-vsr-pii-detected"] == "EMAIL_ADDRESS"  # the pass's findings still decide
+    assert spans["pii"][0] < spans["embed"][1] and spans["embed"][0] < spans["pii"][1]  # side by side
+    assert took < 0.55, took
 
 
 @pytest.mark.parametrize(("model", "text", "detected"), [

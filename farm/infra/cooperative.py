@@ -21,8 +21,10 @@ a `Lane`: one native thread of its own, one call at a time, so nothing else ever
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -44,20 +46,30 @@ def offload(fn: Callable[..., T], *args: object) -> T:
 
 class Lane:
     """One native thread of its own for a library that takes gevent's locks on its calls (see the module's
-    docstring): `run(fn, ...)` queues the call on that thread, one call at a time, and lets the calling greenlet
-    wait cooperatively. In a process that gevent has not patched the call runs in place, as with `offload`."""
+    docstring): calls queue for that thread and run on it one at a time. `submit(fn, ...)` starts a call and returns
+    a function that waits for its result (cooperatively under gevent), so the caller can compute meanwhile; `run`
+    is both at once. Without gevent the lane is a plain thread (`ThreadPoolExecutor` of one), the same shape."""
 
     def __init__(self) -> None:
-        self._pool = None  # gevent.threadpool.ThreadPool(1), made on the first call, in the serving process
+        self._pool: Any = None  # made on the first call, in the process that serves (a fork gets its own)
+        self._made = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
+        if self._pool is None:
+            if cooperative():  # no lock: greenlets switch only where they wait, and nothing here waits
+                from gevent.threadpool import ThreadPool
+
+                self._pool = ThreadPool(1)
+            else:
+                with self._made:  # plain threads can race here
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="farm-lane")
+        if isinstance(self._pool, ThreadPoolExecutor):
+            return self._pool.submit(fn, *args).result
+        return self._pool.spawn(fn, *args).get
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
-        if not cooperative():
-            return fn(*args)
-        if self._pool is None:
-            from gevent.threadpool import ThreadPool
-
-            self._pool = ThreadPool(1)
-        return self._pool.apply(fn, args)
+        return self.submit(fn, *args)()
 
 
 def pause() -> None:

@@ -32,7 +32,9 @@ log them and forward the request unchanged (`SemanticLayer.passthrough(model, me
 
 Order inside `before()` (issue 8): jailbreak guard -> PII guard -> semantic cache -> classification ->
 model selection -> system prompt injection. PII is reported in `x-vsr-pii-detected` on every answer (the
-types found, allowed or not); only types the answering model's policy denies block the request.
+types found, allowed or not); only types the answering model's policy denies block the request. The PII pass
+starts first, on the analyzer's own thread, and runs while the messages are embedded and judged: a request waits
+for the longer of the two, not their sum.
 
 Both guards read every message of the conversation (issue 29): instructions hidden in a system, developer,
 assistant or tool turn, or PII in an earlier turn, count as in the last user turn; a message sent encoded
@@ -236,6 +238,8 @@ class SemanticLayer:
         conversation = cfg.conversation.affinity and len(users) > 1
         user_texts = list(dict.fromkeys(x[2] for x in users)) if conversation else [last] if last else []
 
+        # the PII pass of every message starts first, on its own thread, and runs while the texts are embedded
+        pii_of = self._start_pii(texts, tenant) if cfg.pii.enabled and self.pii is not None else None
         # embeddings of every message (the last user message's is shared by every stage below)
         vectors = self._embed(texts if cfg.jailbreak.enabled else user_texts, tenant)
         vec, truncated = (vectors[last].vector, vectors[last].truncated) if last else (np.zeros(384, np.float32), False)
@@ -294,9 +298,9 @@ class SemanticLayer:
 
         # 2. PII guard: every message, reported always, blocked by the answering model's policy
         headers: dict[str, str] = {}
-        if cfg.pii.enabled and self.pii is not None:
+        if pii_of is not None:
             s = time.perf_counter()
-            per_text = self._pii_of(texts, tenant)
+            per_text = pii_of()  # the time waited for the pass beyond the stages above
             found = set().union(*per_text.values()) if per_text else set()
             policy_name = model if (model in cfg.pii.policies or not route.routed) else route.model
             bad = cfg.pii.policy(policy_name).violations(found)
@@ -374,18 +378,24 @@ class SemanticLayer:
         encoded = self._embed(texts, tenant)
         return np.stack([encoded[t].guard for t in texts])
 
-    def _pii_of(self, texts: list[str], tenant: str) -> dict[str, frozenset[str]]:
-        """The PII types in each text: remembered ones (earlier turns come back with every request), the rest
-        found in one call to the detector."""
+    def _start_pii(self, texts: list[str], tenant: str) -> Callable[[], dict[str, frozenset[str]]]:
+        """The PII types in each text, started now and waited for by the returned function: remembered ones
+        (earlier turns come back with every request), the rest found in one pass of the detector, which runs on
+        its own thread while this one embeds the texts (farm.semantic.pii)."""
         assert self.pii is not None
         out = {text: self._pii_types.get(text, tenant) for text in texts}
         todo = [text for text, types in out.items() if types is None]
-        if todo:
-            for text, entities in zip(todo, self.pii.detect_many(todo), strict=True):
-                types = frozenset(e.type for e in entities)
-                self._pii_types.put(text, types, tenant)
-                out[text] = types
-        return {text: types or frozenset() for text, types in out.items()}
+        pending = self.pii.start_detect_many(todo) if todo else None
+
+        def result() -> dict[str, frozenset[str]]:
+            if pending is not None:
+                for text, entities in zip(todo, pending(), strict=True):
+                    types = frozenset(e.type for e in entities)
+                    self._pii_types.put(text, types, tenant)
+                    out[text] = types
+            return {text: types or frozenset() for text, types in out.items()}
+
+        return result
 
     def after(self, verdict: Verdict, answer_text: str, finish_reason: str = "stop") -> bool:
         """Store a forwarded request's complete answer in the semantic cache; True when stored."""
