@@ -72,7 +72,9 @@ def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: floa
 
         pii._LANE = Pool()
     cfg = load_config(environ={"FARM_REDIS__URL": redis_url})
-    layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(redis_url))
+    # a connection per call that may wait on Redis at once, as the API sizes its pool (api.app: worker_connections)
+    client = redis.Redis.from_url(redis_url, max_connections=burst + 16)
+    layer = SemanticLayer.from_config(cfg, redis_client=client)
     rng = random.Random(7)
     latencies: list[float] = []
     burst_s: list[float] = []
