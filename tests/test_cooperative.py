@@ -121,6 +121,26 @@ def test_a_lane_in_a_plain_process_is_one_thread_of_its_own_too():
     assert wait() is True
 
 
+def test_a_forked_child_gets_a_lane_thread_of_its_own():
+    """A child forked after the lane's thread started has no such thread: its first call starts one instead of
+    queueing for good behind a thread that only exists in the parent."""
+    code = """
+        import json, os
+        from farm.infra.cooperative import Lane
+        lane = Lane()
+        parent = lane.run(os.getpid)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if lane.run(os.getpid) == os.getpid() else 1)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"parent_ran_here": parent == os.getpid(), "child": os.waitstatus_to_exitcode(status)}))
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"parent_ran_here": True, "child": 0}
+
+
 def test_the_pii_pass_under_gevent_runs_on_one_thread_and_still_finds_pii():
     """Concurrent requests' PII passes, as the API makes them: one thread, never two passes at once (spaCy's
     forward takes thinc's lock, gevent's here, and contention between pool threads hung a request for good)."""

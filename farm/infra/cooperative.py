@@ -20,6 +20,7 @@ a `Lane`: one native thread of its own, one call at a time, so nothing else ever
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -51,19 +52,21 @@ class Lane:
     is both at once. Without gevent the lane is a plain thread (`ThreadPoolExecutor` of one), the same shape."""
 
     def __init__(self) -> None:
-        self._pool: Any = None  # made on the first call, in the process that serves (a fork gets its own)
+        self._pool: Any = None  # made on the first call in each process: a forked child has none of its threads
+        self._pid = 0
         self._made = threading.Lock()
 
     def submit(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
-        if self._pool is None:
+        if self._pool is None or self._pid != os.getpid():
             if cooperative():  # no lock: greenlets switch only where they wait, and nothing here waits
                 from gevent.threadpool import ThreadPool
 
-                self._pool = ThreadPool(1)
+                self._pool, self._pid = ThreadPool(1), os.getpid()
             else:
                 with self._made:  # plain threads can race here
-                    if self._pool is None:
+                    if self._pool is None or self._pid != os.getpid():
                         self._pool = ThreadPoolExecutor(1, thread_name_prefix="farm-lane")
+                        self._pid = os.getpid()
         if isinstance(self._pool, ThreadPoolExecutor):
             return self._pool.submit(fn, *args).result
         return self._pool.spawn(fn, *args).get

@@ -6,9 +6,10 @@ pooling over the attention mask and L2 normalisation give the same vectors (chec
 lower latency. Every classifier and the semantic cache share one embedding per request.
 
 The per-request path (`encode_texts`: one text unpadded, or texts of similar length in one padded forward,
-with the texts of concurrent requests that wait for the encoder, `_Pending`) runs on ONNX Runtime: the encoder is exported from the loaded torch model into memory when the process starts
-(about 2 s, nothing written to disk) and checked against eager torch. On a 2-core CPU that is about half the
-time of the torch forward (bench/RESULTS.md), which is most of the semantic layer's latency. `backend="torch"`,
+with the texts of concurrent requests that wait for the encoder, `_Pending`) runs on ONNX Runtime: the encoder
+is exported from the loaded torch model into memory when the process starts (about 2 s, nothing written to
+disk) and checked against eager torch. On a 2-core CPU that is about half the time of the torch forward
+(bench/RESULTS.md), which is most of the semantic layer's latency. `backend="torch"`,
 a missing `onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
 evaluation) stays on torch.
 
