@@ -28,7 +28,6 @@ if __name__ == "__main__":  # as in the API process: gevent first, before anythi
 
 import argparse
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 import redis
 
 from bench.common import finish, goal, percentile, table
+from bench.farms import free_port
 from farm.cluster import registry
 from farm.config import load_config
 from farm.infra import redis_server
@@ -49,12 +49,6 @@ from farm.router.load import LoadMirror, LoadTracker
 from farm.router.router import Router
 
 pct = percentile
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def decide(router: Router, workers: list, rng: random.Random, n: int) -> dict:

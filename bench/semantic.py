@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import socket
 import statistics
 import tempfile
 import time
@@ -46,6 +45,7 @@ import numpy as np
 import redis
 
 from bench.common import CpuShare, finish, goal, load_average, percentile, table
+from bench.farms import free_port
 from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
 from farm.infra import redis_server
@@ -61,12 +61,6 @@ from tools.semantic.evaluate import accuracy as acc_ci
 from tools.semantic.evaluate import detection_rates, fmt, pii_scores, rate
 
 CONTACT_TYPES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "IP_ADDRESS", "URL")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
@@ -296,7 +290,7 @@ def http_hits(cfg, questions: list[str]) -> dict:
             stored[text] = v.answer or ""
         elif v.action == "forward" and layer.after(v, f"answer to: {text}"):
             stored[text] = f"answer to: {text}"
-    port = _free_port()
+    port = free_port()
     server = make_server("127.0.0.1", port, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -373,7 +367,7 @@ def main() -> None:
         final(note=args.note)
         return
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-semantic-"))
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
     lat = paths = e2e = None

@@ -25,7 +25,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -112,12 +111,6 @@ def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: floa
             "cpu_ms_per_call": cpu * 1000 / n, "stalled": None}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--burst", type=int, default=500, help="concurrent calls a burst")
@@ -133,10 +126,11 @@ def main() -> None:
         print(json.dumps(child(args.child, args.redis, args.burst, args.bursts, args.stall_s)), flush=True)
         return
 
+    from bench.farms import free_port
     from farm.infra import redis_server
 
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-burst-"))
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
     runs: list[dict[str, Any]] = []

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -15,6 +17,15 @@ from farm.cluster import registry
 from farm.infra.orphans import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> dict:
+    """`code` (dedented) in a fresh interpreter started in the checkout, for what a test must not do to its own
+    process (monkey-patch it, freeze its heap, fork it); its last line of output, read as JSON."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 class WorkerProc:

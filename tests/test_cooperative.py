@@ -5,15 +5,12 @@ Each check runs in a fresh interpreter monkey-patched as gunicorn's gevent worke
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 
-from tests.procs import ROOT
+from tests.procs import run_python
 
 PATCHED = """
     from gevent import monkey
@@ -40,10 +37,7 @@ PATCHED = """
 
 
 def _run(code: str, env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(PATCHED) + textwrap.dedent(code)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_python(textwrap.dedent(PATCHED) + textwrap.dedent(code), env)
 
 
 def test_a_lane_runs_every_call_on_one_native_thread_one_at_a_time():
@@ -135,10 +129,7 @@ def test_a_forked_child_gets_a_lane_thread_of_its_own():
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"parent_ran_here": parent == os.getpid(), "child": os.waitstatus_to_exitcode(status)}))
     """
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"parent_ran_here": True, "child": 0}
+    assert run_python(code, timeout=60) == {"parent_ran_here": True, "child": 0}
 
 
 def test_the_pii_pass_under_gevent_runs_on_one_thread_and_still_finds_pii():

@@ -4,24 +4,13 @@ Each check runs in a fresh interpreter: freezing is for the whole process, and t
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
-from tests.procs import ROOT
-
-
-def _run(code: str, env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from tests.procs import run_python
 
 
 def test_frozen_objects_are_skipped_by_full_collections_and_new_garbage_is_still_collected():
-    got = _run("""
+    got = run_python("""
         import gc, json
         from farm.infra.gc_heap import freeze_startup_heap
 
@@ -47,7 +36,7 @@ def test_frozen_objects_are_skipped_by_full_collections_and_new_garbage_is_still
 
 def test_the_api_freezes_its_heap_once_warm_under_gevent(farm_env, redis_client):
     """gunicorn's gevent worker warms the tokenizers in create_app; what they loaded is then frozen."""
-    got = _run("""
+    got = run_python("""
         import gc, json
         import api.app
         from farm.config import get_config

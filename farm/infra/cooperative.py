@@ -57,19 +57,24 @@ class Lane:
         self._made = threading.Lock()
 
     def submit(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
-        if self._pool is None or self._pid != os.getpid():
-            if cooperative():  # no lock: greenlets switch only where they wait, and nothing here waits
-                from gevent.threadpool import ThreadPool
+        pool = self._pool_here()
+        if isinstance(pool, ThreadPoolExecutor):
+            return pool.submit(fn, *args).result
+        return pool.spawn(fn, *args).get
 
-                self._pool, self._pid = ThreadPool(1), os.getpid()
-            else:
-                with self._made:  # plain threads can race here
-                    if self._pool is None or self._pid != os.getpid():
+    def _pool_here(self) -> Any:
+        """This process's thread: gevent's pool of one under gevent, else an executor of one."""
+        if self._pool is None or self._pid != os.getpid():
+            with self._made:  # nothing in here waits, so under gevent no other greenlet can be kept out
+                if self._pool is None or self._pid != os.getpid():
+                    if cooperative():
+                        from gevent.threadpool import ThreadPool
+
+                        self._pool = ThreadPool(1)
+                    else:
                         self._pool = ThreadPoolExecutor(1, thread_name_prefix="farm-lane")
-                        self._pid = os.getpid()
-        if isinstance(self._pool, ThreadPoolExecutor):
-            return self._pool.submit(fn, *args).result
-        return self._pool.spawn(fn, *args).get
+                    self._pid = os.getpid()
+        return self._pool
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         return self.submit(fn, *args)()

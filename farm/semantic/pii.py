@@ -22,7 +22,7 @@ What this module adds to Presidio's defaults, and why:
 Latency: spaCy runs its NER alone (SPACY_EXCLUDE), and Presidio's context step scores candidates in place
 instead of deep-copying them (InPlaceContextEnhancer): together the pass is about 2x faster than Presidio's
 defaults on the same pipeline, with the same findings (bench/RESULTS.md). One analyzer per process, built once
-(`shared_analyzer`); in the API every pass runs on the analyzer's own thread (`_LANE`). Types are Presidio's names; the response
+(`shared_analyzer`), every pass on the analyzer's own thread (`_LANE`). Types are Presidio's names; the response
 headers carry them (`x-vsr-pii-detected`, and BIO-style `B-US_SSN` in `x-vsr-pii-types` for a violation).
 """
 
