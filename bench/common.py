@@ -186,3 +186,8 @@ def alternating(names: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, contender) in A B ... then ... B A order, and so on for more rounds: the order every bench that
     compares contenders runs them in, so drift of the machine during a run favours none."""
     return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+
+
+def threads_env(embedding_threads: int | None) -> dict[str, str]:
+    """The configuration variable setting the semantic layer's encoder threads, when a bench is told a count."""
+    return {} if embedding_threads is None else {"FARM_SEMANTIC__EMBEDDING_THREADS": str(embedding_threads)}

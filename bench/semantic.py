@@ -1,6 +1,7 @@
 """The semantic layer (issues 8, 15): accuracy on held-out data with 95% intervals, and per-request latency.
 
     python -m bench.semantic [--requests 300] [--out bench/out/semantic.json] [--accuracy-only]
+                             [--embedding-threads N]   # the encoder's threads; default: the configuration's
     python -m bench.semantic --final    # once per released jailbreak head: its figure on the final split
 
 `--final` reads the final split (tools/semantic/sources.final_attacks / final_benign: families no training
@@ -44,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from bench.common import CpuShare, finish, goal, load_average, percentile, table
+from bench.common import CpuShare, finish, goal, load_average, percentile, table, threads_env
 from bench.farms import free_port
 from farm.config import load_config
 from farm.config.semantic import IDENTITY_TYPES
@@ -362,6 +363,8 @@ def main() -> None:
     ap.add_argument("--final", action="store_true", help="score the shipped jailbreak head on the final split, "
                     "once per head (recorded in bench/semantic_final.json), and nothing else")
     ap.add_argument("--note", default="", help="with --final: what earlier final readings changed in this detector")
+    ap.add_argument("--embedding-threads", type=int, help="the encoder's threads (semantic.embedding_threads); "
+                    "default: the configuration's")
     args = ap.parse_args()
     if args.final:
         final(note=args.note)
@@ -373,7 +376,7 @@ def main() -> None:
     lat = paths = e2e = None
     try:
         redis_server.wait_ready(url, proc)
-        cfg = load_config(environ={"FARM_REDIS__URL": url})
+        cfg = load_config(environ={"FARM_REDIS__URL": url, **threads_env(args.embedding_threads)})
         t0 = time.perf_counter()
         layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(url))
         load_s = time.perf_counter() - t0
@@ -414,7 +417,8 @@ def main() -> None:
                   goal("cache hit p50 ms (layer part)", lat["hit"]["p50"] or 1e9, 20, higher_is_better=False),
                   goal("cache hit p50 ms (end to end, HTTP)", e2e["p50"] if e2e["hits"] == e2e["n"] else 1e9, 20,
                        higher_is_better=False)]
-    finish(args.out, {"config": {"requests": args.requests, "load_s": load_s, "load_average_before": load_before,
+    finish(args.out, {"config": {"requests": args.requests, "embedding_threads": layer.cfg.embedding_threads,
+                                 "load_s": load_s, "load_average_before": load_before,
                                  "load_average_after": load_average()}, "accuracy": acc, "latency": lat,
                       "embedding_paths": paths, "http_hits": e2e}, goals, fmt="{:.3f}")
 

@@ -1,6 +1,7 @@
 """The semantic layer under bursts of requests, as the API runs it: calls per second, latency, CPU, and stalls.
 
     .venv/bin/python -m bench.semantic_burst [--burst 500] [--bursts 8] [--rounds 2] [--stall-s 60]
+                                             [--contenders lane,pool] [--embedding-threads 2,1]
 
 Why: a fresh API process met by a burst is where the layer once hung (bench/RESULTS.md, "The hang behind both
 withdrawals"): every request's PII pass ran on gevent's shared thread pool, up to ten at once, and spaCy takes
@@ -10,8 +11,9 @@ the default configuration and sends `--bursts` bursts of `--burst` concurrent `S
 prompts, PII, exam-style questions and jailbreaks with decodable payloads, a text of their own each time so no
 memo or cache entry helps). Contenders: `lane` (shipped: every PII pass on the analyzer's own thread,
 `farm.infra.cooperative.Lane`) and `pool` (before d50cb7b: every pass on gevent's shared pool), in alternating
-order over `--rounds`. A burst that does not finish within `--stall-s` is a stall: the run fails, with every
-thread's stack in the JSON. Writes bench/out/semantic_burst.json.
+order over `--rounds`; with `--embedding-threads`, each contender once per encoder thread count. A burst that
+does not finish within `--stall-s` is a stall: the run fails, with every thread's stack in the JSON. Writes
+bench/out/semantic_burst.json.
 """
 
 import sys
@@ -32,7 +34,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.common import alternating, finish, percentile, table  # noqa: E402
+from bench.common import alternating, finish, percentile, table, threads_env  # noqa: E402
 
 CONTENDERS = ["lane", "pool"]
 PROMPTS = [
@@ -53,7 +55,8 @@ def _messages(i: int, rng: random.Random) -> list[dict[str, str]]:
     return messages
 
 
-def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: float) -> dict[str, Any]:
+def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: float,
+          threads: int | None = None) -> dict[str, Any]:
     """One run in this (patched) process; returns its figures, or the stall with every thread's stack."""
     import gevent
     import redis
@@ -70,7 +73,7 @@ def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: floa
                 return gevent.get_hub().threadpool.spawn(fn, *args).get
 
         pii._LANE = Pool()
-    cfg = load_config(environ={"FARM_REDIS__URL": redis_url})
+    cfg = load_config(environ={"FARM_REDIS__URL": redis_url, **threads_env(threads)})
     # a connection per call that may wait on Redis at once, as the API sizes its pool (api.app: worker_connections)
     client = redis.Redis.from_url(redis_url, max_connections=burst + 16)
     layer = SemanticLayer.from_config(cfg, redis_client=client)
@@ -118,12 +121,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--stall-s", type=float, default=60.0, help="no call finished for this long: a stall")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--embedding-threads", default="",
+                    help="comma-separated encoder thread counts, each run with every contender (default: the configuration's)")
     ap.add_argument("--out", default="bench/out/semantic_burst.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--redis", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.redis, args.burst, args.bursts, args.stall_s)), flush=True)
+        print(json.dumps(child(args.child, args.redis, args.burst, args.bursts, args.stall_s, args.threads)), flush=True)
         return
 
     from bench.farms import free_port
@@ -136,19 +142,22 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     try:
         redis_server.wait_ready(url, proc)
-        for rnd, name in alternating(args.contenders.split(","), args.rounds):
-            out = subprocess.run([sys.executable, "-m", "bench.semantic_burst", "--child", name, "--redis", url,
-                                  "--burst", str(args.burst), "--bursts", str(args.bursts),
-                                  "--stall-s", str(args.stall_s)], capture_output=True, text=True)
+        threads = [int(t) for t in args.embedding_threads.split(",") if t] or [None]
+        names = [f"{c} t{t}" if t is not None else c for c in args.contenders.split(",") for t in threads]
+        for rnd, name in alternating(names, args.rounds):
+            contender, _, t = name.partition(" t")
+            out = subprocess.run([sys.executable, "-m", "bench.semantic_burst", "--child", contender, "--redis", url,
+                                  "--burst", str(args.burst), "--bursts", str(args.bursts), "--stall-s", str(args.stall_s),
+                                  *(["--threads", t] if t else [])], capture_output=True, text=True)
             lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
             if not lines:
                 raise SystemExit(f"the {name} run failed:\n{out.stderr[-3000:]}")
             r = {"round": rnd + 1, "contender": name, **json.loads(lines[-1])}
             runs.append(r)
             if r.get("stalled"):
-                print(f"round {rnd + 1} {name:>4}: STALLED after {r['calls']} calls", flush=True)
+                print(f"round {rnd + 1} {name:>7}: STALLED after {r['calls']} calls", flush=True)
             else:
-                print(f"round {rnd + 1} {name:>4}: {r['calls_per_s']:.0f} calls/s, first burst "
+                print(f"round {rnd + 1} {name:>7}: {r['calls_per_s']:.0f} calls/s, first burst "
                       f"{r['first_burst_s']:.1f} s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, "
                       f"{r['cpu_ms_per_call']:.1f} ms CPU per call", flush=True)
     finally:
