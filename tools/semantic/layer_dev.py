@@ -5,7 +5,7 @@
     python -m tools.semantic.layer_dev short        # the jailbreak head on short everyday requests (a check)
 
 Both sets are small and were used for the choice, so what this prints is a development figure, never a
-held-out one. The held-out prompts of the same three user categories are in tests/test_semantic_custom.py
+held-out one. The held-out prompts of the same three user categories are in tools/semantic/custom_held_out.py
 and were not looked at while choosing.
 
 categories: three user-defined categories (description + 5 examples each, `DEV_CATEGORIES`), prompts of them,
