@@ -45,6 +45,34 @@ def test_duplicate_category(tmp_path):
         _load(tmp_path, {"semantic": {"categories": [{"name": "math"}, {"name": "math"}]}})
 
 
+def test_an_overrides_categories_join_the_built_in_ones(tmp_path):
+    """What the README's example of a category of your own does: the 14 built-in categories stay, with their
+    system prompts and scores; a built-in name replaces that category where it stands; a new name is added."""
+    default = load_config(environ={}).semantic
+    cooking = {"name": "cooking", "description": "Cooking and recipes.", "examples": ["How do I poach an egg?"],
+               "model_scores": {"SmolLM2-135M-Instruct": 0.9}}
+    math = {"name": "math", "system_prompt": "Give the number only.", "model_scores": {"SmolLM2-135M-Instruct": 1.0}}
+    s = _load(tmp_path, {"semantic": {"categories": [cooking, math]}}).semantic
+    assert [c.name for c in s.categories] == [c.name for c in default.categories] + ["cooking"]
+    assert s.category("math").system_prompt == "Give the number only."
+    assert s.category("biology") == default.category("biology")
+    assert [c.name for c in s.custom_categories] == ["cooking"]
+    only = _load(tmp_path, {"semantic": {"builtin_categories": False, "categories": [cooking, math]}}).semantic
+    assert [c.name for c in only.categories] == ["cooking", "math"]  # the override's list is the whole list
+
+
+def test_built_in_scores_for_models_an_override_does_not_serve_are_dropped(tmp_path):
+    """An override serving other models keeps the built-in categories without their scores for the models it no
+    longer has; the categories it writes itself are checked strictly."""
+    models = [{"name": "other", "source": "builtin:smollm2"}]
+    cooking = {"name": "cooking", "description": "Cooking and recipes.", "model_scores": {"other": 0.9}}
+    s = _load(tmp_path, {"models": models, "default_model": "other", "semantic": {"categories": [cooking]}}).semantic
+    assert s.category("biology").model_scores == {} and s.category("cooking").model_scores == {"other": 0.9}
+    with pytest.raises(ConfigError, match=r"semantic.categories\[cooking\].model_scores names unknown models"):
+        _load(tmp_path, {"models": models, "default_model": "other",
+                         "semantic": {"categories": [{**cooking, "model_scores": {"SmolLM2-135M-Instruct": 0.9}}]}})
+
+
 def test_bad_values_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"semantic.jailbreak.threshold"):
         _load(tmp_path, {"semantic": {"jailbreak": {"threshold": 1.5}}})

@@ -69,6 +69,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     """Load defaults, then the override file (argument or FARM_CONFIG), then the environment."""
     env = dict(os.environ if environ is None else environ)
     data = _read_yaml(DEFAULT_CONFIG_PATH)
+    builtin = list(data["semantic"]["categories"])
     override_path = path or env.get("FARM_CONFIG")
     override = _read_yaml(Path(override_path)) if override_path else {}
     if looks_like_vsr(override):  # a vLLM Semantic Router config.yaml: its subset that maps (farm/config/vsr.py)
@@ -77,8 +78,10 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     data = _deep_merge(data, _env_overrides(env))
     _apply_redis_password(data, env.get("FARM_REDIS_PASSWORD", "") or _managed_redis_password(data))
     sem = override.get("semantic")
-    if not (isinstance(sem, dict) and "categories" in sem):
-        _prune_default_scores(data)
+    written = sem.get("categories") if isinstance(sem, dict) else None
+    if isinstance(written, list) and data["semantic"].get("builtin_categories", True) is not False:
+        data["semantic"]["categories"] = _with_builtin(builtin, written)
+    _prune_default_scores(data, _names(written) if isinstance(written, list) else set())
     try:
         return FarmConfig.model_validate(data)
     except ValidationError as e:
@@ -90,17 +93,36 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
         raise ConfigError(f"invalid farm configuration ({src}):\n" + "\n".join(lines)) from None
 
 
-def _prune_default_scores(data: dict[str, Any]) -> None:
+def _names(categories: list[Any]) -> set[str]:
+    return {c["name"] for c in categories if isinstance(c, dict) and isinstance(c.get("name"), str)}
+
+
+def _with_builtin(builtin: list[dict[str, Any]], written: list[Any]) -> list[Any]:
+    """An override's categories merged by name with the embedded ones (`semantic.builtin_categories`): the first
+    of a built-in name replaces that category where it stands, anything else is added after them (a second of
+    a name too, so validation reports the duplicate)."""
+    out, at = list(builtin), {c["name"]: i for i, c in enumerate(builtin)}
+    for c in written:
+        name = c.get("name") if isinstance(c, dict) else None
+        if isinstance(name, str) and name in at:
+            out[at.pop(name)] = c
+        else:
+            out.append(c)
+    return out
+
+
+def _prune_default_scores(data: dict[str, Any], written: set[str]) -> None:
     """The embedded categories score the embedded models; an override that serves other models keeps
     the categories (and their system prompts) but drops scores for models it no longer has. Categories
-    written in an override file are checked strictly instead (FarmConfig: unknown models are errors)."""
+    written in an override file (`written`) are checked strictly instead (FarmConfig: unknown models are
+    errors)."""
     models = data.get("models")
     cats = (data.get("semantic") or {}).get("categories")
     if not isinstance(models, list) or not isinstance(cats, list):
         return
     names = {m.get("name") for m in models if isinstance(m, dict)}
     for c in cats:
-        if isinstance(c, dict) and isinstance(c.get("model_scores"), dict):
+        if isinstance(c, dict) and c.get("name") not in written and isinstance(c.get("model_scores"), dict):
             c["model_scores"] = {k: v for k, v in c["model_scores"].items() if k in names}
 
 

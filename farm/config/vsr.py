@@ -55,7 +55,7 @@ def translate_vsr(data: dict[str, Any], model_map: dict[str, str] | None = None)
     out = VsrImport({})
     sem: dict[str, Any] = {}
     handlers = {
-        "categories": lambda v: sem.__setitem__("categories", [
+        "categories": lambda v: sem.update(builtin_categories=False, categories=[  # the Router's whole list
             _category(c, i, out, rename) for i, c in enumerate(_list(v, "categories"))]),
         "default_model": lambda v: sem.__setitem__("default_model", rename.get(str(v), str(v))),
         "semantic_cache": lambda v: sem.__setitem__("cache", _cache(_map(v, "semantic_cache"), out)),
