@@ -93,9 +93,12 @@ def custom_eval(cfg: FarmConfig, embedder) -> dict:
         update={"enabled": False}), "pii": cfg.semantic.pii.model_copy(update={"enabled": False})})
     layer = SemanticLayer.from_config(cfg.model_copy(update={"semantic": semantic}), embedder=embedder)
     custom = {c.name for c in cats}
-    got = [(gold, layer.before("MoM", [{"role": "user", "content": text}]).category, text) for gold, text in HELD_OUT]
-    taken = [(gold, text) for gold, text in BUILT_IN
-             if layer.before("MoM", [{"role": "user", "content": text}]).category in custom]
+
+    def decided(text: str) -> str | None:
+        return layer.before("MoM", [{"role": "user", "content": text}]).category
+
+    got = [(gold, decided(text), text) for gold, text in HELD_OUT]
+    taken = [(gold, text) for gold, text in BUILT_IN if decided(text) in custom]
     return {"kind": "held out (hand-written apart from the development set)",
             "accuracy": rate(sum(g == c for g, c, _ in got), len(got)),
             "wrong": [{"gold": g, "got": c, "text": t} for g, c, t in got if g != c],
@@ -217,7 +220,8 @@ def cache_eval(layer: SemanticLayer) -> dict:
 def accuracy(layer: SemanticLayer, cfg: FarmConfig) -> dict:
     emb = EmbeddingCache()
     return {"category": category_eval(layer, emb), "custom_categories": custom_eval(cfg, layer.embedder),
-            "jailbreak": jailbreak_eval(emb), "pii": pii_eval(layer), "cache": cache_eval(layer), "wheels": wheels.provenance(list(wheels.PINNED)),
+            "jailbreak": jailbreak_eval(emb), "pii": pii_eval(layer), "cache": cache_eval(layer),
+            "wheels": wheels.provenance(list(wheels.PINNED)),
             "heads": {k: v for k, v in heads_meta().items() if k != "wheels"}}
 
 

@@ -142,13 +142,14 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     try:
         redis_server.wait_ready(url, proc)
-        threads = [int(t) for t in args.embedding_threads.split(",") if t] or [None]
-        names = [f"{c} t{t}" if t is not None else c for c in args.contenders.split(",") for t in threads]
-        for rnd, name in alternating(names, args.rounds):
-            contender, _, t = name.partition(" t")
+        counts = [int(t) for t in args.embedding_threads.split(",") if t] or [None]
+        plan = {f"{c} t{t}" if t is not None else c: (c, t) for c in args.contenders.split(",") for t in counts}
+        for rnd, name in alternating(list(plan), args.rounds):
+            contender, threads = plan[name]
             out = subprocess.run([sys.executable, "-m", "bench.semantic_burst", "--child", contender, "--redis", url,
                                   "--burst", str(args.burst), "--bursts", str(args.bursts), "--stall-s", str(args.stall_s),
-                                  *(["--threads", t] if t else [])], capture_output=True, text=True)
+                                  *(["--threads", str(threads)] if threads is not None else [])],
+                                 capture_output=True, text=True)
             lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
             if not lines:
                 raise SystemExit(f"the {name} run failed:\n{out.stderr[-3000:]}")
