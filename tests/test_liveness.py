@@ -69,3 +69,15 @@ def test_the_reply_reader_tells_a_restarted_worker_from_the_process_that_died(re
         assert reader.gone(stayed) and not reader.gone(restarted)
     finally:
         reader.stop()
+
+
+def test_a_reader_prunes_a_lapsed_record_but_never_one_registered_since_it_looked(redis_client):
+    """live_workers reads the records, then their heartbeats, then prunes the lapsed ones. A worker that registered
+    again in between (a restart, or a reader racing a flush) must keep the record it just wrote."""
+    registry.register(redis_client, info("w-3", 100.0))
+    registry.register(redis_client, info("w-4", 100.0))
+    redis_client.delete(alive_key("w-3"), alive_key("w-4"))
+    registry.register(redis_client, info("w-4", 160.0))  # w-4 came back after the reader saw both lapsed
+    registry.prune(redis_client, ["w-3", "w-4"])
+    assert sorted(k.decode() for k in redis_client.hkeys(registry.WORKERS_KEY)) == ["w-4"]
+    assert [w.worker_id for w in registry.live_workers(redis_client, model="m")] == ["w-4"]

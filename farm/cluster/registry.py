@@ -20,6 +20,14 @@ from farm.protocol.keys import WORKERS_KEY, alive_key
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 6
 
+# Prune a record only if its alive key is still missing when the prune runs: a worker that registered (again) between
+# a reader's HGETALL and its prune must keep the record it just wrote.
+_PRUNE = """
+for i, wid in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then redis.call('HDEL', KEYS[1], wid) end
+end
+"""
+
 
 @dataclass
 class WorkerInfo:
@@ -93,8 +101,13 @@ def live_workers(r: redis.Redis, model: str | None = None, role: str | None = No
         if (model is None or info.model == model) and (role is None or info.role == role):
             out.append(info)
     if stale:
-        r.hdel(WORKERS_KEY, *stale)
+        prune(r, [w.decode() if isinstance(w, bytes) else w for w in stale])
     return sorted(out, key=lambda w: w.worker_id)
+
+
+def prune(r: redis.Redis, worker_ids: list[str]) -> None:
+    """Drop the records of `worker_ids` whose heartbeat has lapsed, checked and dropped in one atomic step."""
+    r.eval(_PRUNE, len(worker_ids) + 1, WORKERS_KEY, *(alive_key(w) for w in worker_ids), *worker_ids)
 
 
 class Heartbeat(threading.Thread):
