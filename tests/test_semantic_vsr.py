@@ -213,3 +213,259 @@ def test_semantic_test_shows_the_decision_and_why(tmp_path, capsys, monkeypatch)
     history.write_text(json.dumps({"role": "user"}))
     assert main(["--config", str(p), "semantic", "test", follow_up, "--history", str(history)]) != 0
     assert "--history" in capsys.readouterr().err
+
+
+# The same intent in the Semantic Router's later formats: `decisions` route requests by signals (domains and
+# embedding rules map; keywords, AND/NOT combinations and per-route plugins other than the system prompt do not).
+DECISIONS_CONFIG = f"""
+categories:
+  - name: computer_science
+    description: Programming and algorithms.
+    mmlu_categories: [computer_science]
+  - name: math
+    mmlu_categories: [math]
+  - name: billing
+    description: Invoices, refunds and payment methods.
+    mmlu_categories: [billing]
+embedding_rules:
+  - category: billing
+    threshold: 0.7
+    keywords: ["Why was I charged twice this month?", "How do I get a refund for my order?"]
+keyword_rules:
+  - name: urgent
+    operator: OR
+    keywords: [urgent, asap]
+strategy: priority
+decisions:
+  - name: stem
+    priority: 50
+    rules:
+      operator: OR
+      conditions:
+        - type: domain
+          name: computer_science
+        - type: domain
+          name: math
+    modelRefs:
+      - model: {MODEL_B}
+        use_reasoning: true
+      - model: {MODEL_A}
+        use_reasoning: false
+    plugins:
+      - type: system_prompt
+        configuration:
+          system_prompt: Think step by step.
+          mode: replace
+      - type: semantic-cache
+        configuration:
+          enabled: true
+          similarity_threshold: 0.95
+  - name: urgent_math
+    priority: 100
+    rules:
+      operator: AND
+      conditions:
+        - type: domain
+          name: math
+        - type: keyword
+          name: urgent
+    modelRefs:
+      - model: {MODEL_A}
+  - name: math_again
+    priority: 10
+    rules:
+      operator: AND
+      conditions:
+        - type: domain
+          name: math
+    modelRefs:
+      - model: {MODEL_A}
+  - name: billing_route
+    description: Billing questions.
+    rules:
+      operator: AND
+      conditions:
+        - type: embedding
+          name: billing
+    modelRefs:
+      - model: {MODEL_A}
+        weight: 0.3
+      - model: {MODEL_B}
+        weight: 0.7
+default_model: {MODEL_A}
+"""
+
+
+def test_decisions_become_categories_and_what_does_not_map_is_named():
+    data = yaml.safe_load(DECISIONS_CONFIG)
+    assert looks_like_vsr(data)
+    r = translate_vsr(data)
+    sem = r.config["semantic"]
+    assert sem["builtin_categories"] is False and sem["default_model"] == MODEL_A
+    cs, math, billing = sem["categories"]
+    # an OR of two domains: both get the route; modelRefs by order become scores, the first model's reasoning
+    for cat, name in ((cs, "computer science"), (math, "math")):
+        assert cat == {"name": name, "model_scores": {MODEL_B: 1.0, MODEL_A: 0.9}, "reasoning": True,
+                       "system_prompt": "Think step by step.", "system_prompt_mode": "replace"}
+    # a domain that is no built-in category, with an embedding rule of its name: a user-defined category whose
+    # examples are the rule's candidates; weights become scores
+    assert billing == {"name": "billing", "description": "Invoices, refunds and payment methods.",
+                       "examples": ["Why was I charged twice this month?", "How do I get a refund for my order?"],
+                       "model_scores": {MODEL_A: 0.3, MODEL_B: 0.7}}
+    skipped = {line.split(": no equivalent")[0] for line in r.unmapped}
+    assert skipped == {"decisions[stem].plugins[1] (semantic-cache)", "decisions[urgent_math].rules",
+                       "decisions[math_again]", "embedding_rules[billing].threshold", "keyword_rules"}
+    assert any("routed by decisions[stem] already" in line for line in r.unmapped)
+    assert any(line.startswith("decisions[urgent_math].rules") and "AND or NOT" in line for line in r.unmapped)
+    # two of the Semantic Router's models mapped onto one farm model: it keeps the better of their scores
+    renamed = translate_vsr(data, {MODEL_B: MODEL_A}).config["semantic"]["categories"]
+    assert renamed[0]["model_scores"] == {MODEL_A: 1.0} and renamed[2]["model_scores"] == {MODEL_A: 0.7}
+
+
+LAYERED_CONFIG = f"""
+version: v0.3
+listeners:
+  - name: http
+    address: 0.0.0.0
+    port: 8899
+providers:
+  defaults:
+    default_model: {MODEL_A}
+    default_reasoning_effort: medium
+  models:
+    - name: {MODEL_A}
+      backend_refs: [{{endpoint: "127.0.0.1:8000"}}]
+routing:
+  strategy: priority
+  modelCards:
+    - name: {MODEL_A}
+  signals:
+    domains:
+      - name: math
+        description: Mathematics.
+        mmlu_categories: [math]
+        model_scores:
+          - model: {MODEL_A}
+            score: 0.5
+    embeddings:
+      - name: account_help
+        threshold: 0.75
+        candidates:
+          - How do I reset my password?
+          - I cannot log in to my account.
+          - How do I change the e-mail address on my account?
+          - How do I delete my account?
+          - Where do I update my profile settings?
+    keywords:
+      - name: code_words
+        operator: OR
+        keywords: [debug]
+  decisions:
+    - name: math_route
+      rules:
+        operator: OR
+        conditions: [{{type: domain, name: math}}]
+      priority: 100
+      modelRefs:
+        - model: {MODEL_B}
+          use_reasoning: true
+          reasoning_effort: high
+    - name: accounts
+      description: Account and login help.
+      priority: 90
+      rules:
+        operator: OR
+        conditions:
+          - type: embedding
+            name: account_help
+      modelRefs:
+        - model: {MODEL_B}
+      plugins:
+        - type: system_prompt
+          configuration:
+            enabled: true
+            system_prompt: You are an account support agent.
+        - type: pii
+          configuration:
+            pii_types_allowed: []
+    - name: not_math
+      priority: 80
+      rules:
+        operator: NOT
+        conditions:
+          - type: domain
+            name: math
+      modelRefs:
+        - model: {MODEL_A}
+global:
+  router:
+    strategy: priority
+  stores:
+    semantic_cache:
+      enabled: true
+      backend_type: memory
+      similarity_threshold: 0.93
+      ttl_seconds: 900
+    memory:
+      enabled: false
+  model_catalog:
+    system:
+      prompt_guard: models/some-guard
+    modules:
+      prompt_guard:
+        enabled: true
+        threshold: 0.7
+      classifier:
+        pii:
+          threshold: 0.8
+"""
+
+
+def test_the_layered_v0_3_format_maps_from_its_layers():
+    data = yaml.safe_load(LAYERED_CONFIG)
+    assert looks_like_vsr(data)
+    r = translate_vsr(data)
+    sem = r.config["semantic"]
+    assert sem["default_model"] == MODEL_A
+    assert sem["cache"] == {"enabled": True, "backend": "redis", "similarity_threshold": 0.93, "ttl_s": 900}
+    assert sem["jailbreak"] == {"enabled": True} and sem["pii"] == {"enabled": True}
+    math, accounts = sem["categories"]
+    assert math == {"name": "math", "model_scores": {MODEL_B: 1.0}, "reasoning": True}  # the decision's models win
+    assert accounts["description"] == "Account and login help." and len(accounts["examples"]) == 5
+    assert accounts["system_prompt"] == "You are an account support agent."
+    skipped = {line.split(": no equivalent")[0] for line in r.unmapped}
+    assert skipped == {
+        "listeners", "providers.defaults.default_reasoning_effort", "providers.models", "routing.modelCards",
+        "routing.signals.keywords", "routing.decisions[math_route].modelRefs[0].reasoning_effort",
+        "routing.signals.embeddings[account_help].threshold", "routing.decisions[accounts].plugins[1] (pii)",
+        "routing.decisions[not_math].rules", "global.router", "global.stores.memory",
+        "global.model_catalog.system", "global.model_catalog.modules.prompt_guard.threshold",
+        "global.model_catalog.modules.classifier.pii.threshold"}
+    assert any("math_route]: its modelRefs replace the model_scores" in n for n in r.notes)
+
+
+def test_malformed_decisions_name_the_key():
+    bad_domain = {"decisions": [{"name": "d", "rules": {"conditions": [{"type": "domain", "name": "cooking"}]},
+                                 "modelRefs": [{"model": MODEL_A}]}]}
+    with pytest.raises(ConfigError, match=r"decisions\[d\]: the condition on domain 'cooking' names no domain"):
+        translate_vsr(bad_domain)
+    no_model = {"decisions": [{"name": "d", "rules": {"conditions": [{"type": "domain", "name": "math"}]},
+                               "modelRefs": [{"use_reasoning": True}]}]}
+    with pytest.raises(ConfigError, match=r"decisions\[d\].modelRefs\[0\]: needs `model`"):
+        translate_vsr(no_model)
+    with pytest.raises(ConfigError, match=r"routing.decisions: expected a list"):
+        translate_vsr({"version": "v0.3", "routing": {"decisions": {"d": 1}}})
+
+
+def test_a_layered_config_is_loaded_directly_and_its_embedding_rule_classifies(tmp_path, capsys, monkeypatch):
+    """The loader takes a v0.3 file as the override file; the user-defined category its embedding rule became
+    decides a prompt of its kind (`farm semantic test`, the real embedder)."""
+    p = tmp_path / "config.yaml"
+    p.write_text(LAYERED_CONFIG)
+    monkeypatch.setenv("FARM_CONFIG", str(p))
+    cfg = load_config(p, environ={})
+    assert [c.name for c in cfg.semantic.custom_categories] == ["account_help"]
+    assert cfg.semantic.category("math").model_scores == {MODEL_B: 1.0}
+    assert main(["--config", str(p), "semantic", "test", "I forgot my password and cannot sign in", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["category"]["name"] == "account_help" and report["category"]["rule"] == "custom"

@@ -4,7 +4,7 @@ terminal.
     farm config import-vsr FILE [-o OUT.yaml] [--map-model VSR_NAME=FARM_NAME ...] [--strict]
     farm semantic test "prompt" [--model MoM] [--system TEXT] [--json]
 
-`import-vsr` translates a vLLM Semantic Router config.yaml into a farm override (farm/config/vsr.py), names on
+`import-vsr` translates a vLLM Semantic Router config.yaml into a farm override (farm/config/vsr/: flat, decisions, v0.3), names on
 stderr each key that has no equivalent, and checks the result against this farm's configuration (its models
 above all) before writing it. `semantic test` runs the layer once, as the API would for that request but
 without the cache, and says why it decided what it did: the guards' verdicts, the category with its rule and
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     csub = cfg.add_subparsers(dest="config_command", metavar="{import-vsr}")
     imp = csub.add_parser("import-vsr", help="translate a vLLM Semantic Router config.yaml into a farm override, "
                           "naming each key that has no equivalent")
-    imp.add_argument("file", help="the Semantic Router's config.yaml")
+    imp.add_argument("file", help="the Semantic Router's config.yaml (flat, with decisions, or version v0.3)")
     imp.add_argument("-o", "--output", metavar="OUT", help="write the override here (default: stdout)")
     imp.add_argument("--map-model", action="append", default=[], metavar="VSR=FARM",
                      help="a Semantic Router model name and the farm model that takes its place (repeatable)")

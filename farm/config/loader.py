@@ -72,7 +72,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     builtin = list(data["semantic"]["categories"])
     override_path = path or env.get("FARM_CONFIG")
     override = _read_yaml(Path(override_path)) if override_path else {}
-    if looks_like_vsr(override):  # a vLLM Semantic Router config.yaml: its subset that maps (farm/config/vsr.py)
+    if looks_like_vsr(override):  # a vLLM Semantic Router config.yaml: its subset that maps (farm/config/vsr/)
         override = vsr_override(override, str(override_path))
     data = _deep_merge(data, override)
     data = _deep_merge(data, _env_overrides(env))

@@ -187,7 +187,7 @@ class SemanticConfig(Section):
     categories: list[CategoryConfig] = Field(default_factory=list)
     # An override file's `categories` are merged by name with the 14 built-in ones (config/default.yaml): a
     # built-in name replaces that category, a new name adds one. False: the override's list is the whole list
-    # (what a Semantic Router config.yaml brings, farm/config/vsr.py)
+    # (what a Semantic Router config.yaml brings, farm/config/vsr/)
     builtin_categories: bool = True
 
     @model_validator(mode="after")

@@ -1,0 +1,260 @@
+"""The Semantic Router's decisions (its format since late 2025, flat or under v0.3's `routing:`) as farm categories.
+
+A decision routes requests whose signals match its rule to its `modelRefs`, with plugins such as a system prompt.
+The farm routes by one category per request (its classifier's 14 built-in ones and user-defined ones), so what
+maps is a decision whose rule is one condition, or an OR of conditions, on domains (the classifier's categories)
+or embedding rules (a user-defined category: the rule's candidates become its examples). Such a decision gives
+each category it names the decision's models as scores, its reasoning mode and its system prompt. A rule that
+combines signals with AND or NOT, or names other signals (keywords, fact checks, languages, ...), has no
+equivalent and is named as such; so are the plugins the farm has as global settings only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from farm.config.base import ConfigError
+from farm.config.vsr.common import VsrImport, items, mapping
+from farm.config.vsr.sections import builtin_name, category
+
+MAPPED_CONDITIONS = ("domain", "embedding")
+_PLUGIN_ELSEWHERE = {
+    "semantic-cache": "the farm's cache is one setting for every category (semantic.cache)",
+    "semantic_cache": "the farm's cache is one setting for every category (semantic.cache)",
+    "response_cache": "the farm's cache is one setting for every category (semantic.cache)",
+    "pii": "the farm's PII policies are per served model (semantic.pii.policies), not per route",
+    "jailbreak": "the farm's jailbreak guard is one setting for every request (semantic.jailbreak)",
+}
+_PROMPT_MODES = {"replace": "replace", "insert": "prepend", "prepend": "prepend"}
+
+
+def routed_categories(domains: Any, domains_key: str, rules: Any, rules_key: str, decisions: Any,
+                      decisions_key: str, out: VsrImport, rename: dict[str, str]) -> list[dict[str, Any]]:
+    """The farm's categories: one per domain (in their order), then one per embedding rule a decision routes by,
+    each carrying the settings of the highest-priority decision that names it."""
+    cats: list[dict[str, Any]] = []
+    by_domain: dict[str, dict[str, Any]] = {}
+    for i, d in enumerate(items(domains, domains_key)):
+        cat = category(d, i, out, rename, key=domains_key)
+        vsr_name = str(mapping(d, f"{domains_key}[{i}]")["name"])
+        same = next((c for c in cats if c["name"] == cat["name"]), None)
+        if same is not None:
+            out.skip(f"{domains_key}[{vsr_name}]", f"another domain already is the category {cat['name']!r}")
+            by_domain[vsr_name] = same
+            continue
+        cats.append(cat)
+        by_domain[vsr_name] = cat
+    embedding_rules = _embedding_rules(rules, rules_key)
+    used_rules: set[str] = set()
+    routed_by: dict[str, str] = {}  # farm category -> the decision that routes it
+    listed = [(i, mapping(d, f"{decisions_key}[{i}]")) for i, d in enumerate(items(decisions, decisions_key))]
+    for i, d in sorted(listed, key=lambda e: -_priority(e[1], f"{decisions_key}[{e[0]}]")):  # stable: file order
+        where = f"{decisions_key}[{d.get('name', i)}]"
+        leaves = _leaves(d.get("rules"), f"{where}.rules")
+        if leaves is None:
+            out.skip(f"{where}.rules", "it combines signals with AND or NOT; the farm routes a request by its one "
+                                       "category")
+            continue
+        other = sorted({kind for kind, _ in leaves} - set(MAPPED_CONDITIONS))
+        if other:
+            out.skip(f"{where}.rules", f"conditions of type {', '.join(other)}; the farm routes by domains (its "
+                                       "classifier's categories) and embedding rules (user-defined categories)")
+            continue
+        targets = []
+        for kind, name in leaves:
+            if kind == "domain":
+                targets.append(_domain(name, by_domain, cats, domains_key, where))
+            else:
+                targets.append(_rule_category(name, embedding_rules, by_domain, cats, d, rules_key, where, out))
+                used_rules.add(name)
+        settings = _settings(d, where, out, rename)
+        for cat in targets:
+            if cat["name"] in routed_by:
+                out.skip(where, f"the category {cat['name']!r} is routed by {routed_by[cat['name']]} already "
+                                "(a higher priority); the farm has one route per category")
+                continue
+            if "model_scores" in cat and "model_scores" in settings:
+                out.notes.append(f"{where}: its modelRefs replace the model_scores of the domain {cat['name']!r}")
+            cat.update(settings)
+            routed_by[cat["name"]] = where
+    for name in embedding_rules:
+        if name not in used_rules and name not in by_domain:
+            out.skip(f"{rules_key}[{name}]", "no decision routes by it")
+    if not cats:
+        out.notes.append(f"{decisions_key}: no decision routes by a domain or an embedding rule: the farm keeps its "
+                         "14 built-in categories")
+    return cats
+
+
+def use_categories(sem: dict[str, Any], cats: list[dict[str, Any]]) -> None:
+    """The translated categories replace the built-in list (as the Semantic Router's list is its whole list);
+    with none, the built-in ones stay."""
+    if cats:
+        sem.update(builtin_categories=False, categories=cats)
+
+
+def _priority(d: dict[str, Any], where: str) -> float:
+    try:
+        return float(d.get("priority", 0) or 0)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}.priority: expected a number, got {d.get('priority')!r}") from None
+
+
+def _leaves(rule: Any, where: str) -> list[tuple[str, str]] | None:
+    """The (type, name) conditions of a rule that is one condition or an OR of them (nested ORs too); None when
+    it combines conditions otherwise."""
+    rule = mapping(rule, where)
+    if "type" in rule:  # a bare condition
+        return [_condition(rule, where)]
+    conditions = items(rule.get("conditions"), f"{where}.conditions")
+    if not conditions:
+        raise ConfigError(f"{where}: a rule needs conditions")
+    op = str(rule.get("operator", "AND")).upper()
+    if op == "NOT" or (op == "AND" and len(conditions) > 1):
+        return None
+    if op not in ("AND", "OR"):
+        raise ConfigError(f"{where}.operator: {rule.get('operator')!r} is not AND, OR or NOT")
+    out: list[tuple[str, str]] = []
+    for j, c in enumerate(conditions):
+        sub = _leaves(c, f"{where}.conditions[{j}]")
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out
+
+
+def _condition(c: dict[str, Any], where: str) -> tuple[str, str]:
+    if not c.get("type") or not c.get("name"):
+        raise ConfigError(f"{where}: a condition needs `type` and `name`")
+    return str(c["type"]), str(c["name"])
+
+
+def _embedding_rules(rules: Any, key: str) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Embedding rules by name (`name`, or `category` in the earliest decision format)."""
+    out = {}
+    for i, r in enumerate(items(rules, key)):
+        r = mapping(r, f"{key}[{i}]")
+        name = r.get("name", r.get("category"))
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{key}[{i}]: an embedding rule needs a name")
+        out[name] = (i, r)
+    return out
+
+
+def _domain(name: str, by_domain: dict[str, dict[str, Any]], cats: list[dict[str, Any]], key: str,
+            where: str) -> dict[str, Any]:
+    if name in by_domain:
+        return by_domain[name]
+    builtin = builtin_name(name)
+    if builtin is None:
+        raise ConfigError(f"{where}: the condition on domain {name!r} names no domain of {key}")
+    cat = next((c for c in cats if c["name"] == builtin), None)
+    if cat is None:  # a built-in category the config routes without listing it
+        cat = {"name": builtin}
+        cats.append(cat)
+    by_domain[name] = cat
+    return cat
+
+
+def _rule_category(name: str, rules: dict[str, tuple[int, dict[str, Any]]], by_domain: dict[str, dict[str, Any]],
+                   cats: list[dict[str, Any]], decision: dict[str, Any], key: str, where: str,
+                   out: VsrImport) -> dict[str, Any]:
+    """The user-defined category of an embedding rule: its candidates as examples (a domain of the same name, when
+    there is one, gets them)."""
+    if name not in rules:
+        raise ConfigError(f"{where}: the condition on embedding {name!r} names no rule of {key}")
+    i, rule = rules[name]
+    rk = f"{key}[{name}]"
+    cat = by_domain.get(name) or next((c for c in cats if c["name"] == name), None)
+    if cat is None:
+        cat = {"name": name, "description": str(decision.get("description") or name.replace("_", " "))}
+        cats.append(cat)
+    if "examples" in cat:
+        return cat  # a second decision naming the same rule
+    for k, value in rule.items():
+        if k in ("name", "category"):
+            continue
+        if k in ("candidates", "keywords"):
+            cat["examples"] = [str(x) for x in items(value, f"{rk}.{k}")]
+        elif k == "threshold":
+            out.skip(f"{rk}.{k}", "user-defined categories share one similarity threshold "
+                                  "(semantic.classifier.custom_threshold), chosen for the farm's embedder")
+        else:
+            out.skip(f"{rk}.{k}", "not a setting of the farm's user-defined categories")
+    if not cat.get("examples"):
+        raise ConfigError(f"{rk}: an embedding rule needs candidates")
+    return cat
+
+
+def _settings(d: dict[str, Any], where: str, out: VsrImport, rename: dict[str, str]) -> dict[str, Any]:
+    """What a decision gives the categories it routes: model scores, reasoning, system prompt."""
+    settings: dict[str, Any] = {}
+    for key, value in d.items():
+        k = f"{where}.{key}"
+        if key in ("name", "description", "priority", "rules"):
+            continue
+        if key == "modelRefs":
+            settings.update(_models(items(value, k), k, out, rename))
+        elif key == "plugins":
+            for j, p in enumerate(items(value, k)):
+                settings.update(_plugin(mapping(p, f"{k}[{j}]"), f"{k}[{j}]", out))
+        elif key == "algorithm" and mapping(value, k).get("type", "static") == "static":
+            continue
+        elif key == "algorithm":
+            out.skip(k, "MoM answers with the category's highest-scored live model and falls back down the list")
+        else:
+            out.skip(k, "not a decision setting of the farm")
+    return settings
+
+
+def _models(refs: list[Any], key: str, out: VsrImport, rename: dict[str, str]) -> dict[str, Any]:
+    """modelRefs as model scores: their weights when given, else their order (1.0, 0.9, ...)."""
+    if not refs:
+        raise ConfigError(f"{key}: a decision needs at least one model")
+    weighted = any(isinstance(r, dict) and "weight" in r for r in refs)
+    scores: dict[str, float] = {}
+    reasoning = None
+    for j, r in enumerate(refs):
+        r = mapping(r, f"{key}[{j}]")
+        if not r.get("model"):
+            raise ConfigError(f"{key}[{j}]: needs `model`")
+        model = rename.get(str(r["model"]), str(r["model"]))
+        try:
+            score = float(r.get("weight", 0.0)) if weighted else round(max(1.0 - 0.1 * j, 0.1), 2)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}[{j}].weight: expected a number, got {r.get('weight')!r}") from None
+        scores[model] = max(score, scores.get(model, score))  # --map-model may give two refs one farm model
+        if j == 0 and "use_reasoning" in r:
+            reasoning = bool(r["use_reasoning"])
+        elif "use_reasoning" in r and reasoning is not None and bool(r["use_reasoning"]) != reasoning:
+            out.notes.append(f"{key}[{j}].use_reasoning: the farm has one reasoning mode per category: the first "
+                             f"model's ({'on' if reasoning else 'off'})")
+        for extra in sorted(set(r) - {"model", "use_reasoning", "weight"}):
+            out.skip(f"{key}[{j}].{extra}", "per-model settings within a route")
+    if len(scores) > 1:
+        out.notes.append(f"{key}: scores {scores} ({'weights' if weighted else 'by order'}): MoM answers with the "
+                         "highest-scored live model and falls back to the next; it does not split traffic")
+    return {"model_scores": scores, **({"reasoning": reasoning} if reasoning is not None else {})}
+
+
+def _plugin(p: dict[str, Any], where: str, out: VsrImport) -> dict[str, Any]:
+    kind = str(p.get("type", ""))
+    conf = mapping(p.get("configuration"), f"{where}.configuration")
+    if kind != "system_prompt":
+        out.skip(f"{where} ({kind})", _PLUGIN_ELSEWHERE.get(kind, "no plugin of this kind in the farm"))
+        return {}
+    settings: dict[str, Any] = {}
+    for key, value in conf.items():
+        k = f"{where}.configuration.{key}"
+        if key == "system_prompt":
+            settings.setdefault("system_prompt", str(value))
+        elif key == "enabled":
+            if value is False:
+                settings["system_prompt"] = ""
+        elif key == "mode":
+            if value not in _PROMPT_MODES:
+                raise ConfigError(f"{k}: {value!r} is not replace or insert")
+            settings["system_prompt_mode"] = _PROMPT_MODES[value]
+        else:
+            out.skip(k, "not a system prompt setting of the farm")
+    return settings
