@@ -101,10 +101,32 @@ def test_custom_categories_are_embedded_once_at_start(tmp_path, embedder):
 
 
 def test_a_category_of_ones_own_needs_a_description_or_examples(tmp_path):
-    with pytest.raises(ConfigError, match="needs a `description`"):
+    with pytest.raises(ConfigError, match="needs a `description` and a few `examples`, or `keywords`"):
         _cfg(tmp_path, {"categories": [{"name": "astrology", "model_scores": {MODEL_A: 1.0}}]})
     cfg = _cfg(tmp_path, {"categories": [{"name": "astrology", "description": "Horoscopes and star signs."}]})
     assert [c.name for c in cfg.semantic.custom_categories] == ["astrology"]
+
+
+def test_keyword_categories_route_before_the_head_and_the_similarity_rule(tmp_path, embedder):
+    """A category with `keywords` (the Semantic Router's keyword signal): whole words, any or all of them, case
+    as configured; it wins over a confident head, and a prompt without its keywords is classified as before."""
+    lay = SemanticLayer.from_config(_cfg(tmp_path, {"categories": [
+        *CATEGORIES,
+        {"name": "billing", "keywords": ["invoice", "refund"], "model_scores": {MODEL_B: 1.0}},
+        {"name": "incident", "keywords": ["SEV1", "outage"], "keyword_operator": "all", "case_sensitive": True,
+         "model_scores": {MODEL_A: 1.0}}]}), embedder=embedder)
+    v = lay.before("MoM", _user("Solve for x: 2x + 6 = 10, then put the answer on my invoice"))
+    why = v.explain["category"]
+    assert v.category == "billing" and v.model == MODEL_B and why["rule"] == "keyword" and why["confidence"] == 1.0
+    assert why["alternatives"][0][0] == "math"  # what the head would have said, as the first runner-up
+    assert lay.before("MoM", _user("Where is my REFUND?")).category == "billing"  # case-insensitive by default
+    assert lay.before("MoM", _user("Solve for x: 2x + 6 = 10 (refunding)")).category == "math"  # whole words only
+    assert lay.before("MoM", _user("SEV1 outage in the payments API")).category == "incident"  # all of them
+    assert lay.before("MoM", _user("sev1 outage in the payments API")).category != "incident"  # case-sensitive
+    assert lay.before("MoM", _user("an outage, not a SEV1 yet")).category == "incident"  # anywhere, any order
+    assert lay.before("MoM", _user("a SEV1 in the payments API")).category != "incident"  # one of two: not all
+    with pytest.raises(ConfigError, match="a keyword must not be empty"):
+        _cfg(tmp_path, {"categories": [{"name": "billing", "keywords": ["invoice", " "]}]})
 
 
 def test_mom_passes_over_models_without_a_live_worker_and_says_so(tmp_path, embedder):

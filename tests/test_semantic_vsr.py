@@ -235,6 +235,11 @@ keyword_rules:
   - name: urgent
     operator: OR
     keywords: [urgent, asap]
+  - name: invoices
+    operator: OR
+    keywords: [invoice, receipt]
+    case_sensitive: false
+    method: fuzzy
 strategy: priority
 decisions:
   - name: stem
@@ -292,6 +297,15 @@ decisions:
         weight: 0.3
       - model: {MODEL_B}
         weight: 0.7
+  - name: invoice_route
+    priority: 60
+    rules:
+      operator: OR
+      conditions:
+        - type: keyword
+          name: invoices
+    modelRefs:
+      - model: {MODEL_B}
 default_model: {MODEL_A}
 """
 
@@ -302,7 +316,7 @@ def test_decisions_become_categories_and_what_does_not_map_is_named():
     r = translate_vsr(data)
     sem = r.config["semantic"]
     assert sem["builtin_categories"] is False and sem["default_model"] == MODEL_A
-    cs, math, billing = sem["categories"]
+    cs, math, billing, invoices = sem["categories"]
     # an OR of two domains: both get the route; modelRefs by order become scores, the first model's reasoning
     for cat, name in ((cs, "computer science"), (math, "math")):
         assert cat == {"name": name, "model_scores": {MODEL_B: 1.0, MODEL_A: 0.9}, "reasoning": True,
@@ -312,9 +326,13 @@ def test_decisions_become_categories_and_what_does_not_map_is_named():
     assert billing == {"name": "billing", "description": "Invoices, refunds and payment methods.",
                        "examples": ["Why was I charged twice this month?", "How do I get a refund for my order?"],
                        "model_scores": {MODEL_A: 0.3, MODEL_B: 0.7}}
+    # a keyword rule: a category of its keywords, matched as whole words (not by the Router's fuzzy method)
+    assert invoices == {"name": "invoices", "keywords": ["invoice", "receipt"], "keyword_operator": "any",
+                        "case_sensitive": False, "model_scores": {MODEL_B: 1.0}}
     skipped = {line.split(": no equivalent")[0] for line in r.unmapped}
     assert skipped == {"decisions[stem].plugins[1] (semantic-cache)", "decisions[urgent_math].rules",
-                       "decisions[math_again]", "embedding_rules[billing].threshold", "keyword_rules"}
+                       "decisions[math_again]", "embedding_rules[billing].threshold", "keyword_rules[invoices].method",
+                       "keyword_rules[urgent]"}
     assert any("routed by decisions[stem] already" in line for line in r.unmapped)
     assert any(line.startswith("decisions[urgent_math].rules") and "AND or NOT" in line for line in r.unmapped)
     # two of the Semantic Router's models mapped onto one farm model: it keeps the better of their scores
@@ -358,8 +376,9 @@ routing:
           - Where do I update my profile settings?
     keywords:
       - name: code_words
-        operator: OR
-        keywords: [debug]
+        operator: AND
+        keywords: [debug, stack trace]
+        case_sensitive: false
   decisions:
     - name: math_route
       rules:
@@ -388,6 +407,15 @@ routing:
         - type: pii
           configuration:
             pii_types_allowed: []
+    - name: debugging
+      priority: 95
+      rules:
+        operator: OR
+        conditions:
+          - type: keyword
+            name: code_words
+      modelRefs:
+        - model: {MODEL_A}
     - name: not_math
       priority: 80
       rules:
@@ -429,14 +457,16 @@ def test_the_layered_v0_3_format_maps_from_its_layers():
     assert sem["default_model"] == MODEL_A
     assert sem["cache"] == {"enabled": True, "backend": "redis", "similarity_threshold": 0.93, "ttl_s": 900}
     assert sem["jailbreak"] == {"enabled": True} and sem["pii"] == {"enabled": True}
-    math, accounts = sem["categories"]
+    math, debugging, accounts = sem["categories"]
+    assert debugging == {"name": "code_words", "keywords": ["debug", "stack trace"], "keyword_operator": "all",
+                         "case_sensitive": False, "model_scores": {MODEL_A: 1.0}}
     assert math == {"name": "math", "model_scores": {MODEL_B: 1.0}, "reasoning": True}  # the decision's models win
     assert accounts["description"] == "Account and login help." and len(accounts["examples"]) == 5
     assert accounts["system_prompt"] == "You are an account support agent."
     skipped = {line.split(": no equivalent")[0] for line in r.unmapped}
     assert skipped == {
         "listeners", "providers.defaults.default_reasoning_effort", "providers.models", "routing.modelCards",
-        "routing.signals.keywords", "routing.decisions[math_route].modelRefs[0].reasoning_effort",
+        "routing.decisions[math_route].modelRefs[0].reasoning_effort",
         "routing.signals.embeddings[account_help].threshold", "routing.decisions[accounts].plugins[1] (pii)",
         "routing.decisions[not_math].rules", "global.router", "global.stores.memory",
         "global.model_catalog.system", "global.model_catalog.modules.prompt_guard.threshold",
@@ -469,3 +499,6 @@ def test_a_layered_config_is_loaded_directly_and_its_embedding_rule_classifies(t
     assert main(["--config", str(p), "semantic", "test", "I forgot my password and cannot sign in", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["category"]["name"] == "account_help" and report["category"]["rule"] == "custom"
+    # the keyword rule (AND): both keywords route to its category, by rule "keyword"
+    assert main(["--config", str(p), "semantic", "test", "Help me debug this Stack Trace from my login page"]) == 0
+    assert "category:   code_words, confidence 1.000, rule: keywords" in capsys.readouterr().out

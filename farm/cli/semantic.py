@@ -160,7 +160,8 @@ def render(r: dict[str, Any]) -> str:
                      + (f"; denied by {pii['policy']}'s policy: {denied}" if denied else ""))
     cat = r["category"]
     if cat:
-        rule = "custom similarity (description + examples)" if cat["rule"] == "custom" else "trained head"
+        rule = {"custom": "custom similarity (description + examples)", "keyword": "keywords (the category's)"}.get(
+            cat["rule"], "trained head")
         accepted = "" if cat["accepted"] else " (below semantic.classifier.threshold: not accepted)"
         lines.append(f"category:   {cat['name']}, confidence {cat['confidence']:.3f}, rule: {rule}{accepted}")
         alts = ", ".join(f"{a['name']} {a['confidence']:.3f} ({a['rule']})" for a in cat["alternatives"])

@@ -133,6 +133,19 @@ class CategoryConfig(Section):
     # chat template of models whose template reads it (x-vsr-reasoning-applied says whether it did)
     reasoning: bool = False
     model_scores: dict[str, float] = Field(default_factory=dict)  # served model -> score, highest wins
+    # Keywords (the Semantic Router's keyword signal): a prompt that contains any of them (all, with
+    # keyword_operator "all"), as whole words and case-insensitively unless case_sensitive, is this category,
+    # before the head and the similarity rule are asked: a route that does not depend on a model.
+    keywords: list[str] = Field(default_factory=list)
+    keyword_operator: Literal["any", "all"] = "any"
+    case_sensitive: bool = False
+
+    @field_validator("keywords")
+    @classmethod
+    def _keywords(cls, v: list[str]) -> list[str]:
+        if any(not k.strip() for k in v):
+            raise ValueError("a keyword must not be empty")
+        return v
 
     @property
     def is_custom(self) -> bool:
@@ -196,11 +209,12 @@ class SemanticConfig(Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"semantic.categories: duplicate names {dup}")
-        unknown = sorted({c.name for c in self.categories if not c.is_custom} - set(MMLU_PRO_CATEGORIES))
+        unknown = sorted({c.name for c in self.categories if not (c.is_custom or c.keywords)}
+                         - set(MMLU_PRO_CATEGORIES))
         if unknown:
             raise ValueError(f"semantic.categories: {unknown} are not categories the classifier knows "
                              f"({', '.join(MMLU_PRO_CATEGORIES)}); a category of your own needs a `description` "
-                             f"and a few `examples`")
+                             f"and a few `examples`, or `keywords`")
         return self
 
     @property

@@ -14,11 +14,16 @@ on a hand-written development set of user-category and built-in prompts (tools/s
 wins when its p is at least the head's top probability; otherwise the head's category stands. The head never
 saw the user's categories, so its own probability cannot speak for them, but a confident head (a clear exam
 question) keeps its prompt against a weak custom match.
+
+Categories with `keywords` come first: a prompt that contains them is that category (rule "keyword",
+confidence 1), whatever the two other rules say. It is the Semantic Router's keyword signal: an operator's
+route that must not depend on a model's judgement ("refund", "invoice" -> the billing model).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -27,7 +32,7 @@ import numpy as np
 from farm.config.semantic import CategoryConfig
 from farm.semantic.heads import LinearHead
 
-Rule = Literal["head", "custom"]
+Rule = Literal["head", "custom", "keyword"]
 # the slope of the similarity -> probability calibration: chosen with custom_threshold on the development set
 # (tools/semantic/layer_dev.py sweeps both: slope 8 holds accuracy >= 0.938 over the widest range of midpoints,
 # 0.30 to 0.48, and 0.958 to 1.000 from 0.32 to 0.44)
@@ -76,14 +81,42 @@ class CustomCategories:
         return [(self.names[i], float(sims[i])) for i in np.argsort(-sims)]
 
 
+class KeywordCategories:
+    """The categories with `keywords`, in configuration order: each keyword a whole-word pattern (letters or digits
+    on neither side), so "refund" matches "a refund?" but not "refunding"."""
+
+    def __init__(self, rules: list[tuple[str, list[re.Pattern[str]], bool]]) -> None:
+        self.rules = rules  # (category, its keywords' patterns, whether all must match)
+
+    @classmethod
+    def from_config(cls, categories: list[CategoryConfig]) -> KeywordCategories | None:
+        rules = []
+        for c in categories:
+            if c.keywords:
+                flags = 0 if c.case_sensitive else re.IGNORECASE
+                patterns = [re.compile(rf"(?<!\w){re.escape(k.strip())}(?!\w)", flags) for k in c.keywords]
+                rules.append((c.name, patterns, c.keyword_operator == "all"))
+        return cls(rules) if rules else None
+
+    def match(self, text: str) -> str | None:
+        """The first category whose keywords the text contains (any, or all of them), or None."""
+        for name, patterns, every in self.rules:
+            hits = (p.search(text) is not None for p in patterns)
+            if all(hits) if every else any(hits):
+                return name
+        return None
+
+
 class CategoryClassifier:
     def __init__(self, head: LinearHead, custom: CustomCategories | None = None,
-                 custom_threshold: float = 0.38, slope: float | None = None) -> None:
+                 custom_threshold: float = 0.38, slope: float | None = None,
+                 keywords: KeywordCategories | None = None) -> None:
         self.head = head
         self.slope = CUSTOM_SLOPE if slope is None else slope
         self.labels = head.labels
         self.custom = custom
         self.custom_threshold = custom_threshold
+        self.keywords = keywords
 
     def calibrated(self, similarity: float) -> float:
         """A custom category's similarity as a probability on the head's scale (see the module's docstring)."""
@@ -102,6 +135,9 @@ class CategoryClassifier:
         if self.custom is not None:
             sims: list[tuple[str, float, Rule]] = [(n, self.calibrated(x), "custom") for n, x in self.custom.scores(vec)]
             ranked = sorted(sims + ranked, key=lambda x: (-x[1], x[2] != "custom"))  # a tie: the user's category
+        keyword = self.keywords.match(text) if self.keywords is not None else None
+        if keyword is not None:
+            ranked.insert(0, (keyword, 1.0, "keyword"))
         seen: set[str] = set()
         uniq = [r for r in ranked if not (r[0] in seen or seen.add(r[0]))]  # a built-in name with examples: once
         name, conf, rule = uniq[0]

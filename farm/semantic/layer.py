@@ -73,7 +73,7 @@ from farm.semantic.cache import (
     text_sha,
     word_sequence,
 )
-from farm.semantic.classifier import CategoryClassifier, CustomCategories
+from farm.semantic.classifier import CategoryClassifier, CustomCategories, KeywordCategories
 from farm.semantic.conversation import conversation_category
 from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
@@ -205,7 +205,8 @@ class SemanticLayer:
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
         jailbreak = JailbreakDetector.shipped(heads, heads_meta(), scfg.jailbreak.threshold)
         custom = CustomCategories.from_config(scfg.categories, emb)  # the user's categories, embedded once
-        classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold)
+        classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold,
+                                        keywords=KeywordCategories.from_config(scfg.categories))
         layer = cls(scfg, cfg.default_model, emb, classifier, jailbreak, pii, cache, served, prefer)
         emb.encode(["warm up the encoder"])  # first calls build kernels: keep them off the first request
         emb.encode_one("warm up the per-request path")

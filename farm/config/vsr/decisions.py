@@ -1,12 +1,13 @@
 """The Semantic Router's decisions (its format since late 2025, flat or under v0.3's `routing:`) as farm categories.
 
 A decision routes requests whose signals match its rule to its `modelRefs`, with plugins such as a system prompt.
-The farm routes by one category per request (its classifier's 14 built-in ones and user-defined ones), so what
-maps is a decision whose rule is one condition, or an OR of conditions, on domains (the classifier's categories)
-or embedding rules (a user-defined category: the rule's candidates become its examples). Such a decision gives
-each category it names the decision's models as scores, its reasoning mode and its system prompt. A rule that
-combines signals with AND or NOT, or names other signals (keywords, fact checks, languages, ...), has no
-equivalent and is named as such; so are the plugins the farm has as global settings only.
+The farm routes by one category per request: its classifier's 14 built-in ones and user-defined ones (by
+similarity to a description and examples, or by keywords). So what maps is a decision whose rule is one
+condition, or an OR of conditions, on domains (the classifier's categories), embedding rules (a user-defined
+category whose examples are the rule's candidates) or keyword rules (a category of those keywords). Such a
+decision gives each category it names the decision's models as scores, its reasoning mode and its system
+prompt. A rule that combines signals with AND or NOT, or names other signals (fact checks, languages, ...), has
+no equivalent and is named as such; so are the plugins the farm has as global settings only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from farm.config.base import ConfigError
 from farm.config.vsr.common import VsrImport, items, mapping
 from farm.config.vsr.sections import builtin_name, category
 
-MAPPED_CONDITIONS = ("domain", "embedding")
+MAPPED_CONDITIONS = ("domain", "embedding", "keyword")
+ROUTED_BY = ("the farm routes by domains (its classifier's categories), embedding rules and keyword rules "
+             "(user-defined categories)")
 _PLUGIN_ELSEWHERE = {
     "semantic-cache": "the farm's cache is one setting for every category (semantic.cache)",
     "semantic_cache": "the farm's cache is one setting for every category (semantic.cache)",
@@ -28,10 +31,11 @@ _PLUGIN_ELSEWHERE = {
 _PROMPT_MODES = {"replace": "replace", "insert": "prepend", "prepend": "prepend"}
 
 
-def routed_categories(domains: Any, domains_key: str, rules: Any, rules_key: str, decisions: Any,
+def routed_categories(domains: Any, domains_key: str, signals: dict[str, tuple[Any, str]], decisions: Any,
                       decisions_key: str, out: VsrImport, rename: dict[str, str]) -> list[dict[str, Any]]:
-    """The farm's categories: one per domain (in their order), then one per embedding rule a decision routes by,
-    each carrying the settings of the highest-priority decision that names it."""
+    """The farm's categories: one per domain (in their order), then one per embedding or keyword rule a decision
+    routes by, each carrying the settings of the highest-priority decision that names it. `signals`: the rules
+    of each kind ("embedding", "keyword") and where they are."""
     cats: list[dict[str, Any]] = []
     by_domain: dict[str, dict[str, Any]] = {}
     for i, d in enumerate(items(domains, domains_key)):
@@ -44,8 +48,8 @@ def routed_categories(domains: Any, domains_key: str, rules: Any, rules_key: str
             continue
         cats.append(cat)
         by_domain[vsr_name] = cat
-    embedding_rules = _embedding_rules(rules, rules_key)
-    used_rules: set[str] = set()
+    rules = {kind: (_named_rules(v, key), key) for kind, (v, key) in signals.items()}
+    used_rules: set[tuple[str, str]] = set()
     routed_by: dict[str, str] = {}  # farm category -> the decision that routes it
     listed = [(i, mapping(d, f"{decisions_key}[{i}]")) for i, d in enumerate(items(decisions, decisions_key))]
     for i, d in sorted(listed, key=lambda e: -_priority(e[1], f"{decisions_key}[{e[0]}]")):  # stable: file order
@@ -57,16 +61,21 @@ def routed_categories(domains: Any, domains_key: str, rules: Any, rules_key: str
             continue
         other = sorted({kind for kind, _ in leaves} - set(MAPPED_CONDITIONS))
         if other:
-            out.skip(f"{where}.rules", f"conditions of type {', '.join(other)}; the farm routes by domains (its "
-                                       "classifier's categories) and embedding rules (user-defined categories)")
+            out.skip(f"{where}.rules", f"conditions of type {', '.join(other)}; {ROUTED_BY}")
+            continue
+        nor = [name for kind, name in leaves if kind == "keyword" and _is_nor(rules["keyword"][0].get(name))]
+        if nor:
+            out.skip(f"{where}.rules", f"the keyword rule {nor[0]!r} matches prompts without its keywords (NOR); "
+                                       "the farm's keyword categories match prompts with them")
             continue
         targets = []
         for kind, name in leaves:
             if kind == "domain":
                 targets.append(_domain(name, by_domain, cats, domains_key, where))
             else:
-                targets.append(_rule_category(name, embedding_rules, by_domain, cats, d, rules_key, where, out))
-                used_rules.add(name)
+                named, key = rules[kind]
+                targets.append(_rule_category(kind, name, named, by_domain, cats, d, key, where, out))
+                used_rules.add((kind, name))
         settings = _settings(d, where, out, rename)
         for cat in targets:
             if cat["name"] in routed_by:
@@ -77,12 +86,13 @@ def routed_categories(domains: Any, domains_key: str, rules: Any, rules_key: str
                 out.notes.append(f"{where}: its modelRefs replace the model_scores of the domain {cat['name']!r}")
             cat.update(settings)
             routed_by[cat["name"]] = where
-    for name in embedding_rules:
-        if name not in used_rules and name not in by_domain:
-            out.skip(f"{rules_key}[{name}]", "no decision routes by it")
+    for kind, (named, key) in rules.items():
+        for name in named:
+            if (kind, name) not in used_rules and name not in by_domain:
+                out.skip(f"{key}[{name}]", "no decision routes by it")
     if not cats:
-        out.notes.append(f"{decisions_key}: no decision routes by a domain or an embedding rule: the farm keeps its "
-                         "14 built-in categories")
+        out.notes.append(f"{decisions_key}: no decision routes by a domain, an embedding rule or a keyword rule: "
+                         "the farm keeps its 14 built-in categories")
     return cats
 
 
@@ -129,16 +139,20 @@ def _condition(c: dict[str, Any], where: str) -> tuple[str, str]:
     return str(c["type"]), str(c["name"])
 
 
-def _embedding_rules(rules: Any, key: str) -> dict[str, tuple[int, dict[str, Any]]]:
-    """Embedding rules by name (`name`, or `category` in the earliest decision format)."""
+def _named_rules(rules: Any, key: str) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Signal rules by name (`name`, or `category` in the earliest decision format)."""
     out = {}
     for i, r in enumerate(items(rules, key)):
         r = mapping(r, f"{key}[{i}]")
         name = r.get("name", r.get("category"))
         if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"{key}[{i}]: an embedding rule needs a name")
+            raise ConfigError(f"{key}[{i}]: a rule needs a name")
         out[name] = (i, r)
     return out
+
+
+def _is_nor(entry: tuple[int, dict[str, Any]] | None) -> bool:
+    return entry is not None and str(entry[1].get("operator", "OR")).upper() == "NOR"
 
 
 def _domain(name: str, by_domain: dict[str, dict[str, Any]], cats: list[dict[str, Any]], key: str,
@@ -156,21 +170,31 @@ def _domain(name: str, by_domain: dict[str, dict[str, Any]], cats: list[dict[str
     return cat
 
 
-def _rule_category(name: str, rules: dict[str, tuple[int, dict[str, Any]]], by_domain: dict[str, dict[str, Any]],
-                   cats: list[dict[str, Any]], decision: dict[str, Any], key: str, where: str,
-                   out: VsrImport) -> dict[str, Any]:
-    """The user-defined category of an embedding rule: its candidates as examples (a domain of the same name, when
-    there is one, gets them)."""
+def _rule_category(kind: str, name: str, rules: dict[str, tuple[int, dict[str, Any]]],
+                   by_domain: dict[str, dict[str, Any]], cats: list[dict[str, Any]], decision: dict[str, Any],
+                   key: str, where: str, out: VsrImport) -> dict[str, Any]:
+    """The user-defined category of an embedding rule (its candidates as examples) or of a keyword rule (its
+    keywords); a domain of the same name, when there is one, gets them."""
     if name not in rules:
-        raise ConfigError(f"{where}: the condition on embedding {name!r} names no rule of {key}")
-    i, rule = rules[name]
+        raise ConfigError(f"{where}: the condition on {kind} {name!r} names no rule of {key}")
+    _, rule = rules[name]
     rk = f"{key}[{name}]"
     cat = by_domain.get(name) or next((c for c in cats if c["name"] == name), None)
     if cat is None:
-        cat = {"name": name, "description": str(decision.get("description") or name.replace("_", " "))}
+        cat = {"name": name}
+        if kind == "embedding":
+            cat["description"] = str(decision.get("description") or name.replace("_", " "))
         cats.append(cat)
-    if "examples" in cat:
+    field = "examples" if kind == "embedding" else "keywords"
+    if field in cat:
         return cat  # a second decision naming the same rule
+    (_embedding if kind == "embedding" else _keywords)(rule, cat, rk, out)
+    if not cat.get(field):
+        raise ConfigError(f"{rk}: a rule needs {'candidates' if kind == 'embedding' else 'keywords'}")
+    return cat
+
+
+def _embedding(rule: dict[str, Any], cat: dict[str, Any], rk: str, out: VsrImport) -> None:
     for k, value in rule.items():
         if k in ("name", "category"):
             continue
@@ -181,9 +205,27 @@ def _rule_category(name: str, rules: dict[str, tuple[int, dict[str, Any]]], by_d
                                   "(semantic.classifier.custom_threshold), chosen for the farm's embedder")
         else:
             out.skip(f"{rk}.{k}", "not a setting of the farm's user-defined categories")
-    if not cat.get("examples"):
-        raise ConfigError(f"{rk}: an embedding rule needs candidates")
-    return cat
+
+
+def _keywords(rule: dict[str, Any], cat: dict[str, Any], rk: str, out: VsrImport) -> None:
+    for k, value in rule.items():
+        if k in ("name", "category"):
+            continue
+        if k == "keywords":
+            cat["keywords"] = [str(x) for x in items(value, f"{rk}.{k}")]
+        elif k == "operator":
+            op = str(value).upper()
+            if op not in ("AND", "OR"):
+                raise ConfigError(f"{rk}.operator: {value!r} is not AND, OR or NOR")
+            cat["keyword_operator"] = "all" if op == "AND" else "any"
+        elif k == "case_sensitive":
+            cat["case_sensitive"] = bool(value)
+        elif k == "method" and value in ("exact", "regex", None):
+            continue
+        elif k == "method" or k.endswith(("_threshold", "_arity", "_match")):
+            out.skip(f"{rk}.{k}", "the farm matches keywords as whole words, not by bm25, n-gram or fuzzy scores")
+        else:
+            out.skip(f"{rk}.{k}", "not a setting of the farm's keyword categories")
 
 
 def _settings(d: dict[str, Any], where: str, out: VsrImport, rename: dict[str, str]) -> dict[str, Any]:
@@ -231,6 +273,9 @@ def _models(refs: list[Any], key: str, out: VsrImport, rename: dict[str, str]) -
                              f"model's ({'on' if reasoning else 'off'})")
         for extra in sorted(set(r) - {"model", "use_reasoning", "weight"}):
             out.skip(f"{key}[{j}].{extra}", "per-model settings within a route")
+    top = max(scores.values())
+    if weighted and top > 1:  # scores are 0..1: weights such as 80 / 20 keep their ratio
+        scores = {m: round(v / top, 4) for m, v in scores.items()}
     if len(scores) > 1:
         out.notes.append(f"{key}: scores {scores} ({'weights' if weighted else 'by order'}): MoM answers with the "
                          "highest-scored live model and falls back to the next; it does not split traffic")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from farm.config.vsr.common import VsrImport, items, mapping
-from farm.config.vsr.decisions import routed_categories, use_categories
+from farm.config.vsr.decisions import ROUTED_BY, routed_categories, use_categories
 from farm.config.vsr.sections import REASONING_ELSEWHERE, cache, category, classifier, guard, models
 
 
@@ -24,7 +24,8 @@ def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename:
     }
     if routed:
         use_categories(sem, routed_categories(
-            data.get("categories"), "categories", data.get("embedding_rules"), "embedding_rules",
+            data.get("categories"), "categories", {"embedding": (data.get("embedding_rules"), "embedding_rules"),
+                                                   "keyword": (data.get("keyword_rules"), "keyword_rules")},
             data["decisions"], "decisions", out, rename))
     else:
         handlers["categories"] = lambda v: sem.update(builtin_categories=False, categories=[  # the Router's list
@@ -32,7 +33,7 @@ def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename:
     for key, value in data.items():
         if key in handlers:
             handlers[key](value)
-        elif routed and key in ("categories", "decisions", "embedding_rules"):
+        elif routed and key in ("categories", "decisions", "embedding_rules", "keyword_rules"):
             continue
         elif key == "strategy" and value == "priority":
             continue  # what the translation does: the highest-priority decision routes a category
@@ -43,7 +44,6 @@ def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename:
         elif key == "bert_model":
             out.skip(key, "the semantic layer's embedder is all-MiniLM-L6-v2, bundled")
         elif key.endswith("_rules"):
-            out.skip(key, "the farm routes by domains (its classifier's categories) and embedding rules "
-                          "(user-defined categories)")
+            out.skip(key, ROUTED_BY)
         else:
             out.skip(key, "not a setting of the farm's semantic layer")

@@ -1,7 +1,7 @@
 """A Semantic Router `config.yaml` of its layered format (`version: v0.3`, since March 2026): `providers` (the
 models and the default one), `routing` (signals and the decisions that route by them) and `global` (stores and
 the classifier modules). What maps is what the flat formats carry, found at its new place: the default model,
-the decisions over domains and embedding rules (farm/config/vsr/decisions.py), the cache store, the prompt guard
+the decisions over domains, embedding and keyword rules (farm/config/vsr/decisions.py), the cache store, the prompt guard
 and the PII classifier's switch. Every other key is named, at most two levels below its layer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from farm.config.vsr.common import VsrImport, mapping
-from farm.config.vsr.decisions import routed_categories, use_categories
+from farm.config.vsr.decisions import ROUTED_BY, routed_categories, use_categories
 from farm.config.vsr.sections import REASONING_ELSEWHERE, cache, classifier, guard
 
 LAYERS = ("listeners", "providers", "routing", "global")
@@ -64,14 +64,14 @@ def _providers(p: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename: d
 def _routing(r: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename: dict[str, str]) -> None:
     signals = mapping(r.get("signals"), "routing.signals")
     for kind in signals:
-        if kind not in ("domains", "embeddings"):
-            out.skip(f"routing.signals.{kind}", _SIGNALS_ELSEWHERE.get(
-                kind, "the farm routes by domains (its classifier's categories) and embedding rules (user-defined "
-                      "categories)"))
+        if kind not in ("domains", "embeddings", "keywords"):
+            out.skip(f"routing.signals.{kind}", _SIGNALS_ELSEWHERE.get(kind, ROUTED_BY))
     if "decisions" in r or "domains" in signals:
         use_categories(sem, routed_categories(
-            signals.get("domains"), "routing.signals.domains", signals.get("embeddings"),
-            "routing.signals.embeddings", r.get("decisions"), "routing.decisions", out, rename))
+            signals.get("domains"), "routing.signals.domains", {
+                "embedding": (signals.get("embeddings"), "routing.signals.embeddings"),
+                "keyword": (signals.get("keywords"), "routing.signals.keywords")},
+            r.get("decisions"), "routing.decisions", out, rename))
     for key, value in r.items():
         if key in ("signals", "decisions") or (key == "strategy" and value == "priority"):
             continue
