@@ -130,6 +130,7 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     from api import admission, auth, http_policy, openapi, request_tracing
     from api.routes import (
         batches,
+        classify,
         embeddings,
         files,
         health,
@@ -149,6 +150,7 @@ def create_app(cfg: FarmConfig | None = None, gateway: Gateway | None = None, wa
     app.register_blueprint(messages.bp)  # Anthropic's /v1/messages on the chat path, its errors in its shape
     app.register_blueprint(response_routes.bp)  # OpenAI's /v1/responses on the chat path, stored per key
     app.register_blueprint(embeddings.bp)
+    app.register_blueprint(classify.bp)  # the Semantic Router's classification API (/api/v1/classify/*)
     app.register_blueprint(utility.bp)
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)

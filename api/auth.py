@@ -32,7 +32,8 @@ from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
 from farm.tenancy.quota import Limiter, Refusal, Reservation
 
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json", "/version"})
-# vLLM's routes outside /v1 that count against the request-rate limit as /v1 routes do
+# vLLM's routes outside /v1 that count against the request-rate limit as /v1 routes do (and the Semantic Router's
+# classification API, under /api/v1)
 LIMITED_PATHS = frozenset({"/tokenize", "/detokenize"})
 METRICS_PATH = "/metrics"
 # endpoints whose requests spend tokens: the token quota is checked before them
@@ -118,7 +119,7 @@ def _check() -> None:
     elif not auth.cfg.api.allow_unauthenticated and not _is_loopback(request.remote_addr):
         raise unauthorized("This farm has no API keys configured and serves only local clients: set "
                            "FARM_API_KEYS on the server (or api.allow_unauthenticated behind a proxy).")
-    if path.startswith("/v1/") or path in LIMITED_PATHS:
+    if path.startswith(("/v1/", "/api/v1/")) or path in LIMITED_PATHS:
         _limit(auth, current_owner())
 
 

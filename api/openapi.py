@@ -1,5 +1,6 @@
-"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from farm/openai/schemas.py and
-farm/openai/utility_schemas.py.
+"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from farm/openai/schemas.py,
+farm/openai/utility_schemas.py and the other protocols' models (Anthropic's, the Responses API's, the Semantic
+Router's classification API).
 
 The operation table below names, per route, its request model and response models; the schemas
 themselves are the pydantic models' JSON Schema (draft 2020-12, which OpenAPI 3.1 uses as is).
@@ -18,6 +19,7 @@ from pydantic.json_schema import models_json_schema
 
 from farm import __version__
 from farm.openai import anthropic as a
+from farm.openai import classify_schemas as c
 from farm.openai import responses_api as r
 from farm.openai import responses_output as ro
 from farm.openai import schemas as m
@@ -93,6 +95,17 @@ OPERATIONS: tuple[Op, ...] = (
        u.TokenizeRequest, ok=u.TokenizeResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("vllm",)),
     Op("post", "/detokenize", "vLLM's /detokenize: token ids to text", u.DetokenizeRequest,
        ok=u.DetokenizeResponse, errors=(400, 401, 404, 413, 415, 429, 503), tags=("vllm",)),
+    Op("post", "/api/v1/classify/intent", "The Semantic Router's intent classification: the category and the model "
+       "MoM would choose, nothing generated", c.IntentRequest, ok=c.IntentResponse,
+       errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
+    Op("post", "/api/v1/classify/pii", "The Semantic Router's PII detection: the entities found and whether the "
+       "answering model's policy blocks them", c.PIIRequest, ok=c.PIIResponse,
+       errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
+    Op("post", "/api/v1/classify/security", "The Semantic Router's jailbreak detection: the guard's attack "
+       "probability and verdict", c.SecurityRequest, ok=c.SecurityResponse,
+       errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
+    Op("post", "/api/v1/classify/combined", "Intent, PII and jailbreak detection of one text", c.CombinedRequest,
+       ok=c.CombinedResponse, errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
     Op("get", "/version", "The farm's version (vLLM's /version)", ok=u.VersionResponse, errors=(),
        tags=("operations",)),
     Op("get", "/health", "Redis reachable; live workers per model and role", ok=m.Health, errors=(503,),
@@ -151,8 +164,8 @@ _ERROR_TEXT = {400: "invalid request (param names the field)", 401: "missing or 
 
 def build_document(version: str = __version__) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
-    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *a.REQUEST_MODELS, *r.REQUEST_MODELS, *m.RESPONSE_MODELS,
-              *u.RESPONSE_MODELS, *a.RESPONSE_MODELS, *ro.RESPONSE_MODELS)
+    models = (*m.REQUEST_MODELS, *u.REQUEST_MODELS, *a.REQUEST_MODELS, *r.REQUEST_MODELS, *c.REQUEST_MODELS,
+              *m.RESPONSE_MODELS, *u.RESPONSE_MODELS, *a.RESPONSE_MODELS, *ro.RESPONSE_MODELS, *c.RESPONSE_MODELS)
     _, schemas = models_json_schema([(model, "validation") for model in models], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:

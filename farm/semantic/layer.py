@@ -73,13 +73,13 @@ from farm.semantic.cache import (
     text_sha,
     word_sequence,
 )
-from farm.semantic.classifier import CategoryClassifier, CustomCategories, KeywordCategories
+from farm.semantic.classifier import Category, CategoryClassifier, CustomCategories, KeywordCategories
 from farm.semantic.conversation import conversation_category
 from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
-from farm.semantic.jailbreak import JailbreakDetector
-from farm.semantic.pii import PIIDetector
-from farm.semantic.selection import ModelSelector, inject_system_prompt, message_text, system_prompt_of
+from farm.semantic.jailbreak import JailbreakDetector, JailbreakResult
+from farm.semantic.pii import Entity, PIIDetector
+from farm.semantic.selection import ModelSelector, Route, inject_system_prompt, message_text, system_prompt_of
 
 H_JB_BLOCKED, H_JB_TYPE, H_JB_CONF = "x-vsr-jailbreak-blocked", "x-vsr-jailbreak-type", "x-vsr-jailbreak-confidence"
 H_PII_VIOLATION, H_PII_TYPES, H_PII_DETECTED = "x-vsr-pii-violation", "x-vsr-pii-types", "x-vsr-pii-detected"
@@ -164,6 +164,23 @@ class Verdict:
         headers = {k: v for k, v in self.headers.items() if k != H_CACHE_HIT}
         return Verdict("forward", self.model, self.messages, headers, None, None, self.category, self.confidence,
                        self.reasoning, None, self.timings_ms, self.explain, self.alternatives)
+
+
+ALL_SIGNALS = frozenset({"category", "jailbreak", "pii"})
+
+
+@dataclass
+class Signals:
+    """One text's signals (SemanticLayer.signals): each None when not asked for or its stage is off."""
+
+    text: str
+    category: Category | None = None
+    route: Route | None = None  # the model the category gives the alias asked about
+    jailbreak: JailbreakResult | None = None
+    jailbreak_threshold: float = 0.0
+    pii: list[Entity] | None = None
+    pii_denied: set[str] = field(default_factory=set)  # types the answering model's policy blocks
+    ms: float = 0.0
 
 
 class SemanticLayer:
@@ -352,6 +369,34 @@ class SemanticLayer:
                                route.category, route.confidence, route.reasoning, None, _total(t, t0), explain)
         return Verdict("forward", route.model, out_messages, headers, None, None, route.category,
                        route.confidence, route.reasoning, query, _total(t, t0), explain, route.alternatives)
+
+    # -- one text's signals, each read on its own (the classification API) --------------------------------
+    def signals(self, text: str, model: str = "", tenant: str = "", want: frozenset[str] = ALL_SIGNALS) -> Signals:
+        """What each stage reads in `text` (a user message), every stage run whatever the others found: the
+        category and the model `model` (an alias, by default the first) would get, the jailbreak guard's
+        probability, and the PII entities with their offsets. No cache, nothing blocked, nothing stored."""
+        t0 = time.perf_counter()
+        model = model or self.cfg.aliases[0]
+        pii_on = "pii" in want and self.cfg.pii.enabled and self.pii is not None
+        pending = self.pii.start_detect_many([text]) if pii_on and self.pii is not None else None
+        if not self.cfg.jailbreak.enabled:
+            want = want - {"jailbreak"}
+        out = Signals(text)
+        if want & {"category", "jailbreak"}:
+            vec = self._embed([text], tenant)[text].vector
+            if "category" in want:
+                out.category = self.classifier.decide(vec, text)
+                out.route = self.selector.select(model, out.category.name, out.category.confidence)
+            if "jailbreak" in want:
+                out.jailbreak = self.jailbreak.screen([text], lambda xs: self._guard_vectors(xs, tenant))[0]
+                out.jailbreak_threshold = self._jb_threshold("user")
+        if pending is not None:
+            out.pii = pending()[0]
+            policy = model if (model in self.cfg.pii.policies or not self.is_alias(model)) else (
+                out.route.model if out.route is not None else self.selector.default_model)
+            out.pii_denied = self.cfg.pii.policy(policy).violations({e.type for e in out.pii})
+        out.ms = _ms(t0)
+        return out
 
     def _jb_threshold(self, role: str) -> float:
         """The attack probability that blocks a message of this role (operators' turns: see system_threshold)."""

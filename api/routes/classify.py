@@ -1,0 +1,58 @@
+"""The Semantic Router's classification API on the farm's API: `POST /api/v1/classify/intent`, `/pii`, `/security`
+and `/combined`, in its shapes (farm/semantic/classify_api.py). Nothing is generated or cached; the same API key
+and request-rate limit as /v1 apply (api/auth.py), and no token of the quota is spent.
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, jsonify
+
+from api.auth import current_owner
+from api.bodies import json_body
+from farm.openai import classify_schemas as schemas
+from farm.openai.api_error import APIError
+from farm.openai.utility import validated
+from farm.semantic import classify_api as vsr
+
+bp = Blueprint("classify", __name__, url_prefix="/api/v1/classify")
+
+
+def _json(model) -> Response:
+    return jsonify(model.model_dump(exclude_none=True))
+
+
+def _signals(text: str, model: str | None, want: frozenset[str]):
+    farm = current_app.extensions["farm"]
+    layer = farm.semantic()
+    if layer is None:
+        raise APIError(404, "The semantic layer is disabled on this farm (semantic.enabled: false).",
+                       code="semantic_layer_disabled")
+    if model is not None and not layer.is_alias(model) and model not in {m.name for m in farm.cfg.models}:
+        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+    return layer.signals(text, model or "", tenant=current_owner(), want=want)
+
+
+@bp.post("/intent")
+def intent() -> Response:
+    req = validated(schemas.IntentRequest, json_body())
+    return _json(vsr.intent(_signals(req.text, req.model, frozenset({"category"})), req.options))
+
+
+@bp.post("/pii")
+def pii() -> Response:
+    req = validated(schemas.PIIRequest, json_body())
+    # the policy of the model the alias would choose needs the category
+    want = frozenset({"pii", "category"}) if req.model is None else frozenset({"pii"})
+    return _json(vsr.pii(_signals(req.text, req.model, want), req.options))
+
+
+@bp.post("/security")
+def security() -> Response:
+    req = validated(schemas.SecurityRequest, json_body())
+    return _json(vsr.security(_signals(req.text, None, frozenset({"jailbreak"})), req.options))
+
+
+@bp.post("/combined")
+def combined() -> Response:
+    req = validated(schemas.CombinedRequest, json_body())
+    return _json(vsr.combined(_signals(req.text, req.model, frozenset({"category", "jailbreak", "pii"})), req))

@@ -1,0 +1,119 @@
+"""The Semantic Router's classification API, its requests and responses (`POST /api/v1/classify/intent`, `/pii`,
+`/security`, `/combined`; its apiserver's IntentRequest/IntentResponse, PIIRequest/PIIResponse, SecurityRequest/
+SecurityResponse). The farm answers them from its own signals (farm/semantic/classify_api.py); `rule`,
+`accepted`, `threshold`, `denied_types` and `enabled` are the farm's additions to the Router's fields."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # the Router's other options are accepted, as its JSON decoding does
+
+
+class IntentOptions(_Options):
+    return_probabilities: bool = False
+
+
+class PIIOptions(_Options):
+    entity_types: list[str] | None = None  # only these types (the farm's or the Router's names)
+    return_positions: bool = False
+    mask_entities: bool = False
+    reveal_entity_text: bool = False  # the entity's text in `value`; else its type in brackets
+
+
+class SecurityOptions(_Options):
+    include_reasoning: bool = False
+
+
+class _TextRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    text: str = Field(max_length=100_000)
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("text cannot be empty")
+        return v
+
+
+class IntentRequest(_TextRequest):
+    model: str | None = None  # the alias (or model) to choose for; default the first alias, "MoM"
+    options: IntentOptions = IntentOptions()
+
+
+class PIIRequest(_TextRequest):
+    model: str | None = None  # whose PII policy decides the recommendation
+    options: PIIOptions = PIIOptions()
+
+
+class SecurityRequest(_TextRequest):
+    options: SecurityOptions = SecurityOptions()
+
+
+class CombinedRequest(_TextRequest):
+    model: str | None = None
+    intent_options: IntentOptions = IntentOptions()
+    pii_options: PIIOptions = PIIOptions()
+    security_options: SecurityOptions = SecurityOptions()
+
+
+# -- responses -------------------------------------------------------------------------------------------------
+class IntentClassification(BaseModel):
+    category: str
+    confidence: float
+    processing_time_ms: int
+    rule: str  # head | custom | keyword: which of the classifier's rules decided
+    accepted: bool  # at or above semantic.classifier.threshold: the category routes
+
+
+class IntentResponse(BaseModel):
+    classification: IntentClassification
+    recommended_model: str
+    routing_decision: str  # the accepted category, or "default"
+    matched_signals: dict[str, list[str]]  # domains | embeddings | keywords -> the category
+    probabilities: dict[str, float] | None = None  # with options.return_probabilities
+
+
+class PIIEntity(BaseModel):
+    type: str
+    value: str  # the entity's text with options.reveal_entity_text, else "[TYPE]"
+    confidence: float
+    start_position: int | None = None  # with options.return_positions
+    end_position: int | None = None
+
+
+class PIIResponse(BaseModel):
+    has_pii: bool
+    entities: list[PIIEntity]
+    security_recommendation: str  # block | allow, by the answering model's PII policy
+    processing_time_ms: int
+    denied_types: list[str] = Field(default_factory=list)
+    masked_text: str | None = None  # with options.mask_entities
+    enabled: bool = True  # false: the PII guard is off on this farm
+
+
+class SecurityResponse(BaseModel):
+    is_jailbreak: bool
+    risk_score: float  # the guard's probability that the text is an attack
+    detection_types: list[str]
+    confidence: float  # of the verdict given
+    recommendation: str  # block | allow
+    patterns_detected: list[str]
+    processing_time_ms: int
+    threshold: float | None = None
+    reasoning: str | None = None  # with options.include_reasoning
+    enabled: bool = True  # false: the jailbreak guard is off on this farm
+
+
+class CombinedResponse(BaseModel):
+    intent: IntentResponse
+    pii: PIIResponse
+    security: SecurityResponse
+    processing_time_ms: int
+
+
+REQUEST_MODELS = (IntentRequest, PIIRequest, SecurityRequest, CombinedRequest)
+RESPONSE_MODELS = (IntentResponse, PIIResponse, SecurityResponse, CombinedResponse)

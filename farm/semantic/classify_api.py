@@ -1,0 +1,79 @@
+"""The Semantic Router's classification API answered from the farm's signals.
+
+`POST /api/v1/classify/intent`, `/pii`, `/security` and `/combined` are what a Semantic Router user calls to see
+why a prompt would be routed or refused, without generating (its router's management API). The farm answers them
+from `SemanticLayer.signals`: the same classifier, guards and model choice as a chat request, each stage run
+whatever the others found, no cache. The shapes are in farm/openai/classify_schemas.py.
+"""
+
+from __future__ import annotations
+
+from farm.config.semantic import normalize_type
+from farm.openai import classify_schemas as s
+from farm.semantic.layer import Signals
+
+# which of the Semantic Router's matched_signals lists a category's rule is
+SIGNAL_OF_RULE = {"head": "domains", "custom": "embeddings", "keyword": "keywords"}
+
+
+def _ms(sig: Signals) -> int:
+    return round(sig.ms)
+
+
+def intent(sig: Signals, opts: s.IntentOptions) -> s.IntentResponse:
+    cat, route = sig.category, sig.route
+    assert cat is not None and route is not None
+    accepted = route.category is not None
+    probabilities = None
+    if opts.return_probabilities:
+        probabilities = {cat.name: round(cat.confidence, 4),
+                         **{n: round(c, 4) for n, c, _ in cat.alternatives if n != cat.name}}
+    return s.IntentResponse(
+        classification=s.IntentClassification(category=cat.name, confidence=round(cat.confidence, 4),
+                                              processing_time_ms=_ms(sig), rule=cat.rule, accepted=accepted),
+        recommended_model=route.model, routing_decision=route.category or "default",
+        matched_signals={SIGNAL_OF_RULE[cat.rule]: [cat.name]} if accepted else {}, probabilities=probabilities)
+
+
+def pii(sig: Signals, opts: s.PIIOptions) -> s.PIIResponse:
+    if sig.pii is None:  # the PII guard is off
+        return s.PIIResponse(has_pii=False, entities=[], security_recommendation="allow",
+                             processing_time_ms=_ms(sig), enabled=False)
+    wanted = {normalize_type(t) for t in opts.entity_types} if opts.entity_types else None
+    found = [e for e in sig.pii if wanted is None or e.type in wanted]
+    entities = [s.PIIEntity(type=e.type, value=e.text if opts.reveal_entity_text else f"[{e.type}]",
+                            confidence=round(e.score, 4),
+                            start_position=e.start if opts.return_positions else None,
+                            end_position=e.end if opts.return_positions else None) for e in found]
+    masked = None
+    if opts.mask_entities:
+        masked = sig.text
+        for e in sorted(found, key=lambda e: -e.start):  # from the end: earlier offsets stay valid
+            masked = f"{masked[:e.start]}[{e.type}]{masked[e.end:]}"
+    return s.PIIResponse(has_pii=bool(found), entities=entities,
+                         security_recommendation="block" if sig.pii_denied else "allow",
+                         processing_time_ms=_ms(sig), denied_types=sorted(sig.pii_denied), masked_text=masked)
+
+
+def security(sig: Signals, opts: s.SecurityOptions) -> s.SecurityResponse:
+    jb = sig.jailbreak
+    if jb is None:  # the jailbreak guard is off
+        return s.SecurityResponse(is_jailbreak=False, risk_score=0.0, detection_types=[], confidence=0.0,
+                                  recommendation="allow", patterns_detected=[], processing_time_ms=_ms(sig),
+                                  enabled=False)
+    blocked = jb.confidence >= sig.jailbreak_threshold
+    types = [jb.type] if blocked else []
+    reasoning = None
+    if opts.include_reasoning:
+        reasoning = (f"attack probability {jb.confidence:.3f} {'>=' if blocked else '<'} the threshold "
+                     f"{sig.jailbreak_threshold:.3f}" + (f"; type {jb.type}" if blocked else ""))
+    return s.SecurityResponse(
+        is_jailbreak=blocked, risk_score=round(jb.confidence, 4), detection_types=types,
+        confidence=round(jb.confidence if blocked else 1.0 - jb.confidence, 4),
+        recommendation="block" if blocked else "allow", patterns_detected=types, processing_time_ms=_ms(sig),
+        threshold=round(sig.jailbreak_threshold, 4), reasoning=reasoning)
+
+
+def combined(sig: Signals, req: s.CombinedRequest) -> s.CombinedResponse:
+    return s.CombinedResponse(intent=intent(sig, req.intent_options), pii=pii(sig, req.pii_options),
+                              security=security(sig, req.security_options), processing_time_ms=_ms(sig))
