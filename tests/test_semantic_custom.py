@@ -125,6 +125,11 @@ def test_keyword_categories_route_before_the_head_and_the_similarity_rule(tmp_pa
     assert lay.before("MoM", _user("sev1 outage in the payments API")).category != "incident"  # case-sensitive
     assert lay.before("MoM", _user("an outage, not a SEV1 yet")).category == "incident"  # anywhere, any order
     assert lay.before("MoM", _user("a SEV1 in the payments API")).category != "incident"  # one of two: not all
+    # in a conversation, a turn a keyword rule routes moves it (a follow-up otherwise keeps the first turn's)
+    turns = [{"role": "user", "content": "Solve for x: 2x + 6 = 10"}, {"role": "assistant", "content": "x = 2"},
+             {"role": "user", "content": "Now email me an invoice for the tutoring"}]
+    moved = lay.before("MoM", turns)
+    assert moved.category == "billing" and moved.explain["conversation"]["switched"] is True
     with pytest.raises(ConfigError, match="a keyword must not be empty"):
         _cfg(tmp_path, {"categories": [{"name": "billing", "keywords": ["invoice", " "]}]})
 

@@ -165,6 +165,15 @@ def test_the_fold_classifies_only_the_turns_that_can_decide():
     assert (c.category.name, c.decided_at, c.turn.name, c.switched) == ("law", 2, "history", True)
     c = conversation_category(turns("low", "low"), decide, 0.25, None)
     assert (c.category.name, c.decided_at) == ("other", 1)  # nobody sure: the last turn's own (not accepted)
+    # an operator's keyword rule moves the conversation from its turn on, whatever switch_confidence says
+    labels["k"] = Category("billing", 1.0, "keyword")
+    asked.clear()
+    c = conversation_category(turns("a", "b", "k", "b"), decide, 0.25, None,
+                              keyword=lambda text: "billing" if text == "k" else None)
+    assert (c.category.name, c.decided_at, c.turn.name, c.switched) == ("billing", 2, "history", True)
+    assert asked == ["a", "k", "b"]  # only the turn a keyword rule routes is classified between
+    c = conversation_category(turns("k", "a"), decide, 0.25, None, keyword=lambda text: "billing" if text == "k" else None)
+    assert (c.category.name, c.decided_at, c.switched) == ("billing", 0, False)  # a sure later turn does not move it
 
 
 def test_earlier_turns_are_embedded_once(layer, embedder, monkeypatch):

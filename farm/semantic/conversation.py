@@ -11,7 +11,9 @@ answer for the same turns, so the same model, reasoning mode and system prompt s
 as it grows.
 
 A later turn moves the conversation only when its own category differs and is at least
-`semantic.conversation.switch_confidence` sure (None: never); from that turn on it is the conversation's.
+`semantic.conversation.switch_confidence` sure (None: never), or when an operator's keyword rule routes it (a
+category with `keywords`: the route was written for exactly such a turn); from that turn on it is the
+conversation's.
 """
 
 from __future__ import annotations
@@ -33,21 +35,25 @@ class ConversationCategory:
 
 
 def conversation_category(turns: Sequence[tuple[np.ndarray, str]], decide: Callable[[np.ndarray, str], Category],
-                          threshold: float, switch_confidence: float | None) -> ConversationCategory:
+                          threshold: float, switch_confidence: float | None,
+                          keyword: Callable[[str], str | None] | None = None) -> ConversationCategory:
     """Fold the user turns (each its embedding and text, oldest first; at least one) into the conversation's
-    category. Turns after the first accepted one are classified only when they could move it (`switch_confidence`)
-    and for the last turn's own category."""
+    category. Turns after the first accepted one are classified only when they could move it (`switch_confidence`,
+    or a keyword rule: `keyword(text)` names the category one routes the text to) and for the last turn's own
+    category."""
     last = len(turns) - 1
     current: Category | None = None
     at, switched = last, False
     for i, (vec, text) in enumerate(turns):
-        if current is not None and switch_confidence is None and i < last:
+        pinned = current is not None and keyword is not None and keyword(text) not in (None, current.name)
+        if current is not None and switch_confidence is None and i < last and not pinned:
             continue  # nothing after the first accepted turn can move the conversation
         d = decide(vec, text)
         if current is None:
             if d.confidence >= threshold or i == last:
                 current, at = d, i
-        elif switch_confidence is not None and d.name != current.name and d.confidence >= switch_confidence:
+        elif d.name != current.name and (d.rule == "keyword" or (
+                switch_confidence is not None and d.confidence >= switch_confidence)):
             current, at, switched = d, i, True
         if i == last:
             return ConversationCategory(current, d, at, switched)

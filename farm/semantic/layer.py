@@ -285,8 +285,10 @@ class SemanticLayer:
         s = time.perf_counter()
         cat, affinity = None, ""
         if conversation:  # the conversation's category, as its deciding turn got it (not a follow-up's own)
+            keywords = self.classifier.keywords
             conv = conversation_category([(vectors[x[2]].vector, x[2]) for x in users], self.classifier.decide,
-                                         cfg.classifier.threshold, cfg.conversation.switch_confidence)
+                                         cfg.classifier.threshold, cfg.conversation.switch_confidence,
+                                         keyword=keywords.match if keywords is not None else None)
             cat = conv.category
             explain["conversation"] = {"user_turns": len(users), "decided_at_turn": conv.decided_at + 1,
                                        "switched": conv.switched, "last_turn": {
