@@ -106,6 +106,8 @@ OPERATIONS: tuple[Op, ...] = (
        errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
     Op("post", "/api/v1/classify/combined", "Intent, PII and jailbreak detection of one text", c.CombinedRequest,
        ok=c.CombinedResponse, errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
+    Op("post", "/api/v1/classify/batch", "Up to 100 texts through one of intent, PII or jailbreak detection",
+       c.BatchRequest, ok=c.BatchResponse, errors=(400, 401, 404, 413, 415, 429), tags=("semantic",)),
     Op("get", "/version", "The farm's version (vLLM's /version)", ok=u.VersionResponse, errors=(),
        tags=("operations",)),
     Op("get", "/health", "Redis reachable; live workers per model and role", ok=m.Health, errors=(503,),

@@ -1,9 +1,11 @@
-"""The Semantic Router's classification API on the farm's API: `POST /api/v1/classify/intent`, `/pii`, `/security`
-and `/combined`, in its shapes (farm/semantic/classify_api.py). Nothing is generated or cached; the same API key
-and request-rate limit as /v1 apply (api/auth.py), and no token of the quota is spent.
+"""The Semantic Router's classification API on the farm's API: `POST /api/v1/classify/intent`, `/pii`,
+`/security`, `/combined` and `/batch`, in its shapes (farm/semantic/classify_api.py). Nothing is generated or
+cached; the same API key and request-rate limit as /v1 apply (api/auth.py), and no token of the quota is spent.
 """
 
 from __future__ import annotations
+
+import time
 
 from flask import Blueprint, Response, current_app, jsonify
 
@@ -56,3 +58,15 @@ def security() -> Response:
 def combined() -> Response:
     req = validated(schemas.CombinedRequest, json_body())
     return _json(vsr.combined(_signals(req.text, req.model, frozenset({"category", "jailbreak", "pii"})), req))
+
+
+@bp.post("/batch")
+def batch() -> Response:
+    """Up to 100 texts, one task each (intent, pii or security), in the Router's one-label form."""
+    req = validated(schemas.BatchRequest, json_body())
+    t0 = time.perf_counter()
+    want = frozenset({{"intent": "category", "security": "jailbreak", "pii": "pii"}[req.task_type]})
+    sigs = [_signals(text, None, want) for text in req.texts]
+    results = [vsr.batch_result(sig, req.task_type, req.options) for sig in sigs]
+    low = [req.task_type == "intent" and sig.route is not None and sig.route.category is None for sig in sigs]
+    return _json(vsr.batch(results, low, (time.perf_counter() - t0) * 1000))

@@ -1,9 +1,11 @@
 """The Semantic Router's classification API, its requests and responses (`POST /api/v1/classify/intent`, `/pii`,
-`/security`, `/combined`; its apiserver's IntentRequest/IntentResponse, PIIRequest/PIIResponse, SecurityRequest/
+`/security`, `/combined`, `/batch`; its apiserver's IntentRequest/IntentResponse, PIIRequest/PIIResponse, SecurityRequest/
 SecurityResponse). The farm answers them from its own signals (farm/semantic/classify_api.py); `rule`,
 `accepted`, `threshold`, `denied_types` and `enabled` are the farm's additions to the Router's fields."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -58,6 +60,26 @@ class CombinedRequest(_TextRequest):
     intent_options: IntentOptions = IntentOptions()
     pii_options: PIIOptions = PIIOptions()
     security_options: SecurityOptions = SecurityOptions()
+
+
+MAX_BATCH_TEXTS = 100  # the Semantic Router's default max_batch_size
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    texts: list[str] = Field(min_length=1, max_length=MAX_BATCH_TEXTS)
+    task_type: Literal["intent", "pii", "security"] = "intent"
+    options: IntentOptions = IntentOptions()
+
+    @field_validator("texts")
+    @classmethod
+    def _texts(cls, v: list[str]) -> list[str]:
+        for i, t in enumerate(v):
+            if not t.strip():
+                raise ValueError(f"texts[{i}] cannot be empty")
+            if len(t) > 100_000:
+                raise ValueError(f"texts[{i}] is longer than 100000 characters")
+        return v
 
 
 # -- responses -------------------------------------------------------------------------------------------------
@@ -115,5 +137,29 @@ class CombinedResponse(BaseModel):
     processing_time_ms: int
 
 
-REQUEST_MODELS = (IntentRequest, PIIRequest, SecurityRequest, CombinedRequest)
-RESPONSE_MODELS = (IntentResponse, PIIResponse, SecurityResponse, CombinedResponse)
+
+class BatchResult(BaseModel):
+    """One text's answer: its category (intent), the attack type or "benign" (security), or the most confident
+    entity type or "NO_PII" (pii)."""
+
+    category: str
+    confidence: float
+    processing_time_ms: int
+    probabilities: dict[str, float] | None = None  # intent, with options.return_probabilities
+
+
+class BatchStatistics(BaseModel):
+    category_distribution: dict[str, int]
+    avg_confidence: float
+    low_confidence_count: int  # intent: below semantic.classifier.threshold (the default model answers them)
+
+
+class BatchResponse(BaseModel):
+    results: list[BatchResult]
+    total_count: int
+    processing_time_ms: int
+    statistics: BatchStatistics
+
+
+REQUEST_MODELS = (IntentRequest, PIIRequest, SecurityRequest, CombinedRequest, BatchRequest)
+RESPONSE_MODELS = (IntentResponse, PIIResponse, SecurityResponse, CombinedResponse, BatchResponse)

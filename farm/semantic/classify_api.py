@@ -1,6 +1,6 @@
 """The Semantic Router's classification API answered from the farm's signals.
 
-`POST /api/v1/classify/intent`, `/pii`, `/security` and `/combined` are what a Semantic Router user calls to see
+`POST /api/v1/classify/intent`, `/pii`, `/security`, `/combined` and `/batch` are what a Semantic Router user calls to see
 why a prompt would be routed or refused, without generating (its router's management API). The farm answers them
 from `SemanticLayer.signals`: the same classifier, guards and model choice as a chat request, each stage run
 whatever the others found, no cache. The shapes are in farm/openai/classify_schemas.py.
@@ -77,3 +77,29 @@ def security(sig: Signals, opts: s.SecurityOptions) -> s.SecurityResponse:
 def combined(sig: Signals, req: s.CombinedRequest) -> s.CombinedResponse:
     return s.CombinedResponse(intent=intent(sig, req.intent_options), pii=pii(sig, req.pii_options),
                               security=security(sig, req.security_options), processing_time_ms=_ms(sig))
+
+
+def batch_result(sig: Signals, task: str, opts: s.IntentOptions) -> s.BatchResult:
+    """One text of a batch, in the batch's one-label form."""
+    if task == "intent":
+        r = intent(sig, opts)
+        return s.BatchResult(category=r.classification.category, confidence=r.classification.confidence,
+                             processing_time_ms=_ms(sig), probabilities=r.probabilities)
+    if task == "security":
+        sec = security(sig, s.SecurityOptions())
+        return s.BatchResult(category=sec.detection_types[0] if sec.is_jailbreak else "benign",
+                             confidence=sec.confidence, processing_time_ms=_ms(sig))
+    best = max(sig.pii or [], key=lambda e: e.score, default=None)
+    return s.BatchResult(category=best.type if best else "NO_PII", confidence=round(best.score, 4) if best else 1.0,
+                         processing_time_ms=_ms(sig))
+
+
+def batch(results: list[s.BatchResult], low: list[bool], ms: float) -> s.BatchResponse:
+    """The batch's answer; `low[i]`: result i was below the classifier's threshold (intent)."""
+    dist: dict[str, int] = {}
+    for r in results:
+        dist[r.category] = dist.get(r.category, 0) + 1
+    return s.BatchResponse(results=results, total_count=len(results), processing_time_ms=round(ms),
+                           statistics=s.BatchStatistics(
+                               category_distribution=dist, low_confidence_count=sum(low),
+                               avg_confidence=round(sum(r.confidence for r in results) / len(results), 4)))
