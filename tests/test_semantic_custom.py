@@ -71,13 +71,16 @@ def test_built_in_prompts_stay_with_the_head(layer):
 def test_a_custom_category_routes_and_explains(layer):
     v = layer.before("MoM", _user("How do I cook rice so it is fluffy?"))
     assert v.category == "cooking" and v.model == MODEL_B  # its model_scores
-    assert v.headers["x-vsr-selected-category"] == "cooking"
+    assert v.headers["x-vsr-selected-category"] == "cooking" == v.headers["x-vsr-matched-embeddings"]
+    assert float(v.headers["x-vsr-selected-confidence"]) >= layer.cfg.classifier.threshold
     assert v.messages[0] == {"role": "system", "content": "You are a chef."}
     why = v.explain["category"]
     assert why["rule"] == "custom" and why["confidence"] >= layer.cfg.classifier.threshold and why["accepted"]
     assert len(why["alternatives"]) == 3
-    head = layer.before("MoM", _user("What is the derivative of x^3?")).explain["category"]
-    assert head["rule"] == "head" and head["name"] == "math"
+    by_head = layer.before("MoM", _user("What is the derivative of x^3?"))
+    head = by_head.explain["category"]
+    assert head["rule"] == "head" and head["name"] == "math" == by_head.headers["x-vsr-matched-domains"]
+    assert "x-vsr-matched-embeddings" not in by_head.headers
 
 
 def test_custom_categories_are_embedded_once_at_start(tmp_path, embedder):
@@ -118,6 +121,7 @@ def test_keyword_categories_route_before_the_head_and_the_similarity_rule(tmp_pa
     v = lay.before("MoM", _user("Solve for x: 2x + 6 = 10, then put the answer on my invoice"))
     why = v.explain["category"]
     assert v.category == "billing" and v.model == MODEL_B and why["rule"] == "keyword" and why["confidence"] == 1.0
+    assert v.headers["x-vsr-matched-keywords"] == "billing" and v.headers["x-vsr-selected-confidence"] == "1.000"
     assert why["alternatives"][0][0] == "math"  # what the head would have said, as the first runner-up
     assert lay.before("MoM", _user("Where is my REFUND?")).category == "billing"  # case-insensitive by default
     assert lay.before("MoM", _user("Solve for x: 2x + 6 = 10 (refunding)")).category == "math"  # whole words only

@@ -33,6 +33,8 @@ from farm.config.semantic import CategoryConfig
 from farm.semantic.heads import LinearHead
 
 Rule = Literal["head", "custom", "keyword"]
+# the Semantic Router's name for the signal each rule is (its x-vsr-matched-* headers, its matched_signals lists)
+SIGNAL_OF_RULE: dict[str, str] = {"head": "domains", "custom": "embeddings", "keyword": "keywords"}
 # the slope of the similarity -> probability calibration: chosen with custom_threshold on the development set
 # (tools/semantic/layer_dev.py sweeps both: slope 8 holds accuracy >= 0.938 over the widest range of midpoints,
 # 0.30 to 0.48, and 0.958 to 1.000 from 0.32 to 0.44)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from farm.config.semantic import normalize_type
 from farm.openai import classify_schemas as s
+from farm.semantic.classifier import SIGNAL_OF_RULE
 from farm.semantic.layer import Signals
-
-# which of the Semantic Router's matched_signals lists a category's rule is
-SIGNAL_OF_RULE = {"head": "domains", "custom": "embeddings", "keyword": "keywords"}
 
 
 def _ms(sig: Signals) -> int:

@@ -73,7 +73,13 @@ from farm.semantic.cache import (
     text_sha,
     word_sequence,
 )
-from farm.semantic.classifier import Category, CategoryClassifier, CustomCategories, KeywordCategories
+from farm.semantic.classifier import (
+    SIGNAL_OF_RULE,
+    Category,
+    CategoryClassifier,
+    CustomCategories,
+    KeywordCategories,
+)
 from farm.semantic.conversation import conversation_category
 from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
@@ -92,6 +98,10 @@ H_SELECTION_REASON = "x-vsr-selection-reason"  # why MoM chose this model: score
 # the category came from an earlier user turn of the conversation (farm.semantic.conversation): "turn=<n>" (1-based,
 # among the user turns), "; switched" when a turn after the first moved the conversation there
 H_AFFINITY = "x-vsr-conversation-affinity"
+# as the Semantic Router sends them for a routed request: the category's confidence, and the signal that matched
+# it (x-vsr-matched-domains: the head; -embeddings: a user category by similarity; -keywords: by keywords)
+H_CONFIDENCE = "x-vsr-selected-confidence"
+MATCHED_PREFIX = "x-vsr-matched-"
 # the roles whose text the guards read; "function" is the legacy name of a tool result
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
@@ -344,8 +354,10 @@ class SemanticLayer:
         if route.passed_over:
             headers[H_FALLBACK] = fallback_value(route.passed_over, route.model, "no-live-worker")
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
-        if route.category:
+        if route.category and cat is not None:
             headers[H_CATEGORY] = route.category
+            headers[H_CONFIDENCE] = f"{cat.confidence:.3f}"
+            headers[MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]] = route.category
             if affinity:
                 headers[H_AFFINITY] = affinity
         if route.reasoning is not None:
