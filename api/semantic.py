@@ -19,6 +19,7 @@ from farm.openai.parsing import local_params
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.semantic.layer import (
     H_FALLBACK,
+    H_FAST,
     H_INJECTED,
     H_MODEL,
     H_REASONING_APPLIED,
@@ -63,7 +64,9 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
         v = v.as_miss()
     prometheus.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
     if v.action == "block":
-        prometheus.SEMANTIC_BLOCKS.labels(guard="jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else "pii").inc()
+        guard = ("jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else
+                 "fast_response" if H_FAST in v.headers else "pii")
+        prometheus.SEMANTIC_BLOCKS.labels(guard=guard).inc()
     elif "cache" in v.timings_ms:
         prometheus.SEMANTIC_CACHE.labels(result="hit" if v.action == "cached" else "miss").inc()
     if layer.is_alias(model) and v.action != "block":

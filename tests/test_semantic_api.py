@@ -162,3 +162,35 @@ def test_the_apis_choice_among_alike_models_sees_only_the_tenants_own_cache(redi
     assert ctx.prefer_model((a, b), messages, "acme") == (b, "kv-cache")
     assert ctx.prefer_model((a, b), messages, "globex") is None  # not globex's cache: the best score stands
     assert ctx.prefer_model((a, b), [{"role": "user", "content": {"bad": 1}}], "acme") is None  # no error either
+
+
+FAST_ANSWER = "This assistant does not process internal documents."
+
+
+@pytest.fixture(scope="module")
+def fast_app(redis_url, tmp_path_factory) -> Iterator[Flask]:
+    """A farm whose one category is a keyword rule with a fixed answer (the Semantic Router's fast_response)."""
+    categories = json.dumps([{"name": "internal_docs", "keywords": ["internal use only", "confidential memo"],
+                              "fast_response": FAST_ANSWER}])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FARM_SEMANTIC__CATEGORIES", categories)
+        with farm_app(redis_url, tmp_path_factory.mktemp("semantic-fast")) as app:
+            yield app
+
+
+def test_a_fast_response_category_is_answered_by_the_api_whatever_model_is_named(fast_app):
+    model = fast_app.extensions["farm"].cfg.default_model
+    for asked in ("MoM", model):  # no worker runs: a 200 is the API's own answer
+        resp = chat(fast_app, "Summarise this memo. INTERNAL USE ONLY.", model=asked, max_tokens=50)
+        assert resp.status_code == 200, resp.get_data(as_text=True)
+        assert resp.headers["x-vsr-fast-response"] == "true" and resp.headers["x-vsr-matched-keywords"] == "internal_docs"
+        choice = resp.get_json()["choices"][0]
+        assert choice["message"]["content"] == FAST_ANSWER and choice["finish_reason"] == "stop"
+    chunks = sse(chat(fast_app, "Draft a confidential memo for the board", stream=True))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == FAST_ANSWER
+    text = fast_app.test_client().get("/metrics").get_data(as_text=True)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("farm_semantic_blocks_total", (("guard", "fast_response"),))] >= 3
+    # a prompt without the keywords goes on to the workers (none here: 503), not to the fixed answer
+    assert chat(fast_app, "What is the capital of France?", max_tokens=5).status_code == 503

@@ -379,6 +379,9 @@ routing:
         operator: AND
         keywords: [debug, stack trace]
         case_sensitive: false
+      - name: embargoed
+        operator: OR
+        keywords: [project aurora]
   decisions:
     - name: math_route
       rules:
@@ -416,6 +419,19 @@ routing:
             name: code_words
       modelRefs:
         - model: {MODEL_A}
+    - name: refuse_embargoed
+      priority: 200
+      rules:
+        operator: OR
+        conditions:
+          - type: keyword
+            name: embargoed
+      modelRefs:
+        - model: {MODEL_A}
+      plugins:
+        - type: fast_response
+          configuration:
+            message: Project Aurora is not discussed here.
     - name: not_math
       priority: 80
       rules:
@@ -457,7 +473,9 @@ def test_the_layered_v0_3_format_maps_from_its_layers():
     assert sem["default_model"] == MODEL_A
     assert sem["cache"] == {"enabled": True, "backend": "redis", "similarity_threshold": 0.93, "ttl_s": 900}
     assert sem["jailbreak"] == {"enabled": True} and sem["pii"] == {"enabled": True}
-    math, debugging, accounts = sem["categories"]
+    math, refusal, debugging, accounts = sem["categories"]
+    assert refusal == {"name": "embargoed", "keywords": ["project aurora"], "keyword_operator": "any",
+                       "model_scores": {MODEL_A: 1.0}, "fast_response": "Project Aurora is not discussed here."}
     assert debugging == {"name": "code_words", "keywords": ["debug", "stack trace"], "keyword_operator": "all",
                          "case_sensitive": False, "model_scores": {MODEL_A: 1.0}}
     assert math == {"name": "math", "model_scores": {MODEL_B: 1.0}, "reasoning": True}  # the decision's models win
@@ -502,3 +520,7 @@ def test_a_layered_config_is_loaded_directly_and_its_embedding_rule_classifies(t
     # the keyword rule (AND): both keywords route to its category, by rule "keyword"
     assert main(["--config", str(p), "semantic", "test", "Help me debug this Stack Trace from my login page"]) == 0
     assert "category:   code_words, confidence 1.000, rule: keywords" in capsys.readouterr().out
+    # the fast_response decision: answered by the layer itself
+    assert main(["--config", str(p), "semantic", "test", "When does Project Aurora launch?", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["decision"] == "block" and report["headers"]["x-vsr-fast-response"] == "true"

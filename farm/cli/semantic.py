@@ -130,9 +130,11 @@ def explain(v: Any, requested: str, routed: bool) -> dict[str, Any]:
     """The verdict as a plain record: decision, guards, category (rule, runners-up), model, headers."""
     ex = v.explain
     cat = ex.get("category")
+    fast = v.headers.get("x-vsr-fast-response") == "true"
     return {
         "decision": v.action, "finish_reason": v.finish_reason, "requested_model": requested, "model": v.model,
-        "model_rule": ("as requested" if not routed else "not chosen (blocked first)" if cat is None else
+        "model_rule": ("the category's fast_response answers, no model" if fast else
+                       "as requested" if not routed else "not chosen (blocked first)" if cat is None else
                        "the category's best-scored served model" if cat["accepted"] else
                        "the default model (no category accepted)"),
         "category": cat and {**cat, "alternatives": [{"name": n, "confidence": c, "rule": r}

@@ -139,6 +139,10 @@ class CategoryConfig(Section):
     keywords: list[str] = Field(default_factory=list)
     keyword_operator: Literal["any", "all"] = "any"
     case_sensitive: bool = False
+    # A fixed answer (the Semantic Router's fast_response plugin): a request of this category, whatever model it
+    # names, is answered with it by the API, no model involved (x-vsr-fast-response: true). With keywords, an
+    # operator's deterministic refusal of known attack phrasings the guard's head may miss.
+    fast_response: str = ""
 
     @field_validator("keywords")
     @classmethod

@@ -102,6 +102,7 @@ H_AFFINITY = "x-vsr-conversation-affinity"
 # it (x-vsr-matched-domains: the head; -embeddings: a user category by similarity; -keywords: by keywords)
 H_CONFIDENCE = "x-vsr-selected-confidence"
 MATCHED_PREFIX = "x-vsr-matched-"
+H_FAST = "x-vsr-fast-response"  # answered with the category's fast_response, no model involved
 # the roles whose text the guards read; "function" is the legacy name of a tool result
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
@@ -311,6 +312,13 @@ class SemanticLayer:
         if cat is not None:
             explain["category"] = {"name": cat.name, "confidence": cat.confidence, "rule": cat.rule,
                                    "accepted": route.category is not None, "alternatives": list(cat.alternatives)}
+        fast = cfg.category(route.category) if route.category and cat is not None else None
+        if fast is not None and fast.fast_response:  # the category's fixed answer: no model, whatever was asked
+            t["classify"] = _ms(s)
+            return Verdict("block", route.model, messages, {
+                H_FAST: "true", H_CATEGORY: fast.name, H_CONFIDENCE: f"{cat.confidence:.3f}",
+                MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]: fast.name}, fast.fast_response, "stop",
+                category=fast.name, confidence=cat.confidence, timings_ms=_total(t, t0), explain=explain)
         out_messages = messages
         cc = route.category_cfg
         if route.routed and cc and cc.system_prompt and cfg.inject_system_prompt:

@@ -90,7 +90,7 @@ API_LOOP_WATCHERS = Gauge("farm_api_loop_watchers", "Active gevent event-loop wa
 # data: the stages a request is shed at, where prefills run, the guards, cache results, migration outcomes.
 for _metric, _label, _values in ((REQUESTS_SHED, "stage", ("prefill", "decode", "generate")),
                                  (PREFILL_MODE, "mode", ("local", "remote")),
-                                 (SEMANTIC_BLOCKS, "guard", ("jailbreak", "pii")),
+                                 (SEMANTIC_BLOCKS, "guard", ("jailbreak", "pii", "fast_response")),
                                  (SEMANTIC_CACHE, "result", ("hit", "miss")),
                                  (MIGRATIONS, "outcome", ("migrated", "finished", "limit", "no_worker"))):
     for _value in _values:

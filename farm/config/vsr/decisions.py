@@ -5,9 +5,10 @@ The farm routes by one category per request: its classifier's 14 built-in ones a
 similarity to a description and examples, or by keywords). So what maps is a decision whose rule is one
 condition, or an OR of conditions, on domains (the classifier's categories), embedding rules (a user-defined
 category whose examples are the rule's candidates) or keyword rules (a category of those keywords). Such a
-decision gives each category it names the decision's models as scores, its reasoning mode and its system
-prompt. A rule that combines signals with AND or NOT, or names other signals (fact checks, languages, ...), has
-no equivalent and is named as such; so are the plugins the farm has as global settings only.
+decision gives each category it names the decision's models as scores, its reasoning mode, its system prompt
+and its fast_response (a fixed answer, no model). A rule that combines signals with AND or NOT, or names other
+signals (fact checks, languages, ...), has no equivalent and is named as such; so are the plugins the farm has
+as global settings only.
 """
 
 from __future__ import annotations
@@ -285,6 +286,12 @@ def _models(refs: list[Any], key: str, out: VsrImport, rename: dict[str, str]) -
 def _plugin(p: dict[str, Any], where: str, out: VsrImport) -> dict[str, Any]:
     kind = str(p.get("type", ""))
     conf = mapping(p.get("configuration"), f"{where}.configuration")
+    if kind == "fast_response":  # a fixed answer, no model
+        if not str(conf.get("message", "")).strip():
+            raise ConfigError(f"{where}.configuration.message: a fast_response needs a message")
+        for key in sorted(set(conf) - {"message"}):
+            out.skip(f"{where}.configuration.{key}", "not a fast_response setting of the farm")
+        return {"fast_response": str(conf["message"])}
     if kind != "system_prompt":
         out.skip(f"{where} ({kind})", _PLUGIN_ELSEWHERE.get(kind, "no plugin of this kind in the farm"))
         return {}
