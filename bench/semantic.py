@@ -3,6 +3,7 @@
     python -m bench.semantic [--requests 300] [--out bench/out/semantic.json] [--accuracy-only]
                              [--embedding-threads N]   # the encoder's threads; default: the configuration's
     python -m bench.semantic --final    # once per released jailbreak head: its figure on the final split
+    python -m bench.semantic --final-cache   # once per cache configuration: its figure on the final pairs
 
 `--final` reads the final split (tools/semantic/sources.final_attacks / final_benign: families no training
 run, no threshold and no other choice has read), scores the shipped jailbreak head on it and appends the
@@ -28,7 +29,8 @@ Every accuracy set says what it is, and real held-out data is reported apart fro
   (tools/semantic/custom_held_out.py, hand-written by the project: a held-out figure, with a wide interval), and
   how many prompts of the built-in categories they take from the head.
 - semantic cache: the project's paraphrase / near-miss pairs (template-made: no installable paraphrase
-  set with "same answer" labels was found).
+  set with "same answer" labels was found), a development set; `--final-cache` reads the final pairs
+  (tools/semantic/cache_held_out.py, hand-written apart from them) once per cache configuration.
 Data comes from pinned wheels (tools/semantic/wheels.py), never from the repository. Latency:
 `SemanticLayer.before()` per request in one thread with the default configuration (every guard, PII on
 every message, classification, selection, injection, a cache lookup in a real redis-server), on held-out
@@ -174,6 +176,85 @@ def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
     return record
 
 
+CACHE_FINAL_RECORD = Path(__file__).resolve().parent / "cache_final.json"
+
+
+def cache_digest(cfg: FarmConfig) -> str:
+    """What decides a cache hit: the cache's code (its guards), its threshold and the embedder's window."""
+    import json
+
+    from farm.semantic import cache as cache_module
+
+    h = hashlib.sha256(Path(cache_module.__file__).read_bytes())
+    h.update(json.dumps({"similarity_threshold": cfg.semantic.cache.similarity_threshold,
+                         "max_embed_tokens": cfg.semantic.max_embed_tokens}).encode())
+    return h.hexdigest()
+
+
+def held_out_cache_pairs(encode) -> tuple[list[dict], int]:
+    """The final pairs (tools/semantic/cache_held_out.py), less any whose text repeats a development pair's, by
+    normalised text or by embedding (cosine >= 0.95); and how many were dropped."""
+    from tools.semantic.cache_held_out import NEAR_MISSES, PARAPHRASES
+
+    dev = datasets.template_rows("cache_pairs.jsonl")
+    dev_texts = sorted({t for p in dev for t in (p["a"], p["b"])})
+    pairs = [{"a": a, "b": b, "same": True} for a, b in PARAPHRASES]
+    pairs += [{"a": a, "b": b, "same": False} for a, b in NEAR_MISSES]
+    norm = {" ".join(t.lower().split()) for t in dev_texts}
+    dv = encode(dev_texts)
+    kept = []
+    for p in pairs:
+        vecs = encode([p["a"], p["b"]])
+        if any(" ".join(t.lower().split()) in norm for t in (p["a"], p["b"])) or float((vecs @ dv.T).max()) >= 0.95:
+            continue
+        kept.append(p)
+    return kept, len(pairs) - len(kept)
+
+
+def final_cache(record_path: Path = CACHE_FINAL_RECORD, note: str = "") -> dict:
+    """Score the semantic cache on its final pairs once per configuration and record it; refuse one read before."""
+    import datetime
+    import json
+    import subprocess
+
+    tmp = Path(tempfile.mkdtemp(prefix="farm-bench-cache-final-"))
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
+    try:
+        redis_server.wait_ready(url, proc)
+        cfg = load_config(environ={"FARM_REDIS__URL": url, "FARM_SEMANTIC__PII__ENABLED": "false"})
+        digest = cache_digest(cfg)
+        records = json.loads(record_path.read_text()) if record_path.exists() else []
+        seen = [r for r in records if r.get("cache_sha256") == digest]
+        if seen:
+            raise SystemExit(f"bench.semantic --final-cache: this cache configuration ({digest[:12]}) read the final "
+                             f"pairs on {seen[0]['date']}; a second reading is not a final figure.")
+        layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(url))
+        pairs, dropped = held_out_cache_pairs(layer.embedder.encode)
+        result = cache_eval(layer, pairs, "hand-written by the project, held out, read once")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    record = {"cache_sha256": digest, "threshold": result["threshold"],
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
+              "command": "python -m bench.semantic --final-cache", "pairs": result["pairs"],
+              "dropped_as_near_development": dropped, "paraphrase_hit_rate": result["paraphrase_hit_rate"],
+              "wrong_answer_rate": result["wrong_answer_rate"], "wrong_hits": result["wrong_hits"],
+              "outcomes": result["outcomes"], "earlier_readings": len(records), "note": note}
+    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    print(f"semantic cache, final pairs (read once; recorded in {record_path.name}), configuration {digest[:12]}, "
+          f"threshold {result['threshold']}: {result['pairs']} pairs ({dropped} dropped as near development pairs)")
+    print(f"paraphrases hit {fmt(result['paraphrase_hit_rate'])}; near misses hit (wrong answers) "
+          f"{fmt(result['wrong_answer_rate'])}")
+    print(table(["pair", "same", "similarity", "hit"],
+                [[f"{o['a']} | {o['b']}", o["same"], f"{o['similarity']:.3f}", o["hit"]]
+                 for o in result["outcomes"] if o["hit"] != o["same"]]))
+    return record
+
+
 def _subset(scores: dict, types: tuple[str, ...]) -> dict:
     per = {t: v for t, v in scores["per_type"].items() if t in types}
     tp = sum(v["recall"]["k"] for v in per.values())
@@ -194,10 +275,11 @@ def pii_eval(layer: SemanticLayer) -> dict:
     return out
 
 
-def cache_eval(layer: SemanticLayer) -> dict:
-    """Store pair[0]'s answer in a partition of its own, look up pair[1] (template-made pairs)."""
+def cache_eval(layer: SemanticLayer, pairs: list[dict] | None = None, kind: str = "template") -> dict:
+    """Store pair["a"]'s answer in a partition of its own, look up pair["b"]: the development pairs (template-made
+    by the project) unless `pairs` are given."""
     emb = layer.embedder
-    pairs = datasets.template_rows("cache_pairs.jsonl")
+    pairs = datasets.template_rows("cache_pairs.jsonl") if pairs is None else pairs
     va = emb.encode([p["a"] for p in pairs])
     vb = emb.encode([p["b"] for p in pairs])
     outcomes = []
@@ -211,7 +293,7 @@ def cache_eval(layer: SemanticLayer) -> dict:
                          "similarity": float(va[i] @ vb[i])})
     para = [o for o in outcomes if o["same"]]
     near = [o for o in outcomes if not o["same"]]
-    return {"kind": "template", "pairs": len(outcomes), "threshold": layer.cfg.cache.similarity_threshold,
+    return {"kind": kind, "pairs": len(outcomes), "threshold": layer.cfg.cache.similarity_threshold,
             "paraphrase_hit_rate": rate(sum(o["hit"] for o in para), len(para)),
             "wrong_answer_rate": rate(sum(o["hit"] for o in near), len(near)),
             "wrong_hits": sum(o["hit"] for o in near), "outcomes": outcomes}
@@ -396,12 +478,17 @@ def main() -> None:
     ap.add_argument("--accuracy-only", action="store_true", help="skip the latency runs (no quiet machine needed)")
     ap.add_argument("--final", action="store_true", help="score the shipped jailbreak head on the final split, "
                     "once per head (recorded in bench/semantic_final.json), and nothing else")
-    ap.add_argument("--note", default="", help="with --final: what earlier final readings changed in this detector")
+    ap.add_argument("--final-cache", action="store_true", help="score the semantic cache on its final pairs "
+                    "(tools/semantic/cache_held_out.py), once per cache configuration (bench/cache_final.json)")
+    ap.add_argument("--note", default="", help="with --final or --final-cache: what earlier final readings changed")
     ap.add_argument("--embedding-threads", type=int, help="the encoder's threads (semantic.embedding_threads); "
                     "default: the configuration's")
     args = ap.parse_args()
     if args.final:
         final(note=args.note)
+        return
+    if args.final_cache:
+        final_cache(note=args.note)
         return
     tmp = Path(tempfile.mkdtemp(prefix="farm-bench-semantic-"))
     port = free_port()
