@@ -142,6 +142,26 @@ def test_dead_worker_leaves_index_within_seconds(redis_client):
         follower.stop()
 
 
+def test_a_prune_on_a_stale_view_keeps_a_worker_that_registered_again(redis_client):
+    """The follower prunes against the live workers it read a moment before: a worker that registered again in
+    between (a restart under its id) keeps its index and its keys in Redis; a lapsed one loses both."""
+    r = redis_client
+    for w in ("back", "gone"):
+        register(r, w)
+        p = KVEventPublisher(r, w)
+        p("cleared", [], None)
+        p("stored", [200, 201], None)
+        p.flush()
+    follower = IndexFollower(r)
+    follower.snapshot()
+    sync(follower)
+    stale_view: list[registry.WorkerInfo] = []  # read when both heartbeats had lapsed
+    r.delete(registry.alive_key("gone"))
+    follower.prune(stale_view)  # "back" has its heartbeat again by the time the prune runs
+    assert follower.index.overlaps([200, 201]) == {"back": 2}
+    assert r.exists(worker_blocks_key("back")) and not r.exists(worker_blocks_key("gone"))
+
+
 READER = """
 import json, sys, time, redis
 from farm.router.index import IndexFollower

@@ -26,6 +26,7 @@ from farm.protocol.keys import (
     LOAD_EVENTS_STREAM,
     LOAD_KEY,
     active_key,
+    alive_key,
     worker_blocks_key,
     worker_seq_key,
 )
@@ -337,12 +338,12 @@ class IndexFollower:
         return True
 
     def prune(self, live_workers: list[registry.WorkerInfo] | None = None) -> None:
-        """Drop workers whose heartbeat expired, here and in Redis."""
+        """Drop workers whose heartbeat expired, here and in Redis. `live_workers` may be a moment old: a worker
+        that registered again since (a restart under its id) is kept, checked atomically in Redis."""
         live = {w.worker_id for w in (live_workers if live_workers is not None else registry.live_workers(self.r))}
         for w in list(self.index.worker_bits):
-            if w not in live:
+            if w not in live and forget_lapsed_worker(self.r, w):
                 self.index.drop_worker(w)
-                forget_worker(self.r, w)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -364,6 +365,23 @@ class IndexFollower:
                     log.warning("KV index follower: Redis unreachable (%s); resyncing when it is back", e)
                 self.synced.clear()
                 self._stop.wait(1.0)
+
+
+# forget_worker's deletes, done only while the worker's heartbeat is missing (KEYS[1]): one atomic step
+_FORGET_LAPSED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('HDEL', KEYS[6], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+return 1
+"""
+
+
+def forget_lapsed_worker(r: redis.Redis, worker: str) -> bool:
+    """forget_worker, unless the worker has a heartbeat again (it registered since its lapse was seen); whether
+    it was forgotten."""
+    keys = [alive_key(worker), worker_blocks_key(worker), worker_seq_key(worker), active_key("p", worker),
+            active_key("d", worker), LOAD_KEY]
+    return bool(r.eval(_FORGET_LAPSED, len(keys), *keys, *(f"{worker}|{k}" for k in ("p", "pn", "d", "dn"))))
 
 
 def forget_worker(r: redis.Redis, worker: str) -> None:
