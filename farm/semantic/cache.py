@@ -3,7 +3,7 @@
 Partitions: every entry lives in a partition named by a hash of (tenant, model that answers, effective
 system prompt, earlier turns of the conversation), so an answer is never served across API keys (unless
 `shared_across_tenants`), models, system prompts or conversations; only the last user message is compared semantically. A hit needs cosine similarity
-at or above the threshold *and* the same "guard signature" (the numbers in the text and its negations:
+at or above the threshold *and* the same "guard signature" (the numbers in the text, as digits or words, and its negations:
 "2+2" vs "2+3", "is" vs "is not" embed almost identically but have different answers) *and* no lexical
 conflict (the same words reordered, or one content word swapped: "good"/"bad"). Prompts longer than the
 embedding window are only served on an exact text match.
@@ -31,14 +31,24 @@ import numpy as np
 
 from farm.config.semantic import CacheConfig
 
-_NUM = re.compile(r"\d+(?:[.,]\d+)?")
+# numbers as digits or as words ("the last three commits" is not "the last commit"); not "one", which is as
+# often a pronoun ("how does one ...") or an article's stand-in ("one way to ...") as a count
+_NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero _ two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen".split()) if w != "_"}
+_NUMBER_WORDS.update({w: str(10 * i) for i, w in enumerate(
+    "twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)})
+_NUMBER_WORDS.update({"hundred": "100", "thousand": "1000", "million": "1000000", "billion": "1000000000",
+                      "dozen": "12"})
+_NUM = re.compile(r"\d+(?:[.,]\d+)?|\b(?:" + "|".join(_NUMBER_WORDS) + r")\b", re.I)
 _NEG = re.compile(r"\b(?:not|no|never|none|cannot|without|n't)\b|n't\b", re.I)
 _WORD = re.compile(r"[a-z0-9]+")
 
 
 def guard_signature(text: str) -> str:
-    """Numbers (in order) and the count of negations: two texts must agree on both to share an answer."""
-    nums = ",".join(n.replace(",", ".") for n in _NUM.findall(text))
+    """Numbers (in order; digits or number words) and the count of negations: two texts must agree on both to
+    share an answer."""
+    nums = ",".join(_NUMBER_WORDS.get(n.lower(), n).replace(",", ".") for n in _NUM.findall(text))
     return f"{nums}|{len(_NEG.findall(text))}"
 
 
