@@ -96,8 +96,12 @@ class KeywordCategories:
         for c in categories:
             if c.keywords:
                 flags = 0 if c.case_sensitive else re.IGNORECASE
-                patterns = [re.compile(rf"(?<!\w){re.escape(k.strip())}(?!\w)", flags) for k in c.keywords]
-                rules.append((c.name, patterns, c.keyword_operator == "all"))
+                words = [re.escape(k.strip()) for k in c.keywords]
+                every = c.keyword_operator == "all"
+                # any: one alternation, one scan of the text; all: one pattern per keyword
+                alternatives = words if every else ["|".join(sorted(words, key=len, reverse=True))]
+                patterns = [re.compile(rf"(?<!\w)(?:{a})(?!\w)", flags) for a in alternatives]
+                rules.append((c.name, patterns, every))
         return cls(rules) if rules else None
 
     def match(self, text: str) -> str | None:
