@@ -178,7 +178,8 @@ def fast_app(redis_url, tmp_path_factory) -> Iterator[Flask]:
             yield app
 
 
-def test_a_fast_response_category_is_answered_by_the_api_whatever_model_is_named(fast_app):
+def test_a_fast_response_category_is_answered_by_the_api_whatever_model_is_named(fast_app, redis_client):
+    """(redis_client: an empty Redis, so no worker another module registered can take the last request.)"""
     model = fast_app.extensions["farm"].cfg.default_model
     for asked in ("MoM", model):  # no worker runs: a 200 is the API's own answer
         resp = chat(fast_app, "Summarise this memo. INTERNAL USE ONLY.", model=asked, max_tokens=50)
