@@ -21,6 +21,7 @@ from farm.semantic.layer import (
     H_FALLBACK,
     H_FAST,
     H_INJECTED,
+    H_JB_BLOCKED,
     H_MODEL,
     H_REASONING_APPLIED,
     SemanticLayer,
@@ -64,7 +65,7 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
         v = v.as_miss()
     prometheus.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
     if v.action == "block":
-        guard = ("jailbreak" if "x-vsr-jailbreak-blocked" in v.headers else
+        guard = ("jailbreak" if H_JB_BLOCKED in v.headers else
                  "fast_response" if H_FAST in v.headers else "pii")
         prometheus.SEMANTIC_BLOCKS.labels(guard=guard).inc()
     elif "cache" in v.timings_ms:

@@ -24,6 +24,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def scratch_redis(prefix: str) -> Iterator[str]:
+    """A throwaway redis-server (no persistence, a temporary directory, a free port) for a bench's own state; its
+    URL, until the block ends."""
+    from farm.infra import redis_server
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
+    try:
+        redis_server.wait_ready(url, proc)
+        yield url
+    finally:
+        redis_server.stop(proc)
+
+
 def _deep(d: dict[str, Any], u: dict[str, Any]) -> dict[str, Any]:
     for k, v in u.items():
         d[k] = _deep(d.get(k, {}), v) if isinstance(v, dict) else v

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,10 +52,9 @@ import numpy as np
 import redis
 
 from bench.common import CpuShare, finish, goal, load_average, percentile, table, threads_env
-from bench.farms import free_port
+from bench.farms import free_port, scratch_redis
 from farm.config import FarmConfig, load_config
 from farm.config.semantic import IDENTITY_TYPES, CategoryConfig
-from farm.infra import redis_server
 from farm.semantic.adapter import load_adapter
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
 from farm.semantic.heads import HEADS_PATH, heads_meta, load_heads
@@ -217,12 +215,7 @@ def final_cache(record_path: Path = CACHE_FINAL_RECORD, note: str = "") -> dict:
     import json
     import subprocess
 
-    tmp = Path(tempfile.mkdtemp(prefix="farm-bench-cache-final-"))
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
-    try:
-        redis_server.wait_ready(url, proc)
+    with scratch_redis("farm-bench-cache-final-") as url:
         cfg = load_config(environ={"FARM_REDIS__URL": url, "FARM_SEMANTIC__PII__ENABLED": "false"})
         digest = cache_digest(cfg)
         records = json.loads(record_path.read_text()) if record_path.exists() else []
@@ -233,9 +226,6 @@ def final_cache(record_path: Path = CACHE_FINAL_RECORD, note: str = "") -> dict:
         layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(url))
         pairs, dropped = held_out_cache_pairs(layer.embedder.encode)
         result = cache_eval(layer, pairs, "hand-written by the project, held out, read once")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
     record = {"cache_sha256": digest, "threshold": result["threshold"],
@@ -490,13 +480,8 @@ def main() -> None:
     if args.final_cache:
         final_cache(note=args.note)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="farm-bench-semantic-"))
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
     lat = paths = e2e = None
-    try:
-        redis_server.wait_ready(url, proc)
+    with scratch_redis("farm-bench-semantic-") as url:
         cfg = load_config(environ={"FARM_REDIS__URL": url, **threads_env(args.embedding_threads)})
         t0 = time.perf_counter()
         layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(url))
@@ -509,9 +494,6 @@ def main() -> None:
             lat = latency(layer, texts, questions)
             paths = embed_paths(layer, texts[:200])
             e2e = http_hits(cfg, questions)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
     print(f"layer load {load_s:.1f}s; embedder threads {layer.cfg.embedding_threads}; load average {load_before}")
     goals = report(acc)

@@ -28,10 +28,8 @@ import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.common import alternating, finish, percentile, table, threads_env  # noqa: E402
@@ -132,16 +130,10 @@ def main() -> None:
         print(json.dumps(child(args.child, args.redis, args.burst, args.bursts, args.stall_s, args.threads)), flush=True)
         return
 
-    from bench.farms import free_port
-    from farm.infra import redis_server
+    from bench.farms import scratch_redis
 
-    tmp = Path(tempfile.mkdtemp(prefix="farm-bench-burst-"))
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    proc = redis_server.start(port, tmp, tmp / "redis.log", appendonly=False)
     runs: list[dict[str, Any]] = []
-    try:
-        redis_server.wait_ready(url, proc)
+    with scratch_redis("farm-bench-burst-") as url:
         counts = [int(t) for t in args.embedding_threads.split(",") if t] or [None]
         plan = {f"{c} t{t}" if t is not None else c: (c, t) for c in args.contenders.split(",") for t in counts}
         for rnd, name in alternating(list(plan), args.rounds):
@@ -161,8 +153,6 @@ def main() -> None:
                 print(f"round {rnd + 1} {name:>7}: {r['calls_per_s']:.0f} calls/s, first burst "
                       f"{r['first_burst_s']:.1f} s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, "
                       f"{r['cpu_ms_per_call']:.1f} ms CPU per call", flush=True)
-    finally:
-        redis_server.stop(proc)
 
     keys = ("calls_per_s", "first_burst_s", "p50_ms", "p99_ms", "cpu_ms_per_call")
     rows = [[r["contender"], r["round"], "yes" if r.get("stalled") else "no",

@@ -19,6 +19,16 @@ def register(r, wid, block_size=16):
     registry.register(r, registry.WorkerInfo(wid, "both", "m", "h", 1, block_size, num_blocks=100))
 
 
+def live_with_blocks(r, workers, blocks):
+    """Each worker registered (a current heartbeat) with a clean cache holding `blocks`."""
+    for w in workers:
+        register(r, w)
+        p = KVEventPublisher(r, w)
+        p("cleared", [], None)
+        p("stored", blocks, None)
+        p.flush()
+
+
 def sync(follower, timeout=5.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -120,12 +130,7 @@ def test_restarted_worker_starts_clean(redis_client):
 
 def test_dead_worker_leaves_index_within_seconds(redis_client):
     r = redis_client
-    for w in ("alive", "dying"):
-        register(r, w)
-        p = KVEventPublisher(r, w)
-        p("cleared", [], None)
-        p("stored", [100, 101], None)
-        p.flush()
+    live_with_blocks(r, ("alive", "dying"), [100, 101])
     follower = IndexFollower(r, prune_interval_s=0.1).start()
     try:
         deadline = time.time() + 5
@@ -146,12 +151,7 @@ def test_a_prune_on_a_stale_view_keeps_a_worker_that_registered_again(redis_clie
     """The follower prunes against the live workers it read a moment before: a worker that registered again in
     between (a restart under its id) keeps its index and its keys in Redis; a lapsed one loses both."""
     r = redis_client
-    for w in ("back", "gone"):
-        register(r, w)
-        p = KVEventPublisher(r, w)
-        p("cleared", [], None)
-        p("stored", [200, 201], None)
-        p.flush()
+    live_with_blocks(r, ("back", "gone"), [200, 201])
     follower = IndexFollower(r)
     follower.snapshot()
     sync(follower)

@@ -67,6 +67,4 @@ def batch() -> Response:
     t0 = time.perf_counter()
     want = frozenset({{"intent": "category", "security": "jailbreak", "pii": "pii"}[req.task_type]})
     sigs = [_signals(text, None, want) for text in req.texts]
-    results = [vsr.batch_result(sig, req.task_type, req.options) for sig in sigs]
-    low = [req.task_type == "intent" and sig.route is not None and sig.route.category is None for sig in sigs]
-    return _json(vsr.batch(results, low, (time.perf_counter() - t0) * 1000))
+    return _json(vsr.batch(sigs, req.task_type, req.options, (time.perf_counter() - t0) * 1000))

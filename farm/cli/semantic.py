@@ -128,9 +128,11 @@ def _history(path: str | None) -> list[dict[str, Any]]:
 
 def explain(v: Any, requested: str, routed: bool) -> dict[str, Any]:
     """The verdict as a plain record: decision, guards, category (rule, runners-up), model, headers."""
+    from farm.semantic.layer import H_FAST  # loaded already: the layer made the verdict
+
     ex = v.explain
     cat = ex.get("category")
-    fast = v.headers.get("x-vsr-fast-response") == "true"
+    fast = v.headers.get(H_FAST) == "true"
     return {
         "decision": v.action, "finish_reason": v.finish_reason, "requested_model": requested, "model": v.model,
         "model_rule": ("the category's fast_response answers, no model" if fast else

@@ -89,8 +89,8 @@ def live_workers(r: redis.Redis, model: str | None = None, role: str | None = No
     records = r.hgetall(WORKERS_KEY)
     if not records:
         return []
-    ids = list(records)
-    alive = r.mget([alive_key(i.decode() if isinstance(i, bytes) else i) for i in ids])
+    ids = [i.decode() if isinstance(i, bytes) else i for i in records]
+    alive = r.mget([alive_key(i) for i in ids])
     out: list[WorkerInfo] = []
     stale = []
     for wid, raw, hb in zip(ids, records.values(), alive, strict=True):
@@ -101,7 +101,7 @@ def live_workers(r: redis.Redis, model: str | None = None, role: str | None = No
         if (model is None or info.model == model) and (role is None or info.role == role):
             out.append(info)
     if stale:
-        prune(r, [w.decode() if isinstance(w, bytes) else w for w in stale])
+        prune(r, stale)
     return sorted(out, key=lambda w: w.worker_id)
 
 

@@ -29,9 +29,12 @@ class SecurityOptions(_Options):
     include_reasoning: bool = False
 
 
+MAX_TEXT_CHARS = 100_000  # one text's length, alone or in a batch
+
+
 class _TextRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    text: str = Field(max_length=100_000)
+    text: str = Field(max_length=MAX_TEXT_CHARS)
 
     @field_validator("text")
     @classmethod
@@ -77,8 +80,8 @@ class BatchRequest(BaseModel):
         for i, t in enumerate(v):
             if not t.strip():
                 raise ValueError(f"texts[{i}] cannot be empty")
-            if len(t) > 100_000:
-                raise ValueError(f"texts[{i}] is longer than 100000 characters")
+            if len(t) > MAX_TEXT_CHARS:
+                raise ValueError(f"texts[{i}] is longer than {MAX_TEXT_CHARS} characters")
         return v
 
 
@@ -135,7 +138,6 @@ class CombinedResponse(BaseModel):
     pii: PIIResponse
     security: SecurityResponse
     processing_time_ms: int
-
 
 
 class BatchResult(BaseModel):

@@ -367,11 +367,26 @@ class IndexFollower:
                 self._stop.wait(1.0)
 
 
-# forget_worker's deletes, done only while the worker's heartbeat is missing (KEYS[1]): one atomic step
+def _worker_state(worker: str) -> tuple[list[str], list[str]]:
+    """A worker's index and load state in Redis: its keys, and its fields of the load hash (LOAD_KEY)."""
+    keys = [worker_blocks_key(worker), worker_seq_key(worker), active_key("p", worker), active_key("d", worker)]
+    return keys, [f"{worker}|{k}" for k in ("p", "pn", "d", "dn")]
+
+
+def forget_worker(r: redis.Redis, worker: str) -> None:
+    """Delete a departed worker's index and load state from Redis."""
+    keys, fields = _worker_state(worker)
+    pipe = r.pipeline()
+    pipe.delete(*keys)
+    pipe.hdel(LOAD_KEY, *fields)
+    pipe.execute()
+
+
+# forget_worker's deletes, done only while the worker's heartbeat (KEYS[1]) is missing: one atomic step
 _FORGET_LAPSED = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-redis.call('HDEL', KEYS[6], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('HDEL', KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 return 1
 """
 
@@ -379,14 +394,5 @@ return 1
 def forget_lapsed_worker(r: redis.Redis, worker: str) -> bool:
     """forget_worker, unless the worker has a heartbeat again (it registered since its lapse was seen); whether
     it was forgotten."""
-    keys = [alive_key(worker), worker_blocks_key(worker), worker_seq_key(worker), active_key("p", worker),
-            active_key("d", worker), LOAD_KEY]
-    return bool(r.eval(_FORGET_LAPSED, len(keys), *keys, *(f"{worker}|{k}" for k in ("p", "pn", "d", "dn"))))
-
-
-def forget_worker(r: redis.Redis, worker: str) -> None:
-    """Delete a departed worker's index and load state from Redis."""
-    pipe = r.pipeline()
-    pipe.delete(worker_blocks_key(worker), worker_seq_key(worker), active_key("p", worker), active_key("d", worker))
-    pipe.hdel(LOAD_KEY, *(f"{worker}|{k}" for k in ("p", "pn", "d", "dn")))
-    pipe.execute()
+    keys, fields = _worker_state(worker)
+    return bool(r.eval(_FORGET_LAPSED, 2 + len(keys), alive_key(worker), LOAD_KEY, *keys, *fields))

@@ -92,12 +92,15 @@ def batch_result(sig: Signals, task: str, opts: s.IntentOptions) -> s.BatchResul
                          processing_time_ms=_ms(sig))
 
 
-def batch(results: list[s.BatchResult], low: list[bool], ms: float) -> s.BatchResponse:
-    """The batch's answer; `low[i]`: result i was below the classifier's threshold (intent)."""
+def batch(sigs: list[Signals], task: str, opts: s.IntentOptions, ms: float) -> s.BatchResponse:
+    """A batch's answer: each text's one label, and the statistics (low confidence: an intent below the
+    classifier's threshold, which the default model answers)."""
+    results = [batch_result(sig, task, opts) for sig in sigs]
+    low = sum(task == "intent" and sig.route is not None and sig.route.category is None for sig in sigs)
     dist: dict[str, int] = {}
     for r in results:
         dist[r.category] = dist.get(r.category, 0) + 1
     return s.BatchResponse(results=results, total_count=len(results), processing_time_ms=round(ms),
                            statistics=s.BatchStatistics(
-                               category_distribution=dist, low_confidence_count=sum(low),
+                               category_distribution=dist, low_confidence_count=low,
                                avg_confidence=round(sum(r.confidence for r in results) / len(results), 4)))

@@ -315,10 +315,9 @@ class SemanticLayer:
         fast = cfg.category(route.category) if route.category and cat is not None else None
         if fast is not None and fast.fast_response:  # the category's fixed answer: no model, whatever was asked
             t["classify"] = _ms(s)
-            return Verdict("block", route.model, messages, {
-                H_FAST: "true", H_CATEGORY: fast.name, H_CONFIDENCE: f"{cat.confidence:.3f}",
-                MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]: fast.name}, fast.fast_response, "stop",
-                category=fast.name, confidence=cat.confidence, timings_ms=_total(t, t0), explain=explain)
+            return Verdict("block", route.model, messages, {H_FAST: "true", **category_headers(fast.name, cat)},
+                           fast.fast_response, "stop", category=fast.name, confidence=cat.confidence,
+                           timings_ms=_total(t, t0), explain=explain)
         out_messages = messages
         cc = route.category_cfg
         if route.routed and cc and cc.system_prompt and cfg.inject_system_prompt:
@@ -340,7 +339,7 @@ class SemanticLayer:
             s = time.perf_counter()
             per_text = pii_of()  # the time waited for the pass beyond the stages above
             found = set().union(*per_text.values()) if per_text else set()
-            policy_name = model if (model in cfg.pii.policies or not route.routed) else route.model
+            policy_name = self._pii_policy_model(model, route)
             bad = cfg.pii.policy(policy_name).violations(found)
             explain["pii"] = {"found": sorted(found), "denied": sorted(bad), "policy": policy_name,
                               "messages": [(i, role, sorted(per_text[text])) for i, role, text in scanned
@@ -363,9 +362,7 @@ class SemanticLayer:
             headers[H_FALLBACK] = fallback_value(route.passed_over, route.model, "no-live-worker")
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
         if route.category and cat is not None:
-            headers[H_CATEGORY] = route.category
-            headers[H_CONFIDENCE] = f"{cat.confidence:.3f}"
-            headers[MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]] = route.category
+            headers.update(category_headers(route.category, cat))
             if affinity:
                 headers[H_AFFINITY] = affinity
         if route.reasoning is not None:
@@ -399,8 +396,8 @@ class SemanticLayer:
         probability, and the PII entities with their offsets. No cache, nothing blocked, nothing stored."""
         t0 = time.perf_counter()
         model = model or self.cfg.aliases[0]
-        pii_on = "pii" in want and self.cfg.pii.enabled and self.pii is not None
-        pending = self.pii.start_detect_many([text]) if pii_on and self.pii is not None else None
+        pii = self.pii if "pii" in want and self.cfg.pii.enabled else None
+        pending = pii.start_detect_many([text]) if pii is not None else None
         if not self.cfg.jailbreak.enabled:
             want = want - {"jailbreak"}
         out = Signals(text)
@@ -414,11 +411,17 @@ class SemanticLayer:
                 out.jailbreak_threshold = self._jb_threshold("user")
         if pending is not None:
             out.pii = pending()[0]
-            policy = model if (model in self.cfg.pii.policies or not self.is_alias(model)) else (
-                out.route.model if out.route is not None else self.selector.default_model)
+            policy = self._pii_policy_model(model, out.route)
             out.pii_denied = self.cfg.pii.policy(policy).violations({e.type for e in out.pii})
         out.ms = _ms(t0)
         return out
+
+    def _pii_policy_model(self, model: str, route: Route | None) -> str:
+        """Whose PII policy decides: the model asked for when it has a policy or is not an alias, else the model
+        the alias chose (the default model when no route was taken)."""
+        if model in self.cfg.pii.policies or not self.is_alias(model):
+            return model
+        return route.model if route is not None else self.selector.default_model
 
     def _jb_threshold(self, role: str) -> float:
         """The attack probability that blocks a message of this role (operators' turns: see system_threshold)."""
@@ -472,6 +475,11 @@ class SemanticLayer:
             return False
         self.cache.store(verdict.cache_query, answer_text)
         return True
+
+
+def category_headers(name: str, cat: Category) -> dict[str, str]:
+    """x-vsr-selected-category, its confidence and the x-vsr-matched-* header of the rule that decided it."""
+    return {H_CATEGORY: name, H_CONFIDENCE: f"{cat.confidence:.3f}", MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]: name}
 
 
 def _ms(start: float) -> float:

@@ -22,10 +22,9 @@ from farm.config.vsr.sections import builtin_name, category
 MAPPED_CONDITIONS = ("domain", "embedding", "keyword")
 ROUTED_BY = ("the farm routes by domains (its classifier's categories), embedding rules and keyword rules "
              "(user-defined categories)")
+_ONE_CACHE = "the farm's cache is one setting for every category (semantic.cache)"
 _PLUGIN_ELSEWHERE = {
-    "semantic-cache": "the farm's cache is one setting for every category (semantic.cache)",
-    "semantic_cache": "the farm's cache is one setting for every category (semantic.cache)",
-    "response_cache": "the farm's cache is one setting for every category (semantic.cache)",
+    "semantic-cache": _ONE_CACHE, "semantic_cache": _ONE_CACHE, "response_cache": _ONE_CACHE,
     "pii": "the farm's PII policies are per served model (semantic.pii.policies), not per route",
     "jailbreak": "the farm's jailbreak guard is one setting for every request (semantic.jailbreak)",
 }
