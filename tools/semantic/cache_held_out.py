@@ -1,16 +1,22 @@
-"""The semantic cache's final set (issue 29's cache goal): question pairs written by hand apart from the
-development pairs (tools/semantic/templates/cache_src.py, which every cache choice was looked at against).
+"""The semantic cache's final pairs (issue 29's cache goal): question pairs written by hand apart from the
+development pairs, read once per cache configuration by `python -m bench.semantic --final-cache` (recorded in
+bench/cache_final.json with the configuration's hash).
 
-Written on 2026-11-30 before any reading, and read once per cache configuration by `python -m bench.semantic
---final-cache` (recorded in bench/cache_final.json with the configuration's hash). A paraphrase pair asks the same
-thing, so one stored answer serves both (it should hit); a near miss reads alike but needs another answer (a hit
-would serve a wrong one). They are the project's own writing, like the development pairs, not users' traffic:
-the figure is a held-out one on hand-written pairs, and its interval is wide.
+A paraphrase pair asks the same thing, so one stored answer serves both (it should hit); a near miss reads alike but
+needs another answer (a hit would serve a wrong one). They are the project's own writing, like the development
+pairs, not users' traffic: the figure is a held-out one on hand-written pairs, and its interval is wide.
+
+- `FIRST_PARAPHRASES` / `FIRST_NEAR_MISSES`: the first final set, written on 2026-11-30 before any reading and read
+  once at 01:40 UTC (0.725, 2 wrong hits). A change was then made looking at its misses (number words), so it is
+  **development data now**, beside the template pairs (tools/semantic/templates/cache_src.py).
+- `PARAPHRASES` / `NEAR_MISSES`: the second final set, written on 2026-11-30 at 04:20 UTC, before any cache change
+  of that session and before any reading; none of its texts were run through the cache or the embedder while the
+  cache was changed.
 """
 
 from __future__ import annotations
 
-PARAPHRASES = [
+FIRST_PARAPHRASES = [
     ("How do I remove duplicates from a list in Python?", "What's the best way to dedupe a Python list?"),
     ("What is the tallest mountain in the world?", "Which mountain is the highest on Earth?"),
     ("How long should I boil an egg for a soft yolk?", "How many minutes do I boil an egg to get a runny yolk?"),
@@ -53,7 +59,7 @@ PARAPHRASES = [
     ("What are the benefits of drinking water?", "Why is drinking water good for you?"),
 ]
 
-NEAR_MISSES = [
+FIRST_NEAR_MISSES = [
     ("How do I remove duplicates from a list in Python?", "How do I remove duplicates from a list in Java?"),
     ("What is the tallest mountain in the world?", "What is the tallest mountain in Africa?"),
     ("How long should I boil an egg for a soft yolk?", "How long should I boil an egg for a hard yolk?"),
@@ -94,4 +100,93 @@ NEAR_MISSES = [
     ("What should I pack for a beach holiday?", "What should I pack for a ski holiday?"),
     ("How do I start a vegetable garden in spring?", "How do I start a vegetable garden in autumn?"),
     ("Should I take vitamin D in the morning?", "Should I take vitamin D at night?"),
+]
+
+PARAPHRASES = [
+    ("How do I reverse a string in Python?", "What's the easiest way to reverse a Python string?"),
+    ("What is the largest planet in our solar system?", "Which planet in the solar system is the biggest?"),
+    ("How do I get red wine out of a carpet?", "How can I remove a red wine stain from carpet?"),
+    ("Who painted the Mona Lisa?", "Who was the painter of the Mona Lisa?"),
+    ("What does a router do?", "What is the purpose of a network router?"),
+    ("How do I list all running processes on Linux?", "How can I see every running process in Linux?"),
+    ("Why do leaves change color in the fall?", "What makes leaves change colour in autumn?"),
+    ("What's the difference between a virus and a bacterium?", "How is a virus different from a bacterium?"),
+    ("How many hours of sleep does a teenager need?", "How much sleep do teenagers need each night?"),
+    ("Give me a simple recipe for guacamole", "What's an easy guacamole recipe?"),
+    ("How do I create a virtual environment in Python?", "How to make a Python virtual environment"),
+    ("What is photosynthesis?", "Can you explain what photosynthesis is?"),
+    ("Who wrote Pride and Prejudice?", "Who is the author of Pride and Prejudice?"),
+    ("What is the currency of Japan?", "What currency does Japan use?"),
+    ("How do I stop my glasses from fogging up?", "How can I keep my glasses from fogging?"),
+    ("What are the symptoms of dehydration?", "What are signs that you're dehydrated?"),
+    ("how to merge two dictionaries in python", "How do I merge two dicts in Python?"),
+    ("What is the longest river in Europe?", "Which river in Europe is the longest?"),
+    ("Explain how vaccines work", "How do vaccines work?"),
+    ("What is a black hole?", "What exactly is a black hole?"),
+    ("How can I improve my handwriting?", "Any tips to improve my handwriting?"),
+    ("What year did World War II end?", "When did the Second World War end?"),
+    ("How do I take a screenshot on a Mac?", "How can I screenshot on macOS?"),
+    ("What is the population of Canada?", "How many people live in Canada?"),
+    ("What is machine learning?", "Explain what machine learning is"),
+    ("How do I unclog a kitchen sink?", "What's the best way to unclog my kitchen sink?"),
+    ("Who developed the theory of relativity?", "Who came up with the theory of relativity?"),
+    ("Can you recommend a good book on stoicism?", "Recommend me a good book about stoicism"),
+    ("How do I find the area of a circle?", "What is the formula for the area of a circle?"),
+    ("Tell me a joke about cats", "Tell me a cat joke"),
+    ("What's the best time to visit Iceland?", "When is the best time of year to visit Iceland?"),
+    ("How do I add a column to a pandas DataFrame?", "How can I add a new column to a DataFrame in pandas?"),
+    ("What is the main ingredient in hummus?", "What is hummus mainly made from?"),
+    ("How do I calm down before a job interview?", "How can I stay calm before a job interview?"),
+    ("What do pandas eat?", "What is the diet of a panda?"),
+    ("Is it bad to crack your knuckles?", "Is cracking your knuckles bad for you?"),
+    ("How do I write a cover letter?", "How should I write a cover letter?"),
+    ("Why is the ocean salty?", "Why is sea water salty?"),
+    ("What's a good name for a golden retriever puppy?", "Suggest a name for my golden retriever puppy"),
+    ("How do I convert Celsius to Fahrenheit?", "What's the formula to convert Celsius into Fahrenheit?"),
+]
+
+NEAR_MISSES = [
+    ("How do I reverse a string in Python?", "How do I reverse a list in Python?"),
+    ("What is the largest planet in our solar system?", "What is the smallest planet in our solar system?"),
+    ("How do I get red wine out of a carpet?", "How do I get red wine out of a white shirt?"),
+    ("Who painted the Mona Lisa?", "Who stole the Mona Lisa?"),
+    ("How do I list all running processes on Linux?", "How do I kill all running processes on Linux?"),
+    ("What's the difference between a virus and a bacterium?", "What's the difference between a virus and a worm?"),
+    ("How many hours of sleep does a teenager need?", "How many hours of sleep does a newborn need?"),
+    ("Give me a simple recipe for guacamole", "Give me a simple recipe for salsa"),
+    ("How do I create a virtual environment in Python?", "How do I delete a virtual environment in Python?"),
+    ("Who wrote Pride and Prejudice?", "Who wrote Sense and Sensibility?"),
+    ("What is the currency of Japan?", "What is the currency of South Korea?"),
+    ("What are the symptoms of dehydration?", "What are the symptoms of heatstroke?"),
+    ("What is the longest river in Europe?", "What is the longest river in Asia?"),
+    ("What year did World War II end?", "What year did World War I end?"),
+    ("How do I take a screenshot on a Mac?", "How do I take a screenshot on an iPhone?"),
+    ("What is the population of Canada?", "What is the population of Toronto?"),
+    ("How do I unclog a kitchen sink?", "How do I unclog a bathtub drain?"),
+    ("Who developed the theory of relativity?", "Who developed the theory of evolution?"),
+    ("How do I find the area of a circle?", "How do I find the circumference of a circle?"),
+    ("Tell me a joke about cats", "Tell me a joke about dogs"),
+    ("What's the best time to visit Iceland?", "What's the best time to visit Norway?"),
+    ("How do I add a column to a pandas DataFrame?", "How do I drop a column from a pandas DataFrame?"),
+    ("How do I calm down before a job interview?", "How do I follow up after a job interview?"),
+    ("Is it bad to crack your knuckles?", "Is it bad to crack your neck?"),
+    ("How do I write a cover letter?", "How do I write a resignation letter?"),
+    ("How do I convert Celsius to Fahrenheit?", "How do I convert Fahrenheit to Celsius?"),
+    ("Is a tomato a fruit or a vegetable?", "Is a cucumber a fruit or a vegetable?"),
+    ("How do I change a flat tire on a car?", "How do I change a flat tire on a bike?"),
+    ("What is the fastest land animal?", "What is the fastest sea animal?"),
+    ("How much does it cost to fly from London to Paris?",
+     "How much does it cost to take the train from London to Paris?"),
+    ("What is the difference between TCP and UDP?", "What is the difference between HTTP and HTTPS?"),
+    ("How long does it take to walk a mile?", "How long does it take to run a mile?"),
+    ("What are good exercises for building chest muscles?", "What are good exercises for building leg muscles?"),
+    ("How do I make my cat stop scratching the sofa?", "How do I make my dog stop chewing the sofa?"),
+    ("What is the age limit to rent a car in the US?", "What is the age limit to rent a car in the UK?"),
+    ("Which is heavier, a kilogram of feathers or a kilogram of steel?",
+     "Which is bigger, a kilogram of feathers or a kilogram of steel?"),
+    ("Explain the rules of chess", "Explain the rules of checkers"),
+    ("How do I install Docker on Ubuntu?", "How do I uninstall Docker on Ubuntu?"),
+    ("Who was the president of the United States during the Civil War?",
+     "Who was the president of the United States during World War II?"),
+    ("Recommend a movie for a rainy evening", "Recommend a movie for a first date"),
 ]
