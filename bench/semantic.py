@@ -29,8 +29,9 @@ Every accuracy set says what it is, and real held-out data is reported apart fro
   (tools/semantic/custom_held_out.py, hand-written by the project: a held-out figure, with a wide interval), and
   how many prompts of the built-in categories they take from the head.
 - semantic cache: the project's paraphrase / near-miss pairs (template-made: no installable paraphrase
-  set with "same answer" labels was found), a development set; `--final-cache` reads the final pairs
-  (tools/semantic/cache_held_out.py, hand-written apart from them) once per cache configuration.
+  set with "same answer" labels was found) and the first final set, read and then looked at: a development set;
+  `--final-cache` reads the final pairs (tools/semantic/cache_held_out.py, hand-written apart from them) once per
+  cache configuration.
 Data comes from pinned wheels (tools/semantic/wheels.py), never from the repository. Latency:
 `SemanticLayer.before()` per request in one thread with the default configuration (every guard, PII on
 every message, classification, selection, injection, a cache lookup in a real redis-server), on held-out
@@ -178,15 +179,26 @@ CACHE_FINAL_RECORD = Path(__file__).resolve().parent / "cache_final.json"
 
 
 def cache_digest(cfg: FarmConfig) -> str:
-    """What decides a cache hit: the cache's code (its guards), its threshold and the embedder's window."""
+    """What decides a cache hit: the cache's code (its guards), its thresholds and the embedder's window."""
     import json
 
     from farm.semantic import cache as cache_module
 
     h = hashlib.sha256(Path(cache_module.__file__).read_bytes())
     h.update(json.dumps({"similarity_threshold": cfg.semantic.cache.similarity_threshold,
+                         "rephrased_margin": cfg.semantic.cache.rephrased_margin,
                          "max_embed_tokens": cfg.semantic.max_embed_tokens}).encode())
     return h.hexdigest()
+
+
+def development_cache_pairs() -> list[dict]:
+    """Every pair a cache choice was looked at against: the template pairs and the first final set (read once, then
+    looked at)."""
+    from tools.semantic.cache_held_out import FIRST_NEAR_MISSES, FIRST_PARAPHRASES
+
+    return (datasets.template_rows("cache_pairs.jsonl")
+            + [{"a": a, "b": b, "same": True} for a, b in FIRST_PARAPHRASES]
+            + [{"a": a, "b": b, "same": False} for a, b in FIRST_NEAR_MISSES])
 
 
 def held_out_cache_pairs(encode) -> tuple[list[dict], int]:
@@ -194,8 +206,7 @@ def held_out_cache_pairs(encode) -> tuple[list[dict], int]:
     normalised text or by embedding (cosine >= 0.95); and how many were dropped."""
     from tools.semantic.cache_held_out import NEAR_MISSES, PARAPHRASES
 
-    dev = datasets.template_rows("cache_pairs.jsonl")
-    dev_texts = sorted({t for p in dev for t in (p["a"], p["b"])})
+    dev_texts = sorted({t for p in development_cache_pairs() for t in (p["a"], p["b"])})
     pairs = [{"a": a, "b": b, "same": True} for a, b in PARAPHRASES]
     pairs += [{"a": a, "b": b, "same": False} for a, b in NEAR_MISSES]
     norm = {" ".join(t.lower().split()) for t in dev_texts}
@@ -228,7 +239,7 @@ def final_cache(record_path: Path = CACHE_FINAL_RECORD, note: str = "") -> dict:
         result = cache_eval(layer, pairs, "hand-written by the project, held out, read once")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"cache_sha256": digest, "threshold": result["threshold"],
+    record = {"cache_sha256": digest, "threshold": result["threshold"], "rephrased_margin": result["rephrased_margin"],
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
               "command": "python -m bench.semantic --final-cache", "pairs": result["pairs"],
               "dropped_as_near_development": dropped, "paraphrase_hit_rate": result["paraphrase_hit_rate"],
@@ -236,7 +247,8 @@ def final_cache(record_path: Path = CACHE_FINAL_RECORD, note: str = "") -> dict:
               "outcomes": result["outcomes"], "earlier_readings": len(records), "note": note}
     record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
     print(f"semantic cache, final pairs (read once; recorded in {record_path.name}), configuration {digest[:12]}, "
-          f"threshold {result['threshold']}: {result['pairs']} pairs ({dropped} dropped as near development pairs)")
+          f"threshold {result['threshold']} (rephrased: -{result['rephrased_margin']}): {result['pairs']} pairs "
+          f"({dropped} dropped as near development pairs)")
     print(f"paraphrases hit {fmt(result['paraphrase_hit_rate'])}; near misses hit (wrong answers) "
           f"{fmt(result['wrong_answer_rate'])}")
     print(table(["pair", "same", "similarity", "hit"],
@@ -265,11 +277,11 @@ def pii_eval(layer: SemanticLayer) -> dict:
     return out
 
 
-def cache_eval(layer: SemanticLayer, pairs: list[dict] | None = None, kind: str = "template") -> dict:
-    """Store pair["a"]'s answer in a partition of its own, look up pair["b"]: the development pairs (template-made
-    by the project) unless `pairs` are given."""
+def cache_eval(layer: SemanticLayer, pairs: list[dict] | None = None, kind: str = "development") -> dict:
+    """Store pair["a"]'s answer in a partition of its own, look up pair["b"]: the development pairs (the template
+    pairs and the first final set) unless `pairs` are given."""
     emb = layer.embedder
-    pairs = datasets.template_rows("cache_pairs.jsonl") if pairs is None else pairs
+    pairs = development_cache_pairs() if pairs is None else pairs
     va = emb.encode([p["a"] for p in pairs])
     vb = emb.encode([p["b"] for p in pairs])
     outcomes = []
@@ -284,6 +296,7 @@ def cache_eval(layer: SemanticLayer, pairs: list[dict] | None = None, kind: str 
     para = [o for o in outcomes if o["same"]]
     near = [o for o in outcomes if not o["same"]]
     return {"kind": kind, "pairs": len(outcomes), "threshold": layer.cfg.cache.similarity_threshold,
+            "rephrased_margin": layer.cfg.cache.rephrased_margin,
             "paraphrase_hit_rate": rate(sum(o["hit"] for o in para), len(para)),
             "wrong_answer_rate": rate(sum(o["hit"] for o in near), len(near)),
             "wrong_hits": sum(o["hit"] for o in near), "outcomes": outcomes}
@@ -440,7 +453,8 @@ def report(acc: dict) -> list[dict]:
         print(f"{k}:")
         print(table(["type", "recall", "precision"], [[t, fmt(x["recall"]), fmt(x["precision"])]
                                                       for t, x in v["per_type"].items()]))
-    print(f"\nsemantic cache ({cache['kind']} pairs, threshold {cache['threshold']}): paraphrases hit "
+    print(f"\nsemantic cache ({cache['kind']} pairs, threshold {cache['threshold']}, rephrased "
+          f"-{cache['rephrased_margin']}): paraphrases hit "
           f"{fmt(cache['paraphrase_hit_rate'])}; near misses hit (wrong answers) {fmt(cache['wrong_answer_rate'])}")
     real_pii = pii["propile_real"]["micro"]
     by_others = pii["presidio_templates_test"]

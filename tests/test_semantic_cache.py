@@ -17,8 +17,11 @@ from farm.semantic.cache import (
     CacheQuery,
     RedisSemanticCache,
     guard_signature,
+    lexical_conflict,
     partition_key,
+    same_frame_edit,
     text_sha,
+    word_sequence,
 )
 from tests.conftest import free_port, start_redis
 
@@ -31,7 +34,15 @@ def unit(seed: int, near: np.ndarray | None = None, eps: float = 0.0) -> np.ndar
 
 
 def q(vec: np.ndarray, text: str = "hello there", model: str = "m1", system: str = "", history=None) -> CacheQuery:
-    return CacheQuery(partition_key(model, system, history or []), vec, text_sha(text), guard_signature(text), False)
+    return CacheQuery(partition_key(model, system, history or []), vec, text_sha(text), guard_signature(text), False,
+                      word_sequence(text))
+
+
+def at_cosine(v: np.ndarray, c: float, seed: int) -> np.ndarray:
+    """A unit vector whose cosine with the unit vector v is exactly c."""
+    u = np.random.default_rng(seed).standard_normal(v.shape[0])
+    u -= (u @ v) * v
+    return (c * v + np.sqrt(1 - c * c) * u / np.linalg.norm(u)).astype(np.float32)
 
 
 def make(client, **kw) -> RedisSemanticCache:
@@ -196,3 +207,45 @@ def test_milvus_backend_same_contract(tmp_path):
     c.sweep()  # past max_entries: the oldest goes
     assert c.lookup(mq(base)) is None
     assert c.lookup(mq(unit(53))).answer == "c"
+
+
+@pytest.mark.parametrize(("a", "b", "edit"), [
+    # one sentence, content changed in place: another entity, an antonym, a qualifier added
+    ("What is the tallest mountain in the world?", "What is the tallest mountain in Africa?", True),
+    ("Should I take vitamin D in the morning?", "Should I take vitamin D at night?", True),
+    ("How do I center a div in CSS?", "How do I center a div vertically in CSS?", True),
+    ("How do I make my cat stop scratching the sofa?", "How do I make my dog stop chewing the sofa?", True),
+    # the question asked in other words
+    ("What is the tallest mountain in the world?", "Which mountain is the highest on Earth?", False),
+    ("How do I calculate compound interest?", "What's the formula for compound interest?", False),
+    ("What is the function of the mitochondria?", "What do mitochondria do in a cell?", False),
+    # only function words or forms of one word differ
+    ("Who discovered penicillin?", "Who was the discoverer of penicillin?", False),
+    ("How do I center text in HTML?", "How can I center text in HTML?", False)])
+def test_an_edit_in_place_is_told_from_a_rephrasing(a, b, edit):
+    assert same_frame_edit(word_sequence(a), word_sequence(b)) is edit
+
+
+@pytest.mark.parametrize(("a", "b", "conflict"), [
+    ("Convert 5 feet to meters", "Convert 5 meters to feet", True),
+    ("Is Python faster than Java?", "Is Java faster than Python?", True),
+    ("What is inflation in economics?", "In economics, what is inflation?", False),  # a phrase moved whole
+    ("Flights from London to Paris", "Flights to Paris from London", False),
+    ("Write a haiku about autumn", "Write a haiku about spring", True)])
+def test_reordered_words(a, b, conflict):
+    assert lexical_conflict(word_sequence(a), word_sequence(b)) is conflict
+
+
+def test_rephrased_questions_hit_below_the_threshold_but_edits_in_place_do_not(redis_client):
+    """Within `rephrased_margin` below the threshold a rephrasing hits and a one-place edit does not; below the
+    margin nothing hits, and a margin of 0 is the threshold alone."""
+    c = make(redis_client)
+    base = unit(40)
+    stored = "What is the tallest mountain in the world?"
+    c.store(q(base, text=stored), "Everest")
+    rephrased = c.lookup(q(at_cosine(base, 0.87, 41), text="Which mountain is the highest on Earth?"))
+    assert rephrased is not None and rephrased.answer == "Everest" and abs(rephrased.similarity - 0.87) < 1e-4
+    assert c.lookup(q(at_cosine(base, 0.87, 42), text="What is the tallest mountain in Africa?")) is None
+    assert c.lookup(q(at_cosine(base, 0.80, 44), text="Which mountain is the highest on Earth?")) is None
+    off = make(redis_client, rephrased_margin=0.0)
+    assert off.lookup(q(at_cosine(base, 0.87, 45), text="Which mountain is the highest on Earth?")) is None

@@ -110,6 +110,9 @@ class CacheConfig(Section):
     enabled: bool = True
     backend: Literal["redis", "milvus"] = "redis"
     similarity_threshold: float = Field(0.9, gt=0, le=1)  # cosine similarity needed for a hit
+    # Up to this far below similarity_threshold a question asked in other words still hits, but not the stored
+    # sentence with a content word swapped, added or dropped in place (cache.same_frame_edit); 0 turns it off.
+    rephrased_margin: float = Field(0.06, ge=0, lt=1)
     ttl_s: int = Field(3600, ge=1)
     max_entries: int = Field(10000, ge=1)  # across all partitions; the oldest entries are evicted first
     max_partition_entries: int = Field(2000, ge=1)  # per model + system prompt: bounds one brute-force search

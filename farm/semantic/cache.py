@@ -5,8 +5,11 @@ system prompt, earlier turns of the conversation), so an answer is never served 
 `shared_across_tenants`), models, system prompts or conversations; only the last user message is compared semantically. A hit needs cosine similarity
 at or above the threshold *and* the same "guard signature" (the numbers in the text, as digits or words, and its negations:
 "2+2" vs "2+3", "is" vs "is not" embed almost identically but have different answers) *and* no lexical
-conflict (the same words reordered, or one content word swapped: "good"/"bad"). Prompts longer than the
-embedding window are only served on an exact text match.
+conflict (the same words reordered, or one content word swapped: "good"/"bad"). Below the threshold, by up to
+`rephrased_margin`, a question asked in other words still hits unless it is the stored sentence with its
+content changed in place (`same_frame_edit`: "... in the world" / "... in Africa"): sentence embeddings score real
+rephrasings and such one-place edits alike (0.82-0.89), but the edits keep the stored sentence's frame and the
+rephrasings do not. Prompts longer than the embedding window are only served on an exact text match.
 
 Redis backend (default): entries are hashes with the vector as float32 bytes, a TTL, a per-partition
 sorted set and a global one (oldest evicted first past `max_entries`, or past `max_partition_entries`
@@ -18,6 +21,7 @@ restarts with Redis's AOF.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -69,6 +73,14 @@ def _norm_word(w: str) -> str:
     return w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w
 
 
+# the function words as `word_sequence` writes them too ("does" -> "doe", "this" -> "thi")
+_FUNCTION_WORDS = _FUNCTION_WORDS | frozenset(_norm_word(w) for w in _FUNCTION_WORDS)
+
+# A one-place edit keeps at least this share of the longer sentence's words, in order: the development pairs' near
+# misses kept 0.62-0.89 of it, their rephrasings 0.17-0.64 (tools/semantic/cache_held_out.py, bench/semantic.py).
+_FRAME_SHARE = 0.6
+
+
 def word_sequence(text: str) -> str:
     """Normalised lower-case words, space-joined: what the lexical guard compares."""
     text = _CONTRACTION.sub(lambda m: " " + _CONTRACTIONS[m.group(1)], text.lower().replace("\u2019", "'"))
@@ -77,14 +89,51 @@ def word_sequence(text: str) -> str:
 
 def lexical_conflict(a: str, b: str) -> bool:
     """True when two similar texts differ in a way embeddings blur: the same words reordered ("10 miles to
-    km" / "10 km to miles"), or the same sentence with a content word swapped ("good" / "bad")."""
+    km" / "10 km to miles"; a phrase moved whole, "In economics, what is inflation?", is the same question), or the
+    same sentence with a content word swapped ("good" / "bad")."""
     wa, wb = a.split(), b.split()
     if wa == wb or len(wa) != len(wb):
         return False
     if sorted(wa) == sorted(wb):
-        return True
+        return not _one_block_moved(wa, wb)
     diff = [(x, y) for x, y in zip(wa, wb, strict=True) if x != y]
     return len(diff) <= 2 and any(x not in _FUNCTION_WORDS or y not in _FUNCTION_WORDS for x, y in diff)
+
+
+def _one_block_moved(wa: list[str], wb: list[str]) -> bool:
+    """wb is wa with one run of words moved elsewhere: between their common prefix and suffix, one side is a
+    rotation of the other. Two words swapped are not ("miles to km" / "km to miles"; "dog food" / "food dog")."""
+    n = len(wa)
+    lo = next((i for i in range(n) if wa[i] != wb[i]), n)
+    hi = next((i for i in range(n - 1, lo - 1, -1) if wa[i] != wb[i]), lo - 1) + 1
+    mid_a, mid_b = wa[lo:hi], wb[lo:hi]
+    return len(mid_a) > 2 and any(mid_b == mid_a[k:] + mid_a[:k] for k in range(1, len(mid_a)))
+
+
+def _same_word(x: str, y: str) -> bool:
+    """One word in two forms ("discovered" / "discoverer", "main" / "mainly"): a shared stem of 4+ letters that is
+    most of the shorter word."""
+    if x == y:
+        return True
+    n = len(x) if y.startswith(x) else len(y) if x.startswith(y) else next(
+        i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b)
+    return n >= 4 and n >= 0.75 * min(len(x), len(y))
+
+
+def same_frame_edit(a: str, b: str) -> bool:
+    """True when two word sequences (`word_sequence`) are one sentence with content changed in place: a content
+    word that only one side has, while most of the words stand in the same order on both ("the tallest mountain in
+    the world" / "in Africa", "center a div" / "center a div vertically"). A question rephrased shares little of
+    its frame ("Which mountain is the highest on Earth?")."""
+    wa, wb = a.split(), b.split()
+    if not wa or not wb:
+        return False
+    only_a = [w for w in wa if w not in _FUNCTION_WORDS and not any(_same_word(w, v) for v in wb)]
+    only_b = [w for w in wb if w not in _FUNCTION_WORDS and not any(_same_word(w, v) for v in wa)]
+    if not only_a and not only_b:
+        return False
+    kept = sum(m.size for m in difflib.SequenceMatcher(None, wa, wb, autojunk=False).get_matching_blocks())
+    return kept >= _FRAME_SHARE * max(len(wa), len(wb))
 
 
 def text_sha(text: str) -> str:
@@ -125,10 +174,14 @@ class SemanticCache(Protocol):
     def clear(self) -> None: ...
 
 
-def _acceptable(sim: float, q: CacheQuery, sha: str, sig: str, exact: bool, words: str, threshold: float) -> bool:
+def _acceptable(sim: float, q: CacheQuery, sha: str, sig: str, exact: bool, words: str, cfg: CacheConfig) -> bool:
     if q.exact_only or exact:
         return sha == q.sha
-    return sim >= threshold and sig == q.signature and not lexical_conflict(words, q.words)
+    if sim < cfg.similarity_threshold - cfg.rephrased_margin or sig != q.signature:
+        return False
+    if lexical_conflict(words, q.words):
+        return False
+    return sim >= cfg.similarity_threshold or not same_frame_edit(words, q.words)
 
 
 # -- Redis ------------------------------------------------------------------------------------------------
@@ -231,10 +284,9 @@ class RedisSemanticCache:
         sims[m.created < time.time() - self.cfg.ttl_s] = -2.0
         for i in np.argsort(-sims)[:8]:
             sim = float(sims[i])
-            if sim < min(self.cfg.similarity_threshold, 0.5) and not q.exact_only:
+            if sim < min(self.cfg.similarity_threshold - self.cfg.rephrased_margin, 0.5) and not q.exact_only:
                 break
-            if not _acceptable(sim, q, m.shas[i], m.sigs[i], bool(m.exact[i]), m.words[i],
-                               self.cfg.similarity_threshold):
+            if not _acceptable(sim, q, m.shas[i], m.sigs[i], bool(m.exact[i]), m.words[i], self.cfg):
                 continue
             answer = self.r.hget(f"{self.prefix}:e:{q.partition}:{m.ids[i]}", "a")
             if answer is None:  # expired or evicted since the mirror was loaded
@@ -299,8 +351,7 @@ class MilvusSemanticCache:
         for hit in res[0] if res else []:
             ent = hit.get("entity", hit)
             sim = float(hit.get("distance", 0.0))
-            if _acceptable(sim, q, ent["sha"], ent["sig"], bool(ent["exact"]), ent.get("words", ""),
-                           self.cfg.similarity_threshold):
+            if _acceptable(sim, q, ent["sha"], ent["sig"], bool(ent["exact"]), ent.get("words", ""), self.cfg):
                 return CacheHit(ent["answer"], sim, str(hit.get("id")))
         return None
 
