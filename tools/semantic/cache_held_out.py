@@ -9,7 +9,7 @@ pairs, not users' traffic: the figure is a held-out one on hand-written pairs, a
 - `FIRST_PARAPHRASES` / `FIRST_NEAR_MISSES`: the first final set, written on 2026-11-30 before any reading and read
   once at 01:40 UTC (0.725, 2 wrong hits). A change was then made looking at its misses (number words), so it is
   **development data now**, beside the template pairs (tools/semantic/templates/cache_src.py).
-- `PARAPHRASES` / `NEAR_MISSES`: the second final set, written on 2026-11-30 at 04:20 UTC, before any cache change
+- `PARAPHRASES` / `NEAR_MISSES`: the second final set, written on 2026-11-30 at 04:00 UTC (commit d73e163), before any cache change
   of that session and before any reading; none of its texts were run through the cache or the embedder while the
   cache was changed.
 """
