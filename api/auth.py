@@ -123,8 +123,23 @@ def _check() -> None:
         _limit(auth, current_owner())
 
 
-def _limit(auth: Auth, owner: str) -> None:
-    refusal = auth.limiter.admit(owner, check_quota=request.endpoint in GENERATING_ENDPOINTS)
+def count_requests(n: int) -> None:
+    """Count `n` more requests of this request's owner against the request-rate limit, or raise its 429 and give
+    back the one `_check` counted: what a batch of texts adds to its own request."""
+    if n <= 0:
+        return
+    auth, owner = _auth(), current_owner()
+    try:
+        _limit(auth, owner, count=n, check_quota=False)
+    except APIError:
+        auth.limiter.uncount(owner, 1)
+        raise
+
+
+def _limit(auth: Auth, owner: str, count: int = 1, check_quota: bool | None = None) -> None:
+    if check_quota is None:
+        check_quota = request.endpoint in GENERATING_ENDPOINTS
+    refusal = auth.limiter.admit(owner, check_quota=check_quota, count=count)
     if refusal is None:
         return
     headers = {"Retry-After": str(refusal.retry_after_s)}

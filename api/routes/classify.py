@@ -1,6 +1,7 @@
 """The Semantic Router's classification API on the farm's API: `POST /api/v1/classify/intent`, `/pii`,
 `/security`, `/combined` and `/batch`, in its shapes (farm/semantic/classify_api.py). Nothing is generated or
-cached; the same API key and request-rate limit as /v1 apply (api/auth.py), and no token of the quota is spent.
+cached; the same API key and request-rate limit as /v1 apply (api/auth.py; each text of a batch counts as one
+request), and no token of the quota is spent.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 
 from flask import Blueprint, Response, current_app, jsonify
 
-from api.auth import current_owner
+from api.auth import count_requests, current_owner
 from api.bodies import json_body
 from farm.openai import classify_schemas as schemas
 from farm.openai.api_error import APIError
@@ -23,7 +24,8 @@ def _json(model) -> Response:
     return jsonify(model.model_dump(exclude_none=True))
 
 
-def _signals(text: str, model: str | None, want: frozenset[str]):
+def _layer(model: str | None):
+    """The farm's semantic layer, once the model asked about is known (404s as the Router gives them)."""
     farm = current_app.extensions["farm"]
     layer = farm.semantic()
     if layer is None:
@@ -31,7 +33,11 @@ def _signals(text: str, model: str | None, want: frozenset[str]):
                        code="semantic_layer_disabled")
     if model is not None and not layer.is_alias(model) and model not in {m.name for m in farm.cfg.models}:
         raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
-    return layer.signals(text, model or "", tenant=current_owner(), want=want)
+    return layer
+
+
+def _signals(text: str, model: str | None, want: frozenset[str]):
+    return _layer(model).signals(text, model or "", tenant=current_owner(), want=want)
 
 
 @bp.post("/intent")
@@ -62,9 +68,12 @@ def combined() -> Response:
 
 @bp.post("/batch")
 def batch() -> Response:
-    """Up to 100 texts, one task each (intent, pii or security), in the Router's one-label form."""
+    """Up to 100 texts, one task each (intent, pii or security), in the Router's one-label form: read together
+    (shared forwards, one PII pass), and counted as one request each."""
     req = validated(schemas.BatchRequest, json_body())
+    layer = _layer(None)
+    count_requests(len(req.texts) - 1)
     t0 = time.perf_counter()
     want = frozenset({{"intent": "category", "security": "jailbreak", "pii": "pii"}[req.task_type]})
-    sigs = [_signals(text, None, want) for text in req.texts]
+    sigs = layer.signals_many(req.texts, tenant=current_owner(), want=want)
     return _json(vsr.batch(sigs, req.task_type, req.options, (time.perf_counter() - t0) * 1000))

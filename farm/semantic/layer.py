@@ -149,6 +149,10 @@ class Memo(Generic[V]):
             while len(self._d) > self.size:
                 self._d.popitem(last=False)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
 
 @dataclass
 class Verdict:
@@ -394,26 +398,38 @@ class SemanticLayer:
         """What each stage reads in `text` (a user message), every stage run whatever the others found: the
         category and the model `model` (an alias, by default the first) would get, the jailbreak guard's
         probability, and the PII entities with their offsets. No cache, nothing blocked, nothing stored."""
+        return self.signals_many([text], model, tenant, want)[0]
+
+    def signals_many(self, texts: list[str], model: str = "", tenant: str = "",
+                     want: frozenset[str] = ALL_SIGNALS) -> list[Signals]:
+        """`signals` of each text, read together: the encoder's forwards shared by the texts (padded by length),
+        one PII pass over all of them beside it. Each Signals' `ms` is the whole call's time."""
         t0 = time.perf_counter()
         model = model or self.cfg.aliases[0]
         pii = self.pii if "pii" in want and self.cfg.pii.enabled else None
-        pending = pii.start_detect_many([text]) if pii is not None else None
+        pending = pii.start_detect_many(texts) if pii is not None and texts else None
         if not self.cfg.jailbreak.enabled:
             want = want - {"jailbreak"}
-        out = Signals(text)
-        if want & {"category", "jailbreak"}:
-            vec = self._embed([text], tenant)[text].vector
+        out = [Signals(text) for text in texts]
+        if want & {"category", "jailbreak"} and texts:
+            encoded = self._embed(list(dict.fromkeys(texts)), tenant)
             if "category" in want:
-                out.category = self.classifier.decide(vec, text)
-                out.route = self.selector.select(model, out.category.name, out.category.confidence)
+                for sig in out:
+                    sig.category = self.classifier.decide(encoded[sig.text].vector, sig.text)
+                    sig.route = self.selector.select(model, sig.category.name, sig.category.confidence)
             if "jailbreak" in want:
-                out.jailbreak = self.jailbreak.screen([text], lambda xs: self._guard_vectors(xs, tenant))[0]
-                out.jailbreak_threshold = self._jb_threshold("user")
+                threshold = self._jb_threshold("user")
+                found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, tenant))
+                for sig, jb in zip(out, found, strict=True):
+                    sig.jailbreak, sig.jailbreak_threshold = jb, threshold
         if pending is not None:
-            out.pii = pending()[0]
-            policy = self._pii_policy_model(model, out.route)
-            out.pii_denied = self.cfg.pii.policy(policy).violations({e.type for e in out.pii})
-        out.ms = _ms(t0)
+            for sig, entities in zip(out, pending(), strict=True):
+                sig.pii = entities
+                policy = self._pii_policy_model(model, sig.route)
+                sig.pii_denied = self.cfg.pii.policy(policy).violations({e.type for e in entities})
+        ms = _ms(t0)
+        for sig in out:
+            sig.ms = ms
         return out
 
     def _pii_policy_model(self, model: str, route: Route | None) -> str:

@@ -33,7 +33,7 @@ from farm.protocol.keys import rate_key
 RATE_WINDOW_S = 60
 
 # KEYS[1] request counter, KEYS[2] token counter
-# ARGV: request limit, request-window ttl, token quota (0 = none)
+# ARGV: request limit, request-window ttl, token quota (0 = none), requests to count
 # -> {0} admitted | {1} rate limited | {2} quota spent
 _ADMIT = """
 local quota = tonumber(ARGV[3])
@@ -41,13 +41,13 @@ if quota > 0 then
   local used = tonumber(redis.call('GET', KEYS[2]) or '0')
   if used >= quota then return {2, used} end
 end
-local limit = tonumber(ARGV[1])
+local limit, count = tonumber(ARGV[1]), tonumber(ARGV[4])
 if limit > 0 then
-  local n = redis.call('INCR', KEYS[1])
-  if n == 1 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+  local n = redis.call('INCRBY', KEYS[1], count)
+  if n == count then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
   if n > limit then
-    redis.call('DECR', KEYS[1])
-    return {1, n - 1}
+    redis.call('DECRBY', KEYS[1], count)
+    return {1, n - count}
   end
 end
 return {0, 0}
@@ -132,19 +132,26 @@ class Limiter:
         rate_end, tok_end = (rate_idx + 1) * RATE_WINDOW_S, (tok_idx + 1) * tw
         return rate_key("req", owner, rate_idx), rate_key("tok", owner, tok_idx), rate_end, tok_end
 
-    def admit(self, owner: str, check_quota: bool = True, now: float | None = None) -> Refusal | None:
-        """Count one request of `owner`; a Refusal (nothing counted) when a limit is reached."""
+    def admit(self, owner: str, check_quota: bool = True, now: float | None = None, count: int = 1) -> Refusal | None:
+        """Count `count` requests of `owner` (a batch of texts counts each); a Refusal (nothing counted) when a
+        limit is reached."""
         rpm, quota = self.limits_of(owner)
         if not (rpm or quota):
             return None
         now = time.time() if now is None else now
         req_key, tok_key, rate_end, tok_end = self._keys(owner, now)
-        code, used = self._admit(keys=[req_key, tok_key], args=[rpm, RATE_WINDOW_S + 1, quota if check_quota else 0])
+        code, used = self._admit(keys=[req_key, tok_key],
+                                 args=[rpm, RATE_WINDOW_S + 1, quota if check_quota else 0, max(1, int(count))])
         if code == 1:
             return Refusal("rate", rpm, int(used), max(1, math.ceil(rate_end - now)))
         if code == 2:
             return Refusal("quota", quota, int(used), max(1, math.ceil(tok_end - now)))
         return None
+
+    def uncount(self, owner: str, count: int, now: float | None = None) -> None:
+        """Give back `count` requests counted in the current window (a batch refused after its first was counted)."""
+        if self.limits_of(owner)[0] and count > 0:
+            self.r.decrby(self._keys(owner, time.time() if now is None else now)[0], int(count))
 
     def charge(self, owner: str, tokens: int, now: float | None = None) -> None:
         """Add `tokens` to the owner's usage in the current token window."""
