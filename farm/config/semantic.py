@@ -88,6 +88,24 @@ class JailbreakConfig(Section):
     # no false positive among 16 operator prompts (the highest scores 0.684), 5 of 8 attacks hidden in a system
     # turn caught (a development figure: python -m tools.semantic.layer_dev system); 1 = never block on these turns.
     system_threshold: float = Field(0.69, gt=0, le=1)
+    # Attacks an operator has seen, given as examples (the Semantic Router's `jailbreak_patterns`): a message as
+    # close to one of them as `pattern_threshold` (cosine of the guard's vectors) is blocked whatever the head
+    # says, unless one of `benign_patterns` is closer still. For a campaign the head misses, without retraining.
+    # 0.5: the lowest threshold (in steps of 0.05) at which 5 examples of a development attack family kept every
+    # development benign source at or below an FPR of 0.01 (the head's goal is 0.02); they then caught 0.76 of
+    # the rest of a template family (pliny), 0.56 of encoded attacks and 0.04-0.18 of families of varied wording
+    # (development figures: python -m tools.semantic.layer_dev patterns).
+    patterns: list[str] = Field(default_factory=list)
+    benign_patterns: list[str] = Field(default_factory=list)
+    pattern_threshold: float = Field(0.5, gt=0, le=1)
+
+    @field_validator("patterns", "benign_patterns")
+    @classmethod
+    def _patterns_ok(cls, v: list[str]) -> list[str]:
+        blank = [i for i, t in enumerate(v) if not t.strip()]
+        if blank:
+            raise ValueError(f"patterns must be non-empty texts; entries {blank} are blank")
+        return v
 
 
 class ClassifierConfig(Section):

@@ -8,7 +8,8 @@ One head ships ("jb" in heads.npz): trained on real attack collections, real ben
 near misses ("disregard my last paragraph", "explain SQL injection so I can prevent it"), its threshold
 chosen on a development split (tools/semantic/train.py); bench/semantic --final scores it once on families
 no choice has seen. An encoded message (base64, hex, ROT13) is also scored as what it decodes to
-(farm.semantic.decoding), and the worst of its forms counts.
+(farm.semantic.decoding), and the worst of its forms counts. An operator's own attack examples
+(`semantic.jailbreak.patterns`, `AttackPatterns`) block what is close to them whatever the head says.
 """
 
 from __future__ import annotations
@@ -31,22 +32,62 @@ class JailbreakResult:
     confidence: float  # probability that the text is an attack
 
 
-class JailbreakDetector:
-    """The head over the guard's vectors at a threshold; `adapter_digest` names the adapter that makes them
-    (farm.semantic.adapter; "" for the plain sentence embedding)."""
+@dataclass(frozen=True)
+class AttackPatterns:
+    """An operator's attack examples and benign ones, as unit guard vectors: a text matches when its nearest
+    attack example is at least `threshold` close (cosine) and no benign example is closer (the Semantic Router's
+    contrastive jailbreak rule, with an absolute floor)."""
 
-    def __init__(self, head: LinearHead, threshold: float, adapter_digest: str = "") -> None:
+    attack: np.ndarray
+    benign: np.ndarray
+    threshold: float
+    digest: str
+
+    @classmethod
+    def from_texts(cls, attack: list[str], benign: list[str], threshold: float,
+                   vectors_of: Callable[[list[str]], np.ndarray]) -> AttackPatterns | None:
+        if not attack:
+            return None
+
+        def unit(texts: list[str]) -> np.ndarray:
+            if not texts:
+                return np.zeros((0, 0), np.float32)
+            v = np.asarray(vectors_of(texts), dtype=np.float32)
+            return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+        digest = hashlib.sha256(repr((attack, benign, threshold)).encode()).hexdigest()
+        return cls(unit(attack), unit(benign), threshold, digest)
+
+    def match(self, vectors: np.ndarray) -> np.ndarray:
+        """For each row of `vectors` (guard vectors), whether it matches."""
+        v = np.atleast_2d(vectors).astype(np.float32)
+        v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        near = (v @ self.attack.T).max(axis=1)
+        closer_benign = (v @ self.benign.T).max(axis=1) > near if self.benign.size else np.zeros(len(v), bool)
+        return (near >= self.threshold) & ~closer_benign
+
+
+class JailbreakDetector:
+    """The head over the guard's vectors at a threshold, and the operator's attack examples when given;
+    `adapter_digest` names the adapter that makes the vectors (farm.semantic.adapter; "" for the plain sentence
+    embedding)."""
+
+    def __init__(self, head: LinearHead, threshold: float, adapter_digest: str = "",
+                 patterns: AttackPatterns | None = None) -> None:
         if head.labels[0] != "benign":
             raise ValueError("the jailbreak head's first label must be 'benign'")
         self.head = head
         self.threshold = threshold
         self.adapter_digest = adapter_digest
+        self.patterns = patterns
 
     @classmethod
-    def shipped(cls, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None) -> JailbreakDetector:
+    def shipped(cls, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None,
+                patterns: AttackPatterns | None = None) -> JailbreakDetector:
         """The shipped head at the threshold chosen with it at training, unless `threshold` overrides it."""
         adapter = load_adapter()
-        return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"], adapter.digest() if adapter else "")
+        return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"], adapter.digest() if adapter else "",
+                   patterns)
 
     def digest(self) -> str:
         """sha256 of everything that decides a verdict: the adapter's and the head's weights, the threshold and
@@ -54,12 +95,19 @@ class JailbreakDetector:
         parts = f"{self.head.digest()} {self.threshold!r} {DECODING_VERSION}"
         if self.adapter_digest:
             parts += f" {self.adapter_digest}"
+        if self.patterns is not None:
+            parts += f" patterns {self.patterns.digest}"
         return hashlib.sha256(parts.encode()).hexdigest()
 
     def detect(self, emb: np.ndarray, texts: list[str]) -> list[JailbreakResult]:
+        """Each text's result; one that matches the operator's attack examples is type "pattern", confidence 1."""
         p = self.head.proba(np.atleast_2d(emb), texts)
+        matched = self.patterns.match(emb) if self.patterns is not None else np.zeros(len(p), bool)
         out = []
-        for row in p:
+        for row, pattern in zip(p, matched, strict=True):
+            if pattern:
+                out.append(JailbreakResult(True, "pattern", 1.0))
+                continue
             attack = float(1.0 - row[0])
             kind = self.head.labels[1 + int(row[1:].argmax())]
             flagged = attack >= self.threshold

@@ -83,7 +83,7 @@ from farm.semantic.classifier import (
 from farm.semantic.conversation import conversation_category
 from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
-from farm.semantic.jailbreak import JailbreakDetector, JailbreakResult
+from farm.semantic.jailbreak import AttackPatterns, JailbreakDetector, JailbreakResult
 from farm.semantic.pii import Entity, PIIDetector
 from farm.semantic.selection import ModelSelector, Route, inject_system_prompt, message_text, system_prompt_of
 
@@ -235,7 +235,10 @@ class SemanticLayer:
                 redis_client = connect(cfg.redis)
             cache = make_cache(scfg.cache, redis_client)
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
-        jailbreak = JailbreakDetector.shipped(heads, heads_meta(), scfg.jailbreak.threshold)
+        jcfg = scfg.jailbreak
+        patterns = AttackPatterns.from_texts(jcfg.patterns, jcfg.benign_patterns, jcfg.pattern_threshold,
+                                             lambda xs: np.stack([e.guard for e in emb.encode_texts(xs)]))
+        jailbreak = JailbreakDetector.shipped(heads, heads_meta(), jcfg.threshold, patterns)
         custom = CustomCategories.from_config(scfg.categories, emb)  # the user's categories, embedded once
         classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold,
                                         keywords=KeywordCategories.from_config(scfg.categories))

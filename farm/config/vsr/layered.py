@@ -1,22 +1,20 @@
 """A Semantic Router `config.yaml` of its layered format (`version: v0.3`, since March 2026): `providers` (the
 models and the default one), `routing` (signals and the decisions that route by them) and `global` (stores and
 the classifier modules). What maps is what the flat formats carry, found at its new place: the default model,
-the decisions over domains, embedding and keyword rules (farm/config/vsr/decisions.py), the cache store, the prompt guard
-and the PII classifier's switch. Every other key is named, at most two levels below its layer."""
+the decisions over domains, embedding and keyword rules (farm/config/vsr/decisions.py), the jailbreak rules' contrastive
+examples, the cache store, the prompt guard and the PII classifier's switch. Every other key is named, at most two levels below its layer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from farm.config.vsr.common import VsrImport, mapping
+from farm.config.vsr.common import VsrImport, items, mapping
 from farm.config.vsr.decisions import ROUTED_BY, routed_categories, use_categories
 from farm.config.vsr.sections import REASONING_ELSEWHERE, cache, classifier, guard
 
 LAYERS = ("listeners", "providers", "routing", "global")
 _MODELS_ELSEWHERE = "the farm's models are `models:` entries served by its own workers"
 _SIGNALS_ELSEWHERE = {
-    "jailbreak": "the farm's jailbreak guard reads every message of every request (semantic.jailbreak), with its "
-                 "own calibrated threshold",
     "pii": "the farm's PII guard reads every message of every request; its policies are per served model "
            "(semantic.pii.policies)",
 }
@@ -64,7 +62,9 @@ def _providers(p: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename: d
 def _routing(r: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename: dict[str, str]) -> None:
     signals = mapping(r.get("signals"), "routing.signals")
     for kind in signals:
-        if kind not in ("domains", "embeddings", "keywords"):
+        if kind == "jailbreak":
+            _jailbreak_signals(signals[kind], sem, out)
+        elif kind not in ("domains", "embeddings", "keywords"):
             out.skip(f"routing.signals.{kind}", _SIGNALS_ELSEWHERE.get(kind, ROUTED_BY))
     if "decisions" in r or "domains" in signals:
         use_categories(sem, routed_categories(
@@ -78,6 +78,33 @@ def _routing(r: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename: dic
         out.skip(f"routing.{key}", "model cards and scoring projections are the Semantic Router's; the farm "
                                    "scores models per category" if key in ("modelCards", "projections")
                  else "not a routing setting of the farm")
+
+
+def _jailbreak_signals(rules: Any, sem: dict[str, Any], out: VsrImport) -> None:
+    """Jailbreak rules: their contrastive examples join the farm's attack and benign patterns (every rule's,
+    since the farm's guard is one for every request); the rest is named."""
+    key = "routing.signals.jailbreak"
+    guard = sem.setdefault("jailbreak", {})
+    for i, rule in enumerate(items(rules, key)):
+        rule = mapping(rule, f"{key}[{i}]")
+        rk = f"{key}[{rule.get('name', i)}]"
+        for field, value in rule.items():
+            if field in ("jailbreak_patterns", "benign_patterns"):
+                target = "patterns" if field == "jailbreak_patterns" else "benign_patterns"
+                texts = [str(t) for t in items(value, f"{rk}.{field}") if str(t).strip()]
+                guard.setdefault(target, []).extend(t for t in texts if t not in guard.get(target, []))
+            elif field == "threshold":
+                out.skip(f"{rk}.threshold", "a threshold of the Semantic Router's own models; the farm's are "
+                                            "semantic.jailbreak.threshold and pattern_threshold")
+            elif field == "method" and value in ("classifier", "contrastive", "hybrid"):
+                continue  # the farm always runs its head, and its patterns when there are any
+            elif field not in ("name", "description", "include_history"):  # the farm reads every message
+                out.skip(f"{rk}.{field}", "not a jailbreak setting of the farm")
+        if not rule.get("jailbreak_patterns"):
+            out.notes.append(f"{rk}: the farm's jailbreak guard reads every message of every request "
+                             "(semantic.jailbreak)")
+    if not guard:
+        sem.pop("jailbreak")
 
 
 def _global(g: dict[str, Any], sem: dict[str, Any], out: VsrImport) -> None:
@@ -104,7 +131,7 @@ def _modules(catalog: dict[str, Any], sem: dict[str, Any], out: VsrImport) -> No
         for module, conf in mapping(value, k).items():
             mk = f"{k}.{module}"
             if module == "prompt_guard":
-                sem["jailbreak"] = guard(mapping(conf, mk), out, where=mk)
+                sem.setdefault("jailbreak", {}).update(guard(mapping(conf, mk), out, where=mk))
             elif module == "classifier":
                 classifier(mapping(conf, mk), sem, out, where=mk)
             else:
