@@ -73,6 +73,7 @@ def test_a_custom_category_routes_and_explains(layer):
     assert v.category == "cooking" and v.model == MODEL_B  # its model_scores
     assert v.headers["x-vsr-selected-category"] == "cooking" == v.headers["x-vsr-matched-embeddings"]
     assert float(v.headers["x-vsr-selected-confidence"]) >= layer.cfg.classifier.threshold
+    assert v.headers["x-vsr-selected-decision"] == "cooking"  # no decision imported: the category's name
     assert v.messages[0] == {"role": "system", "content": "You are a chef."}
     why = v.explain["category"]
     assert why["rule"] == "custom" and why["confidence"] >= layer.cfg.classifier.threshold and why["accepted"]
@@ -115,13 +116,15 @@ def test_keyword_categories_route_before_the_head_and_the_similarity_rule(tmp_pa
     as configured; it wins over a confident head, and a prompt without its keywords is classified as before."""
     lay = SemanticLayer.from_config(_cfg(tmp_path, {"categories": [
         *CATEGORIES,
-        {"name": "billing", "keywords": ["invoice", "refund"], "model_scores": {MODEL_B: 1.0}},
+        {"name": "billing", "keywords": ["invoice", "refund"], "model_scores": {MODEL_B: 1.0},
+         "decision": "billing_route"},  # imported from a Semantic Router decision
         {"name": "incident", "keywords": ["SEV1", "outage"], "keyword_operator": "all", "case_sensitive": True,
          "model_scores": {MODEL_A: 1.0}}]}), embedder=embedder)
     v = lay.before("MoM", _user("Solve for x: 2x + 6 = 10, then put the answer on my invoice"))
     why = v.explain["category"]
     assert v.category == "billing" and v.model == MODEL_B and why["rule"] == "keyword" and why["confidence"] == 1.0
     assert v.headers["x-vsr-matched-keywords"] == "billing" and v.headers["x-vsr-selected-confidence"] == "1.000"
+    assert v.headers["x-vsr-selected-decision"] == "billing_route"
     assert why["alternatives"][0][0] == "math"  # what the head would have said, as the first runner-up
     assert lay.before("MoM", _user("Where is my REFUND?")).category == "billing"  # case-insensitive by default
     assert lay.before("MoM", _user("Solve for x: 2x + 6 = 10 (refunding)")).category == "math"  # whole words only

@@ -320,15 +320,15 @@ def test_decisions_become_categories_and_what_does_not_map_is_named():
     # an OR of two domains: both get the route; modelRefs by order become scores, the first model's reasoning
     for cat, name in ((cs, "computer science"), (math, "math")):
         assert cat == {"name": name, "model_scores": {MODEL_B: 1.0, MODEL_A: 0.9}, "reasoning": True,
-                       "system_prompt": "Think step by step.", "system_prompt_mode": "replace"}
+                       "system_prompt": "Think step by step.", "system_prompt_mode": "replace", "decision": "stem"}
     # a domain that is no built-in category, with an embedding rule of its name: a user-defined category whose
     # examples are the rule's candidates; weights become scores
     assert billing == {"name": "billing", "description": "Invoices, refunds and payment methods.",
                        "examples": ["Why was I charged twice this month?", "How do I get a refund for my order?"],
-                       "model_scores": {MODEL_A: 0.3, MODEL_B: 0.7}}
+                       "model_scores": {MODEL_A: 0.3, MODEL_B: 0.7}, "decision": "billing_route"}
     # a keyword rule: a category of its keywords, matched as whole words (not by the Router's fuzzy method)
     assert invoices == {"name": "invoices", "keywords": ["invoice", "receipt"], "keyword_operator": "any",
-                        "case_sensitive": False, "model_scores": {MODEL_B: 1.0}}
+                        "case_sensitive": False, "model_scores": {MODEL_B: 1.0}, "decision": "invoice_route"}
     skipped = {line.split(": no equivalent")[0] for line in r.unmapped}
     assert skipped == {"decisions[stem].plugins[1] (semantic-cache)", "decisions[urgent_math].rules",
                        "decisions[math_again]", "embedding_rules[billing].threshold", "keyword_rules[invoices].method",
@@ -475,10 +475,12 @@ def test_the_layered_v0_3_format_maps_from_its_layers():
     assert sem["jailbreak"] == {"enabled": True} and sem["pii"] == {"enabled": True}
     math, refusal, debugging, accounts = sem["categories"]
     assert refusal == {"name": "embargoed", "keywords": ["project aurora"], "keyword_operator": "any",
-                       "model_scores": {MODEL_A: 1.0}, "fast_response": "Project Aurora is not discussed here."}
+                       "model_scores": {MODEL_A: 1.0}, "fast_response": "Project Aurora is not discussed here.",
+                       "decision": "refuse_embargoed"}
     assert debugging == {"name": "code_words", "keywords": ["debug", "stack trace"], "keyword_operator": "all",
-                         "case_sensitive": False, "model_scores": {MODEL_A: 1.0}}
-    assert math == {"name": "math", "model_scores": {MODEL_B: 1.0}, "reasoning": True}  # the decision's models win
+                         "case_sensitive": False, "model_scores": {MODEL_A: 1.0}, "decision": "debugging"}
+    assert math == {"name": "math", "model_scores": {MODEL_B: 1.0}, "reasoning": True,  # the decision's models win
+                    "decision": "math_route"}
     assert accounts["description"] == "Account and login help." and len(accounts["examples"]) == 5
     assert accounts["system_prompt"] == "You are an account support agent."
     skipped = {line.split(": no equivalent")[0] for line in r.unmapped}

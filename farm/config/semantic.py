@@ -164,6 +164,9 @@ class CategoryConfig(Section):
     # names, is answered with it by the API, no model involved (x-vsr-fast-response: true). With keywords, an
     # operator's deterministic refusal of known attack phrasings the guard's head may miss.
     fast_response: str = ""
+    # The Semantic Router decision this category was imported from (farm config import-vsr): sent as
+    # x-vsr-selected-decision, which its dashboards read; the category's name when empty.
+    decision: str = ""
 
     @field_validator("keywords")
     @classmethod

@@ -101,6 +101,7 @@ H_AFFINITY = "x-vsr-conversation-affinity"
 # as the Semantic Router sends them for a routed request: the category's confidence, and the signal that matched
 # it (x-vsr-matched-domains: the head; -embeddings: a user category by similarity; -keywords: by keywords)
 H_CONFIDENCE = "x-vsr-selected-confidence"
+H_DECISION = "x-vsr-selected-decision"  # the Semantic Router decision a category was imported from, else its name
 MATCHED_PREFIX = "x-vsr-matched-"
 H_FAST = "x-vsr-fast-response"  # answered with the category's fast_response, no model involved
 # the roles whose text the guards read; "function" is the legacy name of a tool result
@@ -322,7 +323,7 @@ class SemanticLayer:
         fast = cfg.category(route.category) if route.category and cat is not None else None
         if fast is not None and fast.fast_response:  # the category's fixed answer: no model, whatever was asked
             t["classify"] = _ms(s)
-            return Verdict("block", route.model, messages, {H_FAST: "true", **category_headers(fast.name, cat)},
+            return Verdict("block", route.model, messages, {H_FAST: "true", **category_headers(fast.name, cat, fast.decision)},
                            fast.fast_response, "stop", category=fast.name, confidence=cat.confidence,
                            timings_ms=_total(t, t0), explain=explain)
         out_messages = messages
@@ -369,7 +370,8 @@ class SemanticLayer:
             headers[H_FALLBACK] = fallback_value(route.passed_over, route.model, "no-live-worker")
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
         if route.category and cat is not None:
-            headers.update(category_headers(route.category, cat))
+            routed = cfg.category(route.category)
+            headers.update(category_headers(route.category, cat, routed.decision if routed is not None else ""))
             if affinity:
                 headers[H_AFFINITY] = affinity
         if route.reasoning is not None:
@@ -496,9 +498,11 @@ class SemanticLayer:
         return True
 
 
-def category_headers(name: str, cat: Category) -> dict[str, str]:
-    """x-vsr-selected-category, its confidence and the x-vsr-matched-* header of the rule that decided it."""
-    return {H_CATEGORY: name, H_CONFIDENCE: f"{cat.confidence:.3f}", MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]: name}
+def category_headers(name: str, cat: Category, decision: str = "") -> dict[str, str]:
+    """x-vsr-selected-category, its decision, its confidence and the x-vsr-matched-* header of the rule that
+    decided it."""
+    return {H_CATEGORY: name, H_DECISION: decision or name, H_CONFIDENCE: f"{cat.confidence:.3f}",
+            MATCHED_PREFIX + SIGNAL_OF_RULE[cat.rule]: name}
 
 
 def _ms(start: float) -> float:

@@ -85,6 +85,8 @@ def routed_categories(domains: Any, domains_key: str, signals: dict[str, tuple[A
             if "model_scores" in cat and "model_scores" in settings:
                 out.notes.append(f"{where}: its modelRefs replace the model_scores of the domain {cat['name']!r}")
             cat.update(settings)
+            if d.get("name"):
+                cat["decision"] = str(d["name"])
             routed_by[cat["name"]] = where
     for kind, (named, key) in rules.items():
         for name in named:
