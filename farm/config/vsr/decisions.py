@@ -6,13 +6,15 @@ similarity to a description and examples, or by keywords). So what maps is a dec
 condition, or an OR of conditions, on domains (the classifier's categories), embedding rules (a user-defined
 category whose examples are the rule's candidates) or keyword rules (a category of those keywords). Such a
 decision gives each category it names the decision's models as scores, its reasoning mode, its system prompt
-and its fast_response (a fixed answer, no model). A rule that combines signals with AND or NOT, or names other
-signals (fact checks, languages, ...), has no equivalent and is named as such; so are the plugins the farm has
-as global settings only.
+and its fast_response (a fixed answer, no model). A decision on the jailbreak or PII signal gives its
+fast_response to that guard as its refusal text (the guards themselves block every request on their own). A
+rule that combines signals with AND or NOT, or names other signals (fact checks, languages, ...), has no
+equivalent and is named as such; so are the plugins the farm has as global settings only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from farm.config.base import ConfigError
@@ -20,6 +22,7 @@ from farm.config.vsr.common import VsrImport, items, mapping
 from farm.config.vsr.sections import builtin_name, category
 
 MAPPED_CONDITIONS = ("domain", "embedding", "keyword")
+GUARD_CONDITIONS = ("jailbreak", "pii")  # a decision on these answers what the guard blocks
 ROUTED_BY = ("the farm routes by domains (its classifier's categories), embedding rules and keyword rules "
              "(user-defined categories)")
 _ONE_CACHE = "the farm's cache is one setting for every category (semantic.cache)"
@@ -31,12 +34,22 @@ _PLUGIN_ELSEWHERE = {
 _PROMPT_MODES = {"replace": "replace", "insert": "prepend", "prepend": "prepend"}
 
 
+@dataclass
+class Routed:
+    """What the decisions give the farm: its categories, and the guards' refusal texts (`refusal_jailbreak`,
+    `refusal_pii`) from decisions that answer a guard's signal with a fast_response."""
+
+    categories: list[dict[str, Any]]
+    refusals: dict[str, str] = field(default_factory=dict)
+
+
 def routed_categories(domains: Any, domains_key: str, signals: dict[str, tuple[Any, str]], decisions: Any,
-                      decisions_key: str, out: VsrImport, rename: dict[str, str]) -> list[dict[str, Any]]:
+                      decisions_key: str, out: VsrImport, rename: dict[str, str]) -> Routed:
     """The farm's categories: one per domain (in their order), then one per embedding or keyword rule a decision
-    routes by, each carrying the settings of the highest-priority decision that names it. `signals`: the rules
-    of each kind ("embedding", "keyword") and where they are."""
+    routes by, each carrying the settings of the highest-priority decision that names it; and the refusals of
+    decisions on the guards. `signals`: the rules of each kind ("embedding", "keyword") and where they are."""
     cats: list[dict[str, Any]] = []
+    refusals: dict[str, str] = {}
     by_domain: dict[str, dict[str, Any]] = {}
     for i, d in enumerate(items(domains, domains_key)):
         cat = category(d, i, out, rename, key=domains_key)
@@ -59,7 +72,11 @@ def routed_categories(domains: Any, domains_key: str, signals: dict[str, tuple[A
             out.skip(f"{where}.rules", "it combines signals with AND or NOT; the farm routes a request by its one "
                                        "category")
             continue
-        other = sorted({kind for kind, _ in leaves} - set(MAPPED_CONDITIONS))
+        kinds = {kind for kind, _ in leaves}
+        if kinds <= set(GUARD_CONDITIONS):
+            _guard_decision(d, kinds, where, refusals, out, rename)
+            continue
+        other = sorted(kinds - set(MAPPED_CONDITIONS))
         if other:
             out.skip(f"{where}.rules", f"conditions of type {', '.join(other)}; {ROUTED_BY}")
             continue
@@ -95,14 +112,33 @@ def routed_categories(domains: Any, domains_key: str, signals: dict[str, tuple[A
     if not cats:
         out.notes.append(f"{decisions_key}: no decision routes by a domain, an embedding rule or a keyword rule: "
                          "the farm keeps its 14 built-in categories")
-    return cats
+    return Routed(cats, refusals)
 
 
-def use_categories(sem: dict[str, Any], cats: list[dict[str, Any]]) -> None:
+def use_categories(sem: dict[str, Any], routed: Routed) -> None:
     """The translated categories replace the built-in list (as the Semantic Router's list is its whole list);
-    with none, the built-in ones stay."""
-    if cats:
-        sem.update(builtin_categories=False, categories=cats)
+    with none, the built-in ones stay. The guards' refusals join them."""
+    if routed.categories:
+        sem.update(builtin_categories=False, categories=routed.categories)
+    sem.update(routed.refusals)
+
+
+def _guard_decision(d: dict[str, Any], kinds: set[str], where: str, refusals: dict[str, str], out: VsrImport,
+                    rename: dict[str, str]) -> None:
+    """A decision on the jailbreak or PII signal: the farm's guards block on their own (every request, each with
+    its threshold or policy), so what carries over is its fast_response as the guard's refusal text (the
+    highest-priority decision's, as decisions are visited)."""
+    settings = _settings(d, where, out, rename)
+    message = settings.pop("fast_response", None)
+    if message is None:
+        out.skip(f"{where}.rules", "the farm's guards block on their own; a decision on them maps only its "
+                                   "fast_response (the guard's refusal)")
+        return
+    for kind in sorted(kinds):
+        refusals.setdefault(f"refusal_{kind}", message)
+    if settings:
+        out.notes.append(f"{where}: a guard's decision answers with its fast_response; its "
+                         f"{', '.join(sorted(settings))} do not apply")
 
 
 def _priority(d: dict[str, Any], where: str) -> float:
