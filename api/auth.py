@@ -123,12 +123,19 @@ def _check() -> None:
         _limit(auth, current_owner())
 
 
-def count_requests(n: int) -> None:
+def count_requests(n: int, param: str) -> None:
     """Count `n` more requests of this request's owner against the request-rate limit, or raise its 429 and give
-    back the one `_check` counted: what a batch of texts adds to its own request."""
+    back the one `_check` counted: what a batch of items (`param`) adds to its own request. A batch larger than
+    the whole limit could never pass: a 400 says so."""
     if n <= 0:
         return
     auth, owner = _auth(), current_owner()
+    rpm = auth.limiter.limits_of(owner)[0]
+    if rpm and n + 1 > rpm:
+        auth.limiter.uncount(owner, 1)
+        raise APIError(400, f"This batch of {n + 1} is more than this API key's limit of {rpm} requests per minute "
+                            f"(each item counts as one request): send at most {rpm} at a time.", param=param,
+                       code="batch_over_rate_limit")
     try:
         _limit(auth, owner, count=n, check_quota=False)
     except APIError:

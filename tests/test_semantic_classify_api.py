@@ -134,6 +134,12 @@ def test_each_text_of_a_batch_counts_against_the_request_rate_limit(app):
         assert resp.status_code == 429 and resp.get_json()["error"]["code"] == "rate_limit_exceeded"
         assert "Limit 5" in resp.get_json()["error"]["message"]
         assert [post(app, "intent", {"text": "hello"}).status_code for _ in range(3)] == [200, 200, 429]
+        # more texts than the whole limit could never pass: a 400 naming it, and nothing counted
+        limiter.limits = saved.model_copy(update={"requests_per_minute": 50})
+        resp = post(app, "batch", {"texts": [f"text {i}" for i in range(51)]})
+        assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "texts"
+        assert "limit of 50 requests per minute" in resp.get_json()["error"]["message"]
+        assert post(app, "batch", {"texts": [f"text {i}" for i in range(45)]}).status_code == 200  # 5 + 45 = 50
     finally:
         limiter.limits = saved
 

@@ -72,7 +72,7 @@ def batch() -> Response:
     (shared forwards, one PII pass), and counted as one request each."""
     req = validated(schemas.BatchRequest, json_body())
     layer = _layer(None)
-    count_requests(len(req.texts) - 1)
+    count_requests(len(req.texts) - 1, "texts")
     t0 = time.perf_counter()
     want = frozenset({{"intent": "category", "security": "jailbreak", "pii": "pii"}[req.task_type]})
     sigs = layer.signals_many(req.texts, tenant=current_owner(), want=want)
