@@ -120,6 +120,17 @@ def _same_word(x: str, y: str) -> bool:
     return n >= 4 and n >= 0.75 * min(len(x), len(y))
 
 
+def _only_one_side(words: list[str], other: list[str]) -> bool:
+    """Whether `words` has a content word that `other` lacks in every form (`_same_word`): the other side's
+    words indexed by their first 4 letters, the only ones a form of one word can share."""
+    exact = set(other)
+    by_stem: dict[str, list[str]] = {}
+    for v in exact:
+        by_stem.setdefault(v[:4], []).append(v)
+    return any(w not in _FUNCTION_WORDS and w not in exact
+               and not any(_same_word(w, v) for v in by_stem.get(w[:4], ())) for w in words)
+
+
 def same_frame_edit(a: str, b: str) -> bool:
     """True when two word sequences (`word_sequence`) are one sentence with content changed in place: a content
     word that only one side has, while most of the words stand in the same order on both ("the tallest mountain in
@@ -128,9 +139,7 @@ def same_frame_edit(a: str, b: str) -> bool:
     wa, wb = a.split(), b.split()
     if not wa or not wb:
         return False
-    only_a = [w for w in wa if w not in _FUNCTION_WORDS and not any(_same_word(w, v) for v in wb)]
-    only_b = [w for w in wb if w not in _FUNCTION_WORDS and not any(_same_word(w, v) for v in wa)]
-    if not only_a and not only_b:
+    if not _only_one_side(wa, wb) and not _only_one_side(wb, wa):
         return False
     kept = sum(m.size for m in difflib.SequenceMatcher(None, wa, wb, autojunk=False).get_matching_blocks())
     return kept >= _FRAME_SHARE * max(len(wa), len(wb))
