@@ -91,3 +91,16 @@ def test_logprobs_are_the_raw_distributions_log_softmax_with_the_top_k():
     assert [i for i, _ in lp.top] == [0, 1] and abs(lp.top[0][1] - float(ref[0])) < 1e-6
     assert TokenLogprobs.from_list(lp.to_list()) == lp
     assert logprobs_of(logits, [3], [0])[0].top == []
+
+
+def test_a_tiny_repetition_penalty_or_temperature_never_makes_a_nan_row():
+    """A positive logit divided by the smallest positive penalty (5e-324, valid input: the API takes any penalty
+    above 0) or by a tiny temperature overflows to +inf; the row must still sample, and a suppressed token
+    (-inf) must stay out. It failed with "probability tensor contains either inf, nan" (a 500) before."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 3.0]])
+    tiny = SamplingParams(temperature=0.5, repetition_penalty=5e-324, seed=1)
+    g = make_generator(tiny)
+    drawn = {sample(logits, [tiny], [g], [History([0, 1], [])], [[3]])[0] for _ in range(50)}
+    assert drawn <= {0, 1} and 3 not in drawn  # the boosted seen tokens, never the suppressed one
+    cold = SamplingParams(temperature=1e-40, seed=2)
+    assert sample(logits, [cold], [make_generator(cold)])[0] == 3

@@ -52,6 +52,15 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """+inf (a logit divided by a tiny repetition penalty or temperature) as the largest float, so softmax ranks it
+    first instead of turning the row into NaNs; -inf (a suppressed token) stays."""
+    return torch.nan_to_num(x, posinf=_FLOAT_MAX, neginf=-torch.inf)
+
+
 def _plain(p: SamplingParams, suppress: Sequence[int]) -> bool:
     return not (p.penalized or p.logit_bias or p.top_k or p.min_p or suppress)
 
@@ -70,7 +79,7 @@ def process_logits(row: torch.Tensor, p: SamplingParams, history: History | None
             seen = torch.tensor(sorted(set(history.prompt_ids) | set(history.output_ids)), dtype=torch.long)
             if len(seen):
                 vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                row[seen] = _finite(torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty))
         if (p.frequency_penalty or p.presence_penalty) and history.output_ids:
             ids, counts = torch.tensor(list(history.output_ids), dtype=torch.long).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
@@ -81,7 +90,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
     """One token from processed logits: argmax when greedy, else temperature, min_p, top_k, top_p."""
     if p.greedy:
         return int(row.argmax())
-    probs = torch.softmax(row / p.temperature, dim=-1)
+    probs = torch.softmax(_finite(row / p.temperature), dim=-1)
     if p.min_p > 0.0:
         probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
     if p.top_k and p.top_k < probs.numel():
