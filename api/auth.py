@@ -131,12 +131,11 @@ def count_requests(n: int, param: str) -> None:
         return
     auth, owner = _auth(), current_owner()
     rpm = auth.limiter.limits_of(owner)[0]
-    if rpm and n + 1 > rpm:
-        auth.limiter.uncount(owner, 1)
-        raise APIError(400, f"This batch of {n + 1} is more than this API key's limit of {rpm} requests per minute "
-                            f"(each item counts as one request): send at most {rpm} at a time.", param=param,
-                       code="batch_over_rate_limit")
     try:
+        if rpm and n + 1 > rpm:
+            raise APIError(400, f"This batch of {n + 1} is more than this API key's limit of {rpm} requests per "
+                                f"minute (each item counts as one request): send at most {rpm} at a time.",
+                           param=param, code="batch_over_rate_limit")
         _limit(auth, owner, count=n, check_quota=False)
     except APIError:
         auth.limiter.uncount(owner, 1)

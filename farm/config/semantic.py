@@ -140,6 +140,11 @@ class CacheConfig(Section):
     shared_across_tenants: bool = False
     milvus: MilvusConfig = MilvusConfig()
 
+    @property
+    def lowest_hit(self) -> float:
+        """The lowest similarity that can hit: a rephrased question's, `rephrased_margin` below the threshold."""
+        return self.similarity_threshold - self.rephrased_margin
+
 
 class CategoryConfig(Section):
     name: str = Field(min_length=1)

@@ -186,7 +186,7 @@ class SemanticCache(Protocol):
 def _acceptable(sim: float, q: CacheQuery, sha: str, sig: str, exact: bool, words: str, cfg: CacheConfig) -> bool:
     if q.exact_only or exact:
         return sha == q.sha
-    if sim < cfg.similarity_threshold - cfg.rephrased_margin or sig != q.signature:
+    if sim < cfg.lowest_hit or sig != q.signature:
         return False
     if lexical_conflict(words, q.words):
         return False
@@ -293,7 +293,7 @@ class RedisSemanticCache:
         sims[m.created < time.time() - self.cfg.ttl_s] = -2.0
         for i in np.argsort(-sims)[:8]:
             sim = float(sims[i])
-            if sim < min(self.cfg.similarity_threshold - self.cfg.rephrased_margin, 0.5) and not q.exact_only:
+            if sim < min(self.cfg.lowest_hit, 0.5) and not q.exact_only:
                 break
             if not _acceptable(sim, q, m.shas[i], m.sigs[i], bool(m.exact[i]), m.words[i], self.cfg):
                 continue

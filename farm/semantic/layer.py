@@ -320,11 +320,12 @@ class SemanticLayer:
         if cat is not None:
             explain["category"] = {"name": cat.name, "confidence": cat.confidence, "rule": cat.rule,
                                    "accepted": route.category is not None, "alternatives": list(cat.alternatives)}
-        fast = cfg.category(route.category) if route.category and cat is not None else None
-        if fast is not None and fast.fast_response:  # the category's fixed answer: no model, whatever was asked
+        chosen = cfg.category(route.category) if route.category and cat is not None else None
+        if chosen is not None and chosen.fast_response:  # the category's fixed answer: no model, whatever was asked
             t["classify"] = _ms(s)
-            return Verdict("block", route.model, messages, {H_FAST: "true", **category_headers(fast.name, cat, fast.decision)},
-                           fast.fast_response, "stop", category=fast.name, confidence=cat.confidence,
+            return Verdict("block", route.model, messages,
+                           {H_FAST: "true", **category_headers(chosen.name, cat, chosen.decision)},
+                           chosen.fast_response, "stop", category=chosen.name, confidence=cat.confidence,
                            timings_ms=_total(t, t0), explain=explain)
         out_messages = messages
         cc = route.category_cfg
@@ -370,8 +371,7 @@ class SemanticLayer:
             headers[H_FALLBACK] = fallback_value(route.passed_over, route.model, "no-live-worker")
             explain["fallback"] = {"passed_over": list(route.passed_over), "model": route.model}
         if route.category and cat is not None:
-            routed = cfg.category(route.category)
-            headers.update(category_headers(route.category, cat, routed.decision if routed is not None else ""))
+            headers.update(category_headers(route.category, cat, chosen.decision if chosen is not None else ""))
             if affinity:
                 headers[H_AFFINITY] = affinity
         if route.reasoning is not None:

@@ -91,8 +91,9 @@ def _jailbreak_signals(rules: Any, sem: dict[str, Any], out: VsrImport) -> None:
         for field, value in rule.items():
             if field in ("jailbreak_patterns", "benign_patterns"):
                 target = "patterns" if field == "jailbreak_patterns" else "benign_patterns"
-                texts = [str(t) for t in items(value, f"{rk}.{field}") if str(t).strip()]
-                guard.setdefault(target, []).extend(t for t in texts if t not in guard.get(target, []))
+                have = guard.setdefault(target, [])
+                texts = dict.fromkeys(str(t) for t in items(value, f"{rk}.{field}") if str(t).strip())
+                have.extend(t for t in texts if t not in have)
             elif field == "threshold":
                 out.skip(f"{rk}.threshold", "a threshold of the Semantic Router's own models; the farm's are "
                                             "semantic.jailbreak.threshold and pattern_threshold")
