@@ -31,7 +31,8 @@ Every accuracy set says what it is, and real held-out data is reported apart fro
 - semantic cache: the project's paraphrase / near-miss pairs (template-made: no installable paraphrase
   set with "same answer" labels was found) and the first final set, read and then looked at: a development set;
   `--final-cache` reads the final pairs (tools/semantic/cache_held_out.py, hand-written apart from them) once per
-  cache configuration.
+  cache configuration. Beside them, a probe of near misses that are also reworded (what the rephrased margin
+  risks), written after the margin was chosen.
 Data comes from pinned wheels (tools/semantic/wheels.py), never from the repository. Latency:
 `SemanticLayer.before()` per request in one thread with the default configuration (every guard, PII on
 every message, classification, selection, injection, a cache lookup in a real redis-server), on held-out
@@ -201,6 +202,14 @@ def development_cache_pairs() -> list[dict]:
             + [{"a": a, "b": b, "same": False} for a, b in FIRST_NEAR_MISSES])
 
 
+def rephrased_probe_pairs() -> list[dict]:
+    """Near misses that are also reworded (tools/semantic/cache_held_out.py, REPHRASED_NEAR_MISSES): what the
+    cache's rephrased margin risks, since its frame rule cannot catch them. A probe, never a final set."""
+    from tools.semantic.cache_held_out import REPHRASED_NEAR_MISSES
+
+    return [{"a": a, "b": b, "same": False} for a, b in REPHRASED_NEAR_MISSES]
+
+
 def held_out_cache_pairs(encode) -> tuple[list[dict], int]:
     """The final pairs (tools/semantic/cache_held_out.py), less any whose text repeats a development pair's, by
     normalised text or by embedding (cosine >= 0.95); and how many were dropped."""
@@ -306,6 +315,7 @@ def accuracy(layer: SemanticLayer, cfg: FarmConfig) -> dict:
     emb = EmbeddingCache()
     return {"category": category_eval(layer, emb), "custom_categories": custom_eval(cfg, layer.embedder),
             "jailbreak": jailbreak_eval(emb), "pii": pii_eval(layer), "cache": cache_eval(layer),
+            "cache_rephrased_probe": cache_eval(layer, rephrased_probe_pairs(), "probe: rephrased near misses"),
             "wheels": wheels.provenance(list(wheels.PINNED)),
             "heads": {k: v for k, v in heads_meta().items() if k != "wheels"}}
 
@@ -456,6 +466,10 @@ def report(acc: dict) -> list[dict]:
     print(f"\nsemantic cache ({cache['kind']} pairs, threshold {cache['threshold']}, rephrased "
           f"-{cache['rephrased_margin']}): paraphrases hit "
           f"{fmt(cache['paraphrase_hit_rate'])}; near misses hit (wrong answers) {fmt(cache['wrong_answer_rate'])}")
+    probe = acc["cache_rephrased_probe"]
+    print(f"semantic cache, {probe['kind']} (written after the margin was chosen): {probe['wrong_hits']} of "
+          f"{probe['pairs']} hit (wrong answers) " + "; ".join(
+              f"{o['a']} | {o['b']} ({o['similarity']:.3f})" for o in probe["outcomes"] if o["hit"]))
     real_pii = pii["propile_real"]["micro"]
     by_others = pii["presidio_templates_test"]
     return [goal("category accuracy, MMLU held-out subjects", cat["mmlu_held_out_subjects"]["value"], 0.75),

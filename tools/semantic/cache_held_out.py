@@ -12,6 +12,9 @@ pairs, not users' traffic: the figure is a held-out one on hand-written pairs, a
 - `PARAPHRASES` / `NEAR_MISSES`: the second final set, written on 2026-11-30 at 04:00 UTC (commit d73e163), before any cache change
   of that session and before any reading; none of its texts were run through the cache or the embedder while the
   cache was changed.
+- `REPHRASED_NEAR_MISSES`: a probe of what `semantic.cache.rephrased_margin` risks, written after that change and
+  knowing its rule: near misses that are also reworded, which the frame rule cannot catch. Never a final set;
+  `bench/semantic` reports how many hit beside the development figure.
 """
 
 from __future__ import annotations
@@ -189,4 +192,27 @@ NEAR_MISSES = [
     ("Who was the president of the United States during the Civil War?",
      "Who was the president of the United States during World War II?"),
     ("Recommend a movie for a rainy evening", "Recommend a movie for a first date"),
+]
+
+REPHRASED_NEAR_MISSES = [
+    ("What is the capital of Austria?", "Which city is Australia's capital?"),
+    ("How do I boil an egg?", "What's the best way to poach an egg?"),
+    ("What is the tallest building in the world?", "Which building is the highest in Europe?"),
+    ("How do I install Python on Windows?", "What's the way to set up Python on a Mac?"),
+    ("Who invented the light bulb?", "Who was the first to make a telephone?"),
+    ("What are the side effects of aspirin?", "Does ibuprofen have side effects?"),
+    ("How long do cats live?", "What's the lifespan of a dog?"),
+    ("What is the best time to plant tomatoes?", "When should I harvest tomatoes?"),
+    ("How do I lose weight fast?", "What's the quickest way to gain weight?"),
+    ("How do I delete a file in Linux?", "What command removes a directory in Linux?"),
+    ("Why do cats purr?", "What makes dogs wag their tails?"),
+    ("What's the difference between a crocodile and an alligator?", "How do alligators differ from lizards?"),
+    ("How can I learn Spanish quickly?", "What's the fastest way to pick up French?"),
+    ("Who won the Super Bowl last year?", "Which team lost the last Super Bowl?"),
+    ("Is it healthy to drink coffee every day?", "Is drinking tea daily good for you?"),
+    ("How do I make pancakes fluffy?", "What makes waffles crispy?"),
+    ("What is the largest desert on Earth?", "Which desert is the hottest in the world?"),
+    ("How do I get my toddler to sleep?", "How can I make my teenager go to bed earlier?"),
+    ("What does a lawyer do?", "What is the job of a judge?"),
+    ("How do I fix a leaking tap?", "What should I do about a dripping shower head?"),
 ]
