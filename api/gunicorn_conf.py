@@ -25,10 +25,11 @@ Helm chart passes --graceful-timeout).
 
 from __future__ import annotations
 
-from api.server import raise_fd_limit, settings
+from api.server import json_parse_errors, raise_fd_limit, settings
 from farm.config import get_config
 from farm.infra.filemodes import private_umask
 
 private_umask()  # batch files the API writes, and anything else, are the farm user's alone (the worker inherits it)
 globals().update(settings(get_config()))  # gunicorn reads its settings from this module's attributes
 on_starting = raise_fd_limit
+post_worker_init = json_parse_errors  # a request gunicorn cannot parse gets a JSON error, not an HTML page

@@ -6,6 +6,7 @@ gevent and what each setting is for is told there); tests and tools call `settin
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 from typing import Any
@@ -34,6 +35,33 @@ def settings(cfg: FarmConfig) -> dict[str, Any]:
         "control_socket_disable": True,  # newer gunicorn's per-user control socket; older ones ignore the name
         **({"logconfig_dict": gunicorn_logconfig(True)} if cfg.logs.format == "json" else {}),  # JSON lines
     }
+
+
+# gunicorn's answers to a request it cannot parse, by status: the OpenAI error code the API would give
+PARSE_ERROR_CODES = {414: "uri_too_long", 431: "headers_too_large", 403: "forbidden", 501: "unsupported_transfer_coding"}
+
+
+def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:  # noqa: ANN001 - a socket
+    """gunicorn's reply to a request it could not parse (a request line over 4,094 bytes, too many or too large
+    headers, a malformed line or chunk) as the OpenAI-style JSON error every other answer of the API is, in place of
+    gunicorn's HTML page (`gunicorn.util.write_error`, which the worker calls by that name)."""
+    from gunicorn import util
+
+    client = status_int < 500
+    body = json.dumps({"error": {"message": f"{reason}: {mesg}" if mesg else reason,
+                                 "type": "invalid_request_error" if client else "server_error", "param": None,
+                                 "code": PARSE_ERROR_CODES.get(status_int, "bad_request" if client else "internal_error")}
+                       }).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    util.write_nonblock(sock, head.encode("latin-1") + body)
+
+
+def json_parse_errors(worker) -> None:  # noqa: ANN001 - gunicorn's Worker (its post_worker_init hook)
+    """In the worker: gunicorn's request-parsing errors answered as JSON (write_json_error)."""
+    from gunicorn import util
+
+    util.write_error = write_json_error
 
 
 def raise_fd_limit(server) -> None:  # noqa: ANN001 - gunicorn's Arbiter (its on_starting hook)

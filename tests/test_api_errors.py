@@ -101,6 +101,12 @@ def test_missing_and_bad_messages(app_client):
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=["hi"])), 400, "messages[0]")
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "wizard", "content": "x"}])),
                  400, "messages[0].role")
+    for role in (["user"], {"user": 1}):  # unhashable: a 500 before (found by the fuzz test), in /tokenize too
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": role, "content": "x"}])),
+                     400, "messages[0].role")
+        assert_error(post(c, "/tokenize", chat(cfg, messages=[{"role": role, "content": "x"}])), 400, "messages[0].role")
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, response_format={"type": ["json_object"]})), 400,
+                 "response_format")
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "tool", "content": "x"}])),
                  400, "messages[0].tool_call_id", "missing_required_parameter")  # a tool's result names its call
     assert_error(post(c, "/v1/chat/completions", chat(cfg, messages=[{"role": "user", "content": 5}])),

@@ -81,6 +81,8 @@ def test_create_checks_and_batch_object(api):
     fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]
     assert create(c, "file-nope").status_code == 404
     assert create(c, fid, endpoint="/v1/embeddings").get_json()["error"]["param"] == "endpoint"
+    unhashable = create(c, fid, endpoint=["/v1/chat/completions"])  # a 500 before (found by the fuzz test)
+    assert unhashable.status_code == 400 and unhashable.get_json()["error"]["param"] == "endpoint"
     assert create(c, fid, completion_window="1h").get_json()["error"]["param"] == "completion_window"
     assert create(c, fid, metadata={"k": 1}).get_json()["error"]["param"] == "metadata"
     assert c.post("/v1/batches", json={"endpoint": "/v1/chat/completions"}).status_code == 400

@@ -104,3 +104,14 @@ def test_a_tiny_repetition_penalty_or_temperature_never_makes_a_nan_row():
     assert drawn <= {0, 1} and 3 not in drawn  # the boosted seen tokens, never the suppressed one
     cold = SamplingParams(temperature=1e-40, seed=2)
     assert sample(logits, [cold], [make_generator(cold)])[0] == 3
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token():
+    """top_p 5e-324 (valid: any value in (0, 1]) is 0 in float32, so the nucleus kept no token and the draw
+    failed with "invalid multinomial distribution" (a 500, found by the fuzz test). The most likely token is
+    always kept, so such a top_p is greedy."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 3.0]])
+    for top_p in (5e-324, 1e-50, 1e-9):
+        p = SamplingParams(temperature=1.0, top_p=top_p, seed=3)
+        g = make_generator(p)
+        assert {sample(logits, [p], [g])[0] for _ in range(20)} == {3}, top_p

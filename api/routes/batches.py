@@ -68,7 +68,7 @@ def create_batch():
     endpoint = body.get("endpoint")
     if endpoint is None:
         raise bad_request("'endpoint' is required", "endpoint", "missing_required_parameter")
-    if endpoint not in ENDPOINT_KINDS:
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINT_KINDS:
         raise bad_request(f"endpoint {endpoint!r} is not supported; use one of {sorted(ENDPOINT_KINDS)}",
                           "endpoint", "unsupported_value")
     window = body.get("completion_window")

@@ -99,7 +99,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         sorted_p = sorted_p / sorted_p.sum()
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the most likely token
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+        keep[0] = True  # the most likely token, also for a top_p that rounds to 0 in float32 (5e-324)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p * keep)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 

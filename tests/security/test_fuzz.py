@@ -10,6 +10,7 @@ generation error, and every answer comes within REQUEST_TIMEOUT_S."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,3 +85,28 @@ def test_no_request_gets_a_server_error(api_schema, server, method, path):
             assert "generation failed" not in resp.text and resp.text.rstrip().endswith(end)
 
     assert fuzz(st.one_of(*strategies), server, check, MAX_EXAMPLES, REQUEST_TIMEOUT_S), "requests were made"
+
+
+def test_a_request_gunicorn_cannot_parse_gets_a_json_error(server):
+    """A request line over gunicorn's 4,094 bytes, too many headers and a malformed request line are refused by
+    the server before the app sees them; the answer is the API's JSON error, not gunicorn's HTML page (the
+    fuzz test met the HTML one with a long query string on GET /v1/batches)."""
+    def check(resp: requests.Response, status: int, code: str) -> None:
+        assert resp.status_code == status and resp.headers["Content-Type"] == "application/json", resp.text[:200]
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+        assert err["code"] == code and err["message"]
+
+    check(requests.get(server + "/v1/batches?after=" + "a" * 5000, headers=bearer(KEY_A), timeout=10), 414,
+          "uri_too_long")
+    many = {f"x-h{i}": "1" for i in range(120)}  # gunicorn's limit_request_fields is 100
+    check(requests.get(server + "/v1/models", headers={**bearer(KEY_A), **many}, timeout=10), 431, "headers_too_large")
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"NOT A REQUEST LINE AT ALL\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"Content-Type: application/json" in head, raw[:300]
+    assert json.loads(body)["error"]["code"] == "bad_request"
