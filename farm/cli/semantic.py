@@ -155,7 +155,12 @@ def render(r: dict[str, Any]) -> str:
         verdict = "BLOCK" if jb["blocked"] else "pass"
         lines.append(f"jailbreak:  {verdict}: attack probability {jb['confidence']:.3f} "
                      f"({'>=' if jb['blocked'] else '<'} {jb['threshold']:.3f}) in message {jb['message']} "
-                     f"({jb['role']})" + (f", type {jb['type']}" if jb["blocked"] else ""))
+                     f"({jb['role']})" + (f", type {jb['type']}" if jb["blocked"] else "")
+                     + (" by the remote guard" if jb.get("guard") == "remote" else ""))
+        remote = jb.get("remote")
+        if remote:
+            lines.append(f"            remote guard: {remote['asked']} asked, {remote['remembered']} remembered"
+                         + (f"; failed: {remote['error']}" if "error" in remote else ""))
     pii = r["pii"]
     if pii:
         found = ", ".join(pii["found"]) or "none"

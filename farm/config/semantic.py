@@ -77,6 +77,43 @@ class PIIConfig(Section):
         return self.policies.get(model, self.default_policy)
 
 
+class RemoteGuardConfig(Section):
+    """A second jailbreak check the farm asks over HTTP: a prompt classifier you serve (Llama Prompt Guard 2, a
+    fine-tuned encoder...) with `vllm serve --runner pooling` (`protocol: vllm`, its `/classify`) or behind the
+    Hugging Face text-classification shape the Semantic Router's `http_classify` speaks (`{"inputs": text}` ->
+    `[{"label", "score"}]`: a TEI or `transformers` pipeline server). The bundled head still runs first; the
+    remote guard is asked only about messages the head lets through with an attack probability of at least
+    `ask_above` (0: every one), so a cascade sends it only what the head is unsure of."""
+
+    url: str  # the endpoint itself, e.g. http://guard:8000/classify
+    protocol: Literal["vllm", "http_classify"] = "vllm"
+    model: str = ""  # the served model name (`protocol: vllm`); empty: the server's only model
+    # the classifier's labels in class order (vLLM answers probabilities by class index); the answer's own top
+    # label is checked against them, so a wrong order is an error, not silently inverted verdicts
+    labels: list[str] = Field(default_factory=lambda: ["benign", "jailbreak"], min_length=2)
+    positive_labels: list[str] = Field(default_factory=lambda: ["jailbreak"], min_length=1)
+    threshold: float = Field(0.5, gt=0, le=1)  # the positive labels' summed probability that blocks
+    ask_above: float = Field(0.0, ge=0, lt=1)  # the head's attack probability from which the remote guard is asked
+    timeout_s: float = Field(2.0, gt=0, le=60)
+    # the guard failed (unreachable, timed out, an answer not over `labels`): `allow` keeps the head's verdict
+    # (the Semantic Router's default), `block` refuses the request (type `guard_unavailable`)
+    on_error: Literal["allow", "block"] = "allow"
+    api_key: str = ""  # sent as a bearer token; prefer FARM_SEMANTIC__JAILBREAK__REMOTE__API_KEY
+
+    @model_validator(mode="after")
+    def _labels_ok(self) -> RemoteGuardConfig:
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"labels must be distinct: {self.labels}")
+        unknown = [x for x in self.positive_labels if x not in self.labels]
+        if unknown:
+            raise ValueError(f"positive_labels {unknown} are not among labels {self.labels}")
+        if len(self.positive_labels) == len(self.labels):
+            raise ValueError("positive_labels name every label: every message would be an attack")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http(s) URL, got {self.url!r}")
+        return self
+
+
 class JailbreakConfig(Section):
     enabled: bool = True
     # attack probability at or above which a request is blocked; null = the threshold chosen with the head at
@@ -98,6 +135,7 @@ class JailbreakConfig(Section):
     patterns: list[str] = Field(default_factory=list)
     benign_patterns: list[str] = Field(default_factory=list)
     pattern_threshold: float = Field(0.5, gt=0, le=1)
+    remote: RemoteGuardConfig | None = None  # a prompt classifier you serve, asked after the head (RemoteGuardConfig)
 
     @field_validator("patterns", "benign_patterns")
     @classmethod

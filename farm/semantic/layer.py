@@ -52,6 +52,7 @@ answer that same model gave under that same system prompt (and the same earlier 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -85,6 +86,7 @@ from farm.semantic.embeddings import Encoded
 from farm.semantic.heads import heads_meta, load_heads
 from farm.semantic.jailbreak import AttackPatterns, JailbreakDetector, JailbreakResult
 from farm.semantic.pii import Entity, PIIDetector
+from farm.semantic.remote_guard import RemoteGuard, RemoteGuardError
 from farm.semantic.selection import ModelSelector, Route, inject_system_prompt, message_text, system_prompt_of
 
 H_JB_BLOCKED, H_JB_TYPE, H_JB_CONF = "x-vsr-jailbreak-blocked", "x-vsr-jailbreak-type", "x-vsr-jailbreak-confidence"
@@ -113,6 +115,7 @@ MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process 
 Prefer = Callable[[tuple[str, ...], list[dict], str], tuple[str, str] | None]
 
 V = TypeVar("V")
+log = logging.getLogger(__name__)
 
 
 def fallback_value(passed_over: list[str] | tuple[str, ...], model: str, reason: str) -> str:
@@ -213,6 +216,9 @@ class SemanticLayer:
         self.prefer = prefer
         self._vectors: Memo[Encoded] = Memo()
         self._pii_types: Memo[frozenset[str]] = Memo()
+        remote = cfg.jailbreak.remote
+        self.remote = RemoteGuard(remote) if remote is not None and cfg.jailbreak.enabled else None
+        self._remote_found: Memo[JailbreakResult] = Memo()  # the remote guard's verdicts, per tenant
 
     @classmethod
     def from_config(cls, cfg: FarmConfig, redis_client=None, served: Callable[[], set[str]] | None = None,
@@ -294,6 +300,15 @@ class SemanticLayer:
             blocked = jb.confidence >= self._jb_threshold(worst[1])
             explain["jailbreak"] = {"blocked": blocked, "type": jb.type, "confidence": jb.confidence,
                                     "message": worst[0], "role": worst[1], "threshold": self._jb_threshold(worst[1])}
+            if not blocked and self.remote is not None:  # the second check, on what the head was unsure of
+                remote, explain["jailbreak"]["remote"] = self._remote_screen(texts, by_text, tenant)
+                flagged = [x for x in scanned if x[2] in remote and remote[x[2]].is_jailbreak]
+                if flagged:
+                    worst = max(flagged, key=lambda x: remote[x[2]].confidence)
+                    jb, blocked = remote[worst[2]], True
+                    explain["jailbreak"].update(blocked=True, type=jb.type, confidence=jb.confidence,
+                                                message=worst[0], role=worst[1], guard="remote",
+                                                threshold=self.cfg.jailbreak.remote.threshold)
             t["jailbreak"] = _ms(s)
             if blocked:
                 return Verdict("block", model, messages, {
@@ -425,8 +440,13 @@ class SemanticLayer:
             if "jailbreak" in want:
                 threshold = self._jb_threshold("user")
                 found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, tenant))
+                unsure = {t: jb for t, jb in zip(texts, found, strict=True) if jb.confidence < threshold}
+                remote = self._remote_screen(list(unsure), unsure, tenant)[0] if self.remote is not None else {}
                 for sig, jb in zip(out, found, strict=True):
                     sig.jailbreak, sig.jailbreak_threshold = jb, threshold
+                    if sig.text in remote and remote[sig.text].is_jailbreak:  # the remote guard's block
+                        sig.jailbreak = remote[sig.text]
+                        sig.jailbreak_threshold = self.cfg.jailbreak.remote.threshold
         if pending is not None:
             for sig, entities in zip(out, pending(), strict=True):
                 sig.pii = entities
@@ -443,6 +463,29 @@ class SemanticLayer:
         if model in self.cfg.pii.policies or not self.is_alias(model):
             return model
         return route.model if route is not None else self.selector.default_model
+
+    def _remote_screen(self, texts: list[str], local: dict[str, JailbreakResult],
+                       tenant: str) -> tuple[dict[str, JailbreakResult], dict[str, Any]]:
+        """The remote guard's verdicts on the texts whose head probability reaches `ask_above` (remembered ones
+        from the tenant's memo), and what happened, for `explain`. On a failure `on_error` decides: `allow`
+        leaves those texts to the head, `block` flags them as `guard_unavailable`."""
+        assert self.remote is not None
+        rcfg = self.remote.cfg
+        asked = [t for t in texts if local[t].confidence >= rcfg.ask_above]
+        out = {t: v for t in asked if (v := self._remote_found.get(t, tenant)) is not None}
+        todo = [t for t in asked if t not in out]
+        report: dict[str, Any] = {"asked": len(todo), "remembered": len(out)}
+        try:
+            for text, (p, label) in zip(todo, self.remote.attack_probabilities(todo), strict=True):
+                flagged = p >= rcfg.threshold
+                out[text] = JailbreakResult(flagged, label if flagged else "benign", p)
+                self._remote_found.put(text, out[text], tenant)
+        except RemoteGuardError as e:
+            log.warning("remote jailbreak guard failed (on_error=%s): %s", rcfg.on_error, e)
+            report["error"] = str(e)
+            if rcfg.on_error == "block":
+                out.update({t: JailbreakResult(True, "guard_unavailable", 1.0) for t in todo})
+        return out, report
 
     def _jb_threshold(self, role: str) -> float:
         """The attack probability that blocks a message of this role (operators' turns: see system_threshold)."""

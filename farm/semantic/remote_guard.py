@@ -1,0 +1,139 @@
+"""A jailbreak check the farm asks over HTTP: a prompt classifier the operator serves (`semantic.jailbreak.remote`).
+
+Two wire shapes, both answering a probability per label:
+- `vllm`: `vllm serve --runner pooling` of a sequence classifier, POST `/classify` with
+  `{"model", "input": [texts]}` -> `{"data": [{"index", "label", "probs": [...]}]}`; `probs` is by class index,
+  so the configured `labels` give the classes' order, and the answer's own top `label` must agree with it.
+- `http_classify`: the Hugging Face text-classification shape (TEI, a `transformers` pipeline server), as the
+  Semantic Router's `prompt_guard.protocol: http_classify` sends it: `{"inputs": text}` ->
+  `[{"label", "score"}, ...]`, every configured label once, scores summing to 1.
+
+An answer that does not fit (a label not configured, a missing one, probabilities that are not a distribution)
+is a `RemoteGuardError`, like a timeout: the layer then applies `on_error`, never a verdict read from a
+misconfigured guard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from farm.config.semantic import RemoteGuardConfig
+
+SUM_TOLERANCE = 0.02  # how far a distribution's sum may drift from 1 (rounding in whatever serialized it)
+POOL_SIZE = 32  # connections kept to the guard per API process (one request per message asked)
+
+
+class RemoteGuardError(RuntimeError):
+    """The guard could not give a verdict: unreachable, timed out, or an answer that is not a distribution over
+    the configured labels."""
+
+
+class RemoteGuard:
+    """Asks the configured classifier; `attack_probabilities(texts)` -> each text's summed positive-label
+    probability, and its most likely positive label."""
+
+    def __init__(self, cfg: RemoteGuardConfig) -> None:
+        self.cfg = cfg
+        self._session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=POOL_SIZE)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if cfg.api_key:
+            self._headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self._positive = [cfg.labels.index(x) for x in cfg.positive_labels]
+
+    def attack_probabilities(self, texts: Sequence[str]) -> list[tuple[float, str]]:
+        """(summed probability of the positive labels, the most likely positive label) per text, in order."""
+        if not texts:
+            return []
+        rows = self._vllm(list(texts)) if self.cfg.protocol == "vllm" else self._http_classify(list(texts))
+        out = []
+        for probs in rows:
+            top = max(self._positive, key=lambda i: probs[i])
+            out.append((min(1.0, sum(probs[i] for i in self._positive)), self.cfg.labels[top]))
+        return out
+
+    # -- the wire shapes ---------------------------------------------------------------------------------
+    def _post(self, body: dict) -> object:
+        try:
+            resp = self._session.post(self.cfg.url, json=body, headers=self._headers, timeout=self.cfg.timeout_s)
+        except requests.RequestException as e:
+            raise RemoteGuardError(f"remote guard {self.cfg.url} unreachable: {type(e).__name__}") from None
+        if not resp.ok:
+            raise RemoteGuardError(f"remote guard {self.cfg.url} answered HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            return resp.json()
+        except ValueError:
+            raise RemoteGuardError(f"remote guard {self.cfg.url} answered something that is not JSON") from None
+
+    def _vllm(self, texts: list[str]) -> list[list[float]]:
+        body: dict = {"input": texts}
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        answer = self._post(body)
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list) or len(data) != len(texts):
+            raise RemoteGuardError(f"remote guard answered {len(data) if isinstance(data, list) else 'no'} "
+                                   f"results for {len(texts)} texts")
+        rows: list[list[float]] = [[]] * len(texts)
+        for item in data:
+            index, probs = item.get("index"), item.get("probs")
+            if not isinstance(index, int) or not 0 <= index < len(texts) or not isinstance(probs, list):
+                raise RemoteGuardError("remote guard answered a result without a valid index and probs")
+            if len(probs) != len(self.cfg.labels):
+                raise RemoteGuardError(f"remote guard's classifier has {len(probs)} classes; labels name "
+                                       f"{len(self.cfg.labels)}: {self.cfg.labels}")
+            checked = self._distribution(probs)
+            label = item.get("label")
+            if label is not None and label != self.cfg.labels[max(range(len(checked)), key=checked.__getitem__)]:
+                raise RemoteGuardError(f"remote guard's top label {label!r} is not labels[argmax(probs)]: the "
+                                       f"classes' order is not {self.cfg.labels}")
+            rows[index] = checked
+        if any(not row for row in rows):
+            raise RemoteGuardError("remote guard answered one text twice and another not at all")
+        return rows
+
+    def _http_classify(self, texts: list[str]) -> list[list[float]]:
+        """One request per text (the shape takes one input), sent together."""
+        if len(texts) == 1:
+            return [self._one_http_classify(texts[0])]
+        with ThreadPoolExecutor(min(len(texts), 8)) as pool:
+            return list(pool.map(self._one_http_classify, texts))
+
+    def _one_http_classify(self, text: str) -> list[float]:
+        answer = self._post({"inputs": text})
+        if isinstance(answer, list) and len(answer) == 1 and isinstance(answer[0], list):
+            answer = answer[0]  # a pipeline server may wrap one input's scores in a list of one
+        if not isinstance(answer, list) or not all(isinstance(x, dict) for x in answer):
+            raise RemoteGuardError("remote guard's answer is not a list of {label, score}")
+        scores: dict[str, float] = {}
+        for item in answer:
+            label = item.get("label")
+            if label not in self.cfg.labels:
+                raise RemoteGuardError(f"remote guard answered label {label!r}, not one of {self.cfg.labels}")
+            if label in scores:
+                raise RemoteGuardError(f"remote guard answered label {label!r} twice")
+            scores[label] = item.get("score")  # type: ignore[assignment]
+        missing = [x for x in self.cfg.labels if x not in scores]
+        if missing:
+            raise RemoteGuardError(f"remote guard's answer misses labels {missing} (top-k answers are refused: "
+                                   "a missing positive label would read as no risk)")
+        return self._distribution([scores[x] for x in self.cfg.labels])
+
+    @staticmethod
+    def _distribution(probs: list) -> list[float]:
+        try:
+            values = [float(p) for p in probs]
+        except (TypeError, ValueError):
+            raise RemoteGuardError("remote guard answered a probability that is not a number") from None
+        if not all(math.isfinite(p) and 0.0 <= p <= 1.0 for p in values):
+            raise RemoteGuardError(f"remote guard answered probabilities outside [0, 1]: {values}")
+        if abs(sum(values) - 1.0) > SUM_TOLERANCE:
+            raise RemoteGuardError(f"remote guard's probabilities sum to {sum(values):.3f}, not 1")
+        return values

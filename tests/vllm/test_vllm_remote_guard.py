@@ -1,0 +1,204 @@
+"""The remote jailbreak guard (`semantic.jailbreak.remote`) against real classifiers: a tiny random-weight sequence
+classifier with the real tokenizer, served by `vllm serve --runner pooling` (`protocol: vllm`) and by a
+`transformers` text-classification pipeline behind HTTP (`protocol: http_classify`, the Semantic Router's shape).
+The weights are random, so what the guard says about a prompt means nothing; what is checked is that the layer
+blocks exactly what the served classifier puts over the threshold, with its probability, asks only what the
+head is unsure of, remembers answers, and turns every failure (a wrong label order, no server) into `on_error`."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+import pytest
+import requests
+import yaml
+
+from farm.config import ConfigError, load_config
+from farm.semantic.layer import SemanticLayer
+from tests.conftest import free_port
+from tests.vllm.conftest import VllmServe
+
+LABELS = ["benign", "jailbreak"]
+# everyday prompts the bundled head passes (far below its threshold)
+PROMPTS = ["What is the capital of France?", "Give me a recipe for pancakes with blueberries",
+           "How do tides work?", "Write a short poem about autumn leaves", "Explain how a bicycle gear works"]
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory, real_model_dir) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny-classifier")
+    torch.manual_seed(0)
+    # head_dim 32: vLLM's CPU attention has no kernel for 16
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2, num_labels=2, id2label=dict(enumerate(LABELS)),
+                      label2id={x: i for i, x in enumerate(LABELS)}, initializer_range=0.5)
+    LlamaForSequenceClassification(cfg).save_pretrained(out)
+    for f in real_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_guard(tmp_path_factory, classifier_dir) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("vllm-guard") / "vllm-guard.log"
+    server = VllmServe(classifier_dir, log, extra=["--runner", "pooling", "--max-model-len", "512"])
+    try:
+        server.wait_ready()
+        yield f"http://127.0.0.1:{server.port}/classify"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def pipeline_guard(classifier_dir) -> Iterator[str]:
+    """The Hugging Face text-classification shape: {"inputs": text} -> every label's score."""
+    import json
+
+    from transformers import pipeline
+
+    classify = pipeline("text-classification", model=str(classifier_dir), top_k=None, device="cpu")
+
+    def app(environ, start_response):
+        body = json.loads(environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0)))
+        answer = json.dumps(classify(body["inputs"])).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(answer)))])
+        return [answer]
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    port = free_port()
+    httpd = make_server("127.0.0.1", port, app, handler_class=Quiet)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{port}/classify"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from farm.semantic.embeddings import get_embedder
+
+    return get_embedder(threads=2)
+
+
+def _layer(tmp_path, embedder, remote: dict) -> SemanticLayer:
+    p = tmp_path / "remote.yaml"
+    p.write_text(yaml.safe_dump({"semantic": {"cache": {"enabled": False}, "pii": {"enabled": False},
+                                              "jailbreak": {"remote": remote}}}))
+    return SemanticLayer.from_config(load_config(p, environ={}), embedder=embedder)
+
+
+def _vllm_probs(url: str) -> dict[str, float]:
+    """The served classifier's own jailbreak probability of each prompt, asked directly."""
+    resp = requests.post(url, json={"input": PROMPTS}, timeout=30)
+    assert resp.ok, resp.text
+    data = resp.json()["data"]
+    return {PROMPTS[d["index"]]: d["probs"][1] for d in data}
+
+
+def _split(probs: dict[str, float]) -> tuple[float, set[str]]:
+    """A threshold between the two middle probabilities, and the prompts at or over it."""
+    ranked = sorted(probs.values())
+    threshold = (ranked[1] + ranked[2]) / 2
+    assert ranked[2] - ranked[1] > 1e-4, ranked  # the prompts must be told apart
+    return threshold, {t for t, p in probs.items() if p >= threshold}
+
+
+def test_the_layer_blocks_what_the_served_classifier_puts_over_its_threshold(tmp_path, embedder, vllm_guard):
+    probs = _vllm_probs(vllm_guard)
+    threshold, over = _split(probs)
+    layer = _layer(tmp_path, embedder, {"url": vllm_guard, "threshold": threshold})
+    for text in PROMPTS:
+        v = layer.before("MoM", [{"role": "user", "content": text}], no_cache=True)
+        if text in over:
+            assert v.action == "block" and v.headers["x-vsr-jailbreak-type"] == "jailbreak", text
+            assert float(v.headers["x-vsr-jailbreak-confidence"]) == pytest.approx(probs[text], abs=1e-3)
+            assert v.explain["jailbreak"]["guard"] == "remote"
+        else:
+            assert v.action == "forward", (text, probs[text], threshold)
+        # the head alone passes every one of them: the block is the remote guard's
+        assert v.explain["jailbreak"]["remote"]["asked"] == 1
+    # hidden in an earlier turn, the message is read too
+    hidden = [{"role": "assistant", "content": sorted(over)[0]}, {"role": "user", "content": sorted(set(PROMPTS) - over)[0]}]
+    assert layer.before("MoM", hidden, no_cache=True).action == "block"
+    # asked again: remembered, not asked
+    again = layer.before("MoM", [{"role": "user", "content": PROMPTS[0]}], no_cache=True)
+    assert again.explain["jailbreak"]["remote"] == {"asked": 0, "remembered": 1}
+    # the classification API's security signal reads the same verdicts
+    for sig in layer.signals_many(PROMPTS, want=frozenset({"jailbreak"})):
+        assert (sig.jailbreak.confidence >= sig.jailbreak_threshold) == (sig.text in over), sig.text
+
+
+def test_the_remote_guard_is_asked_only_from_ask_above(tmp_path, embedder, vllm_guard):
+    probs = _vllm_probs(vllm_guard)
+    top = max(PROMPTS, key=probs.__getitem__)
+    user = [{"role": "user", "content": top}]
+    remote = {"url": vllm_guard, "threshold": probs[top] * 0.9}  # the served classifier would block it
+    v = _layer(tmp_path, embedder, {**remote, "ask_above": 0.9}).before("MoM", user, no_cache=True)
+    assert v.action == "forward" and v.explain["jailbreak"]["remote"] == {"asked": 0, "remembered": 0}
+    assert _layer(tmp_path, embedder, remote).before("MoM", user, no_cache=True).action == "block"
+
+
+def test_a_failed_guard_gets_on_error(tmp_path, embedder, vllm_guard):
+    user = [{"role": "user", "content": PROMPTS[1]}]
+    # the labels in the wrong order: the classifier's own top label contradicts them, so no verdict is read
+    for on_error, action in (("allow", "forward"), ("block", "block")):
+        layer = _layer(tmp_path, embedder, {"url": vllm_guard, "labels": ["jailbreak", "benign"], "threshold": 0.01,
+                                            "on_error": on_error})
+        v = layer.before("MoM", user, no_cache=True)
+        assert v.action == action and "order" in v.explain["jailbreak"]["remote"]["error"]
+        if action == "block":
+            assert v.headers["x-vsr-jailbreak-type"] == "guard_unavailable"
+    # nothing listening
+    dead = f"http://127.0.0.1:{free_port()}/classify"
+    assert _layer(tmp_path, embedder, {"url": dead}).before("MoM", user, no_cache=True).action == "forward"
+    v = _layer(tmp_path, embedder, {"url": dead, "on_error": "block"}).before("MoM", user, no_cache=True)
+    assert v.action == "block" and "unreachable" in v.explain["jailbreak"]["remote"]["error"]
+
+
+def test_the_http_classify_shape(tmp_path, embedder, pipeline_guard):
+    def scores_of(text: str) -> dict[str, float]:
+        answer = requests.post(pipeline_guard, json={"inputs": text}, timeout=30).json()
+        answer = answer[0] if isinstance(answer[0], list) else answer  # this pipeline wraps one input's list
+        return {s["label"]: s["score"] for s in answer}
+
+    scores = {t: scores_of(t) for t in PROMPTS}
+    threshold, over = _split({t: s["jailbreak"] for t, s in scores.items()})
+    layer = _layer(tmp_path, embedder, {"url": pipeline_guard, "protocol": "http_classify", "threshold": threshold})
+    for text in PROMPTS:
+        v = layer.before("MoM", [{"role": "user", "content": text}], no_cache=True)
+        assert (v.action == "block") == (text in over), text
+    # two messages of one conversation: one request each, read together
+    both = [{"role": "system", "content": sorted(over)[0]}, {"role": "user", "content": sorted(set(PROMPTS) - over)[0]}]
+    fresh = _layer(tmp_path, embedder, {"url": pipeline_guard, "protocol": "http_classify", "threshold": threshold})
+    v = fresh.before("MoM", both, no_cache=True)
+    assert v.action == "block" and v.explain["jailbreak"]["remote"]["asked"] == 2
+    # a top-k answer that leaves out a configured label is refused, not read as no risk
+    three = _layer(tmp_path, embedder, {"url": pipeline_guard, "protocol": "http_classify",
+                                        "labels": ["benign", "jailbreak", "injection"], "on_error": "block"})
+    v = three.before("MoM", [{"role": "user", "content": PROMPTS[2]}], no_cache=True)
+    assert v.action == "block" and "misses labels ['injection']" in v.explain["jailbreak"]["remote"]["error"]
+
+
+@pytest.mark.parametrize("remote,message", [
+    ({"url": "http://guard/classify", "positive_labels": ["unsafe"]}, "not among labels"),
+    ({"url": "http://guard/classify", "positive_labels": ["benign", "jailbreak"]}, "every label"),
+    ({"url": "guard:8000/classify"}, "http(s) URL"),
+    ({"url": "http://guard/classify", "labels": ["jailbreak"]}, "at least 2"),
+])
+def test_remote_guard_configuration_errors(tmp_path, remote, message):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump({"semantic": {"jailbreak": {"remote": remote}}}))
+    with pytest.raises(ConfigError, match="remote") as e:
+        load_config(p, environ={})
+    assert message in str(e.value)
