@@ -598,3 +598,50 @@ routing:
     assert "categories" not in sem
     assert any(line.startswith("routing.decisions[route_pii].rules") for line in r.unmapped)
     assert any("block_jailbreak]: a guard's decision" in n and "model_scores" in n for n in r.notes)
+
+
+def test_a_remote_prompt_guard_becomes_the_farms_remote_guard():
+    """`prompt_guard.protocol: http_classify` with its `external_models` guardrail endpoint (both formats): the
+    classifier becomes semantic.jailbreak.remote with the Router's threshold, positive labels, on_error and timeout;
+    its access key is not written into the file; a generative guard (http_chat) is named as unmapped."""
+    flat = yaml.safe_load("""
+prompt_guard:
+  enabled: true
+  protocol: http_classify
+  threshold: 0.7
+  positive_labels: [jailbreak]
+  on_error: block
+  jailbreak_mapping_path: models/guard/jailbreak_type_mapping.json
+external_models:
+  - llm_provider: vllm
+    model_role: guardrail
+    llm_endpoint: {address: guard.internal, port: 8080}
+    llm_timeout_seconds: 3
+    access_key: sk-secret
+""")
+    r = translate_vsr(flat)
+    remote = r.config["semantic"]["jailbreak"]["remote"]
+    assert remote == {"url": "http://guard.internal:8080/classify", "protocol": "http_classify",
+                      "positive_labels": ["jailbreak"], "labels": ["benign", "jailbreak"], "threshold": 0.7,
+                      "on_error": "block", "timeout_s": 3.0}
+    assert "sk-secret" not in yaml.safe_dump(r.config) and any("API_KEY" in n for n in r.notes)
+    from farm.config.semantic import JailbreakConfig
+
+    assert JailbreakConfig(**r.config["semantic"]["jailbreak"]).remote.threshold == 0.7
+    layered = yaml.safe_load("""
+version: v0.3
+global:
+  model_catalog:
+    external:
+      - {model_role: guardrail, llm_endpoint: {address: guard, port: 443, protocol: https}}
+    modules:
+      prompt_guard: {enabled: true, protocol: http_classify, positive_labels: [INJECTION]}
+""")
+    r = translate_vsr(layered)
+    assert r.config["semantic"]["jailbreak"]["remote"]["url"] == "https://guard:443/classify"
+    assert r.config["semantic"]["jailbreak"]["remote"]["labels"] == ["benign", "INJECTION"]
+    assert not any("external" in line for line in r.unmapped)
+    chat = translate_vsr({"prompt_guard": {"enabled": True, "protocol": "http_chat", "threshold": 0.6}})
+    assert "remote" not in chat.config["semantic"]["jailbreak"]
+    assert any(line.startswith("prompt_guard.protocol: no equivalent ('http_chat'") for line in chat.unmapped)
+    assert any(line.startswith("prompt_guard.threshold") for line in chat.unmapped)

@@ -18,7 +18,8 @@ def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename:
     handlers = {
         "default_model": lambda v: sem.__setitem__("default_model", rename.get(str(v), str(v))),
         "semantic_cache": lambda v: sem.__setitem__("cache", cache(mapping(v, "semantic_cache"), out)),
-        "prompt_guard": lambda v: sem.__setitem__("jailbreak", guard(mapping(v, "prompt_guard"), out)),
+        "prompt_guard": lambda v: sem.__setitem__("jailbreak", guard(
+            mapping(v, "prompt_guard"), out, external=items(data.get("external_models"), "external_models"))),
         "classifier": lambda v: classifier(mapping(v, "classifier"), sem, out),
         "model_config": lambda v: models(mapping(v, "model_config"), sem, out, rename),
     }
@@ -37,6 +38,9 @@ def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename:
             continue
         elif key == "strategy" and value == "priority":
             continue  # what the translation does: the highest-priority decision routes a category
+        elif key == "external_models" and isinstance(data.get("prompt_guard"), dict) and \
+                data["prompt_guard"].get("protocol") == "http_classify":
+            continue  # the remote prompt guard's endpoint, read with prompt_guard
         elif key == "vllm_endpoints":
             out.skip(key, "the farm's models are `models:` entries served by its own workers")
         elif key in ("reasoning_families", "default_reasoning_effort"):

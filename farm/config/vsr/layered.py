@@ -124,15 +124,19 @@ def _global(g: dict[str, Any], sem: dict[str, Any], out: VsrImport) -> None:
 
 
 def _modules(catalog: dict[str, Any], sem: dict[str, Any], out: VsrImport) -> None:
+    external = items(catalog.get("external"), "global.model_catalog.external")  # a remote prompt guard's endpoint
+    guardrail = any(isinstance(e, dict) and e.get("model_role") == "guardrail" for e in external)
     for key, value in catalog.items():
         k = f"global.model_catalog.{key}"
+        if key == "external" and guardrail:
+            continue  # read by the prompt guard (sections.remote_guard); other roles are the Router's own
         if key != "modules":
             out.skip(k, "the farm runs its own models (the bundled embedder, classifier and guards)")
             continue
         for module, conf in mapping(value, k).items():
             mk = f"{k}.{module}"
             if module == "prompt_guard":
-                sem.setdefault("jailbreak", {}).update(guard(mapping(conf, mk), out, where=mk))
+                sem.setdefault("jailbreak", {}).update(guard(mapping(conf, mk), out, where=mk, external=external))
             elif module == "classifier":
                 classifier(mapping(conf, mk), sem, out, where=mk)
             else:

@@ -133,18 +133,67 @@ def cache(c: dict[str, Any], out: VsrImport, where: str = "semantic_cache") -> d
     return cache
 
 
-def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard") -> dict[str, Any]:
+REMOTE_KEYS = ("protocol", "threshold", "positive_labels", "on_error")  # what a remote prompt_guard maps through
+
+
+def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard",
+          external: list[Any] | None = None) -> dict[str, Any]:
+    """`prompt_guard` onto `semantic.jailbreak`; with `protocol: http_classify`, the classifier it names among
+    `external` (the Router's `external_models`, `model_role: guardrail`) becomes `semantic.jailbreak.remote`."""
     guard: dict[str, Any] = {}
+    if c.get("protocol") is not None:
+        remote = remote_guard(c, external or [], out, where)
+        if remote is not None:
+            guard["remote"] = remote
     for key, value in c.items():
         k = f"{where}.{key}"
         if key == "enabled":
             guard["enabled"] = bool(value)
+        elif key in REMOTE_KEYS and "remote" in guard or key == "protocol":
+            continue  # mapped (or named) by remote_guard
         elif key == "threshold":
             out.skip(k, "a threshold of the Semantic Router's model; the farm's heads have their own calibrated "
                         "one (semantic.jailbreak.threshold)")
         else:
             out.skip(k, NOT_HERE)
     return guard
+
+
+def remote_guard(c: dict[str, Any], external: list[Any], out: VsrImport, where: str) -> dict[str, Any] | None:
+    """The Router's remote prompt guard as `semantic.jailbreak.remote`, or None (named as unmapped) when it is not
+    a classifier the farm can ask. The farm's own head still runs first and asks it about what it lets through."""
+    protocol = c["protocol"]
+    if protocol != "http_classify":
+        out.skip(f"{where}.protocol", f"{protocol!r}: the farm asks a prompt classifier (semantic.jailbreak.remote: "
+                                      "http_classify or vllm), not a generative guard")
+        return None
+    entries = [e for e in external if isinstance(e, dict) and e.get("model_role") == "guardrail"]
+    endpoint = mapping(entries[0].get("llm_endpoint"), "llm_endpoint") if entries else {}
+    if not endpoint.get("address"):
+        out.skip(f"{where}.protocol", "http_classify without an external model of model_role guardrail that has an "
+                                      "llm_endpoint.address")
+        return None
+    scheme = endpoint.get("protocol") or "http"
+    port = f":{endpoint['port']}" if endpoint.get("port") else ""
+    remote: dict[str, Any] = {"url": f"{scheme}://{endpoint['address']}{port}/classify", "protocol": "http_classify"}
+    positive = c.get("positive_labels") or ["jailbreak"]
+    remote["positive_labels"] = [str(x) for x in items(positive, f"{where}.positive_labels")]
+    remote["labels"] = ["benign", *[x for x in remote["positive_labels"] if x != "benign"]]
+    out.notes.append(f"{where}.jailbreak_mapping_path: the guard's labels are taken to be {remote['labels']}; set "
+                     "semantic.jailbreak.remote.labels to the classifier's own (an answer over other labels is an error)")
+    if c.get("threshold") is not None:
+        remote["threshold"] = float(c["threshold"])
+    if c.get("on_error") in ("allow", "block"):
+        remote["on_error"] = c["on_error"]
+    seconds = entries[0].get("llm_timeout_seconds")
+    if isinstance(seconds, int | float) and 0 < seconds <= 60:
+        remote["timeout_s"] = float(seconds)
+    if entries[0].get("access_key"):
+        out.notes.append("external_models[guardrail].access_key: not copied into the file; give it as "
+                         "FARM_SEMANTIC__JAILBREAK__REMOTE__API_KEY")
+    out.notes.append(f"{where}.protocol: http_classify -> semantic.jailbreak.remote, asked after the farm's own head "
+                     "about every message it lets through (ask_above 0)")
+    return remote
 
 
 def classifier(c: dict[str, Any], sem: dict[str, Any], out: VsrImport, where: str = "classifier") -> None:
