@@ -52,7 +52,7 @@ def main() -> None:
             want = frozenset({signal})
             layer.signals_many(batch[:5], want=want)  # warm this stage's first call
             for _, contender in alternating(CONTENDERS, args.rounds):
-                layer._vectors.clear()
+                layer.forget()
                 t0 = time.perf_counter()
                 if contender == "together":
                     layer.signals_many(batch, want=want)

@@ -55,6 +55,28 @@ def make_tiny_model(out: Path = DEFAULT_DIR) -> Path:
     return out
 
 
+def make_tiny_classifier(out: Path, tokenizer_dir: Path, labels: tuple[str, ...] = ("benign", "jailbreak")) -> Path:
+    """The same tiny random Llama as a sequence classifier over `labels` (seed 0), for a prompt guard served by
+    `vllm serve --runner pooling` or a `transformers` pipeline: its verdicts mean nothing, its cost is a guard's
+    path around the model (bench.remote_guard, tests/vllm/test_vllm_remote_guard.py)."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    cfg = tiny_config()  # head_dim 32: vLLM's CPU attention has no kernel for 16
+    cfg.num_labels = len(labels)
+    cfg.id2label = dict(enumerate(labels))
+    cfg.label2id = {x: i for i, x in enumerate(labels)}
+    cfg.pad_token_id = cfg.eos_token_id
+    cfg.initializer_range = 0.5  # spread the random verdicts, so prompts get told apart
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(cfg).save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def describe(model_dir: Path) -> dict[str, object]:
     """What the JSON records about the model: its folder, files and parameter count."""
     import json

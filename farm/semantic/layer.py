@@ -256,6 +256,13 @@ class SemanticLayer:
             pii.warm_up()
         return layer
 
+    def forget(self) -> None:
+        """Drop what the per-process memos remember (embeddings, PII types, the remote guard's verdicts): a bench
+        or a test that must pay each text's whole cost again."""
+        self._vectors.clear()
+        self._pii_types.clear()
+        self._remote_found.clear()
+
     def is_alias(self, model: str) -> bool:
         return self.selector.is_alias(model)
 

@@ -7,7 +7,6 @@ head is unsure of, remembers answers, and turns every failure (a wrong label ord
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import requests
 import yaml
 
+from bench.engine_speed.model import make_tiny_classifier
 from farm.config import ConfigError, load_config
 from farm.semantic.layer import SemanticLayer
 from tests.conftest import free_port
@@ -30,21 +30,7 @@ PROMPTS = ["What is the capital of France?", "Give me a recipe for pancakes with
 
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory, real_model_dir) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    out = tmp_path_factory.mktemp("tiny-classifier")
-    torch.manual_seed(0)
-    # head_dim 32: vLLM's CPU attention has no kernel for 16
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2, num_labels=2, id2label=dict(enumerate(LABELS)),
-                      label2id={x: i for i, x in enumerate(LABELS)}, initializer_range=0.5)
-    LlamaForSequenceClassification(cfg).save_pretrained(out)
-    for f in real_model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
+    return make_tiny_classifier(tmp_path_factory.mktemp("tiny-classifier"), real_model_dir, tuple(LABELS))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,115 @@
+"""What a served prompt classifier costs the semantic layer (`semantic.jailbreak.remote`), asked about every message
+or only about what the bundled head is unsure of.
+
+    .venv/bin/python -m bench.remote_guard [--requests 300] [--rounds 2] [--ask-above 0.05]
+
+The guard: the tiny random-weight sequence classifier (bench.engine_speed.model.make_tiny_classifier: SmolLM2's
+tokenizer, 2 layers, hidden 128; made here, never committed) served by `vllm serve --runner pooling` on this
+machine, where a forward costs about what a real guard's costs on a GPU. Its verdicts mean nothing, so its
+threshold is 1.0 (it never blocks) and every contender runs the same stages: what is measured is the farm's path
+to the guard and back (HTTP, JSON, the checks) and vLLM's own serving path. Contenders, in alternating order over
+`--rounds`, each a fresh layer (nothing remembered) from the default configuration with the cache off, over the
+held-out prompts of `bench.semantic`'s latency run, one at a time:
+- `head`: no remote guard (the default);
+- `remote-all`: the guard asked about every message (`ask_above` 0);
+- `remote-cascade`: asked only when the head's attack probability is at least `--ask-above`.
+Writes bench/out/remote_guard.json; guard errors are counted (a run with any is a failed run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import alternating, finish, percentile, table
+from bench.farms import free_port
+from bench.peers.procs import Service, wait_http
+
+CONTENDERS = ["head", "remote-all", "remote-cascade"]
+
+
+def serve_guard(model_dir: Path, log: Path) -> tuple[Service, str]:
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "guard", "--runner", "pooling", "--dtype", "float32", "--max-model-len", "512",
+           "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    return Service("vllm-guard", cmd, log, env={"HF_HUB_OFFLINE": "1"}).start(), f"http://127.0.0.1:{port}"
+
+
+def layer_for(contender: str, url: str, ask_above: float, tmp: Path):  # noqa: ANN201 - a SemanticLayer
+    from farm.config import load_config
+    from farm.semantic.layer import SemanticLayer
+
+    jailbreak: dict = {}
+    if contender != "head":
+        jailbreak["remote"] = {"url": url + "/classify", "model": "guard", "threshold": 1.0,
+                               "ask_above": ask_above if contender == "remote-cascade" else 0.0}
+    path = tmp / f"{contender}.yaml"
+    path.write_text(yaml.safe_dump({"semantic": {"cache": {"enabled": False}, "jailbreak": jailbreak}}))
+    return SemanticLayer.from_config(load_config(path, environ={}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ask-above", type=float, default=0.05)
+    ap.add_argument("--out", default="bench/out/remote_guard.json")
+    args = ap.parse_args()
+
+    from bench.engine_speed.model import make_tiny_classifier, source_tokenizer_dir
+    from bench.semantic import latency_texts
+
+    texts = latency_texts(args.requests)
+    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    with tempfile.TemporaryDirectory(prefix="farm-bench-guard-") as d:
+        tmp = Path(d)
+        model = make_tiny_classifier(tmp / "guard-model", source_tokenizer_dir())
+        guard, url = serve_guard(model, tmp / "vllm-guard.log")
+        try:
+            start_s = wait_http(url + "/v1/models", 600, [guard])
+            for rnd, contender in alternating(CONTENDERS, args.rounds):
+                layer = layer_for(contender, url, args.ask_above, tmp)
+                for t in texts[:10]:  # warm-up; then a fresh memo, so every prompt is embedded and asked
+                    layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
+                layer.forget()
+                ms, asked, errors, blocked = [], 0, 0, 0
+                for t in texts:
+                    t0 = time.perf_counter()
+                    v = layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
+                    ms.append((time.perf_counter() - t0) * 1000)
+                    remote = v.explain.get("jailbreak", {}).get("remote", {})
+                    asked += remote.get("asked", 0)
+                    errors += "error" in remote
+                    blocked += v.action == "block"
+                runs[contender].append({"round": rnd, "ms": ms, "asked": asked, "errors": errors,
+                                        "blocked": blocked})
+                print(f"round {rnd} {contender}: p50 {percentile(ms, 0.5):.1f} ms, asked {asked}, errors {errors}",
+                      flush=True)
+        finally:
+            guard.stop()
+    rows, results = [], {}
+    for c in CONTENDERS:
+        pooled = [x for r in runs[c] for x in r["ms"]]
+        res = {"p50_ms": percentile(pooled, 0.5), "p90_ms": percentile(pooled, 0.9), "p99_ms": percentile(pooled, 0.99),
+               "p50_by_round": [percentile(r["ms"], 0.5) for r in runs[c]], "asked_share":
+               sum(r["asked"] for r in runs[c]) / (len(texts) * len(runs[c])), "errors": sum(r["errors"] for r in runs[c]),
+               "blocked": sum(r["blocked"] for r in runs[c])}
+        results[c] = {**res, "runs": runs[c]}
+        rows.append([c, "FAILED" if res["errors"] else "ok", " / ".join(f"{x:.1f}" for x in res["p50_by_round"]),
+                     res["p50_ms"], res["p90_ms"], res["p99_ms"], f"{res['asked_share']:.2f}", res["blocked"],
+                     res["errors"]])
+    print(table(["contender", "status", "p50 ms by round", "p50 ms", "p90 ms", "p99 ms", "asked", "blocked",
+                 "errors"], rows, digits=1))
+    finish(args.out, {"command": "python -m bench.remote_guard", "requests": len(texts), "rounds": args.rounds,
+                      "ask_above": args.ask_above, "guard_start_s": start_s, "results": results}, [])
+
+
+if __name__ == "__main__":
+    main()
