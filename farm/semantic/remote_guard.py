@@ -28,6 +28,22 @@ SUM_TOLERANCE = 0.02  # how far a distribution's sum may drift from 1 (rounding 
 POOL_SIZE = 32  # connections kept to the guard per API process (one request per message asked)
 
 
+def windows(text: str, size: int) -> list[str]:
+    """`text`, or overlapping windows of `size` characters covering it (a tenth overlapping, so a phrase cut by one
+    window's edge is whole in the next), each starting at a word boundary where one is near."""
+    if len(text) <= size:
+        return [text]
+    step = size - size // 10
+    out, start = [], 0
+    while True:
+        out.append(text[start:start + size])
+        if start + size >= len(text):
+            return out
+        nxt = start + step
+        space = text.rfind(" ", nxt - size // 20, nxt)  # back to a space within 5% of the window, if any
+        start = space + 1 if space > start else nxt
+
+
 class RemoteGuardError(RuntimeError):
     """The guard could not give a verdict: unreachable, timed out, or an answer that is not a distribution over
     the configured labels."""
@@ -49,14 +65,21 @@ class RemoteGuard:
         self._positive = [cfg.labels.index(x) for x in cfg.positive_labels]
 
     def attack_probabilities(self, texts: Sequence[str]) -> list[tuple[float, str]]:
-        """(summed probability of the positive labels, the most likely positive label) per text, in order."""
+        """(summed probability of the positive labels, the most likely positive label) per text, in order: a long
+        text's worst window's (`windows`)."""
         if not texts:
             return []
-        rows = self._vllm(list(texts)) if self.cfg.protocol == "vllm" else self._http_classify(list(texts))
-        out = []
+        pieces = [windows(t, self.cfg.chunk_chars) for t in texts]
+        flat = [w for p in pieces for w in p]
+        rows = self._vllm(flat) if self.cfg.protocol == "vllm" else self._http_classify(flat)
+        scored = []
         for probs in rows:
             top = max(self._positive, key=lambda i: probs[i])
-            out.append((min(1.0, sum(probs[i] for i in self._positive)), self.cfg.labels[top]))
+            scored.append((min(1.0, sum(probs[i] for i in self._positive)), self.cfg.labels[top]))
+        out, at = [], 0
+        for p in pieces:
+            out.append(max(scored[at:at + len(p)], key=lambda s: s[0]))
+            at += len(p)
         return out
 
     # -- the wire shapes ---------------------------------------------------------------------------------
@@ -73,7 +96,7 @@ class RemoteGuard:
             raise RemoteGuardError(f"remote guard {self.cfg.url} answered something that is not JSON") from None
 
     def _vllm(self, texts: list[str]) -> list[list[float]]:
-        body: dict = {"input": texts}
+        body: dict = {"input": texts, "truncate_prompt_tokens": -1}  # a window over the context: cut, not refused
         if self.cfg.model:
             body["model"] = self.cfg.model
         answer = self._post(body)

@@ -188,3 +188,21 @@ def test_remote_guard_configuration_errors(tmp_path, remote, message):
     with pytest.raises(ConfigError, match="remote") as e:
         load_config(p, environ={})
     assert message in str(e.value)
+
+
+def test_a_message_longer_than_the_guards_context_is_read_in_windows(tmp_path, embedder, vllm_guard):
+    """A message of about 1,400 tokens against a classifier of 512: vLLM refuses it whole (HTTP 400, what
+    bench.remote_guard met), so it is sent as windows and its verdict is its worst window's."""
+    from farm.semantic.remote_guard import windows
+
+    long = " ".join(f"{PROMPTS[i % len(PROMPTS)]} (part {i})." for i in range(120))
+    whole = requests.post(vllm_guard, json={"input": [long]}, timeout=30)
+    assert whole.status_code == 400 and "maximum context length" in whole.text
+    parts = windows(long, 1000)
+    data = requests.post(vllm_guard, json={"input": parts}, timeout=30).json()["data"]
+    worst = max(d["probs"][1] for d in data)
+    layer = _layer(tmp_path, embedder, {"url": vllm_guard, "threshold": worst * 0.999})
+    v = layer.before("MoM", [{"role": "user", "content": long}], no_cache=True)
+    assert "error" not in v.explain["jailbreak"]["remote"] and v.action == "block"
+    assert float(v.headers["x-vsr-jailbreak-confidence"]) == pytest.approx(worst, abs=1e-3)
+    assert len(parts) > 1 and len({round(d["probs"][1], 4) for d in data}) > 1  # the windows are told apart
