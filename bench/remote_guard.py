@@ -19,6 +19,7 @@ Writes bench/out/remote_guard.json; guard errors are counted (a run with any is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +41,22 @@ def serve_guard(model_dir: Path, log: Path) -> tuple[Service, str]:
            "--served-model-name", "guard", "--runner", "pooling", "--dtype", "float32", "--max-model-len", "512",
            "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     return Service("vllm-guard", cmd, log, env={"HF_HUB_OFFLINE": "1"}).start(), f"http://127.0.0.1:{port}"
+
+
+def guard_cpu_s(guard: Service) -> float:
+    """CPU seconds used so far by the guard's processes (vLLM's API server, its engine core and workers)."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(guard.proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+    except psutil.NoSuchProcess:
+        pass
+    return total
 
 
 def layer_for(contender: str, url: str, ask_above: float, tmp: Path):  # noqa: ANN201 - a SemanticLayer
@@ -79,17 +96,22 @@ def main() -> None:
                 for t in texts[:10]:  # warm-up; then a fresh memo, so every prompt is embedded and asked
                     layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
                 layer.forget()
-                ms, asked, errors, blocked = [], 0, 0, 0
+                ms, asked, errors, blocked, quiet = [], 0, 0, 0, []
+                cpu0, wall0 = guard_cpu_s(guard), time.perf_counter()
                 for t in texts:
                     t0 = time.perf_counter()
                     v = layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
                     ms.append((time.perf_counter() - t0) * 1000)
                     remote = v.explain.get("jailbreak", {}).get("remote", {})
                     asked += remote.get("asked", 0)
+                    if not remote.get("asked"):
+                        quiet.append(ms[-1])  # requests that did not ask the guard
                     errors += "error" in remote
                     blocked += v.action == "block"
+                # the guard's CPU share of the run: a co-located guard takes cores from the layer
+                guard_share = (guard_cpu_s(guard) - cpu0) / (time.perf_counter() - wall0)
                 runs[contender].append({"round": rnd, "ms": ms, "asked": asked, "errors": errors,
-                                        "blocked": blocked})
+                                        "blocked": blocked, "not_asked_ms": quiet, "guard_cpu_share": guard_share})
                 print(f"round {rnd} {contender}: p50 {percentile(ms, 0.5):.1f} ms, asked {asked}, errors {errors}",
                       flush=True)
         finally:
@@ -100,13 +122,15 @@ def main() -> None:
         res = {"p50_ms": percentile(pooled, 0.5), "p90_ms": percentile(pooled, 0.9), "p99_ms": percentile(pooled, 0.99),
                "p50_by_round": [percentile(r["ms"], 0.5) for r in runs[c]], "asked_share":
                sum(r["asked"] for r in runs[c]) / (len(texts) * len(runs[c])), "errors": sum(r["errors"] for r in runs[c]),
-               "blocked": sum(r["blocked"] for r in runs[c])}
+               "blocked": sum(r["blocked"] for r in runs[c]),
+               "p50_not_asked_ms": percentile([x for r in runs[c] for x in r["not_asked_ms"]], 0.5),
+               "guard_cpu_share": sum(r["guard_cpu_share"] for r in runs[c]) / len(runs[c])}
         results[c] = {**res, "runs": runs[c]}
         rows.append([c, "FAILED" if res["errors"] else "ok", " / ".join(f"{x:.1f}" for x in res["p50_by_round"]),
-                     res["p50_ms"], res["p90_ms"], res["p99_ms"], f"{res['asked_share']:.2f}", res["blocked"],
-                     res["errors"]])
-    print(table(["contender", "status", "p50 ms by round", "p50 ms", "p90 ms", "p99 ms", "asked", "blocked",
-                 "errors"], rows, digits=1))
+                     res["p50_ms"], res["p90_ms"], res["p99_ms"], res["p50_not_asked_ms"], f"{res['asked_share']:.2f}",
+                     res["blocked"], f"{res['guard_cpu_share']:.2f}", res["errors"]])
+    print(table(["contender", "status", "p50 ms by round", "p50 ms", "p90 ms", "p99 ms", "p50 ms, not asked",
+                 "asked", "blocked", "guard CPU (cores)", "errors"], rows, digits=1))
     finish(args.out, {"command": "python -m bench.remote_guard", "requests": len(texts), "rounds": args.rounds,
                       "ask_above": args.ask_above, "guard_start_s": start_s, "results": results}, [])
 
