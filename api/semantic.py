@@ -64,6 +64,11 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
     if v.action == "cached" and fits is not None and not fits(v):
         v = v.as_miss()
     prometheus.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)
+    remote = v.explain.get("jailbreak", {}).get("remote")
+    if remote:
+        prometheus.SEMANTIC_REMOTE_ASKED.inc(remote["asked"])
+        if "error" in remote:
+            prometheus.SEMANTIC_REMOTE_ERRORS.inc()
     if v.action == "block":
         guard = ("jailbreak" if H_JB_BLOCKED in v.headers else
                  "fast_response" if H_FAST in v.headers else "pii")

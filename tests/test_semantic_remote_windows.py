@@ -24,7 +24,7 @@ def test_windows_cover_the_text_with_overlap(n, spaces):
         at = start + 1
         assert 0 < len(w) <= size
     assert starts[0] == 0 and starts[-1] + len(ws[-1]) == len(text)  # from the first character to the last
-    for (a, wa), b in zip(zip(starts, ws), starts[1:]):
+    for (a, wa), b in zip(zip(starts, ws, strict=True), starts[1:], strict=False):
         assert b < a + len(wa) - size // 20, (a, b)  # each window overlaps the next by at least 5% of a window
 
 

@@ -67,6 +67,11 @@ REQUESTS = Counter("farm_requests_total", "Generation requests answered by the A
 SEMANTIC_CACHE = Counter("farm_semantic_cache_requests_total", "Semantic cache lookups by result (hit | miss)",
                          ["result"])
 SEMANTIC_BLOCKS = Counter("farm_semantic_blocks_total", "Requests refused by a semantic guard", ["guard"])
+# the operator's remote jailbreak guard (semantic.jailbreak.remote): messages asked, and calls that failed (on_error)
+SEMANTIC_REMOTE_ASKED = Counter("farm_semantic_remote_guard_messages_total", "Messages the remote jailbreak guard was "
+                                "asked about (not counting answers remembered from the memo)")
+SEMANTIC_REMOTE_ERRORS = Counter("farm_semantic_remote_guard_errors_total", "Calls to the remote jailbreak guard that "
+                                 "failed (unreachable, timed out, an answer not over its labels): on_error decided")
 SEMANTIC_ROUTES = Counter("farm_semantic_routes_total", "MoM/auto requests by category and chosen model",
                           ["category", "model"])
 SEMANTIC_SECONDS = Histogram("farm_semantic_layer_seconds", "Time in the semantic layer per request",

@@ -145,9 +145,19 @@ def test_a_failed_guard_gets_on_error(tmp_path, embedder, vllm_guard):
         assert v.action == action and "order" in v.explain["jailbreak"]["remote"]["error"]
         if action == "block":
             assert v.headers["x-vsr-jailbreak-type"] == "guard_unavailable"
-    # nothing listening
+    # nothing listening; the API counts the messages asked and the failed calls
+    from prometheus_client import REGISTRY
+
+    from api.semantic import decide
+
+    def counted() -> tuple[float, float]:
+        return (REGISTRY.get_sample_value("farm_semantic_remote_guard_messages_total") or 0.0,
+                REGISTRY.get_sample_value("farm_semantic_remote_guard_errors_total") or 0.0)
+
     dead = f"http://127.0.0.1:{free_port()}/classify"
-    assert _layer(tmp_path, embedder, {"url": dead}).before("MoM", user, no_cache=True).action == "forward"
+    before = counted()
+    assert decide(_layer(tmp_path, embedder, {"url": dead}), "MoM", user, no_cache=True).action == "forward"
+    assert counted() == (before[0] + 1, before[1] + 1)
     v = _layer(tmp_path, embedder, {"url": dead, "on_error": "block"}).before("MoM", user, no_cache=True)
     assert v.action == "block" and "unreachable" in v.explain["jailbreak"]["remote"]["error"]
 
