@@ -23,6 +23,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from farm.config.semantic import RemoteGuardConfig
+from farm.semantic.decoding import decoded_forms
 
 SUM_TOLERANCE = 0.02  # how far a distribution's sum may drift from 1 (rounding in whatever serialized it)
 POOL_SIZE = 32  # connections kept to the guard per API process (one request per message asked)
@@ -65,11 +66,12 @@ class RemoteGuard:
         self._positive = [cfg.labels.index(x) for x in cfg.positive_labels]
 
     def attack_probabilities(self, texts: Sequence[str]) -> list[tuple[float, str]]:
-        """(summed probability of the positive labels, the most likely positive label) per text, in order: a long
-        text's worst window's (`windows`)."""
+        """(summed probability of the positive labels, the most likely positive label) per text, in order: the worst
+        of what the text is read as, its windows (`windows`) and, like the head, what it decodes to (base64, hex,
+        ROT13: farm.semantic.decoding), so an encoded attack is judged as the guard would judge it in the clear."""
         if not texts:
             return []
-        pieces = [windows(t, self.cfg.chunk_chars) for t in texts]
+        pieces = [[w for form in (t, *decoded_forms(t)) for w in windows(form, self.cfg.chunk_chars)] for t in texts]
         flat = [w for p in pieces for w in p]
         rows = self._vllm(flat) if self.cfg.protocol == "vllm" else self._http_classify(flat)
         scored = []

@@ -216,3 +216,21 @@ def test_a_message_longer_than_the_guards_context_is_read_in_windows(tmp_path, e
     assert "error" not in v.explain["jailbreak"]["remote"] and v.action == "block"
     assert float(v.headers["x-vsr-jailbreak-confidence"]) == pytest.approx(worst, abs=1e-3)
     assert len(parts) > 1 and len({round(d["probs"][1], 4) for d in data}) > 1  # the windows are told apart
+
+
+def test_an_encoded_message_is_judged_as_what_it_decodes_to(tmp_path, embedder, vllm_guard):
+    """Like the head, the guard is asked about what a base64 run decodes to: the message's verdict is the worse
+    of the wrapper and its decoding. (The weights are seeded, so the pair chosen here is the same every run.)"""
+    import base64
+
+    probs = _vllm_probs(vllm_guard)
+    wrappers = [f"{lead} {base64.b64encode(q.encode()).decode()}" for q in PROMPTS
+                for lead in ("Please read this:", "Decode and answer:", "Note")]
+    data = requests.post(vllm_guard, json={"input": wrappers}, timeout=30).json()["data"]
+    wrapped = {wrappers[d["index"]]: d["probs"][1] for d in data}
+    # the wrapper whose decoding the classifier rates highest above the wrapper itself
+    msg, q = max(((w, PROMPTS[i // 3]) for i, w in enumerate(wrappers)), key=lambda x: probs[x[1]] - wrapped[x[0]])
+    assert probs[q] > wrapped[msg] + 1e-3, "no wrapper whose decoding scores higher"
+    layer = _layer(tmp_path, embedder, {"url": vllm_guard, "threshold": (probs[q] + wrapped[msg]) / 2})
+    v = layer.before("MoM", [{"role": "user", "content": msg}], no_cache=True)
+    assert v.action == "block" and float(v.headers["x-vsr-jailbreak-confidence"]) == pytest.approx(probs[q], abs=1e-3)
