@@ -97,7 +97,7 @@ class RemoteGuardConfig(Section):
     timeout_s: float = Field(2.0, gt=0, le=60)
     # A message longer than this is sent as overlapping windows of it (a tenth of it overlapping), and its verdict is
     # its worst window's: a guard's context is short (Prompt Guard 2 reads 512 tokens), and a prompt past it got an
-    # HTTP 400 from vLLM (bench.remote_guard met it on 2 percent of the latency prompts), or would be scanned only
+    # HTTP 400 from vLLM (bench.remote_guard met it on 3 of its 300 prompts), or would be scanned only
     # up to where a server truncates it, so an attack appended to a long text went unread. 1,000 characters is about
     # 250 English tokens; with `protocol: vllm` a window still over the model's context is cut to it there.
     chunk_chars: int = Field(1000, ge=100, le=100_000)
