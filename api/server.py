@@ -47,11 +47,10 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:  # 
     gunicorn's HTML page (`gunicorn.util.write_error`, which the worker calls by that name)."""
     from gunicorn import util
 
-    client = status_int < 500
-    body = json.dumps({"error": {"message": f"{reason}: {mesg}" if mesg else reason,
-                                 "type": "invalid_request_error" if client else "server_error", "param": None,
-                                 "code": PARSE_ERROR_CODES.get(status_int, "bad_request" if client else "internal_error")}
-                       }).encode()
+    from farm.openai.api_error import APIError
+
+    code = PARSE_ERROR_CODES.get(status_int, "bad_request" if status_int < 500 else "internal_error")
+    body = json.dumps(APIError(status_int, f"{reason}: {mesg}" if mesg else reason, code=code).body()).encode()
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n")
     util.write_nonblock(sock, head.encode("latin-1") + body)

@@ -8,7 +8,15 @@ from typing import Any
 
 from farm.config.vsr.common import VsrImport, items, mapping
 from farm.config.vsr.decisions import ROUTED_BY, routed_categories, use_categories
-from farm.config.vsr.sections import REASONING_ELSEWHERE, cache, category, classifier, guard, models
+from farm.config.vsr.sections import (
+    REASONING_ELSEWHERE,
+    cache,
+    category,
+    classifier,
+    guard,
+    models,
+    reads_external,
+)
 
 
 def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename: dict[str, str]) -> None:
@@ -38,8 +46,7 @@ def translate(data: dict[str, Any], sem: dict[str, Any], out: VsrImport, rename:
             continue
         elif key == "strategy" and value == "priority":
             continue  # what the translation does: the highest-priority decision routes a category
-        elif key == "external_models" and isinstance(data.get("prompt_guard"), dict) and \
-                data["prompt_guard"].get("protocol") == "http_classify":
+        elif key == "external_models" and reads_external(data.get("prompt_guard")):
             continue  # the remote prompt guard's endpoint, read with prompt_guard
         elif key == "vllm_endpoints":
             out.skip(key, "the farm's models are `models:` entries served by its own workers")

@@ -10,7 +10,7 @@ from typing import Any
 
 from farm.config.vsr.common import VsrImport, items, mapping
 from farm.config.vsr.decisions import ROUTED_BY, routed_categories, use_categories
-from farm.config.vsr.sections import REASONING_ELSEWHERE, cache, classifier, guard
+from farm.config.vsr.sections import REASONING_ELSEWHERE, cache, classifier, guard, reads_external
 
 LAYERS = ("listeners", "providers", "routing", "global")
 _MODELS_ELSEWHERE = "the farm's models are `models:` entries served by its own workers"
@@ -125,11 +125,11 @@ def _global(g: dict[str, Any], sem: dict[str, Any], out: VsrImport) -> None:
 
 def _modules(catalog: dict[str, Any], sem: dict[str, Any], out: VsrImport) -> None:
     external = items(catalog.get("external"), "global.model_catalog.external")  # a remote prompt guard's endpoint
-    guardrail = any(isinstance(e, dict) and e.get("model_role") == "guardrail" for e in external)
+    modules = catalog.get("modules")
     for key, value in catalog.items():
         k = f"global.model_catalog.{key}"
-        if key == "external" and guardrail:
-            continue  # read by the prompt guard (sections.remote_guard); other roles are the Router's own
+        if key == "external" and isinstance(modules, dict) and reads_external(modules.get("prompt_guard")):
+            continue  # read by the prompt guard (sections.remote_guard)
         if key != "modules":
             out.skip(k, "the farm runs its own models (the bundled embedder, classifier and guards)")
             continue

@@ -149,7 +149,7 @@ def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard",
         k = f"{where}.{key}"
         if key == "enabled":
             guard["enabled"] = bool(value)
-        elif key in REMOTE_KEYS and "remote" in guard or key == "protocol":
+        elif key == "protocol" or (key in REMOTE_KEYS and "remote" in guard):
             continue  # mapped (or named) by remote_guard
         elif key == "threshold":
             out.skip(k, "a threshold of the Semantic Router's model; the farm's heads have their own calibrated "
@@ -157,6 +157,12 @@ def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard",
         else:
             out.skip(k, NOT_HERE)
     return guard
+
+
+def reads_external(prompt_guard: Any) -> bool:
+    """Whether a `prompt_guard` section takes its endpoint from the external models (so they are read, not named
+    as unmapped): `protocol: http_classify`."""
+    return isinstance(prompt_guard, dict) and prompt_guard.get("protocol") == "http_classify"
 
 
 def remote_guard(c: dict[str, Any], external: list[Any], out: VsrImport, where: str) -> dict[str, Any] | None:
