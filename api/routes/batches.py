@@ -22,6 +22,7 @@ from farm.batch.store import public_batch
 from farm.batch.validate import ENDPOINT_KINDS
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.schemas import BatchCreateRequest, reject_unknown_fields
+from farm.protocol.jsonsafe import one_of
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
 
@@ -68,7 +69,7 @@ def create_batch():
     endpoint = body.get("endpoint")
     if endpoint is None:
         raise bad_request("'endpoint' is required", "endpoint", "missing_required_parameter")
-    if not isinstance(endpoint, str) or endpoint not in ENDPOINT_KINDS:
+    if not one_of(endpoint, ENDPOINT_KINDS):
         raise bad_request(f"endpoint {endpoint!r} is not supported; use one of {sorted(ENDPOINT_KINDS)}",
                           "endpoint", "unsupported_value")
     window = body.get("completion_window")

@@ -33,6 +33,7 @@ from farm.protocol import (
     SEED_RANGE,
     SamplingParams,
 )
+from farm.protocol.jsonsafe import one_of
 
 CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}  # developer is sent to the template as system
 UNSUPPORTED = {"functions": "deprecated function calling: use 'tools'",
@@ -157,7 +158,7 @@ def _response_format(body: dict) -> dict[str, Any] | None:
     v = body.get("response_format")
     if v is None or v == {"type": "text"}:
         return None
-    if not isinstance(v, dict) or not isinstance(v.get("type"), str) or v["type"] not in RESPONSE_FORMATS | {"text"}:
+    if not isinstance(v, dict) or not one_of(v.get("type"), RESPONSE_FORMATS | {"text"}):
         raise bad_request("'response_format.type' must be text, json_object or json_schema", "response_format")
     if v["type"] == "text":
         return None
@@ -366,7 +367,7 @@ def normalize_messages(body: dict) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object is no role (nor hashable)
+        if not one_of(role, CHAT_ROLES):
             raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                               f"messages[{i}].role")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,

@@ -9,6 +9,7 @@ so such input is one precise error instead of an unhandled exception in whatever
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 
@@ -49,3 +50,9 @@ def loads_bounded(text: str | bytes, max_depth: int) -> Any:
     if not depth_ok(obj, max_depth):
         raise JSONTooDeep(f"nests deeper than {max_depth} levels")
     return obj
+
+
+def one_of(value: Any, choices: Collection[str]) -> bool:
+    """Whether a value read from JSON is one of the strings `choices`. A list or an object sent where a name
+    belongs is not, and asking a set about it directly would raise TypeError (unhashable): a 500, not a 400."""
+    return isinstance(value, str) and value in choices

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from farm.protocol.jsonsafe import one_of
+
 
 class InvalidTask(ValueError):
     """A task message that must not run: wrong types, values out of range, oversized lists.
@@ -93,7 +95,7 @@ def _response_format(v: Any) -> dict[str, Any] | None:
     """None, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}, ...}}."""
     if v is None:
         return None
-    if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMATS:
+    if not isinstance(v, dict) or not one_of(v.get("type"), RESPONSE_FORMATS):
         raise InvalidTask(f"sampling.response_format must be an object with type in {sorted(RESPONSE_FORMATS)}")
     if v["type"] == "json_schema" and not isinstance((v.get("json_schema") or {}).get("schema"), dict):
         raise InvalidTask("sampling.response_format.json_schema.schema must be an object")

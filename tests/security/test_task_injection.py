@@ -70,6 +70,7 @@ def good_message(**kw) -> dict:
     {"sampling": {"stop_token_ids": [49152]}}, {"sampling": {"stop_token_ids": [1] * 65}},
     {"sampling": {"logit_bias": {"-5": 1}}}, {"sampling": {"logit_bias": {"5": 1000}}},
     {"sampling": {"logit_bias": {"60000": 1}}}, {"sampling": {"response_format": {"type": "xml"}}},
+    {"sampling": {"response_format": {"type": ["json_object"]}}},  # unhashable: once a TypeError, not refused
     {"sampling": {"response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}}},
 ])
 def test_bad_task_messages_are_refused(change):
