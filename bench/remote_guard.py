@@ -27,20 +27,15 @@ from pathlib import Path
 import yaml
 
 from bench.common import alternating, finish, percentile, table
-from bench.farms import free_port
-from bench.peers.procs import Service, wait_http
+from bench.peers.procs import Service, vllm_server, wait_http
 
 CONTENDERS = ["head", "remote-all", "remote-cascade"]
 
 
 def serve_guard(model_dir: Path, log: Path) -> tuple[Service, str]:
-    import sys
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "guard", "--runner", "pooling", "--dtype", "float32", "--max-model-len", "512",
-           "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
-    return Service("vllm-guard", cmd, log, env={"HF_HUB_OFFLINE": "1"}).start(), f"http://127.0.0.1:{port}"
+    return vllm_server("vllm-guard", ["--model", str(model_dir), "--served-model-name", "guard", "--runner", "pooling",
+                                      "--dtype", "float32", "--max-model-len", "512",
+                                      "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager"], log)
 
 
 def guard_cpu_s(guard: Service) -> float:

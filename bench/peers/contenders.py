@@ -24,7 +24,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peers import install
-from bench.peers.procs import Service, free_port, wait_http
+from bench.peers.procs import Service, free_port, vllm_server, wait_http
 
 MODEL = "smol"  # the served model name for every contender
 
@@ -106,12 +106,9 @@ def core_bind(index: int, count: int) -> dict[str, str]:
 
 
 def _vllm_serve(s: Setup, tag: str, events_port: int | None, index: int, count: int) -> tuple[Service, str]:
-    port = free_port()
     # usage.prompt_tokens_details.cached_tokens, as the farm and Dynamo report it: the prefix-cache hit ratio
-    cmd = [str(install.FARM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *vllm_engine_flags(s, events_port),
-           "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
-    return Service(f"vllm-serve-{tag}", cmd, s.logs / f"vllm-serve-{tag}.log",
-                   env=core_bind(index, count)).start(), f"http://127.0.0.1:{port}"
+    return vllm_server(f"vllm-serve-{tag}", [*vllm_engine_flags(s, events_port), "--enable-prompt-tokens-details"],
+                       s.logs / f"vllm-serve-{tag}.log", python=str(install.FARM_PYTHON), env=core_bind(index, count))
 
 
 @contextlib.contextmanager

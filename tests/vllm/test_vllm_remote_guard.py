@@ -39,7 +39,7 @@ def vllm_guard(tmp_path_factory, classifier_dir) -> Iterator[str]:
     server = VllmServe(classifier_dir, log, extra=["--runner", "pooling", "--max-model-len", "512"])
     try:
         server.wait_ready()
-        yield f"http://127.0.0.1:{server.port}/classify"
+        yield server.url.removesuffix("/v1") + "/classify"
     finally:
         server.stop()
 
