@@ -603,7 +603,8 @@ routing:
 def test_a_remote_prompt_guard_becomes_the_farms_remote_guard():
     """`prompt_guard.protocol: http_classify` with its `external_models` guardrail endpoint (both formats): the
     classifier becomes semantic.jailbreak.remote with the Router's threshold, positive labels, on_error and timeout;
-    its access key is not written into the file; a generative guard (http_chat) is named as unmapped."""
+    its access key is not written into the file; a generative guard (http_chat) without an endpoint is named as
+    unmapped."""
     flat = yaml.safe_load("""
 prompt_guard:
   enabled: true
@@ -643,5 +644,26 @@ global:
     assert not any("external" in line for line in r.unmapped)
     chat = translate_vsr({"prompt_guard": {"enabled": True, "protocol": "http_chat", "threshold": 0.6}})
     assert "remote" not in chat.config["semantic"]["jailbreak"]
-    assert any(line.startswith("prompt_guard.protocol: no equivalent ('http_chat'") for line in chat.unmapped)
+    assert any(line.startswith("prompt_guard.protocol") and "http_chat without an external model" in line
+               for line in chat.unmapped)
     assert any(line.startswith("prompt_guard.threshold") for line in chat.unmapped)
+
+
+def test_a_generative_prompt_guard_becomes_a_chat_guard():
+    """`prompt_guard.protocol: http_chat` (a Qwen3Guard-style model behind a chat endpoint): semantic.jailbreak.remote
+    with `protocol: chat` at the endpoint's /v1/chat/completions, the served model's name, the Router's verdict
+    reading (unsafe blocks, controversial passes); its threshold and positive labels are named as unmapped."""
+    r = translate_vsr(yaml.safe_load("""
+prompt_guard: {enabled: true, protocol: http_chat, threshold: 0.7, positive_labels: [jailbreak], on_error: block}
+external_models:
+  - {model_role: guardrail, llm_endpoint: {address: guard, port: 8000}, llm_model_name: Qwen3Guard-Gen-0.6B,
+     llm_timeout_seconds: 30}
+"""))
+    remote = r.config["semantic"]["jailbreak"]["remote"]
+    assert remote == {"url": "http://guard:8000/v1/chat/completions", "protocol": "chat",
+                      "model": "Qwen3Guard-Gen-0.6B", "on_error": "block", "timeout_s": 30.0}
+    assert {line.split(":")[0] for line in r.unmapped} >= {"prompt_guard.threshold", "prompt_guard.positive_labels"}
+    from farm.config.semantic import JailbreakConfig
+
+    cfg = JailbreakConfig(**r.config["semantic"]["jailbreak"]).remote
+    assert cfg.labels == ["safe", "unsafe", "controversial"] and cfg.positive_labels == ["unsafe"]

@@ -7,7 +7,7 @@ and PII policies must exist; aliases must not shadow a model) run in `check_mode
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -81,16 +81,21 @@ class RemoteGuardConfig(Section):
     """A second jailbreak check the farm asks over HTTP: a prompt classifier you serve (Llama Prompt Guard 2, a
     fine-tuned encoder...) with `vllm serve --runner pooling` (`protocol: vllm`, its `/classify`) or behind the
     Hugging Face text-classification shape the Semantic Router's `http_classify` speaks (`{"inputs": text}` ->
-    `[{"label", "score"}]`: a TEI or `transformers` pipeline server). The bundled head still runs first; the
-    remote guard is asked only about messages the head lets through with an attack probability of at least
-    `ask_above` (0: every one), so a cascade sends it only what the head is unsure of."""
+    `[{"label", "score"}]`: a TEI or `transformers` pipeline server); or a generative guard (Llama Guard,
+    Qwen3Guard, ShieldGemma) behind any OpenAI-compatible chat endpoint (`protocol: chat`, the Router's
+    `http_chat`), whose answer names a verdict. The bundled head still runs first; the remote guard is asked only
+    about messages the head lets through with an attack probability of at least `ask_above` (0: every one), so a
+    cascade sends it only what the head is unsure of."""
 
-    url: str  # the endpoint itself, e.g. http://guard:8000/classify
-    protocol: Literal["vllm", "http_classify"] = "vllm"
-    model: str = ""  # the served model name (`protocol: vllm`); empty: the server's only model
+    url: str  # the endpoint itself, e.g. http://guard:8000/classify or http://guard:8000/v1/chat/completions
+    protocol: Literal["vllm", "http_classify", "chat"] = "vllm"
+    model: str = ""  # the served model name (`vllm`, `chat`); empty: the server's only model
     # the classifier's labels in class order (vLLM answers probabilities by class index); the answer's own top
-    # label is checked against them, so a wrong order is an error, not silently inverted verdicts
+    # label is checked against them, so a wrong order is an error, not silently inverted verdicts. With `chat`:
+    # the verdict words (default safe, unsafe, controversial: Llama Guard's and Qwen3Guard's), the first one the
+    # answer names as a whole word deciding (case aside); an answer naming none is an error
     labels: list[str] = Field(default_factory=lambda: ["benign", "jailbreak"], min_length=2)
+    # default jailbreak (`chat`: unsafe; Qwen3Guard's controversial passes unless named here, as in the Router)
     positive_labels: list[str] = Field(default_factory=lambda: ["jailbreak"], min_length=1)
     threshold: float = Field(0.5, gt=0, le=1)  # the positive labels' summed probability that blocks
     ask_above: float = Field(0.0, ge=0, lt=1)  # the head's attack probability from which the remote guard is asked
@@ -101,14 +106,26 @@ class RemoteGuardConfig(Section):
     # up to where a server truncates it, so an attack appended to a long text went unread. 1,000 characters is about
     # 250 English tokens; with `protocol: vllm` a window still over the model's context is cut to it there.
     chunk_chars: int = Field(1000, ge=100, le=100_000)
+    # `chat` only: the user message sent, `{text}` standing for the message judged (a guard model applies its own
+    # template to the bare text; a general instruct model needs an instruction around it), and the answer's length
+    prompt: str = "{text}"
+    max_tokens: int = Field(32, ge=1, le=4096)
     # the guard failed (unreachable, timed out, an answer not over `labels`): `allow` keeps the head's verdict
     # (the Semantic Router's default), `block` refuses the request (type `guard_unavailable`)
     on_error: Literal["allow", "block"] = "allow"
     api_key: str = ""  # sent as a bearer token; prefer FARM_SEMANTIC__JAILBREAK__REMOTE__API_KEY
 
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_verdicts(cls, data: Any) -> Any:
+        """A generative guard's verdict words unless given: Llama Guard's and Qwen3Guard's."""
+        if isinstance(data, dict) and data.get("protocol") == "chat":
+            return {"labels": ["safe", "unsafe", "controversial"], "positive_labels": ["unsafe"], **data}
+        return data
+
     @model_validator(mode="after")
     def _labels_ok(self) -> RemoteGuardConfig:
-        if len(set(self.labels)) != len(self.labels):
+        if len({x.lower() for x in self.labels} if self.protocol == "chat" else set(self.labels)) != len(self.labels):
             raise ValueError(f"labels must be distinct: {self.labels}")
         unknown = [x for x in self.positive_labels if x not in self.labels]
         if unknown:
@@ -117,6 +134,10 @@ class RemoteGuardConfig(Section):
             raise ValueError("positive_labels name every label: every message would be an attack")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {self.url!r}")
+        if self.prompt.count("{text}") != 1:
+            raise ValueError(f"prompt must contain {{text}} once (where the judged message goes), got {self.prompt!r}")
+        if self.protocol == "chat" and any(not x.strip() or x != x.strip() for x in self.labels):
+            raise ValueError(f"a chat guard's labels are words its answer names, got {self.labels}")
         return self
 
 

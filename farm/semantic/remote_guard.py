@@ -1,12 +1,16 @@
 """A jailbreak check the farm asks over HTTP: a prompt classifier the operator serves (`semantic.jailbreak.remote`).
 
-Two wire shapes, both answering a probability per label:
+Three wire shapes, each read as a probability per label:
 - `vllm`: `vllm serve --runner pooling` of a sequence classifier, POST `/classify` with
   `{"model", "input": [texts]}` -> `{"data": [{"index", "label", "probs": [...]}]}`; `probs` is by class index,
   so the configured `labels` give the classes' order, and the answer's own top `label` must agree with it.
 - `http_classify`: the Hugging Face text-classification shape (TEI, a `transformers` pipeline server), as the
   Semantic Router's `prompt_guard.protocol: http_classify` sends it: `{"inputs": text}` ->
   `[{"label", "score"}, ...]`, every configured label once, scores summing to 1.
+- `chat`: a generative guard (Llama Guard, Qwen3Guard, ShieldGemma) behind an OpenAI-compatible chat endpoint, as
+  the Router's `http_chat`: one user message (`prompt` around the text), greedy; the answer's first whole-word
+  verdict among `labels` (`verdict`: "unsafe\nS1" -> unsafe, "Safety: Unsafe" -> Unsafe) gets probability 1. A
+  generative answer carries no calibrated probability, so `threshold` does not weigh it: a positive verdict blocks.
 
 An answer that does not fit (a label not configured, a missing one, probabilities that are not a distribution)
 is a `RemoteGuardError`, like a timeout: the layer then applies `on_error`, never a verdict read from a
@@ -16,7 +20,8 @@ misconfigured guard.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
@@ -43,6 +48,20 @@ def windows(text: str, size: int) -> list[str]:
         nxt = start + step
         space = text.rfind(" ", nxt - size // 20, nxt)  # back to a space within 5% of the window, if any
         start = space + 1 if space > start else nxt
+
+
+_THOUGHT = re.compile(r"<think>.*?</think>", re.S | re.I)  # a reasoning guard's thoughts: not its verdict
+
+
+def verdict(answer: str, labels: Sequence[str]) -> str | None:
+    """The first of `labels` that `answer` names as a whole word, case aside (so `safe` is not read in `unsafe`
+    nor in `Safety:`), after any `<think>` block; None when it names none, or is still thinking."""
+    text = _THOUGHT.sub("", answer)
+    if re.search(r"<think>", text, re.I):
+        return None  # cut off before the thoughts ended: no verdict yet
+    found = [(m.start(), label) for label in labels
+             if (m := re.search(rf"(?<!\w){re.escape(label)}(?!\w)", text, re.I)) is not None]
+    return min(found)[1] if found else None
 
 
 class RemoteGuardError(RuntimeError):
@@ -73,7 +92,8 @@ class RemoteGuard:
             return []
         pieces = [[w for form in (t, *decoded_forms(t)) for w in windows(form, self.cfg.chunk_chars)] for t in texts]
         flat = [w for p in pieces for w in p]
-        rows = self._vllm(flat) if self.cfg.protocol == "vllm" else self._http_classify(flat)
+        ask = {"vllm": self._vllm, "http_classify": self._each(self._one_http_classify), "chat": self._each(self._one_chat)}
+        rows = ask[self.cfg.protocol](flat)
         scored = []
         for probs in rows:
             top = max(self._positive, key=lambda i: probs[i])
@@ -124,12 +144,15 @@ class RemoteGuard:
             raise RemoteGuardError("remote guard answered one text twice and another not at all")
         return rows
 
-    def _http_classify(self, texts: list[str]) -> list[list[float]]:
-        """One request per text (the shape takes one input), sent together."""
-        if len(texts) == 1:
-            return [self._one_http_classify(texts[0])]
-        with ThreadPoolExecutor(min(len(texts), 8)) as pool:
-            return list(pool.map(self._one_http_classify, texts))
+    @staticmethod
+    def _each(ask_one: Callable[[str], list[float]]) -> Callable[[list[str]], list[list[float]]]:
+        """A shape that takes one text per request: the texts' requests sent together."""
+        def ask(texts: list[str]) -> list[list[float]]:
+            if len(texts) == 1:
+                return [ask_one(texts[0])]
+            with ThreadPoolExecutor(min(len(texts), 8)) as pool:
+                return list(pool.map(ask_one, texts))
+        return ask
 
     def _one_http_classify(self, text: str) -> list[float]:
         answer = self._post({"inputs": text})
@@ -150,6 +173,23 @@ class RemoteGuard:
             raise RemoteGuardError(f"remote guard's answer misses labels {missing} (top-k answers are refused: "
                                    "a missing positive label would read as no risk)")
         return self._distribution([scores[x] for x in self.cfg.labels])
+
+    def _one_chat(self, text: str) -> list[float]:
+        body: dict = {"messages": [{"role": "user", "content": self.cfg.prompt.replace("{text}", text)}],
+                      "temperature": 0, "max_tokens": self.cfg.max_tokens}
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        answer = self._post(body)
+        try:
+            content = answer["choices"][0]["message"]["content"]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            content = None
+        if not isinstance(content, str):
+            raise RemoteGuardError("remote guard's answer is not a chat completion with a message") from None
+        label = verdict(content, self.cfg.labels)
+        if label is None:
+            raise RemoteGuardError(f"remote guard's answer names none of {self.cfg.labels}: {content[:100]!r}")
+        return [1.0 if x == label else 0.0 for x in self.cfg.labels]
 
     @staticmethod
     def _distribution(probs: list) -> list[float]:

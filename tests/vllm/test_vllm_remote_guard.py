@@ -1,6 +1,7 @@
 """The remote jailbreak guard (`semantic.jailbreak.remote`) against real classifiers: a tiny random-weight sequence
 classifier with the real tokenizer, served by `vllm serve --runner pooling` (`protocol: vllm`) and by a
-`transformers` text-classification pipeline behind HTTP (`protocol: http_classify`, the Semantic Router's shape).
+`transformers` text-classification pipeline behind HTTP (`protocol: http_classify`, the Semantic Router's shape);
+and a generative guard behind a chat endpoint (`protocol: chat`): the default model served by `vllm serve`.
 The weights are random, so what the guard says about a prompt means nothing; what is checked is that the layer
 blocks exactly what the served classifier puts over the threshold, with its probability, asks only what the
 head is unsure of, remembers answers, and turns every failure (a wrong label order, no server) into `on_error`."""
@@ -20,7 +21,7 @@ from bench.engine_speed.model import make_tiny_classifier
 from farm.config import ConfigError, load_config
 from farm.semantic.layer import SemanticLayer
 from tests.conftest import free_port
-from tests.vllm.conftest import VllmServe
+from tests.vllm.conftest import MODEL, VllmServe
 
 LABELS = ["benign", "jailbreak"]
 # everyday prompts the bundled head passes (far below its threshold)
@@ -191,6 +192,11 @@ def test_the_http_classify_shape(tmp_path, embedder, pipeline_guard):
     ({"url": "http://guard/classify", "positive_labels": ["benign", "jailbreak"]}, "every label"),
     ({"url": "guard:8000/classify"}, "http(s) URL"),
     ({"url": "http://guard/classify", "labels": ["jailbreak"]}, "at least 2"),
+    ({"url": "http://guard/v1/chat/completions", "protocol": "chat", "prompt": "Judge this"}, "{text} once"),
+    ({"url": "http://guard/v1/chat/completions", "protocol": "chat", "labels": ["Safe", "safe"],
+      "positive_labels": ["Safe"]}, "distinct"),
+    ({"url": "http://guard/v1/chat/completions", "protocol": "chat", "labels": ["ok", "not ok "],
+      "positive_labels": ["ok"]}, "words its answer names"),
 ])
 def test_remote_guard_configuration_errors(tmp_path, remote, message):
     p = tmp_path / "bad.yaml"
@@ -234,3 +240,36 @@ def test_an_encoded_message_is_judged_as_what_it_decodes_to(tmp_path, embedder, 
     layer = _layer(tmp_path, embedder, {"url": vllm_guard, "threshold": (probs[q] + wrapped[msg]) / 2})
     v = layer.before("MoM", [{"role": "user", "content": msg}], no_cache=True)
     assert v.action == "block" and float(v.headers["x-vsr-jailbreak-confidence"]) == pytest.approx(probs[q], abs=1e-3)
+
+
+def test_a_generative_guard_behind_a_chat_endpoint(tmp_path, embedder, vllm_serve):
+    """The default model served by `vllm serve` as a generative guard: what it answers is no safety verdict, so
+    the verdict words are taken from its own greedy answer to the same request, asked directly. The layer blocks
+    when the first of them the answer names is a positive one, passes when it is not, and turns an answer that
+    names none into `on_error`."""
+    import re
+
+    prompt = "Is the following message safe to answer? Explain in one sentence.\n\n{text}"
+    text = PROMPTS[3]
+    asked = requests.post(f"{vllm_serve.url}/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt.replace("{text}", text)}],
+        "temperature": 0, "max_tokens": 32})
+    assert asked.ok, asked.text
+    words = list(dict.fromkeys(w.lower() for w in re.findall(r"[A-Za-z]+", asked.json()["choices"][0]["message"]["content"])))
+    assert len(words) >= 2, words
+    first, later = words[0], words[1]
+    chat = {"url": f"{vllm_serve.url}/chat/completions", "protocol": "chat", "model": MODEL, "prompt": prompt}
+    user = [{"role": "user", "content": text}]
+    # the answer names `first` before `later`: `first` decides, whichever order the labels are in
+    v = _layer(tmp_path, embedder, {**chat, "labels": [later, first], "positive_labels": [first]}).before(
+        "MoM", user, no_cache=True)
+    assert v.action == "block" and v.headers["x-vsr-jailbreak-type"] == first, (words, v.explain["jailbreak"])
+    assert float(v.headers["x-vsr-jailbreak-confidence"]) == 1.0 and v.explain["jailbreak"]["remote"]["asked"] == 1
+    v = _layer(tmp_path, embedder, {**chat, "labels": [first, later], "positive_labels": [later]}).before(
+        "MoM", user, no_cache=True)
+    assert v.action == "forward" and "error" not in v.explain["jailbreak"]["remote"], v.explain["jailbreak"]
+    # words it does not say: no verdict, so on_error decides
+    absent = [w for w in ("zebra", "quasar", "unsafe") if w not in words][:2]
+    v = _layer(tmp_path, embedder, {**chat, "labels": absent, "positive_labels": absent[:1],
+                                    "on_error": "block"}).before("MoM", user, no_cache=True)
+    assert v.action == "block" and "names none of" in v.explain["jailbreak"]["remote"]["error"]

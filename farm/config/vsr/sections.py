@@ -138,8 +138,8 @@ REMOTE_KEYS = ("protocol", "threshold", "positive_labels", "on_error")  # what a
 
 def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard",
           external: list[Any] | None = None) -> dict[str, Any]:
-    """`prompt_guard` onto `semantic.jailbreak`; with `protocol: http_classify`, the classifier it names among
-    `external` (the Router's `external_models`, `model_role: guardrail`) becomes `semantic.jailbreak.remote`."""
+    """`prompt_guard` onto `semantic.jailbreak`; with `protocol: http_classify` or `http_chat`, the guard it names
+    among `external` (the Router's `external_models`, `model_role: guardrail`) becomes `semantic.jailbreak.remote`."""
     guard: dict[str, Any] = {}
     if c.get("protocol") is not None:
         remote = remote_guard(c, external or [], out, where)
@@ -161,27 +161,43 @@ def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard",
 
 def reads_external(prompt_guard: Any) -> bool:
     """Whether a `prompt_guard` section takes its endpoint from the external models (so they are read, not named
-    as unmapped): `protocol: http_classify`."""
-    return isinstance(prompt_guard, dict) and prompt_guard.get("protocol") == "http_classify"
+    as unmapped): `protocol: http_classify` or `http_chat`."""
+    return isinstance(prompt_guard, dict) and prompt_guard.get("protocol") in ("http_classify", "http_chat")
 
 
 def remote_guard(c: dict[str, Any], external: list[Any], out: VsrImport, where: str) -> dict[str, Any] | None:
     """The Router's remote prompt guard as `semantic.jailbreak.remote`, or None (named as unmapped) when it is not
     a classifier the farm can ask. The farm's own head still runs first and asks it about what it lets through."""
     protocol = c["protocol"]
-    if protocol != "http_classify":
-        out.skip(f"{where}.protocol", f"{protocol!r}: the farm asks a prompt classifier (semantic.jailbreak.remote: "
-                                      "http_classify or vllm), not a generative guard")
+    if protocol not in ("http_classify", "http_chat"):
+        out.skip(f"{where}.protocol", f"{protocol!r}: the farm asks a guard it can reach over HTTP "
+                                      "(semantic.jailbreak.remote: http_classify, chat or vllm)")
         return None
     entries = [e for e in external if isinstance(e, dict) and e.get("model_role") == "guardrail"]
     endpoint = mapping(entries[0].get("llm_endpoint"), "llm_endpoint") if entries else {}
     if not endpoint.get("address"):
-        out.skip(f"{where}.protocol", "http_classify without an external model of model_role guardrail that has an "
+        out.skip(f"{where}.protocol", f"{protocol} without an external model of model_role guardrail that has an "
                                       "llm_endpoint.address")
         return None
     scheme = endpoint.get("protocol") or "http"
-    port = f":{endpoint['port']}" if endpoint.get("port") else ""
-    remote: dict[str, Any] = {"url": f"{scheme}://{endpoint['address']}{port}/classify", "protocol": "http_classify"}
+    base = f"{scheme}://{endpoint['address']}" + (f":{endpoint['port']}" if endpoint.get("port") else "")
+    if protocol == "http_chat":  # a generative guard (Qwen3Guard-style): its verdict, not a label's probability
+        remote: dict[str, Any] = {"url": f"{base}/v1/chat/completions", "protocol": "chat"}
+        if entries[0].get("llm_model_name"):
+            remote["model"] = str(entries[0]["llm_model_name"])
+        out.notes.append(f"{where}.protocol: http_chat -> semantic.jailbreak.remote (protocol chat): the guard's "
+                         "answer is read for safe / unsafe / controversial, unsafe blocking (controversial passes, "
+                         "as in the Router); the message is sent bare (prompt: '{text}'), not inside the Router's "
+                         "instruction")
+        if c.get("threshold") is not None:
+            out.skip(f"{where}.threshold", "a generative guard's verdict carries no probability to compare: an "
+                                           "unsafe verdict blocks")
+        if c.get("positive_labels") is not None:
+            out.skip(f"{where}.positive_labels", "labels of a classifier's mapping; a generative guard's verdict "
+                                                 "words are semantic.jailbreak.remote.labels / positive_labels")
+        remote.update(_remote_common(c, entries[0], out))
+        return remote
+    remote = {"url": f"{base}/classify", "protocol": "http_classify"}
     positive = c.get("positive_labels") or ["jailbreak"]
     remote["positive_labels"] = [str(x) for x in items(positive, f"{where}.positive_labels")]
     remote["labels"] = ["benign", *[x for x in remote["positive_labels"] if x != "benign"]]
@@ -189,16 +205,23 @@ def remote_guard(c: dict[str, Any], external: list[Any], out: VsrImport, where: 
                      "semantic.jailbreak.remote.labels to the classifier's own (an answer over other labels is an error)")
     if c.get("threshold") is not None:
         remote["threshold"] = float(c["threshold"])
-    if c.get("on_error") in ("allow", "block"):
-        remote["on_error"] = c["on_error"]
-    seconds = entries[0].get("llm_timeout_seconds")
-    if isinstance(seconds, int | float) and 0 < seconds <= 60:
-        remote["timeout_s"] = float(seconds)
-    if entries[0].get("access_key"):
-        out.notes.append("external_models[guardrail].access_key: not copied into the file; give it as "
-                         "FARM_SEMANTIC__JAILBREAK__REMOTE__API_KEY")
+    remote.update(_remote_common(c, entries[0], out))
     out.notes.append(f"{where}.protocol: http_classify -> semantic.jailbreak.remote, asked after the farm's own head "
                      "about every message it lets through (ask_above 0)")
+    return remote
+
+
+def _remote_common(c: dict[str, Any], entry: dict[str, Any], out: VsrImport) -> dict[str, Any]:
+    """What both remote protocols carry over: `on_error` and the external model's timeout; its key is named."""
+    remote: dict[str, Any] = {}
+    if c.get("on_error") in ("allow", "block"):
+        remote["on_error"] = c["on_error"]
+    seconds = entry.get("llm_timeout_seconds")
+    if isinstance(seconds, int | float) and 0 < seconds <= 60:
+        remote["timeout_s"] = float(seconds)
+    if entry.get("access_key"):
+        out.notes.append("external_models[guardrail].access_key: not copied into the file; give it as "
+                         "FARM_SEMANTIC__JAILBREAK__REMOTE__API_KEY")
     return remote
 
 
