@@ -110,6 +110,9 @@ class RemoteGuardConfig(Section):
     # template to the bare text; a general instruct model needs an instruction around it), and the answer's length
     prompt: str = "{text}"
     max_tokens: int = Field(32, ge=1, le=4096)
+    # `chat` only: the answer constrained to one of `labels` by the server's structured outputs (vLLM's
+    # `structured_outputs.choice`), for a general model used as a judge; a guard model answers in its own format
+    choice: bool = False
     # the guard failed (unreachable, timed out, an answer not over `labels`): `allow` keeps the head's verdict
     # (the Semantic Router's default), `block` refuses the request (type `guard_unavailable`)
     on_error: Literal["allow", "block"] = "allow"

@@ -179,6 +179,8 @@ class RemoteGuard:
                       "temperature": 0, "max_tokens": self.cfg.max_tokens}
         if self.cfg.model:
             body["model"] = self.cfg.model
+        if self.cfg.choice:
+            body["structured_outputs"] = {"choice": self.cfg.labels}
         answer = self._post(body)
         try:
             content = answer["choices"][0]["message"]["content"]  # type: ignore[index]

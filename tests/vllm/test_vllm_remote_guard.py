@@ -273,3 +273,14 @@ def test_a_generative_guard_behind_a_chat_endpoint(tmp_path, embedder, vllm_serv
     v = _layer(tmp_path, embedder, {**chat, "labels": absent, "positive_labels": absent[:1],
                                     "on_error": "block"}).before("MoM", user, no_cache=True)
     assert v.action == "block" and "names none of" in v.explain["jailbreak"]["remote"]["error"]
+    # the same words as the only answers the server may give (`choice`): a verdict, the one vLLM gives directly
+    constrained = requests.post(f"{vllm_serve.url}/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt.replace("{text}", text)}],
+        "temperature": 0, "max_tokens": 32, "structured_outputs": {"choice": absent}})
+    assert constrained.ok, constrained.text
+    said = constrained.json()["choices"][0]["message"]["content"]
+    assert said in absent
+    v = _layer(tmp_path, embedder, {**chat, "labels": absent, "positive_labels": [said], "choice": True,
+                                    "on_error": "block"}).before("MoM", user, no_cache=True)
+    assert v.action == "block" and v.headers["x-vsr-jailbreak-type"] == said, v.explain["jailbreak"]
+    assert "error" not in v.explain["jailbreak"]["remote"]
