@@ -113,6 +113,11 @@ class RemoteGuardConfig(Section):
     # `chat` only: the answer constrained to one of `labels` by the server's structured outputs (vLLM's
     # `structured_outputs.choice`), for a general model used as a judge; a guard model answers in its own format
     choice: bool = False
+    # whose messages it is asked about (the head reads every one): leave out the operator's own turns (system,
+    # developer) when the guard flags defensive instructions as attacks, as prompt classifiers trained on
+    # untrusted input do; at least user
+    roles: list[Literal["system", "developer", "user", "assistant", "tool", "function"]] = Field(
+        default_factory=lambda: ["system", "developer", "user", "assistant", "tool", "function"], min_length=1)
     # the guard failed (unreachable, timed out, an answer not over `labels`): `allow` keeps the head's verdict
     # (the Semantic Router's default), `block` refuses the request (type `guard_unavailable`)
     on_error: Literal["allow", "block"] = "allow"
@@ -139,6 +144,8 @@ class RemoteGuardConfig(Section):
             raise ValueError(f"url must be an http(s) URL, got {self.url!r}")
         if self.prompt.count("{text}") != 1:
             raise ValueError(f"prompt must contain {{text}} once (where the judged message goes), got {self.prompt!r}")
+        if "user" not in self.roles:
+            raise ValueError(f"roles must include user (the prompt itself), got {self.roles}")
         if self.protocol == "chat" and any(not x.strip() or x != x.strip() for x in self.labels):
             raise ValueError(f"a chat guard's labels are words its answer names, got {self.labels}")
         return self

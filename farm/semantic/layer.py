@@ -308,8 +308,10 @@ class SemanticLayer:
             explain["jailbreak"] = {"blocked": blocked, "type": jb.type, "confidence": jb.confidence,
                                     "message": worst[0], "role": worst[1], "threshold": self._jb_threshold(worst[1])}
             if not blocked and self.remote is not None:  # the second check, on what the head was unsure of
-                remote, explain["jailbreak"]["remote"] = self._remote_screen(texts, by_text, tenant)
-                flagged = [x for x in scanned if x[2] in remote and remote[x[2]].is_jailbreak]
+                asked_roles = self.remote.cfg.roles
+                remote, explain["jailbreak"]["remote"] = self._remote_screen(
+                    list(dict.fromkeys(x[2] for x in scanned if x[1] in asked_roles)), by_text, tenant)
+                flagged = [x for x in scanned if x[1] in asked_roles and x[2] in remote and remote[x[2]].is_jailbreak]
                 if flagged:
                     worst = max(flagged, key=lambda x: remote[x[2]].confidence)
                     jb, blocked = remote[worst[2]], True

@@ -118,6 +118,13 @@ def test_the_layer_blocks_what_the_served_classifier_puts_over_its_threshold(tmp
     # hidden in an earlier turn, the message is read too
     hidden = [{"role": "assistant", "content": sorted(over)[0]}, {"role": "user", "content": sorted(set(PROMPTS) - over)[0]}]
     assert layer.before("MoM", hidden, no_cache=True).action == "block"
+    # ... unless the guard is asked only about other roles' messages (the head still reads it)
+    in_system = [{"role": "system", "content": sorted(over)[0]}, *hidden[1:]]
+    users_only = _layer(tmp_path, embedder, {"url": vllm_guard, "threshold": threshold, "roles": ["user", "tool"]})
+    v = users_only.before("MoM", in_system, no_cache=True)
+    assert v.action == "forward" and v.explain["jailbreak"]["remote"]["asked"] == 1, v.explain["jailbreak"]
+    assert users_only.before("MoM", [{"role": "tool", "content": sorted(over)[0]}, *hidden[1:]],
+                             no_cache=True).action == "block"
     # asked again: remembered, not asked
     again = layer.before("MoM", [{"role": "user", "content": PROMPTS[0]}], no_cache=True)
     assert again.explain["jailbreak"]["remote"] == {"asked": 0, "remembered": 1}
@@ -193,6 +200,8 @@ def test_the_http_classify_shape(tmp_path, embedder, pipeline_guard):
     ({"url": "guard:8000/classify"}, "http(s) URL"),
     ({"url": "http://guard/classify", "labels": ["jailbreak"]}, "at least 2"),
     ({"url": "http://guard/v1/chat/completions", "protocol": "chat", "prompt": "Judge this"}, "{text} once"),
+    ({"url": "http://guard/classify", "roles": ["tool"]}, "must include user"),
+    ({"url": "http://guard/classify", "roles": ["operator"]}, "roles"),
     ({"url": "http://guard/v1/chat/completions", "protocol": "chat", "labels": ["Safe", "safe"],
       "positive_labels": ["Safe"]}, "distinct"),
     ({"url": "http://guard/v1/chat/completions", "protocol": "chat", "labels": ["ok", "not ok "],
