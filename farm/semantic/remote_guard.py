@@ -1,4 +1,5 @@
-"""A jailbreak check the farm asks over HTTP: a prompt classifier the operator serves (`semantic.jailbreak.remote`).
+"""A jailbreak check the farm asks over HTTP: a prompt classifier or a generative guard the operator serves
+(`semantic.jailbreak.remote`).
 
 Three wire shapes, each read as a probability per label:
 - `vllm`: `vllm serve --runner pooling` of a sequence classifier, POST `/classify` with
@@ -70,7 +71,7 @@ class RemoteGuardError(RuntimeError):
 
 
 class RemoteGuard:
-    """Asks the configured classifier; `attack_probabilities(texts)` -> each text's summed positive-label
+    """Asks the configured guard; `attack_probabilities(texts)` -> each text's summed positive-label
     probability, and its most likely positive label."""
 
     def __init__(self, cfg: RemoteGuardConfig) -> None:
@@ -83,6 +84,8 @@ class RemoteGuard:
         if cfg.api_key:
             self._headers["Authorization"] = f"Bearer {cfg.api_key}"
         self._positive = [cfg.labels.index(x) for x in cfg.positive_labels]
+        self._ask = {"vllm": self._vllm, "http_classify": self._each(self._one_http_classify),
+                     "chat": self._each(self._one_chat)}[cfg.protocol]  # texts -> each one's label probabilities
 
     def attack_probabilities(self, texts: Sequence[str]) -> list[tuple[float, str]]:
         """(summed probability of the positive labels, the most likely positive label) per text, in order: the worst
@@ -92,8 +95,7 @@ class RemoteGuard:
             return []
         pieces = [[w for form in (t, *decoded_forms(t)) for w in windows(form, self.cfg.chunk_chars)] for t in texts]
         flat = [w for p in pieces for w in p]
-        ask = {"vllm": self._vllm, "http_classify": self._each(self._one_http_classify), "chat": self._each(self._one_chat)}
-        rows = ask[self.cfg.protocol](flat)
+        rows = self._ask(flat)
         scored = []
         for probs in rows:
             top = max(self._positive, key=lambda i: probs[i])
