@@ -113,6 +113,10 @@ class RemoteGuardConfig(Section):
     # `chat` only: the answer constrained to one of `labels` by the server's structured outputs (vLLM's
     # `structured_outputs.choice`), for a general model used as a judge; a guard model answers in its own format
     choice: bool = False
+    # `chat` only: how a verdict becomes a probability. `verdict`: 1 for the word named, 0 for the others (a
+    # positive one always blocks); `logprobs`: the labels' shares among the top 20 candidates for the answer's
+    # verdict token (Llama Guard's documented score: the probability of `unsafe`), so `threshold` tunes it
+    score: Literal["verdict", "logprobs"] = "verdict"
     # whose messages it is asked about (the head reads every one): leave out the operator's own turns (system,
     # developer) when the guard flags defensive instructions as attacks, as prompt classifiers trained on
     # untrusted input do; at least user

@@ -10,8 +10,9 @@ Three wire shapes, each read as a probability per label:
   `[{"label", "score"}, ...]`, every configured label once, scores summing to 1.
 - `chat`: a generative guard (Llama Guard, Qwen3Guard, ShieldGemma) behind an OpenAI-compatible chat endpoint, as
   the Router's `http_chat`: one user message (`prompt` around the text), greedy; the answer's first whole-word
-  verdict among `labels` (`verdict`: "unsafe\nS1" -> unsafe, "Safety: Unsafe" -> Unsafe) gets probability 1. A
-  generative answer carries no calibrated probability, so `threshold` does not weigh it: a positive verdict blocks.
+  verdict among `labels` (`verdict`: "unsafe\nS1" -> unsafe, "Safety: Unsafe" -> Unsafe) gets probability 1, so a
+  positive verdict blocks; with `score: logprobs` each label gets its share among the candidates for the verdict's
+  first token (`verdict_token_shares`), a probability `threshold` weighs.
 
 An answer that does not fit (a label not configured, a missing one, probabilities that are not a distribution)
 is a `RemoteGuardError`, like a timeout: the layer then applies `on_error`, never a verdict read from a
@@ -33,6 +34,7 @@ from farm.semantic.decoding import decoded_forms
 
 SUM_TOLERANCE = 0.02  # how far a distribution's sum may drift from 1 (rounding in whatever serialized it)
 POOL_SIZE = 32  # connections kept to the guard per API process (one request per message asked)
+TOP_LOGPROBS = 20  # candidates asked for per answer token with `score: logprobs` (OpenAI's and vLLM's most)
 
 
 def windows(text: str, size: int) -> list[str]:
@@ -51,18 +53,53 @@ def windows(text: str, size: int) -> list[str]:
         start = space + 1 if space > start else nxt
 
 
-_THOUGHT = re.compile(r"<think>.*?</think>", re.S | re.I)  # a reasoning guard's thoughts: not its verdict
+def _verdict_at(answer: str, labels: Sequence[str]) -> tuple[int, str] | None:
+    """Where the answer's verdict word starts, and which label it is (see `verdict`)."""
+    close = answer.lower().rfind("</think>")
+    start = close + len("</think>") if close >= 0 else 0  # a reasoning guard's thoughts are not its verdict
+    if "<think>" in answer[start:].lower():
+        return None  # cut off before the thoughts ended: no verdict yet
+    found = [(m.start() + start, label) for label in labels
+             if (m := re.search(rf"(?<!\w){re.escape(label)}(?!\w)", answer[start:], re.I)) is not None]
+    return min(found) if found else None
 
 
 def verdict(answer: str, labels: Sequence[str]) -> str | None:
     """The first of `labels` that `answer` names as a whole word, case aside (so `safe` is not read in `unsafe`
     nor in `Safety:`), after any `<think>` block; None when it names none, or is still thinking."""
-    text = _THOUGHT.sub("", answer)
-    if re.search(r"<think>", text, re.I):
-        return None  # cut off before the thoughts ended: no verdict yet
-    found = [(m.start(), label) for label in labels
-             if (m := re.search(rf"(?<!\w){re.escape(label)}(?!\w)", text, re.I)) is not None]
-    return min(found)[1] if found else None
+    found = _verdict_at(answer, labels)
+    return found[1] if found else None
+
+
+def verdict_token_shares(content: str, tokens: Sequence[dict], labels: Sequence[str]) -> list[float] | None:
+    """Each label's probability from a chat answer's log-probabilities (OpenAI's `logprobs.content`: per token its
+    `token`, `logprob` and `top_logprobs`): at the token where the answer's verdict word (`verdict`) starts, the
+    candidates that begin one label and no other, each label's summed probability over theirs. None when the answer
+    has no verdict or the log-probabilities do not cover it."""
+    found = _verdict_at(content, labels)
+    if found is None:
+        return None
+    at, pos = found[0], 0
+    for entry in tokens:
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if not isinstance(token, str):
+            return None
+        if pos + len(token) > at:  # the token the verdict word starts in
+            shares = [0.0] * len(labels)
+            seen = set()
+            for cand in [entry, *(entry.get("top_logprobs") or [])]:
+                text, lp = (cand.get("token"), cand.get("logprob")) if isinstance(cand, dict) else (None, None)
+                if not isinstance(text, str) or not isinstance(lp, int | float) or text in seen:
+                    continue
+                seen.add(text)
+                stem = text.strip().lower()
+                begins = [i for i, x in enumerate(labels) if stem and x.lower().startswith(stem)]
+                if len(begins) == 1 and math.isfinite(lp):
+                    shares[begins[0]] += math.exp(lp)
+            total = sum(shares)
+            return [x / total for x in shares] if total > 0 else None
+        pos += len(token)
+    return None
 
 
 class RemoteGuardError(RuntimeError):
@@ -183,17 +220,28 @@ class RemoteGuard:
             body["model"] = self.cfg.model
         if self.cfg.choice:
             body["structured_outputs"] = {"choice": self.cfg.labels}
+        if self.cfg.score == "logprobs":
+            body.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
         answer = self._post(body)
         try:
-            content = answer["choices"][0]["message"]["content"]  # type: ignore[index]
+            choice = answer["choices"][0]  # type: ignore[index]
+            content = choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            content = None
+            choice, content = None, None
         if not isinstance(content, str):
             raise RemoteGuardError("remote guard's answer is not a chat completion with a message") from None
         label = verdict(content, self.cfg.labels)
         if label is None:
             raise RemoteGuardError(f"remote guard's answer names none of {self.cfg.labels}: {content[:100]!r}")
-        return [1.0 if x == label else 0.0 for x in self.cfg.labels]
+        if self.cfg.score == "verdict":
+            return [1.0 if x == label else 0.0 for x in self.cfg.labels]
+        logprobs = choice.get("logprobs")
+        tokens = logprobs.get("content") if isinstance(logprobs, dict) else None
+        shares = verdict_token_shares(content, tokens, self.cfg.labels) if isinstance(tokens, list) else None
+        if shares is None:
+            raise RemoteGuardError("remote guard's answer has no log-probabilities for its verdict (score: logprobs "
+                                   "needs a server that returns them, as vLLM does)")
+        return shares
 
     @staticmethod
     def _distribution(probs: list) -> list[float]:

@@ -293,3 +293,31 @@ def test_a_generative_guard_behind_a_chat_endpoint(tmp_path, embedder, vllm_serv
                                     "on_error": "block"}).before("MoM", user, no_cache=True)
     assert v.action == "block" and v.headers["x-vsr-jailbreak-type"] == said, v.explain["jailbreak"]
     assert "error" not in v.explain["jailbreak"]["remote"]
+
+
+def test_a_generative_guards_score_from_its_log_probabilities(tmp_path, embedder, vllm_serve):
+    """`score: logprobs`: with the answer constrained to two words, each word's share among vLLM's candidates for the
+    first answer token, asked directly, is the probability the layer holds against `threshold`."""
+    import math
+
+    prompt = "Answer with one word, yes or no: is this message harmful?\n\n{text}"
+    words = ["yes", "no"]
+    text = PROMPTS[1]
+    asked = requests.post(f"{vllm_serve.url}/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt.replace("{text}", text)}],
+        "temperature": 0, "max_tokens": 32, "structured_outputs": {"choice": words}, "logprobs": True,
+        "top_logprobs": 20})
+    assert asked.ok, asked.text
+    first = asked.json()["choices"][0]["logprobs"]["content"][0]
+    mass = {w: sum(math.exp(c["logprob"]) for c in first["top_logprobs"]
+                   if c["token"].strip() and w.startswith(c["token"].strip().lower())) for w in words}
+    assert mass["yes"] > 0 and mass["no"] > 0, first  # both words among the candidates: a share, not a verdict
+    p_yes = mass["yes"] / (mass["yes"] + mass["no"])
+    chat = {"url": f"{vllm_serve.url}/chat/completions", "protocol": "chat", "model": MODEL, "prompt": prompt,
+            "labels": words, "positive_labels": ["yes"], "choice": True, "score": "logprobs"}
+    user = [{"role": "user", "content": text}]
+    for threshold, action in ((p_yes * 0.99, "block"), (min(1.0, p_yes * 1.01 + 1e-6), "forward")):
+        v = _layer(tmp_path, embedder, {**chat, "threshold": threshold}).before("MoM", user, no_cache=True)
+        assert v.action == action, (p_yes, threshold, v.explain["jailbreak"])
+        if action == "block":
+            assert float(v.headers["x-vsr-jailbreak-confidence"]) == pytest.approx(p_yes, abs=1e-3)
