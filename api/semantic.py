@@ -67,6 +67,8 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_
     remote = v.explain.get("jailbreak", {}).get("remote")
     if remote:
         prometheus.SEMANTIC_REMOTE_ASKED.inc(remote["asked"])
+        if "ms" in remote:
+            prometheus.SEMANTIC_REMOTE_SECONDS.observe(remote["ms"] / 1000)
         if "error" in remote:
             prometheus.SEMANTIC_REMOTE_ERRORS.inc()
     if v.action == "block":

@@ -160,6 +160,7 @@ def render(r: dict[str, Any]) -> str:
         remote = jb.get("remote")
         if remote:
             lines.append(f"            remote guard: {remote['asked']} asked, {remote['remembered']} remembered"
+                         + (f" ({remote['ms']:.1f} ms)" if "ms" in remote else "")
                          + (f"; failed: {remote['error']}" if "error" in remote else ""))
     pii = r["pii"]
     if pii:

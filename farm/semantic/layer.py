@@ -484,8 +484,9 @@ class SemanticLayer:
         out = {t: v for t in asked if (v := self._remote_found.get(t, tenant)) is not None}
         todo = [t for t in asked if t not in out]
         report: dict[str, Any] = {"asked": len(todo), "remembered": len(out)}
+        t0 = time.perf_counter()
         try:
-            for text, (p, label) in zip(todo, self.remote.attack_probabilities(todo), strict=True):
+            for text, (p, label) in zip(todo, self.remote.attack_probabilities(todo) if todo else [], strict=True):
                 flagged = p >= rcfg.threshold
                 out[text] = JailbreakResult(flagged, label if flagged else "benign", p)
                 self._remote_found.put(text, out[text], tenant)
@@ -494,6 +495,8 @@ class SemanticLayer:
             report["error"] = str(e)
             if rcfg.on_error == "block":
                 out.update({t: JailbreakResult(True, "guard_unavailable", 1.0) for t in todo})
+        if todo:
+            report["ms"] = _ms(t0)
         return out, report
 
     def _jb_threshold(self, role: str) -> float:

@@ -72,6 +72,9 @@ SEMANTIC_REMOTE_ASKED = Counter("farm_semantic_remote_guard_messages_total", "Me
                                 "asked about (not counting answers remembered from the memo)")
 SEMANTIC_REMOTE_ERRORS = Counter("farm_semantic_remote_guard_errors_total", "Calls to the remote jailbreak guard that "
                                  "failed (unreachable, timed out, an answer not over its labels): on_error decided")
+SEMANTIC_REMOTE_SECONDS = Histogram("farm_semantic_remote_guard_seconds", "Time a request waited for the remote "
+                                    "jailbreak guard (all its messages asked together), when it asked",
+                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 SEMANTIC_ROUTES = Counter("farm_semantic_routes_total", "MoM/auto requests by category and chosen model",
                           ["category", "model"])
 SEMANTIC_SECONDS = Histogram("farm_semantic_layer_seconds", "Time in the semantic layer per request",

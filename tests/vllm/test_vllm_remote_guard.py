@@ -158,14 +158,15 @@ def test_a_failed_guard_gets_on_error(tmp_path, embedder, vllm_guard):
 
     from api.semantic import decide
 
-    def counted() -> tuple[float, float]:
+    def counted() -> tuple[float, float, float]:
         return (REGISTRY.get_sample_value("farm_semantic_remote_guard_messages_total") or 0.0,
-                REGISTRY.get_sample_value("farm_semantic_remote_guard_errors_total") or 0.0)
+                REGISTRY.get_sample_value("farm_semantic_remote_guard_errors_total") or 0.0,
+                REGISTRY.get_sample_value("farm_semantic_remote_guard_seconds_count") or 0.0)
 
     dead = f"http://127.0.0.1:{free_port()}/classify"
     before = counted()
     assert decide(_layer(tmp_path, embedder, {"url": dead}), "MoM", user, no_cache=True).action == "forward"
-    assert counted() == (before[0] + 1, before[1] + 1)
+    assert counted() == (before[0] + 1, before[1] + 1, before[2] + 1)  # the wait for a failed call is timed too
     v = _layer(tmp_path, embedder, {"url": dead, "on_error": "block"}).before("MoM", user, no_cache=True)
     assert v.action == "block" and "unreachable" in v.explain["jailbreak"]["remote"]["error"]
 
