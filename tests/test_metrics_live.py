@@ -1,7 +1,7 @@
 """The farm's /metrics under real traffic, read the way Grafana and KEDA read it.
 
 A real farm (gunicorn API, a prefill and a decode worker with the real default model, a batch driver, a
-managed redis-server), real requests (streamed and not, shared prefixes, MoM, a jailbreak, a repeat for the
+managed redis-server, a remote jailbreak guard served beside it), real requests (streamed and not, shared prefixes, MoM, a jailbreak, a repeat for the
 semantic cache, a batch), two scrapes of /metrics. Then:
 - every panel of deploy/grafana/inference-farm.json is evaluated (tests/promql.py) over the two scrapes and
   returns data, and the panels the traffic drives return more than zeros;
@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from bench.engine_speed.model import make_tiny_classifier
 from farm.config import load_config
 from farm.supervisor import Farm
 from tests.conftest import free_port, make_farm_env
+from tests.guard_server import pipeline_guard
 from tests.promql import Evaluator, Scrape, grafana_expr
 
 pytestmark = pytest.mark.slow
@@ -35,16 +37,22 @@ NAMESPACE = "llm"
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory):
+def farm(tmp_path_factory, real_model_dir):
     tmp = tmp_path_factory.mktemp("metrics-live")
     env = make_farm_env(f"redis://127.0.0.1:{free_port()}/0", tmp)
     env["FARM_ENGINE__TORCH_THREADS"] = "1"  # two workers share this machine's cores
     env["FARM_ENGINE__MAX_NUM_SEQS"] = str(MAX_NUM_SEQS)
     env["FARM_CELERY__WORKER_THREADS"] = "4"  # tasks beyond these stay in Redis: queued backlog
-    cfg = load_config(environ=env)
-    with Farm(cfg, prefill=1, decode=1, both=0, batch_drivers=1, port=free_port(), flower=False, env=env,
-              grace_s=10).running(240) as f:
-        yield f
+    # a remote jailbreak guard (a random-weight classifier: threshold 1.0, so it is asked and never blocks), asked
+    # from the API's gevent workers, one request per message of a conversation, together
+    classifier = make_tiny_classifier(tmp / "guard-classifier", real_model_dir)
+    with pipeline_guard(classifier) as guard:
+        env.update(FARM_SEMANTIC__JAILBREAK__REMOTE__URL=guard, FARM_SEMANTIC__JAILBREAK__REMOTE__THRESHOLD="1.0",
+                   FARM_SEMANTIC__JAILBREAK__REMOTE__PROTOCOL="http_classify")
+        cfg = load_config(environ=env)
+        with Farm(cfg, prefill=1, decode=1, both=0, batch_drivers=1, port=free_port(), flower=False, env=env,
+                  grace_s=10).running(240) as f:
+            yield f
 
 
 def scrape(farm) -> Scrape:
@@ -93,7 +101,8 @@ DRIVEN = ("Requests / s", "TTFT p90 (API)", "Prefix cache hit ratio (engines)", 
           "Inter-token latency (per token)", "End-to-end latency (API)",
           "Request phases p90 (engines)", "Engine time to first token", "Routing decisions / s",
           "Generation tokens / s per worker", "Batch lines / s by state", "Prefills by where they ran / s",
-          "KV blocks cached (prefix cache) per worker")
+          "KV blocks cached (prefix cache) per worker",
+          "Remote jailbreak guard [A]", "Remote jailbreak guard [C]")  # messages asked, seconds waited (no failure)
 # Gauges of the moment (0 again once the traffic is served): test_keda_signal_follows_real_backlog reads them
 # while real backlog waits, and asserts they move there.
 
@@ -109,6 +118,12 @@ def test_every_dashboard_panel_returns_data_after_real_traffic(farm):
     for _ in range(2):
         chat(farm, "What is the boiling point of water in Celsius?")  # the repeat can hit the semantic cache
     chat(farm, "What is 7 times 6?", model="MoM")
+    # a conversation: the remote guard is asked about both of its messages at once
+    resp = requests.post(f"http://127.0.0.1:{farm.api_port}/v1/chat/completions", timeout=180, json={
+        "model": farm.cfg.default_model, "max_tokens": 4, "messages": [
+            {"role": "system", "content": "You answer questions about gardening."},
+            {"role": "user", "content": "When should I plant tulip bulbs?"}]})
+    assert resp.status_code == 200, resp.text
     run_batch(farm)
     time.sleep(4.5)  # two heartbeats: the workers' latest stats are in Redis
     after = scrape(farm)

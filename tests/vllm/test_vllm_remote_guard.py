@@ -8,10 +8,8 @@ head is unsure of, remembers answers, and turns every failure (a wrong label ord
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import pytest
 import requests
@@ -21,6 +19,7 @@ from bench.engine_speed.model import make_tiny_classifier
 from farm.config import ConfigError, load_config
 from farm.semantic.layer import SemanticLayer
 from tests.conftest import free_port
+from tests.guard_server import pipeline_guard as serve_pipeline_guard
 from tests.vllm.conftest import MODEL, VllmServe
 
 LABELS = ["benign", "jailbreak"]
@@ -48,27 +47,8 @@ def vllm_guard(tmp_path_factory, classifier_dir) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def pipeline_guard(classifier_dir) -> Iterator[str]:
     """The Hugging Face text-classification shape: {"inputs": text} -> every label's score."""
-    import json
-
-    from transformers import pipeline
-
-    classify = pipeline("text-classification", model=str(classifier_dir), top_k=None, device="cpu")
-
-    def app(environ, start_response):
-        body = json.loads(environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0)))
-        answer = json.dumps(classify(body["inputs"])).encode()
-        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(answer)))])
-        return [answer]
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-    port = free_port()
-    httpd = make_server("127.0.0.1", port, app, handler_class=Quiet)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{port}/classify"
-    httpd.shutdown()
+    with serve_pipeline_guard(classifier_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
