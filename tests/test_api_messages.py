@@ -164,7 +164,8 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
 @pytest.fixture
 def ghost(app, redis_client):
     """One live worker (GHOST) whose tasks a ScriptedWorker takes; the app's config."""
-    return live_ghost(app, redis_client)
+    with live_ghost(app, redis_client) as cfg:
+        yield cfg
 
 
 def sdk(app: Flask, key: str = KEY_A) -> anthropic.Anthropic:

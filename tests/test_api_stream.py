@@ -9,6 +9,7 @@ without loading a model.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import threading
 import uuid
@@ -33,19 +34,41 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
         yield app
 
 
-def live_ghost(app: Flask, redis_client: redis.Redis):
+@contextlib.contextmanager
+def ghost_alive(redis_client: redis.Redis, model: str, block_size: int) -> Iterator[None]:
+    """GHOST registered as a live worker of `model`, its heartbeat kept up every second until the block ends, as a
+    worker's is: a test that runs past the heartbeat's 6 s on a slow machine would otherwise see GHOST declared
+    lost and its request migrated (a CI run met it)."""
+    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", model, "h", 1, block_size, num_blocks=1000))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(1.0):
+            registry.heartbeat(redis_client, GHOST)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beating.join(5)
+
+
+@contextlib.contextmanager
+def live_ghost(app: Flask, redis_client: redis.Redis) -> Iterator[Any]:
     """One live worker (GHOST) of the app's default model, whose tasks a ScriptedWorker takes; the app's config."""
     cfg = app.extensions["farm"].cfg
-    app.extensions["farm"].semantic()  # loaded before the ghost's heartbeat starts ticking
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
-                                                        cfg.engine.block_size, num_blocks=1000))
-    return cfg
+    app.extensions["farm"].semantic()  # loaded before the first request
+    with ghost_alive(redis_client, cfg.default_model, cfg.engine.block_size):
+        yield cfg
 
 
 @pytest.fixture
 def client(app, redis_client):
     """A test client, the config, and one live worker (GHOST) whose tasks the scripted worker takes."""
-    return app.test_client(), live_ghost(app, redis_client)
+    with live_ghost(app, redis_client) as cfg:
+        yield app.test_client(), cfg
 
 
 class ScriptedWorker(threading.Thread):

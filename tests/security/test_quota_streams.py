@@ -9,10 +9,9 @@ from collections.abc import Iterator
 import pytest
 from flask import Flask
 
-from farm.cluster import registry
 from farm.tenancy.api_keys import owner_of
 from tests.security_helpers import KEY_A, assert_openai_error, bearer, farm_app
-from tests.test_api_stream import GHOST, ScriptedWorker, both_start, deltas, done
+from tests.test_api_stream import GHOST, ScriptedWorker, both_start, deltas, done, ghost_alive
 
 QUOTA = 400
 
@@ -28,14 +27,13 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
 @pytest.fixture
 def ctx(app, redis_client):
     cfg = app.extensions["farm"].cfg
-    app.extensions["farm"].tokenizer(cfg.default_model)  # loaded before the ghost's heartbeat starts ticking
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
-                                                        cfg.engine.block_size, num_blocks=1000))
+    app.extensions["farm"].tokenizer(cfg.default_model)  # loaded before the first request
     import hashlib
 
     owner = owner_of(hashlib.sha256(KEY_A.encode()).hexdigest())
     limiter = app.extensions["farm_auth"].limiter
-    return app.test_client(), cfg, limiter, owner
+    with ghost_alive(redis_client, cfg.default_model, cfg.engine.block_size):
+        yield app.test_client(), cfg, limiter, owner
 
 
 def chat(cfg, **kw):
