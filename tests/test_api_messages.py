@@ -157,7 +157,11 @@ def test_a_failure_mid_stream_is_an_error_event():
 # ---- the SDK against the app -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
-    with farm_app(redis_url, tmp_path_factory.mktemp("api-messages"), FARM_API_KEYS=KEY_A) as app:
+    # without the semantic layer, as tests/test_api_responses.py: its jailbreak head blocks about 1 in 1,000 of
+    # these prompts with their random suffixes ("Say hello (0586a0)"), and a scripted worker left waiting then
+    # answers the next test's request (a CI run met it)
+    with farm_app(redis_url, tmp_path_factory.mktemp("api-messages"), FARM_API_KEYS=KEY_A,
+                  FARM_SEMANTIC__ENABLED="false") as app:
         yield app
 
 
