@@ -37,16 +37,10 @@ from bench.peers.procs import Service, vllm_server, wait_http
 CONTENDERS = ["head", "remote-all", "remote-cascade", "remote-chat"]
 
 
-def serve_guard(model_dir: Path, log: Path) -> tuple[Service, str]:
-    return vllm_server("vllm-guard", ["--model", str(model_dir), "--served-model-name", "guard", "--runner", "pooling",
-                                      "--dtype", "float32", "--max-model-len", "512",
-                                      "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager"], log)
-
-
-def serve_chat_guard(model_dir: Path, log: Path) -> tuple[Service, str]:
-    return vllm_server("vllm-chat-guard", ["--model", str(model_dir), "--served-model-name", "chat-guard",
-                                           "--dtype", "float32", "--max-model-len", "2048",
-                                           "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager"], log)
+def serve_guard(name: str, model_dir: Path, log: Path, *flags: str) -> tuple[Service, str]:
+    """A guard on `vllm serve` (eager, float32, a 64 MiB KV cache), served as `name`."""
+    return vllm_server(f"vllm-{name}", ["--model", str(model_dir), "--served-model-name", name, "--dtype", "float32",
+                                        "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager", *flags], log)
 
 
 def guard_cpu_s(guard: Service) -> float:
@@ -98,8 +92,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="farm-bench-guard-") as d:
         tmp = Path(d)
         model = make_tiny_classifier(tmp / "guard-model", source_tokenizer_dir())
-        guard, url = serve_guard(model, tmp / "vllm-guard.log")
-        chat_guard, chat_url = serve_chat_guard(make_tiny_model(tmp / "chat-guard-model"), tmp / "vllm-chat-guard.log")
+        guard, url = serve_guard("guard", model, tmp / "vllm-guard.log", "--runner", "pooling", "--max-model-len", "512")
+        chat_guard, chat_url = serve_guard("chat-guard", make_tiny_model(tmp / "chat-guard-model"),
+                                           tmp / "vllm-chat-guard.log", "--max-model-len", "2048")
         urls = {"classify": url, "chat": chat_url}
         try:
             start_s = wait_http(url + "/v1/models", 600, [guard, chat_guard])

@@ -12,8 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from tests.conftest import free_port
-
 
 class _Quiet(WSGIRequestHandler):
     def log_message(self, *args) -> None:
@@ -33,7 +31,7 @@ def pipeline_guard(classifier_dir: Path) -> Iterator[str]:
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(answer)))])
         return [answer]
 
-    httpd = make_server("127.0.0.1", free_port(), app, handler_class=_Quiet)
+    httpd = make_server("127.0.0.1", 0, app, handler_class=_Quiet)  # a free port, as the OS picks it
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{httpd.server_port}/classify"

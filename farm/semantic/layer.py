@@ -486,7 +486,7 @@ class SemanticLayer:
         report: dict[str, Any] = {"asked": len(todo), "remembered": len(out)}
         t0 = time.perf_counter()
         try:
-            for text, (p, label) in zip(todo, self.remote.attack_probabilities(todo) if todo else [], strict=True):
+            for text, (p, label) in zip(todo, self.remote.attack_probabilities(todo), strict=True):
                 flagged = p >= rcfg.threshold
                 out[text] = JailbreakResult(flagged, label if flagged else "benign", p)
                 self._remote_found.put(text, out[text], tenant)

@@ -229,7 +229,7 @@ class RemoteGuard:
         except (KeyError, IndexError, TypeError):
             choice, content = None, None
         if not isinstance(content, str):
-            raise RemoteGuardError("remote guard's answer is not a chat completion with a message") from None
+            raise RemoteGuardError("remote guard's answer is not a chat completion with a message")
         label = verdict(content, self.cfg.labels)
         if label is None:
             raise RemoteGuardError(f"remote guard's answer names none of {self.cfg.labels}: {content[:100]!r}")

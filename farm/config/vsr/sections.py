@@ -133,6 +133,7 @@ def cache(c: dict[str, Any], out: VsrImport, where: str = "semantic_cache") -> d
     return cache
 
 
+REMOTE_PROTOCOLS = ("http_classify", "http_chat")  # the Router's prompt guards the farm asks over HTTP
 REMOTE_KEYS = ("protocol", "threshold", "positive_labels", "on_error")  # what a remote prompt_guard maps through
 
 
@@ -162,14 +163,14 @@ def guard(c: dict[str, Any], out: VsrImport, where: str = "prompt_guard",
 def reads_external(prompt_guard: Any) -> bool:
     """Whether a `prompt_guard` section takes its endpoint from the external models (so they are read, not named
     as unmapped): `protocol: http_classify` or `http_chat`."""
-    return isinstance(prompt_guard, dict) and prompt_guard.get("protocol") in ("http_classify", "http_chat")
+    return isinstance(prompt_guard, dict) and prompt_guard.get("protocol") in REMOTE_PROTOCOLS
 
 
 def remote_guard(c: dict[str, Any], external: list[Any], out: VsrImport, where: str) -> dict[str, Any] | None:
     """The Router's remote prompt guard as `semantic.jailbreak.remote`, or None (named as unmapped) when it is not
-    a classifier the farm can ask. The farm's own head still runs first and asks it about what it lets through."""
+    a guard the farm can ask. The farm's own head still runs first and asks it about what it lets through."""
     protocol = c["protocol"]
-    if protocol not in ("http_classify", "http_chat"):
+    if protocol not in REMOTE_PROTOCOLS:
         out.skip(f"{where}.protocol", f"{protocol!r}: the farm asks a guard it can reach over HTTP "
                                       "(semantic.jailbreak.remote: http_classify, chat or vllm)")
         return None
