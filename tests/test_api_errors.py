@@ -11,10 +11,10 @@ import pytest
 from flask import Flask
 
 from api.app import create_app
-from farm.cluster import registry
 from farm.config import get_config
 from farm.protocol.queues import direct_queue
 from tests.conftest import make_farm_env
+from tests.ghosts import ghost_alive
 
 GHOST = "ghost@test"
 
@@ -51,8 +51,8 @@ def app_client(app, redis_client):
 def with_worker(app_client, redis_client):
     """A registered worker (its queue is never consumed): requests that pass validation get queued."""
     _, cfg = app_client
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
-                                                        cfg.engine.block_size, num_blocks=1000))
+    with ghost_alive(redis_client, GHOST, cfg.default_model, cfg.engine.block_size):
+        yield
 
 
 def post(client, path, body, raw=False, **kw):

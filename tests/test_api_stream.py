@@ -20,9 +20,9 @@ import pytest
 import redis
 from flask import Flask
 
-from farm.cluster import registry
 from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, encode_reply, reply_stream_key
 from farm.protocol.queues import direct_queue
+from tests.ghosts import ghost_alive
 from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "cached_tokens": 4}
@@ -35,32 +35,11 @@ def app(redis_url, tmp_path_factory) -> Iterator[Flask]:
 
 
 @contextlib.contextmanager
-def ghost_alive(redis_client: redis.Redis, model: str, block_size: int) -> Iterator[None]:
-    """GHOST registered as a live worker of `model`, its heartbeat kept up every second until the block ends, as a
-    worker's is: a test that runs past the heartbeat's 6 s on a slow machine would otherwise see GHOST declared
-    lost and its request migrated (a CI run met it)."""
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", model, "h", 1, block_size, num_blocks=1000))
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(1.0):
-            registry.heartbeat(redis_client, GHOST)
-
-    beating = threading.Thread(target=beat, daemon=True)
-    beating.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        beating.join(5)
-
-
-@contextlib.contextmanager
 def live_ghost(app: Flask, redis_client: redis.Redis) -> Iterator[Any]:
     """One live worker (GHOST) of the app's default model, whose tasks a ScriptedWorker takes; the app's config."""
     cfg = app.extensions["farm"].cfg
     app.extensions["farm"].semantic()  # loaded before the first request
-    with ghost_alive(redis_client, cfg.default_model, cfg.engine.block_size):
+    with ghost_alive(redis_client, GHOST, cfg.default_model, cfg.engine.block_size):
         yield cfg
 
 

@@ -19,7 +19,6 @@ import redis
 from flask import Flask
 
 from farm import __version__
-from farm.cluster import registry
 from farm.models.tokenization import chat_prompt_ids, max_token_chars
 from farm.openai.parsing import prompt_char_limit
 from farm.protocol import EVENT_FIELD, GenerationRequest, encode_reply, reply_stream_key
@@ -27,6 +26,7 @@ from farm.protocol.queues import direct_queue
 from farm.semantic.embeddings import DIM, MAX_TOKENS, MODEL_NAME
 from farm.tenancy.api_keys import owner_of
 from tests.conftest import make_farm_env
+from tests.ghosts import ghost_alive
 from tests.procs import WorkerProc, wait_registered
 from tests.security_helpers import KEY_A, KEY_B, assert_openai_error, bearer, farm_app
 
@@ -113,10 +113,16 @@ class EchoWorker(threading.Thread):
             self.r.xadd(reply_stream_key(req.reply_to), {EVENT_FIELD: encode_reply(writer, seq, {req.request_id: [ev]})})
 
 
-def test_tokenized_chat_is_the_prompt_a_chat_completion_sends(app, c, redis_client):
+@pytest.fixture
+def ghost(app, redis_client):
+    """GHOST, live while the test runs (an EchoWorker plays it)."""
     cfg = app.extensions["farm"].cfg
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", cfg.default_model, "h", 1,
-                                                        cfg.engine.block_size, num_blocks=1000))
+    with ghost_alive(redis_client, GHOST, cfg.default_model, cfg.engine.block_size):
+        yield
+
+
+def test_tokenized_chat_is_the_prompt_a_chat_completion_sends(app, c, redis_client, ghost):
+    cfg = app.extensions["farm"].cfg
     tok = c.post("/tokenize", json={"model": cfg.default_model, "messages": MESSAGES}).get_json()
     worker = EchoWorker(redis_client)
     resp = c.post("/v1/chat/completions", json={"model": cfg.default_model, "messages": MESSAGES, "max_tokens": 4},

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from farm.cluster import registry
 from farm.protocol.queues import direct_queue
+from tests.ghosts import ghost_alive
 from tests.security_helpers import farm_app
 
 CANARY = "CANARY-7f3a9-private-patient-record"
@@ -21,9 +21,6 @@ GHOST = "ghost-logs@test"
 def app(redis_url, tmp_path, redis_client):
     with farm_app(redis_url, tmp_path) as app:
         yield app
-    # the Redis server is shared by the session: later tests must not see the ghost worker or its queue
-    registry.deregister(redis_client, GHOST)
-    redis_client.delete(direct_queue(GHOST))
 
 
 def test_prompts_are_not_logged(app, redis_client, caplog, monkeypatch):
@@ -39,30 +36,29 @@ def test_prompts_are_not_logged(app, redis_client, caplog, monkeypatch):
     assert c.post("/v1/chat/completions", json={"model": model, "messages": msg}).status_code == 503
     assert c.post("/v1/completions", json={"model": model, "prompt": CANARY, "bogus": 1}).status_code == 400
     # 3. queued on a worker that never answers: 504, and the Celery message is in Redis to inspect
-    registry.register(redis_client, registry.WorkerInfo(GHOST, "both", model, "h", 1, cfg.engine.block_size,
-                                                        num_blocks=1000))
-    monkeypatch.setattr(cfg.api, "first_event_timeout_s", 1)
-    assert c.post("/v1/chat/completions", json={"model": model, "messages": msg, "max_tokens": 4}).status_code == 504
-    assert c.post("/v1/chat/completions", json={"model": model, "messages": msg, "max_tokens": 4,
-                                                "stream": True}).status_code == 504
-    # 4. an unexpected exception while handling it (logged with a traceback)
-    gw = app.extensions["farm"].gateway
+    with ghost_alive(redis_client, GHOST, model, cfg.engine.block_size):  # taken away, queue and all, at the end
+        monkeypatch.setattr(cfg.api, "first_event_timeout_s", 1)
+        assert c.post("/v1/chat/completions", json={"model": model, "messages": msg, "max_tokens": 4}).status_code == 504
+        assert c.post("/v1/chat/completions", json={"model": model, "messages": msg, "max_tokens": 4,
+                                                    "stream": True}).status_code == 504
+        # 4. an unexpected exception while handling it (logged with a traceback)
+        gw = app.extensions["farm"].gateway
 
-    def boom(req):
-        raise RuntimeError("submit failed")
+        def boom(req):
+            raise RuntimeError("submit failed")
 
-    monkeypatch.setattr(gw, "submit", boom)
-    assert c.post("/v1/completions", json={"model": model, "prompt": CANARY, "max_tokens": 2}).status_code == 500
-    assert any(r.levelno >= logging.INFO for r in caplog.records), "the capture works: something was logged"
-    ids_text = ", ".join(map(str, canary_ids))
-    for r in caplog.records:
-        text = r.getMessage() + (logging.Formatter().formatException(r.exc_info) if r.exc_info else "")
-        assert CANARY not in text, f"{r.name}: {text[:300]}"
-        assert ids_text not in text, f"{r.name} logs the prompt's token ids"
-    # Celery puts `argsrepr` in worker logs and task events (Flower): only the request id is there
-    messages = redis_client.lrange(direct_queue(GHOST), 0, -1)
-    assert len(messages) == 2
-    for raw in messages:
-        headers = json.loads(raw)["headers"]
-        assert "prompt not shown" in headers["argsrepr"] and headers["id"]
-        assert ids_text not in headers["argsrepr"] and "prompt_token_ids" not in headers["argsrepr"]
+        monkeypatch.setattr(gw, "submit", boom)
+        assert c.post("/v1/completions", json={"model": model, "prompt": CANARY, "max_tokens": 2}).status_code == 500
+        assert any(r.levelno >= logging.INFO for r in caplog.records), "the capture works: something was logged"
+        ids_text = ", ".join(map(str, canary_ids))
+        for r in caplog.records:
+            text = r.getMessage() + (logging.Formatter().formatException(r.exc_info) if r.exc_info else "")
+            assert CANARY not in text, f"{r.name}: {text[:300]}"
+            assert ids_text not in text, f"{r.name} logs the prompt's token ids"
+        # Celery puts `argsrepr` in worker logs and task events (Flower): only the request id is there
+        messages = redis_client.lrange(direct_queue(GHOST), 0, -1)
+        assert len(messages) == 2
+        for raw in messages:
+            headers = json.loads(raw)["headers"]
+            assert "prompt not shown" in headers["argsrepr"] and headers["id"]
+            assert ids_text not in headers["argsrepr"] and "prompt_token_ids" not in headers["argsrepr"]

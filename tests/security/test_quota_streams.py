@@ -10,8 +10,9 @@ import pytest
 from flask import Flask
 
 from farm.tenancy.api_keys import owner_of
+from tests.ghosts import ghost_alive
 from tests.security_helpers import KEY_A, assert_openai_error, bearer, farm_app
-from tests.test_api_stream import GHOST, ScriptedWorker, both_start, deltas, done, ghost_alive
+from tests.test_api_stream import GHOST, ScriptedWorker, both_start, deltas, done
 
 QUOTA = 400
 
@@ -32,7 +33,7 @@ def ctx(app, redis_client):
 
     owner = owner_of(hashlib.sha256(KEY_A.encode()).hexdigest())
     limiter = app.extensions["farm_auth"].limiter
-    with ghost_alive(redis_client, cfg.default_model, cfg.engine.block_size):
+    with ghost_alive(redis_client, GHOST, cfg.default_model, cfg.engine.block_size):
         yield app.test_client(), cfg, limiter, owner
 
 
