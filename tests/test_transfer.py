@@ -10,8 +10,10 @@ import torch
 
 from farm.config import EngineConfig
 from farm.engine.engine import Engine
+from farm.engine.scheduler import KVImport
 from farm.protocol import SamplingParams
-from farm.transfer.handle import HandleError, sign_handle, verify_handle
+from farm.protocol.hashing import block_hashes, salt_root
+from farm.transfer.handle import HandleError, check_bound, sign_handle, verify_handle
 from farm.transfer.shm import host_id, import_from_shm
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
 
@@ -142,3 +144,68 @@ def test_nixl_regions_describe_exactly_the_gathered_blocks():
     joined = b"".join(ctypes.string_at(addr, size) for addr, size, _ in regions)
     expected = kv.view(6, 7, -1)[:, ids].contiguous().numpy().tobytes()
     assert joined == expected
+
+
+def test_a_handle_is_bound_to_the_request_it_was_made_for():
+    """The signature says a farm worker made the handle; check_bound says it was made for this task: its id, its
+    prompt's length and its full blocks' hashes under its cache salt (a handle moved onto another task, by anyone
+    who can write to the broker, would file one prompt's KV under another's hashes, in another tenant's cache)."""
+    prompt = list(range(100, 118))  # 4 full blocks of 4 and a partial one
+    hashes = [str(x) for x in block_hashes(prompt, 4, salt_root("tenant-a"))]
+    h = sign_handle(base_handle(num_tokens=len(prompt), block_hashes=hashes), SECRET)
+    check_bound(h, request_id="r1", prompt_ids=prompt, block_size=4, cache_salt="tenant-a")
+    for kw, why in [({"request_id": "r2"}, "another request"),
+                    ({"prompt_ids": prompt[:-1]}, "prompt length"),
+                    ({"prompt_ids": [*prompt[:-1], 7]}, "prompt length"),  # same length: the hashes differ ...
+                    ({"prompt_ids": [7, *prompt[1:]]}, "another prompt"),
+                    ({"cache_salt": "tenant-b"}, "another prompt or cache salt"),
+                    ({"cache_salt": None}, "another prompt or cache salt")]:
+        args = {"request_id": "r1", "prompt_ids": prompt, "block_size": 4, "cache_salt": "tenant-a", **kw}
+        if args["prompt_ids"] == [*prompt[:-1], 7]:
+            check_bound(h, **args)  # ... but a changed token in the partial block is no block the handle names
+            continue
+        with pytest.raises(HandleError, match=why):
+            check_bound(h, **args)
+    with pytest.raises(HandleError):
+        check_bound(["not", "a", "handle"], request_id="r1", prompt_ids=prompt, block_size=4, cache_salt=None)
+
+
+@pytest.mark.parametrize("sig", ["é" * 64, "0" * 63, "G" * 64, "A" * 64, 7])
+def test_a_malformed_signature_is_a_handle_error(sig):
+    """Not a TypeError out of hmac.compare_digest (non-ASCII text), on the transfer port or the decode side."""
+    with pytest.raises(HandleError, match="malformed"):
+        verify_handle(dict(sign_handle(base_handle(), SECRET), sig=sig), SECRET)
+
+
+def test_imported_kv_that_does_not_fit_fails_only_its_own_request(prefill_side):
+    """A decode engine given KV for another prompt length or cache shape refuses that request at admission; the
+    requests running beside it go on (before, the step's error failed every active request)."""
+    eng, _ = prefill_side
+    out = hold(eng, list(range(300, 318)))
+    data = eng.runner.read_blocks(out.held_blocks).clone()
+    eng.release_held("r1")
+    import threading
+
+    finished: dict[str, tuple[str, int]] = {}
+    done = {k: threading.Event() for k in ("a", "b", "short", "shape")}
+
+    def collect(rid):
+        tokens = []
+
+        def cb(o):
+            tokens.extend(o.token_ids)
+            if o.finished:
+                finished[rid] = (o.finish_reason, len(tokens))
+                done[rid].set()
+        return cb
+
+    for rid in ("a", "b"):
+        eng.submit(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), collect(rid))
+    eng.submit("short", list(range(300, 306)), SamplingParams(max_tokens=4, temperature=0), collect("short"),
+               kv_import=KVImport(data, 18, int(out.first_token)))  # 18 tokens of KV for a 6-token prompt
+    eng.submit("shape", list(range(300, 318)), SamplingParams(max_tokens=4, temperature=0), collect("shape"),
+               kv_import=KVImport(data[:, :, :, :, :1], 18, int(out.first_token)))  # another head count
+    assert all(e.wait(60) for e in done.values())
+    for rid in ("short", "shape"):
+        assert finished[rid][0].startswith("error") and "imported KV does not match" in finished[rid][0]
+    assert finished["a"] == ("length", 40) and finished["b"] == ("length", 40)

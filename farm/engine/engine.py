@@ -235,7 +235,18 @@ class Engine:
             return "invalid request: top_p must be in (0, 1]"
         if not (isinstance(p.stop, list) and all(isinstance(x, str) for x in p.stop)):
             return "invalid request: stop must be a list of strings"
+        if (imp := seq.kv_import) is not None and not self._import_fits(imp, len(seq.prompt_ids)):
+            return "invalid request: the imported KV does not match the prompt or this engine's cache"
         return None
+
+    def _import_fits(self, imp: KVImport, prompt_len: int) -> bool:
+        """Imported KV covers exactly the prompt, in this cache's shape and dtype: the scheduler writes it into
+        blocks as it is, so a mismatch would fail the step of every request in the batch, not this one."""
+        kv = self.runner.kv
+        need = -(-prompt_len // kv.shape[3])  # blocks of [layers, 2, blocks, block_size, heads, dim]
+        return (imp.num_tokens == prompt_len and imp.data.dtype == kv.dtype and imp.data.dim() == kv.dim()
+                and imp.data.shape[:2] == kv.shape[:2] and imp.data.shape[3:] == kv.shape[3:]
+                and imp.data.shape[2] >= need)
 
     def _drain_inbox(self) -> None:
         while True:

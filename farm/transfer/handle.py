@@ -10,9 +10,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from farm.protocol.hashing import block_hashes, salt_root
 
 SIGNED_FIELDS = (
     "request_id", "worker_id", "endpoint", "host_id", "transport", "block_ids", "block_hashes", "num_tokens",
@@ -23,6 +27,7 @@ SIGNED_FIELDS = (
 # a request that asks for log-probabilities carries its first token's (sampled on the prefill worker).
 # Left out of handles that lack them, so handles of the built-in engine keep their exact signed bytes.
 OPTIONAL_SIGNED_FIELDS = ("connector", "kv_transfer_params", "first_logprobs")
+_SIG = re.compile(r"[0-9a-f]{64}")  # HMAC-SHA256 in hex: anything else is refused before it is compared
 
 
 class HandleError(ValueError):
@@ -44,7 +49,7 @@ def sign_handle(h: dict[str, Any], secret: bytes) -> dict[str, Any]:
 
 def verify_handle(h: Any, secret: bytes, now: float | None = None) -> dict[str, Any]:
     """Return the handle if its signature is valid and it has not expired; raise HandleError otherwise."""
-    if not isinstance(h, dict) or not isinstance(h.get("sig"), str):
+    if not isinstance(h, dict) or not isinstance(h.get("sig"), str) or not _SIG.fullmatch(h["sig"]):
         raise HandleError("malformed KV handle")
     missing = [k for k in SIGNED_FIELDS if k not in h]
     if missing:
@@ -55,6 +60,25 @@ def verify_handle(h: Any, secret: bytes, now: float | None = None) -> dict[str, 
     if float(h["expires_at"]) <= (now if now is not None else time.time()):
         raise HandleError("KV handle has expired")
     return h
+
+
+def check_bound(h: Any, *, request_id: str, prompt_ids: Sequence[int], block_size: int,
+                cache_salt: str | None) -> None:
+    """Raise HandleError unless the handle was made for this request: its id, its prompt's length and the hashes
+    of the prompt's full blocks under the request's cache salt (the hashes a prefill worker signs).
+
+    The signature says a worker of the farm made the handle; this says it made it for the task it arrived with.
+    Without it, a handle moved onto another task (by anyone who can write to the broker) would have the decode
+    worker file one prompt's KV under another prompt's hashes, in another tenant's prefix cache, or fail the
+    engine's batch on a prompt shorter than the blocks. Compared before any connection is made."""
+    if not isinstance(h, dict):
+        raise HandleError("malformed KV handle")
+    if h.get("request_id") != request_id:
+        raise HandleError("KV handle was made for another request")
+    if h.get("num_tokens") != len(prompt_ids):
+        raise HandleError("KV handle covers another prompt length")
+    if h.get("block_hashes") != [str(x) for x in block_hashes(prompt_ids, block_size, salt_root(cache_salt))]:
+        raise HandleError("KV handle names blocks of another prompt or cache salt")
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from farm.protocol import (
 )
 from farm.protocol.keys import alive_key, ping_key
 from farm.router.kv_publisher import KVEventPublisher
-from farm.transfer.handle import KVHandle
+from farm.transfer.handle import HandleError, KVHandle, check_bound
 from farm.transfer.shm import host_id as shm_host_id
 from farm.transfer.staging import StagingPool
 from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks
@@ -401,19 +401,27 @@ class WorkerRuntime:
         kv_import = None
         prefill_worker, mode, cached = self.worker_id, "local", None
         pull: dict[str, Any] = {}
+        if handle:
+            try:
+                check_bound(handle, request_id=req.request_id, prompt_ids=req.prompt_token_ids,
+                            block_size=self.block_size, cache_salt=req.cache_salt)
+            except HandleError as e:
+                log.warning("request %s: KV handle refused (%s); prefilling locally", req.request_id, e)
+                handle = None
         if handle and handle.get("kv_transfer_params") is not None:  # vLLM prefill: its connector pulls
             kv_import = connector_import(self.engine, handle, self.secret)
             if kv_import is not None:
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
         elif handle:
             try:
+                runner = getattr(self.engine, "runner", None)  # the built-in engine's; vLLM's imports through its connector
+                if runner is None or handle.get("layout") != runner.layout.to_dict():  # before any connection
+                    raise TransferError("KV layout (layers, heads, dtype, block size) differs from this worker's")
                 with task_context.pull_span(handle, pull):  # tracing on: a span around the pull
                     data = fetch_blocks(handle, self.secret, timeout=self.cfg.transfer.pull_timeout_s,
                                         allow_shm="shm" in self.cfg.transfer.transports,
                                         nixl_name=f"{self.worker_id}-pull" if self.nixl else None,
-                                        device=self.engine.runner.device, info=pull, staging=self.staging)
-                if data.shape[3] != self.block_size:
-                    raise TransferError("block size mismatch between prefill and decode workers")
+                                        device=runner.device, info=pull, staging=self.staging)
                 # only a TCP pull's buffer is the staging pool's: a shared-memory or NIXL one given to the pool
                 # would stay mapped there for good (the pool keeps up to 1 GiB of what it is given)
                 kv_import = KVImport(data, int(handle["num_tokens"]), int(handle["first_token"]),
