@@ -148,6 +148,8 @@ def test_unknown_and_missing_model(app_client):
     ("top_logprobs", 21), ("top_logprobs", 2), ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0),
     ("min_tokens", -1), ("min_tokens", 10**6), ("stop_token_ids", [10**9]), ("stop_token_ids", "2"),
     ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"99999999": 1}),
+    ("logit_bias", {"\u00b2": 1}), ("logit_bias", {"\u0663": 1}),  # digits to str.isdigit, not to int()
+    ("temperature", 10**400), ("top_p", -(10**400)), ("min_p", 10**400), ("presence_penalty", 10**400),  # past a float
     ("response_format", {"type": "yaml"}), ("response_format", {"type": "json_schema"}),
     ("tools", [{"type": "function"}]),
 ])

@@ -227,6 +227,13 @@ def test_tokenize_and_detokenize_bad_input(app, c):
     limit = prompt_char_limit(_tok(app), cfg.model(cfg.default_model).max_model_len, cfg.api.max_chars_per_token)
     assert_openai_error(c.post("/tokenize", json={"prompt": "a" * (limit + 1)}), 400, "context_length_exceeded",
                         param="prompt")
+    # and one whose tools make it so (the messages' own count leaves them out), with or without special tokens
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "word " * (limit // 500)}}
+             for i in range(128)]
+    for special in (False, True):
+        assert_openai_error(c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                      "add_special_tokens": special}),
+                            400, "context_length_exceeded", param="messages")
 
 
 def test_version(c):

@@ -48,7 +48,7 @@ class RedisHAConfig(Section):
     def _host_ports(cls, v: list[str]) -> list[str]:
         for item in v:
             host, _, port = item.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
                 raise ValueError(f"a sentinel is host:port, got {item!r}")
         return v
 

@@ -103,11 +103,12 @@ def _number(body: dict, name: str, default: float, model: type = ChatCompletionR
     v = _type_check(body, name, (int, float), "a number")
     if v is None:
         return default
-    if not math.isfinite(v):
+    if isinstance(v, float) and not math.isfinite(v):  # an int is finite, however long (math.isfinite overflows)
         raise bad_request(f"'{name}' must be a finite number", name, "invalid_value")
-    if v > hi or v < lo or (lo_open and v == lo):
+    if v > hi or v < lo or (lo_open and v == lo):  # int against float compares exactly, at any size
         lo_s = f"> {float(lo)}" if lo_open else f">= {float(lo)}"
-        raise bad_request(f"'{name}' must be {lo_s} and <= {float(hi)}, got {v}", name, "invalid_value")
+        shown = v if -1e300 < v < 1e300 else "a number beyond a float's range"
+        raise bad_request(f"'{name}' must be {lo_s} and <= {float(hi)}, got {shown}", name, "invalid_value")
     return float(v)
 
 
@@ -143,7 +144,8 @@ def _logit_bias(body: dict, vocab: int | None) -> dict[int, float]:
         raise bad_request(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to numbers", "logit_bias")
     out = {}
     for key, bias in v.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 12) or (vocab is not None and int(key) >= vocab):
+        # ASCII digits only: "²".isdigit() is true, and int() refuses it
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12) or (vocab is not None and int(key) >= vocab):
             raise bad_request(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias",
                               "invalid_value")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from farm.models.tokenization import chat_prompt_ids, text_prompt_ids
+from farm.models.tokenization import PromptTooLong, chat_prompt_ids, text_prompt_ids
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     chat_options,
@@ -116,21 +116,24 @@ def parse_tokenize(body: Any) -> TokenizeJob:
                        return_token_strs=bool(plain.return_token_strs))
 
 
-def _chat_ids(job: TokenizeJob, tokenizer, tool_parser: str | None) -> list[int]:
+def _chat_ids(job: TokenizeJob, tokenizer, tool_parser: str | None, max_chars: int) -> list[int]:
     """The chat completion's prompt ids (chat_prompt_ids after template_inputs, as parse_chat calls them; with tools,
     as a request whose model may call them), or with `add_special_tokens` the rendered template tokenized with the
-    tokenizer's special tokens on top (vLLM's option)."""
+    tokenizer's special tokens on top (vLLM's option). A rendered prompt over `max_chars` (tools and template
+    variables are not in the messages' own count) raises PromptTooLong before it is tokenized, as in parse_chat."""
     assert job.messages is not None
     tools = ToolRequest(job.tools, "auto", parser=tool_parser) if job.tools else None
     messages, tool_list = template_inputs(job.messages, tools, tokenizer, tool_parser)
     if not job.add_special_tokens:
         return chat_prompt_ids(tokenizer, messages, job.template_kwargs, tools=tool_list,
                                add_generation_prompt=job.add_generation_prompt,
-                               continue_final_message=job.continue_final_message)
+                               continue_final_message=job.continue_final_message, max_chars=max_chars)
     extra = {"tools": tool_list} if tool_list is not None else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, **job.template_kwargs, **extra,
                                          add_generation_prompt=job.add_generation_prompt,
                                          continue_final_message=job.continue_final_message)
+    if len(text) > max_chars:
+        raise PromptTooLong(len(text), max_chars)
     return text_prompt_ids(tokenizer, text, add_special_tokens=True)
 
 
@@ -143,7 +146,10 @@ def tokenize(job: TokenizeJob, tokenizer, max_model_len: int, chars_per_token: i
     if job.messages is not None:
         check_prompt_chars(messages_chars(job.messages), limit, max_model_len, "messages")
         try:
-            ids = _chat_ids(job, tokenizer, tool_parser)
+            ids = _chat_ids(job, tokenizer, tool_parser, limit)
+        except PromptTooLong as e:
+            check_prompt_chars(e.chars, limit, max_model_len, "messages")
+            raise
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation or a variable
             raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
     else:

@@ -86,7 +86,7 @@ def _logit_bias(v: Any, vocab: int) -> dict[int, float]:
         raise InvalidTask(f"sampling.logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
     out = {}
     for k, b in v.items():
-        tid = int(k) if isinstance(k, str) and k.isdigit() and len(k) < 12 else k
+        tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 else k
         out[_int(tid, "sampling.logit_bias key", 0, vocab - 1)] = _number(b, "sampling.logit_bias value", -100, 100)
     return out
 

@@ -94,7 +94,7 @@ def verdict_token_shares(content: str, tokens: Sequence[dict], labels: Sequence[
                 seen.add(text)
                 stem = text.strip().lower()
                 begins = [i for i, x in enumerate(labels) if stem and x.lower().startswith(stem)]
-                if len(begins) == 1 and math.isfinite(lp):
+                if len(begins) == 1 and -1e300 < lp <= 0:  # a log-probability (a huge int would overflow exp)
                     shares[begins[0]] += math.exp(lp)
             total = sum(shares)
             return [x / total for x in shares] if total > 0 else None
@@ -247,7 +247,7 @@ class RemoteGuard:
     def _distribution(probs: list) -> list[float]:
         try:
             values = [float(p) for p in probs]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond a float's range
             raise RemoteGuardError("remote guard answered a probability that is not a number") from None
         if not all(math.isfinite(p) and 0.0 <= p <= 1.0 for p in values):
             raise RemoteGuardError(f"remote guard answered probabilities outside [0, 1]: {values}")

@@ -70,6 +70,8 @@ def good_message(**kw) -> dict:
     {"sampling": {"stop_token_ids": [49152]}}, {"sampling": {"stop_token_ids": [1] * 65}},
     {"sampling": {"logit_bias": {"-5": 1}}}, {"sampling": {"logit_bias": {"5": 1000}}},
     {"sampling": {"logit_bias": {"60000": 1}}}, {"sampling": {"response_format": {"type": "xml"}}},
+    {"sampling": {"logit_bias": {"\u00b2": 1}}},  # a digit to str.isdigit, not to int(): once a ValueError
+    {"sampling": {"temperature": 10**400}},
     {"sampling": {"response_format": {"type": ["json_object"]}}},  # unhashable: once a TypeError, not refused
     {"sampling": {"response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}}},
 ])
