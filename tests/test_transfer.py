@@ -209,3 +209,74 @@ def test_imported_kv_that_does_not_fit_fails_only_its_own_request(prefill_side):
     for rid in ("short", "shape"):
         assert finished[rid][0].startswith("error") and "imported KV does not match" in finished[rid][0]
     assert finished["a"] == ("length", 40) and finished["b"] == ("length", 40)
+
+
+def _trickle(sock, stop, first: bytes) -> None:
+    """Send a header's start, then a byte every 0.3 s (well inside a 1 s per-read timeout) until `stop`."""
+    import contextlib
+
+    with contextlib.suppress(OSError):
+        sock.sendall(first)
+        while not stop.wait(0.3):
+            sock.sendall(b"a")
+
+
+def test_a_peer_trickling_its_header_loses_its_slot_at_the_deadline():
+    """The transfer port's header has one deadline, not a timeout per read: a peer sending a byte just before each
+    timeout (before any authentication) is cut off, and a legitimate pull gets a slot."""
+    import socket
+    import threading
+
+    server = TransferServer("w1", SECRET, lambda h: None, lambda *a, **k: None, lambda rid: None, "127.0.0.1",
+                            timeout_s=1.0, max_connections=2).start()
+    stop = threading.Event()
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+    try:
+        for s in socks:
+            threading.Thread(target=_trickle, args=(s, stop, b'{"handle": {"x": "'), daemon=True).start()
+        t0 = time.monotonic()
+        for s in socks:  # the server closes each within its deadline: an error line, then EOF
+            s.settimeout(5)
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            assert b"not received in time" in got
+        assert time.monotonic() - t0 < 3
+        with socket.create_connection(("127.0.0.1", server.port), timeout=3) as legit:
+            legit.sendall(b'{"handle": {}, "mode": "tcp"}\n')
+            answer = legit.recv(200)
+        assert b"too many connections" not in answer and b"malformed" in answer
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
+        server.stop()
+
+
+def test_a_pull_from_a_peer_trickling_its_header_gives_up_by_its_timeout():
+    """The decode side too: a peer at the handle's endpoint that trickles its answer's header does not hold the
+    decode task past the pull's timeout."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        _trickle(conn, stop, b'{"ok": true, "nbytes": ')
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    h = sign_handle(base_handle(endpoint=f"127.0.0.1:{listener.getsockname()[1]}",
+                                layout={"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "block_size": 4,
+                                        "dtype": "float32"}), SECRET)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match="not received in time"):
+            fetch_blocks(h, SECRET, timeout=1.0)
+        assert time.monotonic() - t0 < 3
+    finally:
+        stop.set()
+        listener.close()

@@ -84,13 +84,6 @@ def parse_request(line: bytes) -> tuple[Any, str]:
     return handle, mode
 
 
-def _read_line(sock_file) -> bytes:
-    line = sock_file.readline(MAX_HEADER)
-    if not line.endswith(b"\n"):
-        raise TransferError("truncated transfer header")
-    return line
-
-
 def _send(wfile, obj: dict[str, Any]) -> None:
     wfile.write(json.dumps(obj).encode() + b"\n")
     wfile.flush()
@@ -140,8 +133,10 @@ class TransferServer:
                         _send(self.wfile, {"ok": False, "error": f"{type(e).__name__}: {e}"})
 
             def _pull(self) -> None:
-                try:
-                    handle, mode = parse_request(_read_line(self.rfile))
+                try:  # the header by one deadline: a peer trickling a byte per timeout would hold its slot for good
+                    line, _ = _recv_line(self.connection, time.monotonic() + timeout_s)
+                    self.connection.settimeout(timeout_s)
+                    handle, mode = parse_request(line)
                     h = verify_handle(handle, secret)
                     if h["worker_id"] != outer.worker_id:
                         raise HandleError("handle names another worker")
@@ -240,7 +235,9 @@ def fetch_blocks(handle: dict[str, Any], secret: bytes, timeout: float = 30.0, a
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
             sock.sendall(json.dumps({"handle": h, "mode": mode}).encode() + b"\n")
-            head, leftover = _recv_line(sock)
+            line, leftover = _recv_line(sock, time.monotonic() + timeout)
+            sock.settimeout(timeout)
+            head = parse_header(line)
             if not head.get("ok"):
                 raise TransferError(f"transfer refused by {h['endpoint']}: {head.get('error')}")
             if "nixl" in head:
@@ -277,18 +274,27 @@ def _announced(head: dict[str, Any], expected: int) -> int:
     return n
 
 
-def _recv_line(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
-    """Read the JSON header line; returns it and whatever payload bytes arrived with it."""
+def _recv_line(sock: socket.socket, deadline: float) -> tuple[bytes, bytes]:
+    """Read a header line by `deadline` (monotonic), whatever the peer's pace: the line and whatever bytes arrived
+    after it. A socket timeout bounds one read only, so a peer sending a byte just before each would hold the
+    connection (and on the serving side its slot) as long as it liked."""
     buf = b""
     while b"\n" not in buf:
-        chunk = sock.recv(65536)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("transfer header not received in time")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            raise TransferError("transfer header not received in time") from None
         if not chunk:
             raise TransferError("connection closed before the transfer header")
         buf += chunk
         if len(buf) > MAX_HEADER:
             raise TransferError("transfer header too long")
     line, _, rest = buf.partition(b"\n")
-    return parse_header(line), rest
+    return line + b"\n", rest
 
 
 def _receive(sock: socket.socket, buf: torch.Tensor, leftover: bytes = b"",
