@@ -157,19 +157,42 @@ def get_config() -> FarmConfig:
     return load_config()
 
 
+MIN_SECRET_CHARS = 16  # FARM_SECRET keys the KV handles' HMAC: a short one can be guessed, an empty one forged by all
+
+
 def farm_secret(cfg: FarmConfig) -> bytes:
     """The HMAC secret shared by every process of the farm.
 
     FARM_SECRET wins; otherwise a random one is created once in the state dir (mode 0600) so all
     processes started from this checkout agree. Workers on other hosts must get FARM_SECRET.
+    The file appears whole or not at all (written aside, then linked into place), so processes started
+    together (a Procfile) all read the one that won; a secret that is short, empty or the example's
+    placeholder is refused with the fix.
     """
     env = os.environ.get("FARM_SECRET")
     if env:
-        return env.encode()
+        return _usable_secret(env, "FARM_SECRET")  # as given: every process must derive the same key
     path = cfg.state_path / "secret"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    return path.read_text().strip().encode()
+        aside = path.with_name(f".secret-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            try:
+                os.link(aside, path)
+            except FileExistsError:  # another process of the farm linked its own first: use that one
+                pass
+        finally:
+            aside.unlink(missing_ok=True)
+    return _usable_secret(path.read_text().strip(), f"the secret file {path} (delete it to have a new one made)")
+
+
+def _usable_secret(value: str, source: str) -> bytes:
+    if value.strip().startswith("change-me"):
+        raise ConfigError(f"{source} is the example's placeholder; set a random value (openssl rand -hex 24)")
+    if len(value.strip()) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{source} has {len(value.strip())} characters; the KV handles' HMAC key needs at least "
+                          f"{MIN_SECRET_CHARS} (openssl rand -hex 24)")
+    return value.encode()
