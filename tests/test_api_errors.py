@@ -195,6 +195,30 @@ def test_prompt_longer_than_context(app_client):
                                              "max_tokens": 5}), 400, "max_tokens", "context_length_exceeded")
 
 
+def test_a_prompt_past_the_context_by_its_tokens_is_refused_before_the_semantic_layer(app, app_client, monkeypatch):
+    """Within the character limit (the longest vocabulary entry per token: 81 characters here) a prompt can still
+    hold twenty times the context: one long message of ordinary words, or thousands of empty turns. A floor
+    under its tokens refuses it before the semantic layer (seconds of embedding and PII per request) or the
+    template sees it; a conversation near the context still goes through to the layer."""
+    c, cfg = app_client
+    layer = app.extensions["farm"].semantic()
+    seen, before = [], layer.before
+    monkeypatch.setattr(layer, "before", lambda *a, **kw: seen.append(a) or before(*a, **kw))
+    max_len = cfg.model(cfg.default_model).max_model_len
+    words = "word " * (max_len * 3)  # 15 characters a token here: far under the 81-character limit
+    turns = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * (max_len // 2)
+    for messages in ([{"role": "user", "content": words}], [*turns, {"role": "user", "content": "hi"}]):
+        for model in (cfg.default_model, "MoM"):
+            err = assert_error(post(c, "/v1/chat/completions", chat(cfg, model=model, messages=messages)), 400,
+                               "messages", "context_length_exceeded")
+            assert "at least" in err["message"]
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": words}), 400, "prompt",
+                 "context_length_exceeded")
+    assert not seen
+    near = [{"role": "user", "content": "word " * (max_len // 2 - 50)}]  # fits: the layer is asked (no worker: 503)
+    assert post(c, "/v1/chat/completions", chat(cfg, messages=near)).status_code == 503 and len(seen) == 1
+
+
 def test_oversized_body_is_413_json(app_client):
     c, cfg = app_client
     big = "x" * (cfg.api.max_body_bytes + 10)

@@ -91,6 +91,27 @@ def test_completions_endpoint_and_limits(env):
     assert len(errors) == 5
 
 
+def test_a_line_past_the_context_is_refused_before_the_semantic_layer(env):
+    """A line within the character limit but far past the context by its tokens (one long message, or thousands
+    of empty turns) is a line error found before `decide` (the semantic layer) pays for it."""
+    cfg, run = env
+    max_len = cfg.model(cfg.default_model).max_model_len
+    asked = []
+
+    def decide(model, messages):
+        asked.append(model)
+        raise AssertionError("the semantic layer saw a line that cannot fit")
+
+    turns = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * (max_len // 2)
+    rows = [line(cfg, "long", "word " * (max_len * 3)),
+            json.dumps({"custom_id": "turns", "method": "POST", "url": CHAT,
+                        "body": {"model": cfg.default_model, "messages": [*turns, {"role": "user", "content": "hi"}]}})]
+    _, errors = run("\n".join(rows), decide=decide, aliases=["MoM"])
+    assert [(e["line"], e["code"], e["param"]) for e in errors] == [
+        (1, "context_length_exceeded", "body.messages"), (2, "context_length_exceeded", "body.messages")]
+    assert not asked
+
+
 def _pl(i, ids, model="m"):
     return PreparedLine(i, i + 1, f"c{i}", "chat", model, ids, {})
 

@@ -49,13 +49,11 @@ from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     ParsedRequest,
     chat_options,
-    check_prompt_chars,
     completion_messages,
-    messages_chars,
     parse_chat,
     parse_completion,
-    prompt_char_limit,
     raw_prompt,
+    refuse_oversized,
     require_model,
     stream_flags,
     validate_chat,
@@ -450,27 +448,23 @@ class _Output:
 
 
 def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[dict[str, str]] | None) -> None:
-    """context_length_exceeded before the semantic layer or a tokenizer sees a prompt that cannot fit by
-    its size alone (farm.openai.parsing.prompt_char_limit; for an alias, the most any model takes)."""
+    """context_length_exceeded before the semantic layer or the template sees a prompt that cannot fit
+    (farm.openai.parsing.refuse_oversized; for an alias, only when no model could take it)."""
     farm = _farm()
     names = [m.name for m in farm.cfg.models] if model in _aliases() else [model]
-    limits = []
+    models = []
     for name in names:
-        mcfg = farm.cfg.model(name)
         try:
-            tok = farm.tokenizer(name)
+            models.append((farm.tokenizer(name), farm.cfg.model(name).max_model_len))
         except ModelNotFoundError:  # not prepared here: the layer will not choose it either
             continue
-        limits.append((prompt_char_limit(tok, mcfg.max_model_len, farm.cfg.api.max_chars_per_token),
-                       mcfg.max_model_len))
-    if not limits:
+    if not models:
         return
-    limit, context = max(limits)
     if messages is not None:
-        check_prompt_chars(messages_chars(messages), limit, context, "messages")
+        refuse_oversized(models, messages, "messages", farm.cfg.api.max_chars_per_token)
     elif isinstance(prompt := raw_prompt(body), str):
-        check_prompt_chars(len(prompt), limit, context, "prompt")
-    elif isinstance(prompt, list) and len(prompt) >= context:  # token ids: one each
+        refuse_oversized(models, prompt, "prompt", farm.cfg.api.max_chars_per_token)
+    elif isinstance(prompt, list) and len(prompt) >= (context := max(n for _, n in models)):  # token ids: one each
         raise bad_request(f"This model's maximum context length is {context} tokens; your prompt has "
                           f"{len(prompt)} tokens.", "prompt", "context_length_exceeded")
 

@@ -28,6 +28,7 @@ from farm.openai.parsing import (
     local_params,
     parse_chat,
     parse_completion,
+    refuse_oversized,
     require_model,
     validate_chat,
 )
@@ -144,6 +145,9 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                     asked = validate_chat(body)
                 else:
                     asked = completion_messages(body, tokenizer_for(model))  # an alias: the default model's
+                names = models if model in (aliases or []) else [model]  # before the layer pays for a huge line
+                refuse_oversized([(tokenizer_for(m), max_model_len(m)) for m in names], asked,
+                                 "messages" if kind == "chat" else "prompt")
                 v = decide(model, asked)
                 if v.action == "block":
                     local_params(body, kind)  # its parameters are still checked like the API's

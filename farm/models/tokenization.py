@@ -55,6 +55,42 @@ def max_token_chars(tokenizer) -> int:
     return max(1, hit[1])
 
 
+_TURN_TOKENS: dict[int, tuple[Any, int]] = {}
+
+
+def turn_tokens(tokenizer) -> int:
+    """The fewest tokens the chat template spends on a user or an assistant turn besides its content (its role
+    header and end), less one for a merge at its edges; 0 when the template will not say (it refuses the
+    probe). Probed once per tokenizer on empty turns: [user, assistant] grown by a user turn, then by an
+    assistant one."""
+    key = id(tokenizer)
+    hit = _TURN_TOKENS.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+        try:
+            n2, n3, n4 = (len(chat_prompt_ids(tokenizer, (turn * 2)[:k], add_generation_prompt=False))
+                          for k in (2, 3, 4))
+            fewest = max(0, min(n3 - n2, n4 - n3) - 1)
+        except Exception:  # noqa: BLE001 - a template that refuses empty or repeated turns: no floor from turns
+            fewest = 0
+        hit = (tokenizer, fewest)
+        _TURN_TOKENS[key] = hit
+    return hit[1]
+
+
+def prompt_tokens_at_least(tokenizer, messages: list[dict[str, Any]]) -> int:
+    """A floor under a chat prompt's token count, found without rendering the template: the tokens of each
+    message's content but an assistant's (a template may drop an earlier answer's reasoning), one fewer each
+    for a merge at its edges, and turn_tokens for every user or assistant turn. A prompt over the model's
+    context by this floor is refused before the semantic layer, the template or the tokenizer pays for all of
+    it (a few hundred thousand characters, or tens of thousands of turns, cost seconds there)."""
+    texts = [m["content"] for m in messages if m.get("role") != "assistant" and m.get("content")]
+    counted = sum(max(0, len(ids) - 1) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) \
+        if texts else 0
+    turns = sum(1 for m in messages if m.get("role") in ("user", "assistant"))
+    return counted + turns * turn_tokens(tokenizer)
+
+
 class PromptTooLong(ValueError):
     """A rendered prompt longer than the caller allowed (`chars` characters), found before tokenizing it."""
 

@@ -13,7 +13,9 @@ from farm.models.tokenization import (
     PromptTooLong,
     chat_prompt_ids,
     max_token_chars,
+    prompt_tokens_at_least,
     text_prompt_ids,
+    turn_tokens,
 )
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.schemas import (
@@ -316,6 +318,39 @@ def check_prompt_chars(n_chars: int, limit: int, max_model_len: int, param: str)
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; your prompt has "
                           f"{n_chars} characters, more than {max_model_len} tokens can hold.", param,
                           "context_length_exceeded")
+
+
+def refuse_oversized(models: list[tuple[Any, int]], prompt: list[dict[str, Any]] | str, param: str,
+                     chars_per_token: int = 0) -> None:
+    """context_length_exceeded before the semantic layer, the template or the tokenizer pays for a prompt that
+    cannot fit any of `models` ((tokenizer, max_model_len) pairs; one, or every model an alias may pick): by
+    its characters alone (prompt_char_limit), then by a floor under its tokens (check_prompt_floor)."""
+    limit, context = max((prompt_char_limit(tok, n, chars_per_token), n) for tok, n in models)
+    check_prompt_chars(len(prompt) if isinstance(prompt, str) else messages_chars(prompt), limit, context, param)
+    check_prompt_floor(models, prompt, param)
+
+
+def check_prompt_floor(models: list[tuple[Any, int]], prompt: list[dict[str, Any]] | str, param: str) -> None:
+    """context_length_exceeded when, for every (tokenizer, max_model_len) in `models`, a floor under the prompt's
+    tokens is past the context: a chat's by farm.models.tokenization.prompt_tokens_at_least, a text's by its
+    own tokens. Skipped when the prompt is too short to be past any context (4 bytes a character, at least one a
+    token, in a byte-level vocabulary), so an ordinary request pays nothing for it."""
+    if isinstance(prompt, str):
+        size, turns = len(prompt), 0
+    else:
+        size, turns = messages_chars(prompt), sum(1 for m in prompt if m.get("role") in ("user", "assistant"))
+    floors = []
+    for tok, context in models:
+        if 4 * size + turns * turn_tokens(tok) <= context:
+            return
+        floor = len(text_prompt_ids(tok, prompt, False)) if isinstance(prompt, str) else \
+            prompt_tokens_at_least(tok, prompt)
+        if floor <= context:
+            return
+        floors.append((floor, context))
+    floor, context = min(floors)
+    raise bad_request(f"This model's maximum context length is {context} tokens; your prompt has at least "
+                      f"{floor} tokens.", param, "context_length_exceeded")
 
 
 def messages_chars(messages: list[dict[str, Any]]) -> int:
