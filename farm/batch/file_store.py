@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import redis
 
-from farm.batch.store import _after, _s, clean_filename, is_file_id, new_file_id
+from farm.batch.store import _s, clean_filename, index_by_owner, is_file_id, new_file_id, owner_page
 from farm.config import FarmConfig
 from farm.infra.filemodes import open_private, private_dir
 from farm.protocol.keys import (
@@ -25,6 +25,7 @@ from farm.protocol.keys import (
     file_body_key,
     file_key,
     file_upload_key,
+    owner_files_key,
 )
 from farm.tenancy.api_keys import OWNER_ANONYMOUS
 
@@ -195,6 +196,7 @@ class FileStore:
                 raise ValueError("FileStore needs a directory or a body store")
             bodies = DiskBodies(root)
         self.bodies = bodies
+        index_by_owner(r, FILES_KEY, file_key, owner_files_key)  # a farm of before owner indexes
 
     @classmethod
     def from_config(cls, r: redis.Redis, cfg: FarmConfig) -> FileStore:
@@ -216,7 +218,7 @@ class FileStore:
                 "expires_at": expires_at, "status_details": None}
         pipe = self.r.pipeline()
         pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
-        pipe.zadd(FILES_KEY, {file_id: self.r.incr(BATCH_SEQ_KEY)})
+        pipe.zadd(owner_files_key(owner), {file_id: self.r.incr(BATCH_SEQ_KEY)})
         pipe.execute()
         return meta
 
@@ -240,9 +242,11 @@ class FileStore:
             return f.read()
 
     def delete(self, file_id: str) -> bool:
+        owner = self.r.hget(file_key(file_id), "owner")
         pipe = self.r.pipeline()
         pipe.delete(file_key(file_id))
-        pipe.zrem(FILES_KEY, file_id)
+        if owner is not None:
+            pipe.zrem(owner_files_key(json.loads(owner)), file_id)
         existed = bool(pipe.execute()[0])
         self.bodies.delete(file_id)
         return existed
@@ -250,9 +254,8 @@ class FileStore:
     def list(self, owner: str, purpose: str | None = None, after: str | None = None,
              limit: int = 100) -> tuple[list[dict[str, Any]], bool]:
         """Newest first; returns (page, has_more)."""
-        metas = [m for m in (self.get(_s(i)) for i in _after(self.r, FILES_KEY, after))
-                 if m and m.get("owner") == owner and (purpose is None or m.get("purpose") == purpose)]
-        return metas[:limit], len(metas) > limit
+        return owner_page(self.r, owner_files_key(owner), file_key, owner, after, limit,
+                          keep=lambda m: purpose is None or m.get("purpose") == purpose)
 
 
 _FILE_FIELDS = ("id", "object", "bytes", "created_at", "filename", "purpose", "status", "expires_at",

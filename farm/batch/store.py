@@ -26,7 +26,7 @@ import re
 import time
 import unicodedata
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
@@ -41,6 +41,7 @@ from farm.protocol.keys import (
     batch_kick_key,
     batch_lease_key,
     batch_results_key,
+    owner_batches_key,
 )
 from farm.tenancy.api_keys import OWNER_ANONYMOUS
 
@@ -142,14 +143,51 @@ return 0
 """
 
 
-def _after(r: redis.Redis, zkey: str, after: str | None) -> list[bytes]:
-    """Members of a sequence zset, newest first, starting after `after` (all when it is unknown)."""
+def owner_page(r: redis.Redis, zkey: str, key_of: Callable[[str], str], owner: str, after: str | None, limit: int,
+               keep: Callable[[dict[str, Any]], bool] = lambda d: True) -> tuple[list[dict[str, Any]], bool]:
+    """One page of an owner's index (`owner_files_key`, `owner_batches_key`), newest first after the id `after`:
+    (the decoded hashes `key_of(id)` names, has_more), read 64 at a time in one pipeline each, until one more than
+    `limit` is kept. The cost is the owner's own items, never every tenant's."""
     start = 0
     if after:
         rank = r.zrevrank(zkey, after)
         if rank is not None:
             start = rank + 1
-    return r.zrevrange(zkey, start, -1)
+    out: list[dict[str, Any]] = []
+    while len(out) <= limit:
+        ids = r.zrevrange(zkey, start, start + 63)
+        if not ids:
+            break
+        start += len(ids)
+        pipe = r.pipeline()
+        for i in ids:
+            pipe.hgetall(key_of(_s(i)))
+        for raw in pipe.execute():
+            if raw:
+                d = {_s(k): json.loads(v) for k, v in raw.items()}
+                if d.get("owner") == owner and keep(d):
+                    out.append(d)
+    return out[:limit], len(out) > limit
+
+
+def index_by_owner(r: redis.Redis, old_key: str, key_of: Callable[[str], str], index: Callable[[str], str]) -> None:
+    """Move an index of every tenant's ids (`old_key`, before owner indexes) into the owners' own, once: each id
+    keeps its sequence; an id whose hash is gone is dropped. Safe to run from several processes at once."""
+    if not r.exists(old_key):
+        return
+    entries = r.zrange(old_key, 0, -1, withscores=True)
+    for i in range(0, len(entries), 256):
+        chunk = entries[i:i + 256]
+        pipe = r.pipeline()
+        for member, _ in chunk:
+            pipe.hget(key_of(_s(member)), "owner")
+        owners = pipe.execute()
+        pipe = r.pipeline()
+        for (member, score), owner in zip(chunk, owners, strict=True):
+            if owner is not None:
+                pipe.zadd(index(json.loads(owner)), {member: score})
+        pipe.execute()
+    r.delete(old_key)
 
 
 # -- batches ----------------------------------------------------------------------------------------------
@@ -160,6 +198,7 @@ class BatchStore:
         self._record = r.register_script(_RECORD)
         self._refresh = r.register_script(_REFRESH)
         self._release = r.register_script(_RELEASE)
+        index_by_owner(r, BATCHES_KEY, batch_key, owner_batches_key)  # a farm of before owner indexes
 
     # creation and reading
     def create(self, input_file_id: str, endpoint: str, completion_window: str, window_s: int,
@@ -178,7 +217,7 @@ class BatchStore:
         fields.update({c: 0 for c in COUNTERS})
         pipe = self.r.pipeline()
         pipe.hset(batch_key(bid), mapping={k: json.dumps(v) for k, v in fields.items()})
-        pipe.zadd(BATCHES_KEY, {bid: self.r.incr(BATCH_SEQ_KEY)})
+        pipe.zadd(owner_batches_key(owner), {bid: self.r.incr(BATCH_SEQ_KEY)})
         pipe.sadd(BATCH_ACTIVE_KEY, bid)
         pipe.execute()
         return self.get(bid)  # type: ignore[return-value]
@@ -201,21 +240,7 @@ class BatchStore:
 
     def list(self, owner: str, after: str | None = None, limit: int = 20) -> tuple[list[dict[str, Any]], bool]:
         """Newest first, after the batch id `after`; returns (page, has_more)."""
-        out: list[dict[str, Any]] = []
-        ids = _after(self.r, BATCHES_KEY, after)
-        i = 0
-        while i < len(ids) and len(out) <= limit:  # one more than asked tells whether there are more
-            chunk = ids[i:i + 64]
-            i += len(chunk)
-            pipe = self.r.pipeline()
-            for bid in chunk:
-                pipe.hgetall(batch_key(_s(bid)))
-            for raw in pipe.execute():
-                if raw:
-                    d = {_s(k): json.loads(v) for k, v in raw.items()}
-                    if d.get("owner") == owner:
-                        out.append(d)
-        return out[:limit], len(out) > limit
+        return owner_page(self.r, owner_batches_key(owner), batch_key, owner, after, limit)
 
     def active_ids(self) -> list[str]:
         return [_s(b) for b in self.r.smembers(BATCH_ACTIVE_KEY)]
@@ -236,10 +261,12 @@ class BatchStore:
 
     def forget(self, batch_id: str) -> None:
         """Delete a final batch and its results (its files are the file store's: farm.batch.retention)."""
+        owner = self.r.hget(batch_key(batch_id), "owner")
         pipe = self.r.pipeline()
         pipe.delete(batch_key(batch_id), batch_results_key(batch_id), batch_kick_key(batch_id),
                     batch_lease_key(batch_id))
-        pipe.zrem(BATCHES_KEY, batch_id)
+        if owner is not None:
+            pipe.zrem(owner_batches_key(json.loads(owner)), batch_id)
         pipe.zrem(BATCHES_ENDED_KEY, batch_id)
         pipe.execute()
 

@@ -97,13 +97,23 @@ def ping_key(worker_id: str) -> str:
 
 
 # -- the Batch API: files and batches (farm.batch.store, farm.batch.file_store) ----------------------------------
-FILES_KEY = "farm:files"  # zset of file ids by creation sequence
+FILES_KEY = "farm:files"  # before owner indexes: every file's id by creation sequence (moved on start, then gone)
 FILE_BYTES_KEY = "farm:files:bytes"  # redis bodies backend: the bytes of every stored body together
-BATCHES_KEY = "farm:batches"  # zset of batch ids by creation sequence
+BATCHES_KEY = "farm:batches"  # before owner indexes: every batch's id (moved on start, then gone)
 BATCH_ACTIVE_KEY = "farm:batch:active"  # set of batches not yet final
 BATCHES_ENDED_KEY = "farm:batches:ended"  # zset batch id -> when it became final (retention, farm.batch.retention)
 BATCH_SEQ_KEY = "farm:batch:seq"  # the creation sequence of files and batches (list order)
 BATCH_INFLIGHT_KEY = "farm:batch:inflight"  # zset request id -> deadline: batch lines in flight
+
+
+def owner_files_key(owner: str) -> str:
+    """Zset of one owner's file ids by creation sequence: a listing reads its owner's files, never everyone's."""
+    return f"farm:files:owner:{owner}"
+
+
+def owner_batches_key(owner: str) -> str:
+    """Zset of one owner's batch ids by creation sequence."""
+    return f"farm:batches:owner:{owner}"
 
 
 def file_key(file_id: str) -> str:
