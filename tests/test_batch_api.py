@@ -13,7 +13,7 @@ import pytest
 
 from api.app import create_app
 from farm.batch.driver import BatchDriver
-from farm.batch.file_store import FileStore
+from farm.batch.file_store import FileQuotaExceeded, FileStore, OwnerQuota
 from farm.batch.store import BatchStore
 from farm.batch.validate import PreparedLine
 from farm.config import get_config
@@ -330,3 +330,34 @@ def test_the_index_of_every_tenant_is_moved_to_the_owners_once(redis_client, tmp
     assert [m["id"] for m in FileStore(redis_client, tmp_path).list(owner)[0]] == made[::-1]
     assert [b["id"] for b in BatchStore(redis_client).list(owner)[0]] == [bid]
     assert not redis_client.exists(FILES_KEY) and not redis_client.exists(BATCHES_KEY)
+
+
+def test_a_keys_uploads_stop_at_its_storage_quota(redis_client, tmp_path):
+    """On the disk backend too (before, only the Redis backend had a cap, for every key together): a key's
+    uploads stop at its bytes and its file count, with nothing past the quota stored; deleting gives the room
+    back; the farm's own output files count but are never refused."""
+    files = FileStore(redis_client, tmp_path)
+    owner, other = f"owner-q-{uuid.uuid4().hex[:6]}", f"owner-r-{uuid.uuid4().hex[:6]}"
+    quota = OwnerQuota(max_bytes=3 << 20, max_files=3)
+    mb = b"x" * (1 << 20)
+    first = files.create(mb * 2, "a.jsonl", "batch", owner=owner, quota=quota)["id"]
+    with pytest.raises(FileQuotaExceeded, match="3 MB"):
+        files.create(io.BytesIO(mb * 2), "b.jsonl", "batch", owner=owner, quota=quota)
+    assert files.usage(owner) == (2 << 20, 1) and len(list(tmp_path.iterdir())) == 1  # nothing of it stored
+    files.create(mb, "c.jsonl", "batch", owner=owner, quota=quota)
+    files.create(b"out", "out.jsonl", "batch_output", owner=owner)  # the farm's output: past the quota, kept
+    with pytest.raises(FileQuotaExceeded, match="holds 3 files"):
+        files.create(b"y", "d.jsonl", "batch", owner=owner, quota=quota)
+    assert files.create(mb * 2, "e.jsonl", "batch", owner=other, quota=quota)["bytes"] == 2 << 20  # per key
+    files.delete(first)
+    assert files.usage(owner) == ((1 << 20) + 3, 2)
+    files.create(mb, "f.jsonl", "batch", owner=owner, quota=quota)
+
+
+def test_an_upload_past_the_quota_is_413_over_http(api, monkeypatch):
+    c, cfg, _ = api
+    monkeypatch.setattr(cfg.batch, "owner_files_max", 1)
+    c.application.extensions.pop("farm_batch", None)  # its quota is read when the routes' context is made
+    upload(c, b'{"x": 1}\n')
+    resp = upload(c, b'{"x": 1}\n')
+    assert resp.status_code == 413 and resp.get_json()["error"]["code"] == "file_quota_exceeded"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
-from farm.batch.file_store import FileStorageFull, FileStore, public_file
+from farm.batch.file_store import FileQuotaExceeded, FileStorageFull, FileStore, OwnerQuota, public_file
 from farm.batch.store import BatchStore, clean_filename
 from farm.openai.api_error import APIError, bad_request
 
@@ -29,6 +29,7 @@ class BatchContext:
         self.cfg = farm.cfg.batch
         self.files = FileStore.from_config(farm.redis, farm.cfg)
         self.batches = BatchStore(farm.redis)
+        self.quota = OwnerQuota.from_config(farm.cfg)  # what one key's uploads may hold
 
 
 def batch_ctx() -> BatchContext:
@@ -65,9 +66,12 @@ def upload():
     if up is None:
         raise bad_request("'file' is required (multipart/form-data)", "file", "missing_required_parameter")
     try:
-        meta = ctx.files.create(up.stream, up.filename or "upload.jsonl", purpose, request_owner())
+        meta = ctx.files.create(up.stream, up.filename or "upload.jsonl", purpose, request_owner(),
+                                quota=ctx.quota)
     except FileStorageFull as e:
         raise APIError(413, str(e), param="file", code="file_storage_full") from None
+    except FileQuotaExceeded as e:
+        raise APIError(413, str(e), param="file", code="file_quota_exceeded") from None
     if meta["bytes"] == 0:
         ctx.files.delete(meta["id"])
         raise bad_request("the file is empty", "file", "invalid_value")

@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +26,7 @@ from farm.protocol.keys import (
     file_body_key,
     file_key,
     file_upload_key,
+    owner_file_bytes_key,
     owner_files_key,
 )
 from farm.tenancy.api_keys import OWNER_ANONYMOUS
@@ -35,6 +37,32 @@ CHUNK_BYTES = 1 << 20  # bodies are streamed in and out in pieces of this size
 
 class FileStorageFull(Exception):
     """An upload would take the Redis file storage past `batch.files_redis_max_mb`."""
+
+
+class FileQuotaExceeded(Exception):
+    """An upload would take its owner past `batch.owner_files_max_mb` or `batch.owner_files_max`."""
+
+
+@dataclass(frozen=True)
+class OwnerQuota:
+    """What one owner's files may hold: bytes and files (batch.owner_files_max_mb, batch.owner_files_max)."""
+
+    max_bytes: int
+    max_files: int
+
+    @classmethod
+    def from_config(cls, cfg: FarmConfig) -> OwnerQuota:
+        return cls(cfg.batch.owner_files_max_mb << 20, cfg.batch.owner_files_max)
+
+
+def _within(chunks: Iterable[bytes], room: int, message: str) -> Iterator[bytes]:
+    """The chunks, refused (FileQuotaExceeded) as soon as they pass `room` bytes: nothing past it is stored."""
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > room:
+            raise FileQuotaExceeded(message)
+        yield chunk
 
 
 def _chunks(src: IO[bytes] | bytes | Iterable[bytes]) -> Iterator[bytes]:
@@ -196,7 +224,7 @@ class FileStore:
                 raise ValueError("FileStore needs a directory or a body store")
             bodies = DiskBodies(root)
         self.bodies = bodies
-        index_by_owner(r, FILES_KEY, file_key, owner_files_key)  # a farm of before owner indexes
+        index_by_owner(r, FILES_KEY, file_key, owner_files_key, owner_file_bytes_key)  # a farm of before owner indexes
 
     @classmethod
     def from_config(cls, r: redis.Redis, cfg: FarmConfig) -> FileStore:
@@ -207,20 +235,41 @@ class FileStore:
 
     def create(self, src: IO[bytes] | bytes | Iterable[bytes], filename: str, purpose: str,
                owner: str = OWNER_ANONYMOUS, file_id: str | None = None,
-               expires_at: int | None = None) -> dict[str, Any]:
+               expires_at: int | None = None, quota: OwnerQuota | None = None) -> dict[str, Any]:
         """Store a body (bytes, a binary stream, or chunks) and its metadata; returns the metadata.
         With `file_id` given the file is replaced (a finalizing batch rewriting its output). `expires_at`: when
-        the retention sweep deletes it (a batch's output and error files), shown to clients as OpenAI does."""
+        the retention sweep deletes it (a batch's output and error files), shown to clients as OpenAI does.
+        `quota` (a client's upload): FileQuotaExceeded once the owner's files would pass it, checked against the
+        body as it streams in (two uploads at once may each take the last room: the excess is one upload)."""
+        chunks = _chunks(src)
+        if quota is not None:
+            used, count = self.usage(owner)
+            if count >= quota.max_files:
+                raise FileQuotaExceeded(f"this key holds {count} files, the most it may (batch.owner_files_max); "
+                                        "delete files you no longer need (DELETE /v1/files/{id})")
+            chunks = _within(chunks, quota.max_bytes - used,
+                             f"this key's files would pass {quota.max_bytes >> 20} MB (batch.owner_files_max_mb); "
+                             "delete files you no longer need (DELETE /v1/files/{id})")
+        replaced = self.r.hget(file_key(file_id), "bytes") if file_id else None
         file_id = file_id or new_file_id()
-        size = self.bodies.write(file_id, _chunks(src), capped=purpose == "batch")
+        size = self.bodies.write(file_id, chunks, capped=purpose == "batch")
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                 "filename": clean_filename(filename), "purpose": purpose, "owner": owner, "status": "processed",
                 "expires_at": expires_at, "status_details": None}
         pipe = self.r.pipeline()
         pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
         pipe.zadd(owner_files_key(owner), {file_id: self.r.incr(BATCH_SEQ_KEY)})
+        pipe.incrby(owner_file_bytes_key(owner), size - (int(json.loads(replaced)) if replaced else 0))
         pipe.execute()
         return meta
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(bytes, files) an owner's files hold."""
+        pipe = self.r.pipeline()
+        pipe.get(owner_file_bytes_key(owner))
+        pipe.zcard(owner_files_key(owner))
+        used, count = pipe.execute()
+        return int(used or 0), int(count)
 
     def get(self, file_id: str, owner: str | None = None) -> dict[str, Any] | None:
         if not is_file_id(file_id):
@@ -242,11 +291,12 @@ class FileStore:
             return f.read()
 
     def delete(self, file_id: str) -> bool:
-        owner = self.r.hget(file_key(file_id), "owner")
+        owner, size = self.r.hmget(file_key(file_id), ["owner", "bytes"])
         pipe = self.r.pipeline()
         pipe.delete(file_key(file_id))
         if owner is not None:
             pipe.zrem(owner_files_key(json.loads(owner)), file_id)
+            pipe.decrby(owner_file_bytes_key(json.loads(owner)), int(json.loads(size or b"0")))
         existed = bool(pipe.execute()[0])
         self.bodies.delete(file_id)
         return existed

@@ -170,24 +170,34 @@ def owner_page(r: redis.Redis, zkey: str, key_of: Callable[[str], str], owner: s
     return out[:limit], len(out) > limit
 
 
-def index_by_owner(r: redis.Redis, old_key: str, key_of: Callable[[str], str], index: Callable[[str], str]) -> None:
+def index_by_owner(r: redis.Redis, old_key: str, key_of: Callable[[str], str], index: Callable[[str], str],
+                   bytes_of: Callable[[str], str] | None = None) -> None:
     """Move an index of every tenant's ids (`old_key`, before owner indexes) into the owners' own, once: each id
-    keeps its sequence; an id whose hash is gone is dropped. Safe to run from several processes at once."""
+    keeps its sequence; an id whose hash is gone is dropped; with `bytes_of`, each owner's total of the hashes'
+    `bytes` is added there (files: the owner's storage quota). Run by every store as it starts; the first to
+    take the old index moves it (RENAME: one process, and never twice)."""
     if not r.exists(old_key):
         return
-    entries = r.zrange(old_key, 0, -1, withscores=True)
+    taken = f"{old_key}:moving:{uuid.uuid4().hex}"
+    try:
+        r.rename(old_key, taken)
+    except redis.ResponseError:  # another process took it first
+        return
+    entries = r.zrange(taken, 0, -1, withscores=True)
     for i in range(0, len(entries), 256):
         chunk = entries[i:i + 256]
         pipe = r.pipeline()
         for member, _ in chunk:
-            pipe.hget(key_of(_s(member)), "owner")
-        owners = pipe.execute()
+            pipe.hmget(key_of(_s(member)), ["owner", "bytes"])
+        found = pipe.execute()
         pipe = r.pipeline()
-        for (member, score), owner in zip(chunk, owners, strict=True):
+        for (member, score), (owner, size) in zip(chunk, found, strict=True):
             if owner is not None:
                 pipe.zadd(index(json.loads(owner)), {member: score})
+                if bytes_of is not None:
+                    pipe.incrby(bytes_of(json.loads(owner)), int(json.loads(size or b"0")))
         pipe.execute()
-    r.delete(old_key)
+    r.delete(taken)
 
 
 # -- batches ----------------------------------------------------------------------------------------------

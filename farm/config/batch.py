@@ -23,6 +23,10 @@ class BatchConfig(Section):
     files_dir: str = ""  # disk: the directory; "" = <state_dir>/files (relative = under state_dir)
     files_redis_max_mb: int = Field(1024, ge=1)  # redis: all file bodies together; an upload beyond it is 413
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)  # POST /v1/files upload limit (OpenAI: 200 MB)
+    # per API key (owner), on either backend: an upload past either is 413 file_quota_exceeded. Output files
+    # the farm writes count too (they go when the retention sweep or the owner deletes them) but are never refused.
+    owner_files_max_mb: int = Field(2048, ge=1)  # the bytes of an owner's files together
+    owner_files_max: int = Field(1000, ge=1)  # an owner's files
     # -- validation -------------------------------------------------------------------------------------
     max_lines: int = Field(50_000, ge=1)  # requests per batch (OpenAI: 50,000)
     max_reported_errors: int = Field(100, ge=1)  # line errors listed on a batch that failed validation

@@ -111,6 +111,11 @@ def owner_files_key(owner: str) -> str:
     return f"farm:files:owner:{owner}"
 
 
+def owner_file_bytes_key(owner: str) -> str:
+    """The bytes of one owner's file bodies together (uploads and the farm's output files): its storage quota."""
+    return f"farm:files:owner:{owner}:bytes"
+
+
 def owner_batches_key(owner: str) -> str:
     """Zset of one owner's batch ids by creation sequence."""
     return f"farm:batches:owner:{owner}"
