@@ -137,6 +137,22 @@ def test_driver_fails_a_malformed_file_with_line_numbers_and_runs_nothing(api):
     assert r.scard("farm:batch:active") == 0
 
 
+def test_batch_lines_are_screened_in_their_owners_partition(api, monkeypatch):
+    """The semantic layer's memo (embeddings, PII types, remote verdicts) is partitioned by tenant so that no
+    tenant's request is answered faster because another sent the same text; a batch line is screened as its
+    owner, as the owner's own API request is (before, every batch shared the partition of no tenant)."""
+    c, cfg, r = api
+    driver = BatchDriver(cfg, r=r)
+    layer = driver.prep.semantic_layer()
+    tenants, before = [], layer.before
+    monkeypatch.setattr(layer, "before", lambda *a, **kw: tenants.append(kw.get("tenant")) or before(*a, **kw))
+    fid = upload(c, (chat_line(cfg, "a") + "\n").encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    owner = json.loads(r.hget(f"farm:batch:{bid}", "owner"))
+    driver.prep.prepare(driver.store.get(bid))
+    assert tenants == [owner] and owner
+
+
 def test_batch_lines_pass_the_semantic_guards_and_mom(api):
     """As in the API: a PII or jailbreak line is answered with the refusal and no worker sees it; a MoM
     line gets a served model and its category's system prompt (the cache is not used by batches)."""

@@ -58,9 +58,10 @@ class Preparation:
     def _served_models(self) -> set[str]:
         return {w.model for w in registry.live_workers(self.r)}
 
-    def _decide(self, model: str, messages: list[dict]):
-        """A batch line's semantic verdict: as the API's, but never answered from (or stored in) the cache."""
-        return self.semantic_layer().before(model, messages, no_cache=True)
+    def _decide(self, owner: str) -> Callable[[str, list[dict]], Any]:
+        """A batch line's semantic verdict: as the API's, but never answered from (or stored in) the cache; in its
+        owner's partition of the layer's memo, as the API's requests are (no tenant's line shares another's)."""
+        return lambda model, messages: self.semantic_layer().before(model, messages, no_cache=True, tenant=owner)
 
     def prepare(self, b: dict[str, Any]) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
         meta = self.files.get(b["input_file_id"])
@@ -76,7 +77,8 @@ class Preparation:
             return validate_input(data, b["endpoint"], [m.name for m in self.cfg.models], self.tokenizer,
                                   lambda m: self.cfg.model(m).max_model_len, self.bcfg.max_lines,
                                   self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults,
-                                  self._decide if semantic else None, self.cfg.semantic.aliases,
+                                  self._decide(str(b.get("owner") or "")) if semantic else None,
+                                  self.cfg.semantic.aliases,
                                   lambda m: self.cfg.model(m).tool_call_parser)
         except redis.RedisError:
             raise
