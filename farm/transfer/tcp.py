@@ -282,12 +282,12 @@ def _recv_line(sock: socket.socket, deadline: float) -> tuple[bytes, bytes]:
     while b"\n" not in buf:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TransferError("transfer header not received in time")
+            raise TransferError("timed out: transfer header not received in time")
         sock.settimeout(left)
         try:
             chunk = sock.recv(65536)
         except TimeoutError:
-            raise TransferError("transfer header not received in time") from None
+            raise TransferError("timed out: transfer header not received in time") from None
         if not chunk:
             raise TransferError("connection closed before the transfer header")
         buf += chunk
