@@ -17,7 +17,9 @@ configuration with the cache off, over the held-out prompts of `bench.semantic`'
 - `head`: no remote guard (the default);
 - `remote-all`: the classifier asked about every message (`ask_above` 0);
 - `remote-cascade`: asked only when the head's attack probability is at least `--ask-above`;
-- `remote-chat`: the generative guard asked about every message (`protocol: chat`, `choice`, 4 answer tokens).
+- `remote-chat`: the generative guard asked about every message (`protocol: chat`, `choice`, 4 answer tokens);
+- `remote-chat-logprobs`: the same with `score: logprobs` (the answer's top-20 log-probabilities, P(unsafe) held
+  under `threshold` 0.5).
 Writes bench/out/remote_guard.json; guard errors are counted (a run with any is a failed run).
 """
 
@@ -34,7 +36,7 @@ import yaml
 from bench.common import alternating, finish, percentile, table
 from bench.peers.procs import Service, vllm_server, wait_http
 
-CONTENDERS = ["head", "remote-all", "remote-cascade", "remote-chat"]
+CONTENDERS = ["head", "remote-all", "remote-cascade", "remote-chat", "remote-chat-logprobs"]
 
 
 def serve_guard(name: str, model_dir: Path, log: Path, *flags: str) -> tuple[Service, str]:
@@ -64,10 +66,12 @@ def layer_for(contender: str, urls: dict[str, str], ask_above: float, tmp: Path)
     from farm.semantic.layer import SemanticLayer
 
     jailbreak: dict = {}
-    if contender == "remote-chat":
+    if contender.startswith("remote-chat"):
         jailbreak["remote"] = {"url": urls["chat"] + "/v1/chat/completions", "protocol": "chat", "model": "chat-guard",
                                "labels": ["safe", "unsafe"], "positive_labels": ["unsafe"], "choice": True,
                                "max_tokens": 4}
+        if contender == "remote-chat-logprobs":
+            jailbreak["remote"].update(score="logprobs", threshold=0.5)
     elif contender != "head":
         jailbreak["remote"] = {"url": urls["classify"] + "/classify", "model": "guard", "threshold": 1.0,
                                "ask_above": ask_above if contender == "remote-cascade" else 0.0}
@@ -101,7 +105,7 @@ def main() -> None:
             wait_http(chat_url + "/v1/models", 600, [guard, chat_guard])
             for rnd, contender in alternating(CONTENDERS, args.rounds):
                 layer = layer_for(contender, urls, args.ask_above, tmp)
-                served = chat_guard if contender == "remote-chat" else guard
+                served = chat_guard if contender.startswith("remote-chat") else guard
                 for t in texts[:10]:  # warm-up; then a fresh memo, so every prompt is embedded and asked
                     layer.before("MoM", [{"role": "user", "content": t}], no_cache=True)
                 layer.forget()

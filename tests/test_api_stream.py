@@ -206,6 +206,18 @@ def test_worker_error_is_json_500_before_the_stream_and_in_band_after(client, re
                                     "param": None, "code": "kv_exhausted"}}
 
 
+def test_a_malformed_worker_event_fails_its_request_it_does_not_leave_a_hole(client, redis_client):
+    """An event the reader cannot parse (a worker's bug, or a newer worker's event type) ends the request with an
+    error after the text before it, never a 200 whose text silently lacks what the event carried."""
+    c, cfg = client
+    ScriptedWorker(redis_client, [both_start(), *deltas("Hel"), {"type": "progress"}, *deltas("lo"), done()])
+    assert_error(post(c, "/v1/chat/completions", chat(cfg)), 500, code="bad_event")
+    ScriptedWorker(redis_client, [both_start(), *deltas("Hel"), {"type": "delta", "text": "lo"}, done()])
+    chunks = sse(post(c, "/v1/chat/completions", chat(cfg, stream=True)))
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks[:-2] if ch.get("choices")) == "Hel"
+    assert chunks[-2]["error"]["code"] == "bad_event" and chunks[-1] == "[DONE]"
+
+
 def test_client_disconnect_cancels_the_request(client, redis_client):
     """Closing the response mid-stream (what the server does when the client goes) sets the cancel key."""
     c, cfg = client

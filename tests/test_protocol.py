@@ -65,11 +65,25 @@ def test_a_reply_batch_carries_each_requests_typed_events_in_order():
     assert batch.events["r2"][0].usage.total == 3
 
 
-@pytest.mark.parametrize("raw", ['{"r": {}}', '{"w": "x", "s": "1", "r": {}}', '{"w": "x", "s": 1, "r": []}',
-                                 '{"w": "x", "s": 1, "r": {"a": [{"type": "nope"}]}}', "[]"])
+@pytest.mark.parametrize("raw", ['{"r": {}}', '{"w": "x", "s": "1", "r": {}}', '{"w": "x", "s": 1, "r": []}', "[]"])
 def test_decode_reply_refuses_what_is_not_a_reply_batch(raw):
     with pytest.raises(ValueError):
         decode_reply(raw)
+
+
+def test_one_requests_malformed_event_ends_that_request_only():
+    """A flush with a bad event for one request (a worker's bug, or a newer worker's event type) delivers every
+    other request's events, and the bad one's well-formed events followed by an error: never a hole in an answer
+    that still finishes as if whole (before, the reader dropped the whole flush)."""
+    good = [DeltaEvent("lo", 1, [7]).to_dict()]
+    batch = decode_reply(encode_reply("w9", 3, {"a": good, "b": [DeltaEvent("x", 1, [8]).to_dict(), {"type": "progress"},
+                                                              DoneEvent("stop", {}).to_dict()],
+                                                "c": [{"type": "delta", "text": "x"}], "d": "not a list"}))
+    assert batch.events["a"] == [DeltaEvent("lo", 1, [7])]
+    assert batch.events["b"][0] == DeltaEvent("x", 1, [8]) and len(batch.events["b"]) == 2
+    for rid in ("b", "c", "d"):
+        last = batch.events[rid][-1]
+        assert isinstance(last, ErrorEvent) and last.code == "bad_event" and "w9" in last.message
 
 
 def test_parse_event_refuses_unknown_and_malformed_events():

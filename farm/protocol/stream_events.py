@@ -168,7 +168,12 @@ class ReplyBatch:
 
 
 def decode_reply(raw: bytes | str) -> ReplyBatch:
-    """A reply-stream entry back into typed events; ValueError when it is not one (a reader drops it)."""
+    """A reply-stream entry back into typed events; ValueError when it is not one (a reader drops it).
+
+    Each request's events are read on their own: one request's malformed event (a worker's bug, or an event type
+    from a newer worker) ends that request with an `error` event (code `bad_event`) after its well-formed ones,
+    and never takes the other requests' events of the flush with it; dropped, they would leave holes in answers
+    that still finished as if whole."""
     d = json.loads(raw)
     if not isinstance(d, dict) or not isinstance(d.get("r"), dict):
         raise ValueError("not a reply batch")
@@ -178,6 +183,14 @@ def decode_reply(raw: bytes | str) -> ReplyBatch:
     out: dict[str, list[Event]] = {}
     for rid, evs in d["r"].items():
         if not isinstance(evs, list):
-            raise ValueError(f"the events of {rid[:80]!r} are not a list")
-        out[rid] = [parse_event(e) for e in evs]
+            out[rid] = [ErrorEvent(f"malformed reply from worker {writer[:80]}: events not a list", "bad_event")]
+            continue
+        parsed: list[Event] = []
+        for e in evs:
+            try:
+                parsed.append(parse_event(e))
+            except ValueError as err:
+                parsed.append(ErrorEvent(f"malformed event from worker {writer[:80]}: {err}", "bad_event"))
+                break
+        out[rid] = parsed
     return ReplyBatch(writer, seq, out)
