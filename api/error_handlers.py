@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: every failure is `{"error": {"message", "type", "param", "code"}}` JSON with the
-right status, never an HTML page or a traceback.
+right status, never an HTML page or a traceback; under Anthropic's `/v1/messages` routes, Anthropic's shape
+(`{"type": "error", "error": {...}}`), routing errors such as a 405 included.
 
 `to_api_error` is the one mapping from exceptions (ours, the gateway's, werkzeug's, Redis's) to that shape,
 used both by the Flask error handlers and by SSE streams that fail after their headers were sent.
@@ -10,11 +11,12 @@ from __future__ import annotations
 import logging
 
 import redis
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, has_request_context, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
 from farm.models.directories import ModelNotFoundError
+from farm.openai import anthropic
 from farm.openai.api_error import APIError
 
 log = logging.getLogger(__name__)
@@ -68,9 +70,16 @@ def to_api_error(err: BaseException) -> APIError:
     return APIError(500, "Internal server error.", code="internal_error")
 
 
+ANTHROPIC_PATH = "/v1/messages"  # its routes answer every error in Anthropic's shape
+
+
 def error_response(err: APIError) -> Response:
-    resp = jsonify(err.body())
-    resp.status_code = err.status
+    if has_request_context() and request.path.startswith(ANTHROPIC_PATH):
+        status, body = anthropic.from_api_error(err)
+    else:
+        status, body = err.status, err.body()
+    resp = jsonify(body)
+    resp.status_code = status
     for k, v in err.headers.items():
         resp.headers[k] = v
     return resp

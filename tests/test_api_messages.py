@@ -293,6 +293,13 @@ def test_errors_in_anthropics_shape(app, ghost):
     assert_anthropic_error(_broken(app), 400, "invalid_request_error")
     too_long = {**ok, "max_tokens": ghost.model(ghost.default_model).max_model_len + 1}
     assert "context length" in assert_anthropic_error(raw(app, too_long), 400, "invalid_request_error")
+    # a routing error, raised before the route is matched: Anthropic's shape too (and the Allow header kept)
+    with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://localhost") as c:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            resp = c.get(path, headers={"x-api-key": KEY_A})
+            assert_anthropic_error(resp, 405, "invalid_request_error")
+            assert "POST" in resp.headers["Allow"]
+        assert set(c.get("/v1/chat/completions", headers={"x-api-key": KEY_A}).json()) == {"error"}  # OpenAI's
 
 
 def test_count_tokens_is_the_prompt_a_message_request_sends(app, ghost, redis_client):

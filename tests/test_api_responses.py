@@ -354,6 +354,8 @@ def test_bad_requests_are_openai_errors(app, ghost):
     assert_openai_error(raw(app, {"model": ghost.default_model}), 400, "input")
     too_long = {**ok, "max_output_tokens": ghost.model(ghost.default_model).max_model_len + 1}
     assert "context length" in assert_openai_error(raw(app, too_long), 400, "max_output_tokens")["message"]
+    for choice in ("required", {"type": "function", "name": "zz"}):  # without tools: refused, never ignored
+        assert "tools" in assert_openai_error(raw(app, {**ok, "tool_choice": choice}), 400, "tool_choice")["message"]
     with pytest.raises(openai.AuthenticationError):
         sdk(app, key="sk-wrong-key").responses.create(model=ghost.default_model, input="x")
 

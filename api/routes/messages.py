@@ -13,10 +13,8 @@ from __future__ import annotations
 import logging
 
 from flask import Blueprint, Response, current_app, jsonify
-from werkzeug.exceptions import HTTPException
 
 from api.bodies import json_body
-from api.error_handlers import to_api_error
 from api.routes.openai import generate
 from farm.openai import anthropic
 from farm.openai.parsing import parse_chat, require_model
@@ -56,20 +54,3 @@ def count_tokens() -> Response:
                         farm.cfg.api.max_chars_per_token, tool_parser=mcfg.tool_call_parser,
                         reasoning_parser=mcfg.reasoning_parser)
     return jsonify({"input_tokens": len(parsed.prompt_ids)})
-
-
-@bp.errorhandler(Exception)
-def _anthropic_error(err: Exception):
-    """Any failure of this route (raised in it, or before it by the key check and the body's limits) in
-    Anthropic's shape; the status and headers (Retry-After, WWW-Authenticate, Allow) as the farm's mapping has them."""
-    if isinstance(err, HTTPException) and err.code is not None and err.code < 400:
-        return err
-    api_err = to_api_error(err)
-    if api_err.status == 500:
-        log.exception("unhandled error")
-    status, body = anthropic.from_api_error(api_err)
-    resp = jsonify(body)
-    resp.status_code = status
-    for k, v in api_err.headers.items():
-        resp.headers[k] = v
-    return resp

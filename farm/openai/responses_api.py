@@ -326,6 +326,8 @@ def to_chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[s
             body["tool_choice"] = chat_tool_choice(req.tool_choice)
         if req.parallel_tool_calls is False:  # chat's default is true as well: sent only when it differs
             body["parallel_tool_calls"] = False
+    elif req.tool_choice is not None:  # the chat path refuses it without tools (a 400), as OpenAI does: never ignored
+        body["tool_choice"] = chat_tool_choice(req.tool_choice)
     if req.stream:
         body.update(streamed_with_usage())
     return body
