@@ -20,6 +20,8 @@ from flask import Flask
 from farm.openai import responses_api as r
 from farm.openai import responses_output as ro
 from farm.openai.api_error import APIError
+from farm.protocol.keys import owner_responses_key
+from farm.tenancy.api_keys import digest, owner_of
 from tests import test_api_messages
 from tests.security_helpers import KEY_A, KEY_B, farm_app
 from tests.test_api_stream import USAGE, ScriptedWorker, both_start, deltas, done
@@ -84,6 +86,9 @@ def test_request_becomes_the_chat_body():
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments: Field required"),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata: Dictionary should have at most 16"),
     ({"input": "x", "temperature": "hot"}, "temperature: Input should be a valid number"),
+    # stored as sent and never charged as prompt tokens: bounded as the store's own ids are
+    ({"input": [{"role": "user", "content": "x", "id": "A" * 257}]}, "input[0].id: String should have at most 256"),
+    ({"input": [{"type": "function_call_output", "call_id": "c" * 257, "output": "x"}]}, "input[0].call_id"),
 ])
 def test_bad_requests_are_refused_naming_the_problem(body, where):
     with pytest.raises(APIError) as e:
@@ -188,10 +193,10 @@ def sdk(app: Flask, key: str = KEY_A) -> openai.OpenAI:
                          http_client=httpx2.Client(transport=httpx2.WSGITransport(app=app)))
 
 
-def raw(app: Flask, body: Any) -> httpx.Response:
+def raw(app: Flask, body: Any, key: str = KEY_A) -> httpx.Response:
     with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://localhost") as c:
         return c.post("/v1/responses", content=json.dumps(body), headers={
-            "content-type": "application/json", "Authorization": f"Bearer {KEY_A}"})
+            "content-type": "application/json", "Authorization": f"Bearer {key}"})
 
 
 def fresh(text: str) -> str:
@@ -314,6 +319,39 @@ def test_store_false_keeps_nothing(app, ghost, redis_client):
     assert resp.store is False
     with pytest.raises(openai.NotFoundError):
         sdk(app).responses.retrieve(resp.id)
+
+
+def test_a_keys_stored_responses_stop_at_its_quota(app, ghost, redis_client, monkeypatch):
+    """A record holds what its request was not charged for (ids, an earlier answer's annotations, tools' words):
+    a key's stored responses are counted, and past api.responses_owner_max (or _max_mb) a request that would store
+    one is a 400 naming the way out, while store: false still answers; deleting one gives its room back; an earlier
+    answer's annotations are not stored at all."""
+    cfg, owner_b = app.extensions["farm"].cfg, owner_of(digest(KEY_B))
+    for key in redis_client.scan_iter(f"{owner_responses_key(owner_b)}*"):  # earlier tests' records of KEY_B
+        redis_client.delete(key)
+    kept = []
+    for _ in range(2):
+        ScriptedWorker(redis_client, [both_start(), *deltas("x"), done("stop")])
+        kept.append(sdk(app, KEY_B).responses.create(model=ghost.default_model, input=[
+            {"role": "assistant", "content": [{"type": "output_text", "text": "earlier", "annotations": ["A" * 5000]}]},
+            {"role": "user", "content": fresh("Hi")}]).id)
+    record = redis_client.get(f"farm:resp:{owner_b}:{kept[0]}")
+    assert b"AAAA" not in record and b"earlier" in record
+    monkeypatch.setattr(cfg.api, "responses_owner_max", 2)
+    err = assert_openai_error(raw(app, {"model": ghost.default_model, "input": "x"}, KEY_B), 400, "store")
+    assert err["code"] == "stored_responses_quota_exceeded" and "store: false" in err["message"]
+    ScriptedWorker(redis_client, [both_start(), *deltas("x"), done("stop")])
+    assert sdk(app, KEY_B).responses.create(model=ghost.default_model, input=fresh("Hi"), store=False).store is False
+    ScriptedWorker(redis_client, [both_start(), *deltas("x"), done("stop")])  # another key has its own quota
+    assert sdk(app).responses.create(model=ghost.default_model, input=fresh("Hi")).id
+    sdk(app, KEY_B).responses.delete(kept[0])
+    ScriptedWorker(redis_client, [both_start(), *deltas("x"), done("stop")])
+    assert sdk(app, KEY_B).responses.create(model=ghost.default_model, input=fresh("Hi")).id
+    monkeypatch.setattr(cfg.api, "responses_owner_max", 10_000)  # and by bytes: 1 MB, with 2 MB counted
+    monkeypatch.setattr(cfg.api, "responses_owner_max_mb", 1)
+    redis_client.incrby(f"{owner_responses_key(owner_b)}:bytes", 2 << 20)
+    err = assert_openai_error(raw(app, {"model": ghost.default_model, "input": "x"}, KEY_B), 400, "store")
+    assert "MB" in err["message"]
 
 
 def test_max_output_tokens_makes_it_incomplete(app, ghost, redis_client):

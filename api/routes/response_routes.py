@@ -33,7 +33,9 @@ MAX_ITEMS_PAGE = 100
 
 def _store() -> ResponseStore:
     farm = current_app.extensions["farm"]
-    return ResponseStore(farm.redis, farm.cfg.api.responses_ttl_s)
+    api_cfg = farm.cfg.api
+    return ResponseStore(farm.redis, api_cfg.responses_ttl_s, api_cfg.responses_owner_max_mb << 20,
+                         api_cfg.responses_owner_max)
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
@@ -53,6 +55,9 @@ def _record(response_id: str) -> dict[str, Any]:
 def create_response() -> Response:
     req = api.parse_request(json_body())
     store, owner = _store(), current_owner()
+    if req.store is not False and (why := store.full(owner)) is not None:
+        raise APIError(400, f"{why}; delete responses you no longer need (DELETE /v1/responses/{{id}}) or send "
+                       "store: false", param="store", code="stored_responses_quota_exceeded")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         prev = store.get(owner, req.previous_response_id)

@@ -65,6 +65,10 @@ class ApiConfig(Section):
     # How long /v1/responses keeps a response created with `store` (default true) in Redis: readable by its
     # owner, and continued by `previous_response_id`, for this long (7 days; each one holds its conversation).
     responses_ttl_s: int = Field(7 * 86400, ge=60)
+    # what one API key's stored responses may hold (until they expire or it deletes them): past either, a
+    # /v1/responses request that would store one is a 400 (store: false still answers)
+    responses_owner_max_mb: int = Field(64, ge=1)
+    responses_owner_max: int = Field(10_000, ge=1)
 
     def max_concurrent_per_key(self) -> int:
         """`limits.max_concurrent_requests` resolved: "auto" is half of `worker_connections`; 0 = unlimited."""

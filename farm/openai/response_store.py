@@ -2,28 +2,69 @@
 so one API key never reads, continues or deletes another's, and an id of another owner is simply not found; each
 with a TTL (api.responses_ttl_s). A record holds the response object, its input items (as listed by
 `GET /v1/responses/{id}/input_items`) and the whole conversation as chat messages (what `previous_response_id`
-continues, without the instructions, which OpenAI does not carry over). Every API replica reads every record."""
+continues, without the instructions, which OpenAI does not carry over). Every API replica reads every record.
+Each owner's records are counted (ids by expiry, their sizes, their total: `owner_responses_key`), so a key's
+stored responses stay under its quota: what a record holds beyond the tokens it was charged (ids, tool
+descriptions) cannot fill Redis."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import redis
 
-from farm.protocol.keys import response_key
+from farm.protocol.keys import owner_responses_key, response_key
 
 MAX_ID_CHARS = 256  # longer ids are not looked up: nothing was ever stored under one
 
 
 class ResponseStore:
-    def __init__(self, r: redis.Redis, ttl_s: int):
+    def __init__(self, r: redis.Redis, ttl_s: int, max_bytes: int = 64 << 20, max_records: int = 10_000):
         self.r, self.ttl_s = r, ttl_s
+        self.max_bytes, self.max_records = max_bytes, max_records
 
     def save(self, owner: str, response: dict[str, Any], input_items: list[dict[str, Any]],
              conversation: list[dict[str, Any]]) -> None:
         record = {"response": response, "input_items": input_items, "conversation": conversation}
-        self.r.set(response_key(owner, response["id"]), json.dumps(record, separators=(",", ":")), ex=self.ttl_s)
+        data = json.dumps(record, separators=(",", ":"))
+        index, rid = owner_responses_key(owner), response["id"]
+        pipe = self.r.pipeline()
+        pipe.set(response_key(owner, rid), data, ex=self.ttl_s)
+        pipe.zadd(index, {rid: time.time() + self.ttl_s})
+        pipe.hset(f"{index}:sizes", rid, len(data))
+        pipe.incrby(f"{index}:bytes", len(data))
+        for key in (index, f"{index}:sizes", f"{index}:bytes"):  # gone with the owner's last record
+            pipe.expire(key, self.ttl_s + 60)
+        pipe.execute()
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(bytes, records) of the owner's stored responses, after taking out those that expired."""
+        index = owner_responses_key(owner)
+        gone = [rid.decode() for rid in self.r.zrangebyscore(index, "-inf", time.time())]
+        if gone:
+            sizes = self.r.hmget(f"{index}:sizes", gone)
+            pipe = self.r.pipeline()
+            pipe.zrem(index, *gone)
+            pipe.hdel(f"{index}:sizes", *gone)
+            pipe.decrby(f"{index}:bytes", sum(int(x or 0) for x in sizes))
+            pipe.execute()
+        pipe = self.r.pipeline()
+        pipe.get(f"{index}:bytes")
+        pipe.zcard(index)
+        used, count = pipe.execute()
+        return max(0, int(used or 0)), int(count)
+
+    def full(self, owner: str) -> str | None:
+        """Why the owner may not store another response (its quota: api.responses_owner_max_mb and
+        api.responses_owner_max), or None."""
+        used, count = self.usage(owner)
+        if count >= self.max_records:
+            return f"this key has {count} stored responses, the most it may (api.responses_owner_max)"
+        if used >= self.max_bytes:
+            return f"this key's stored responses hold {used >> 20} MB, the most they may (api.responses_owner_max_mb)"
+        return None
 
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """The record (`response`, `input_items`, `conversation`), or None when `owner` has none by that id."""
@@ -33,4 +74,13 @@ class ResponseStore:
         return json.loads(raw) if raw is not None else None
 
     def delete(self, owner: str, response_id: str) -> bool:
-        return len(response_id) <= MAX_ID_CHARS and bool(self.r.delete(response_key(owner, response_id)))
+        if len(response_id) > MAX_ID_CHARS or not self.r.delete(response_key(owner, response_id)):
+            return False
+        index = owner_responses_key(owner)
+        size = self.r.hget(f"{index}:sizes", response_id)
+        pipe = self.r.pipeline()
+        pipe.zrem(index, response_id)
+        pipe.hdel(f"{index}:sizes", response_id)
+        pipe.decrby(f"{index}:bytes", int(size or 0))
+        pipe.execute()
+        return True

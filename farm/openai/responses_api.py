@@ -36,6 +36,7 @@ from pydantic import (
 
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.chat_stream import streamed_with_usage
+from farm.openai.response_store import MAX_ID_CHARS
 from farm.openai.schemas import _Request, reject_unknown_fields
 from farm.openai.validation import validated
 from farm.protocol import MAX_TEMPERATURE
@@ -87,7 +88,7 @@ class ResponsesInputMessage(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"] = Field(description="developer is sent as system")
     content: StrictStr | list[ResponsesContentPart] = Field(description="a string, or input_text / output_text parts")
-    id: StrictStr | None = None
+    id: StrictStr | None = Field(None, max_length=MAX_ID_CHARS)
     status: ItemStatus | None = None
 
 
@@ -95,10 +96,10 @@ class ResponsesFunctionCall(_Request):
     """A function call of an earlier answer (an assistant message's tool call on the chat path)."""
 
     type: Literal["function_call"]
-    call_id: StrictStr
+    call_id: StrictStr = Field(max_length=MAX_ID_CHARS)
     name: StrictStr
     arguments: StrictStr
-    id: StrictStr | None = None
+    id: StrictStr | None = Field(None, max_length=MAX_ID_CHARS)
     status: ItemStatus | None = None
 
 
@@ -106,9 +107,9 @@ class ResponsesFunctionCallOutput(_Request):
     """The result of a function call (a `tool` message on the chat path)."""
 
     type: Literal["function_call_output"]
-    call_id: StrictStr
+    call_id: StrictStr = Field(max_length=MAX_ID_CHARS)
     output: StrictStr | list[ResponsesInputText]
-    id: StrictStr | None = None
+    id: StrictStr | None = Field(None, max_length=MAX_ID_CHARS)
     status: ItemStatus | None = None
 
 
@@ -171,7 +172,7 @@ class ResponsesRequest(_Request):
     input: StrictStr | list[ResponsesInputItem] | None = Field(None, description=(
         "a user message as a string, or items: messages, function_call, function_call_output"))
     instructions: StrictStr | None = Field(None, description="a first system message (not carried over)")
-    previous_response_id: StrictStr | None = Field(None, max_length=256, description=(
+    previous_response_id: StrictStr | None = Field(None, max_length=MAX_ID_CHARS, description=(
         "continue a stored response of the same API key: its conversation, then this input"))
     max_output_tokens: StrictInt | None = Field(None, ge=1, description="prompt + this must fit max_model_len")
     temperature: StrictFloat | None = Field(None, ge=0, le=MAX_TEMPERATURE)
@@ -270,8 +271,9 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     for item in req.input:
         if isinstance(item, ResponsesInputMessage):
             kind = "output_text" if item.role == "assistant" else "input_text"
+            # an earlier answer's annotations and log-probabilities are not read: not stored either
             content = ([{"type": kind, "text": item.content}] if isinstance(item.content, str)
-                       else [p.model_dump(exclude_none=True) for p in item.content])
+                       else [p.model_dump(exclude_none=True, exclude={"annotations", "logprobs"}) for p in item.content])
             out.append({"id": item.id or new_id("msg"), "type": "message", "role": item.role,
                         "status": item.status or "completed", "content": content})
         else:

@@ -157,6 +157,12 @@ def batch_kick_key(batch_id: str) -> str:
 
 
 # -- the Responses API's stored responses (farm.openai.response_store) ----------------------------------------
+def owner_responses_key(owner: str) -> str:
+    """Zset of an owner's stored response ids by when each expires, beside a hash of their sizes (`:sizes`) and
+    their total (`:bytes`): the owner's quota of stored responses (farm.openai.response_store)."""
+    return f"farm:resps:owner:{owner}"
+
+
 def response_key(owner: str, response_id: str) -> str:
     """A stored response of `owner` (its object, input items and conversation as JSON, with a TTL): the owner
     is part of the key, so another owner's id is simply not found."""
