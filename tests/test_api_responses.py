@@ -429,3 +429,21 @@ def test_function_tools_through_the_chat_paths_tool_calling(app, ghost, redis_cl
     args = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [json.loads(e.arguments) for e in args] == [{"city": "Oslo"}]
     assert events[-1].response.output[0].name == "weather"
+
+
+def test_expired_responses_leave_the_quota(redis_client):
+    """A stored response that expired (its key gone by its TTL) no longer counts: its id, size and bytes are taken
+    out of the owner's count the next time it is read; a deleted one at once."""
+    from farm.openai.response_store import ResponseStore
+
+    owner = f"owner-ttl-{uuid.uuid4().hex[:6]}"
+    store = ResponseStore(redis_client, ttl_s=1, max_bytes=1 << 20, max_records=2)
+    for rid in ("resp_a", "resp_b"):
+        store.save(owner, {"id": rid}, [], [{"role": "user", "content": "x" * 100}])
+    used, count = store.usage(owner)
+    assert count == 2 and used > 200 and store.full(owner) is not None
+    assert store.delete(owner, "resp_a") and store.usage(owner)[1] == 1 and store.full(owner) is None
+    import time
+
+    time.sleep(1.2)  # resp_b's TTL
+    assert store.usage(owner) == (0, 0) and store.get(owner, "resp_b") is None

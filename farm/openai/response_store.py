@@ -42,7 +42,7 @@ class ResponseStore:
     def usage(self, owner: str) -> tuple[int, int]:
         """(bytes, records) of the owner's stored responses, after taking out those that expired."""
         index = owner_responses_key(owner)
-        gone = [rid.decode() for rid in self.r.zrangebyscore(index, "-inf", time.time())]
+        gone = [rid.decode() if isinstance(rid, bytes) else rid for rid in self.r.zrangebyscore(index, "-inf", time.time())]
         if gone:
             sizes = self.r.hmget(f"{index}:sizes", gone)
             pipe = self.r.pipeline()
