@@ -139,6 +139,50 @@ class RogueServer(socketserver.ThreadingTCPServer):
         return f"127.0.0.1:{self.server_address[1]}"
 
 
+def _trickle(sock: socket.socket, stop: threading.Event, first: bytes) -> None:
+    """Send a header's start, then a byte every 0.3 s (well inside the 1 s per-read timeout) until `stop`."""
+    try:
+        sock.sendall(first)
+        while not stop.wait(0.3):
+            sock.sendall(b"a")
+    except OSError:  # the server cut us off
+        pass
+
+
+def test_a_peer_trickling_its_header_loses_its_slot_at_the_deadline(server):
+    """The header has one deadline, not a timeout per read: peers sending a byte just before each timeout
+    (before any authentication) are cut off, every slot of the cap with them, and a pull gets a slot again."""
+    stop = threading.Event()
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+    try:
+        for s in socks:
+            threading.Thread(target=_trickle, args=(s, stop, b'{"handle": {"x": "'), daemon=True).start()
+        t0 = time.monotonic()
+        for s in socks:  # each closed within its deadline: an error line, then EOF
+            assert b"not received in time" in read_to_eof(s, 5)
+        assert time.monotonic() - t0 < 3
+        reply = json.loads(exchange(server.port, b"[]\n"))
+        assert reply["ok"] is False and "object" in reply["error"]  # served, not "too many connections"
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
+
+
+def test_a_server_trickling_its_answer_header_is_given_up_by_the_pulls_timeout():
+    """The decode side too: a peer at the handle's endpoint that trickles its answer's header (no newline ever)
+    does not hold the decode task past the pull's timeout."""
+    rogue = RogueServer(b"", b'{"ok": true, "nbytes": ' + b" " * 100, trickle_s=0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="not received in time"):
+            fetch_blocks(handle(rogue.endpoint), SECRET, timeout=1.0)
+        assert time.monotonic() - t0 < 3
+    finally:
+        rogue.shutdown()
+        rogue.server_close()
+
+
 class CountingPool(StagingPool):
     def __init__(self) -> None:
         super().__init__()
