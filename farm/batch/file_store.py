@@ -16,9 +16,10 @@ from typing import IO, Any
 
 import redis
 
-from farm.batch.store import _s, clean_filename, index_by_owner, is_file_id, new_file_id, owner_page
+from farm.batch.store import clean_filename, index_by_owner, is_file_id, new_file_id, owner_page
 from farm.config import FarmConfig
 from farm.infra.filemodes import open_private, private_dir
+from farm.infra.redis_client import as_str
 from farm.protocol.keys import (
     BATCH_SEQ_KEY,
     FILE_BYTES_KEY,
@@ -55,13 +56,13 @@ class OwnerQuota:
         return cls(cfg.batch.owner_files_max_mb << 20, cfg.batch.owner_files_max)
 
 
-def _within(chunks: Iterable[bytes], room: int, message: str) -> Iterator[bytes]:
-    """The chunks, refused (FileQuotaExceeded) as soon as they pass `room` bytes: nothing past it is stored."""
+def _within(chunks: Iterable[bytes], room: int, full: Exception) -> Iterator[bytes]:
+    """The chunks, refused (`full` raised) as soon as they pass `room` bytes: nothing past it is stored."""
     size = 0
     for chunk in chunks:
         size += len(chunk)
         if size > room:
-            raise FileQuotaExceeded(message)
+            raise full
         yield chunk
 
 
@@ -179,14 +180,13 @@ class RedisBodies:
     def write(self, file_id: str, chunks: Iterable[bytes], capped: bool) -> int:
         body = self.key(file_id)
         tmp = file_upload_key(file_id, uuid.uuid4().hex[:12])
-        room = self.max_bytes - self.used() if capped else None
+        if capped:
+            chunks = _within(chunks, self.max_bytes - self.used(), FileStorageFull(self._full_message()))
         self.r.set(tmp, b"", ex=3600)  # an upload cut off half-way expires on its own
         size = 0
         try:
             for chunk in chunks:
                 size += len(chunk)
-                if room is not None and size > room:
-                    raise FileStorageFull(self._full_message())
                 pipe = self.r.pipeline(transaction=False)
                 pipe.append(tmp, chunk)
                 pipe.expire(tmp, 3600)
@@ -247,9 +247,9 @@ class FileStore:
             if count >= quota.max_files:
                 raise FileQuotaExceeded(f"this key holds {count} files, the most it may (batch.owner_files_max); "
                                         "delete files you no longer need (DELETE /v1/files/{id})")
-            chunks = _within(chunks, quota.max_bytes - used,
-                             f"this key's files would pass {quota.max_bytes >> 20} MB (batch.owner_files_max_mb); "
-                             "delete files you no longer need (DELETE /v1/files/{id})")
+            chunks = _within(chunks, quota.max_bytes - used, FileQuotaExceeded(
+                f"this key's files would pass {quota.max_bytes >> 20} MB (batch.owner_files_max_mb); "
+                "delete files you no longer need (DELETE /v1/files/{id})"))
         replaced = self.r.hget(file_key(file_id), "bytes") if file_id else None
         file_id = file_id or new_file_id()
         size = self.bodies.write(file_id, chunks, capped=purpose == "batch")
@@ -277,7 +277,7 @@ class FileStore:
         raw = self.r.hgetall(file_key(file_id))
         if not raw:
             return None
-        meta = {_s(k): json.loads(v) for k, v in raw.items()}
+        meta = {as_str(k): json.loads(v) for k, v in raw.items()}
         if owner is not None and meta.get("owner") != owner:
             return None
         return meta
@@ -295,8 +295,9 @@ class FileStore:
         pipe = self.r.pipeline()
         pipe.delete(file_key(file_id))
         if owner is not None:
-            pipe.zrem(owner_files_key(json.loads(owner)), file_id)
-            pipe.decrby(owner_file_bytes_key(json.loads(owner)), int(json.loads(size or b"0")))
+            who = json.loads(owner)
+            pipe.zrem(owner_files_key(who), file_id)
+            pipe.decrby(owner_file_bytes_key(who), int(json.loads(size or b"0")))
         existed = bool(pipe.execute()[0])
         self.bodies.delete(file_id)
         return existed

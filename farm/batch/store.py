@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 
+from farm.infra.redis_client import as_str
 from farm.protocol.keys import (
     BATCH_ACTIVE_KEY,
     BATCH_INFLIGHT_KEY,
@@ -81,10 +82,6 @@ def new_file_id() -> str:
 
 def new_batch_id() -> str:
     return "batch_" + uuid.uuid4().hex
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 # KEYS: batch hash, active set, ended zset. ARGV: allowed from-states (JSON list), new status, batch id, n, then
@@ -161,10 +158,10 @@ def owner_page(r: redis.Redis, zkey: str, key_of: Callable[[str], str], owner: s
         start += len(ids)
         pipe = r.pipeline()
         for i in ids:
-            pipe.hgetall(key_of(_s(i)))
+            pipe.hgetall(key_of(as_str(i)))
         for raw in pipe.execute():
             if raw:
-                d = {_s(k): json.loads(v) for k, v in raw.items()}
+                d = {as_str(k): json.loads(v) for k, v in raw.items()}
                 if d.get("owner") == owner and keep(d):
                     out.append(d)
     return out[:limit], len(out) > limit
@@ -188,7 +185,7 @@ def index_by_owner(r: redis.Redis, old_key: str, key_of: Callable[[str], str], i
         chunk = entries[i:i + 256]
         pipe = r.pipeline()
         for member, _ in chunk:
-            pipe.hmget(key_of(_s(member)), ["owner", "bytes"])
+            pipe.hmget(key_of(as_str(member)), ["owner", "bytes"])
         found = pipe.execute()
         pipe = r.pipeline()
         for (member, score), (owner, size) in zip(chunk, found, strict=True):
@@ -239,7 +236,7 @@ class BatchStore:
         raw = self.r.hgetall(batch_key(batch_id))
         if not raw:
             return None
-        d = {_s(k): json.loads(v) for k, v in raw.items()}
+        d = {as_str(k): json.loads(v) for k, v in raw.items()}
         if owner is not None and d.get("owner") != owner:
             return None
         return d
@@ -253,7 +250,7 @@ class BatchStore:
         return owner_page(self.r, owner_batches_key(owner), batch_key, owner, after, limit)
 
     def active_ids(self) -> list[str]:
-        return [_s(b) for b in self.r.smembers(BATCH_ACTIVE_KEY)]
+        return [as_str(b) for b in self.r.smembers(BATCH_ACTIVE_KEY)]
 
     # status changes
     def transition(self, batch_id: str, from_states: Iterable[str], to: str,
@@ -263,11 +260,11 @@ class BatchStore:
         for k, v in fields.items():
             args += [k, json.dumps(v)]
         ok, st = self._transition(keys=[batch_key(batch_id), BATCH_ACTIVE_KEY, BATCHES_ENDED_KEY], args=args)
-        return bool(ok), (_s(st) if st else None)
+        return bool(ok), (as_str(st) if st else None)
 
     def ended_before(self, t: float, limit: int = 100) -> list[str]:
         """Batches that became final before time `t` (oldest first)."""
-        return [_s(b) for b in self.r.zrangebyscore(BATCHES_ENDED_KEY, "-inf", t, start=0, num=limit)]
+        return [as_str(b) for b in self.r.zrangebyscore(BATCHES_ENDED_KEY, "-inf", t, start=0, num=limit)]
 
     def forget(self, batch_id: str) -> None:
         """Delete a final batch and its results (its files are the file store's: farm.batch.retention)."""
@@ -293,7 +290,7 @@ class BatchStore:
             int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0)), int(u.get("completion_tokens", 0))]))
 
     def recorded_ids(self, batch_id: str) -> set[str]:
-        return {_s(k) for k in self.r.hkeys(batch_results_key(batch_id))}
+        return {as_str(k) for k in self.r.hkeys(batch_results_key(batch_id))}
 
     def results(self, batch_id: str) -> Iterator[dict[str, Any]]:
         for _k, v in self.r.hscan_iter(batch_results_key(batch_id), count=1000):

@@ -190,9 +190,10 @@ def farm_secret(cfg: FarmConfig) -> bytes:
 
 
 def _usable_secret(value: str, source: str) -> bytes:
-    if value.strip().startswith("change-me"):
+    shown = value.strip()  # judged without surrounding whitespace; used as given
+    if shown.startswith("change-me"):
         raise ConfigError(f"{source} is the example's placeholder; set a random value (openssl rand -hex 24)")
-    if len(value.strip()) < MIN_SECRET_CHARS:
-        raise ConfigError(f"{source} has {len(value.strip())} characters; the KV handles' HMAC key needs at least "
+    if len(shown) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{source} has {len(shown)} characters; the KV handles' HMAC key needs at least "
                           f"{MIN_SECRET_CHARS} (openssl rand -hex 24)")
     return value.encode()

@@ -148,3 +148,8 @@ def _url_options(url: str) -> dict[str, Any]:
     if opts.pop("connection_class", None) is SSLConnection:
         opts["ssl"] = True
     return opts
+
+
+def as_str(v: bytes | str) -> str:
+    """A Redis reply as text, whether the client decodes replies or not."""
+    return v.decode() if isinstance(v, bytes) else v

@@ -87,8 +87,12 @@ def prompt_tokens_at_least(tokenizer, messages: list[dict[str, Any]]) -> int:
     texts = [m["content"] for m in messages if m.get("role") != "assistant" and m.get("content")]
     counted = sum(max(0, len(ids) - 1) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) \
         if texts else 0
-    turns = sum(1 for m in messages if m.get("role") in ("user", "assistant"))
-    return counted + turns * turn_tokens(tokenizer)
+    return counted + chat_turns(messages) * turn_tokens(tokenizer)
+
+
+def chat_turns(messages: list[dict[str, Any]]) -> int:
+    """The user and assistant turns of a conversation: those `turn_tokens` is a floor for."""
+    return sum(1 for m in messages if m.get("role") in ("user", "assistant"))
 
 
 class PromptTooLong(ValueError):

@@ -12,6 +12,7 @@ from farm.config import SamplingDefaults
 from farm.models.tokenization import (
     PromptTooLong,
     chat_prompt_ids,
+    chat_turns,
     max_token_chars,
     prompt_tokens_at_least,
     text_prompt_ids,
@@ -338,7 +339,7 @@ def check_prompt_floor(models: list[tuple[Any, int]], prompt: list[dict[str, Any
     if isinstance(prompt, str):
         size, turns = len(prompt), 0
     else:
-        size, turns = messages_chars(prompt), sum(1 for m in prompt if m.get("role") in ("user", "assistant"))
+        size, turns = messages_chars(prompt), chat_turns(prompt)
     floors = []
     for tok, context in models:
         if 4 * size + turns * turn_tokens(tok) <= context:

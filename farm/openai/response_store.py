@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from farm.infra.redis_client import as_str
 from farm.protocol.keys import owner_responses_key, response_key
 
 MAX_ID_CHARS = 256  # longer ids are not looked up: nothing was ever stored under one
@@ -29,32 +30,38 @@ class ResponseStore:
              conversation: list[dict[str, Any]]) -> None:
         record = {"response": response, "input_items": input_items, "conversation": conversation}
         data = json.dumps(record, separators=(",", ":"))
-        index, rid = owner_responses_key(owner), response["id"]
+        index, sizes, total = _count_keys(owner)
+        rid = response["id"]
         pipe = self.r.pipeline()
         pipe.set(response_key(owner, rid), data, ex=self.ttl_s)
         pipe.zadd(index, {rid: time.time() + self.ttl_s})
-        pipe.hset(f"{index}:sizes", rid, len(data))
-        pipe.incrby(f"{index}:bytes", len(data))
-        for key in (index, f"{index}:sizes", f"{index}:bytes"):  # gone with the owner's last record
+        pipe.hset(sizes, rid, len(data))
+        pipe.incrby(total, len(data))
+        for key in (index, sizes, total):  # gone with the owner's last record
             pipe.expire(key, self.ttl_s + 60)
         pipe.execute()
 
     def usage(self, owner: str) -> tuple[int, int]:
         """(bytes, records) of the owner's stored responses, after taking out those that expired."""
-        index = owner_responses_key(owner)
-        gone = [rid.decode() if isinstance(rid, bytes) else rid for rid in self.r.zrangebyscore(index, "-inf", time.time())]
-        if gone:
-            sizes = self.r.hmget(f"{index}:sizes", gone)
-            pipe = self.r.pipeline()
-            pipe.zrem(index, *gone)
-            pipe.hdel(f"{index}:sizes", *gone)
-            pipe.decrby(f"{index}:bytes", sum(int(x or 0) for x in sizes))
-            pipe.execute()
+        index, _, total = _count_keys(owner)
+        self._uncount(owner, [as_str(rid) for rid in self.r.zrangebyscore(index, "-inf", time.time())])
         pipe = self.r.pipeline()
-        pipe.get(f"{index}:bytes")
+        pipe.get(total)
         pipe.zcard(index)
         used, count = pipe.execute()
         return max(0, int(used or 0)), int(count)
+
+    def _uncount(self, owner: str, ids: list[str]) -> None:
+        """Take records (expired or deleted) out of the owner's count: their ids, sizes and bytes."""
+        if not ids:
+            return
+        index, sizes, total = _count_keys(owner)
+        gone = self.r.hmget(sizes, ids)
+        pipe = self.r.pipeline()
+        pipe.zrem(index, *ids)
+        pipe.hdel(sizes, *ids)
+        pipe.decrby(total, sum(int(x or 0) for x in gone))
+        pipe.execute()
 
     def full(self, owner: str) -> str | None:
         """Why the owner may not store another response (its quota: api.responses_owner_max_mb and
@@ -76,11 +83,11 @@ class ResponseStore:
     def delete(self, owner: str, response_id: str) -> bool:
         if len(response_id) > MAX_ID_CHARS or not self.r.delete(response_key(owner, response_id)):
             return False
-        index = owner_responses_key(owner)
-        size = self.r.hget(f"{index}:sizes", response_id)
-        pipe = self.r.pipeline()
-        pipe.zrem(index, response_id)
-        pipe.hdel(f"{index}:sizes", response_id)
-        pipe.decrby(f"{index}:bytes", int(size or 0))
-        pipe.execute()
+        self._uncount(owner, [response_id])
         return True
+
+
+def _count_keys(owner: str) -> tuple[str, str, str]:
+    """The owner's count of stored responses: ids by expiry, their sizes, their bytes together."""
+    index = owner_responses_key(owner)
+    return index, f"{index}:sizes", f"{index}:bytes"
