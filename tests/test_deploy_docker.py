@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import shutil
 import socket
@@ -24,7 +25,7 @@ from compose_spec import PyCompose
 
 from farm.cli.main import build_parser
 from farm.cluster import registry
-from farm.config import load_config
+from farm.config import ConfigError, load_config
 from farm.supervisor import API_APP, API_SERVER_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,9 +226,21 @@ def required_vars() -> set[str]:
     return {m.group(1) for m in _VAR.finditer(COMPOSE.read_text()) if m.group(2) == ":?"}
 
 
+def filled_in_env() -> dict[str, str]:
+    """The required variables as a user sets them after copying the example: each change-me placeholder
+    replaced by a random value (Flower's as user:password)."""
+    out = {}
+    for k, v in env_example().items():
+        if k in required_vars():
+            real = secrets.token_hex(24)
+            out[k] = re.sub(r"change-me[\w-]*", real, v) if "change-me" in v else v
+    return out
+
+
 def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The compose file as `docker compose config` sees it: merge keys resolved, variables filled in."""
-    env = {k: v for k, v in env_example().items() if k in required_vars()} if env is None else env
+    """The compose file as `docker compose config` sees it: merge keys resolved, variables filled in (by default
+    as a user fills in the example)."""
+    env = filled_in_env() if env is None else env
     data = yaml.safe_load(COMPOSE.read_text())
     return interpolate({k: v for k, v in data.items() if not k.startswith("x-")}, env, set())
 
@@ -265,6 +278,24 @@ def test_compose_secrets_are_required_and_documented():
         with pytest.raises(ValueError, match=var):
             compose({v: "x" for v in required_vars() - {var}})
     assert ".env" in (DOCKER / ".gitignore").read_text().split()
+
+
+def test_the_examples_placeholders_stop_every_farm_service(tmp_path):
+    """`.env.example` copied without setting its secrets: every service that runs the farm's code refuses to start,
+    naming what still holds the placeholder, instead of serving behind passwords anyone can read here."""
+    assert all("change-me" in v for k, v in env_example().items() if k in required_vars())
+    services = compose({k: v for k, v in env_example().items() if k in required_vars()})["services"]
+    for name in ("api", "prefill", "decode", "batch", "flower"):
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        with pytest.raises(ConfigError, match="placeholder") as refused:
+            load_config(environ={**env, "FARM_STATE_DIR": str(tmp_path)})
+        assert "FARM_SECRET" in str(refused.value) and "redis.url's password" in str(refused.value)
+        assert name != "api" or "FARM_METRICS_TOKEN" in str(refused.value)
+        assert name != "flower" or "FLOWER_BASIC_AUTH" in str(refused.value)
+    filled = compose()["services"]  # the same with the secrets set: every service loads
+    for name in ("api", "prefill", "decode", "batch", "flower"):
+        load_config(environ={**{k: str(v) for k, v in filled[name]["environment"].items()},
+                             "FARM_STATE_DIR": str(tmp_path)})
 
 
 def test_compose_services_fit_together():

@@ -15,8 +15,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from farm.config.api import ApiKeyEntry
 from farm.config.base import DEFAULT_CONFIG_PATH, PROJECT_ROOT, ConfigError
-from farm.config.redis import is_local, read_password, redis_url_with_password
+from farm.config.placeholders import MAKE_ONE, is_placeholder, refuse_placeholders
+from farm.config.redis import is_local, read_password, redis_url_with_password, url_password
 from farm.config.root import FarmConfig
 from farm.config.vsr import looks_like_vsr, vsr_override
 
@@ -83,7 +85,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
         data["semantic"]["categories"] = _with_builtin(builtin, written)
     _prune_default_scores(data, _names(written) if isinstance(written, list) else set())
     try:
-        return FarmConfig.model_validate(data)
+        cfg = FarmConfig.model_validate(data)
     except ValidationError as e:
         lines = []
         for err in e.errors():
@@ -91,6 +93,10 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             lines.append(f"  {where}: {err['msg']}")
         src = f"{DEFAULT_CONFIG_PATH}" + (f" + {override_path}" if override_path else "") + " + FARM_* env"
         raise ConfigError(f"invalid farm configuration ({src}):\n" + "\n".join(lines)) from None
+    keys = [k.key if isinstance(k, ApiKeyEntry) else k for k in cfg.api.api_keys]
+    refuse_placeholders(env, [("redis.url's password", url_password(cfg.redis.url)),
+                              *(("api.api_keys", k) for k in keys)])
+    return cfg
 
 
 def _names(categories: list[Any]) -> set[str]:
@@ -191,9 +197,9 @@ def farm_secret(cfg: FarmConfig) -> bytes:
 
 def _usable_secret(value: str, source: str) -> bytes:
     shown = value.strip()  # judged without surrounding whitespace; used as given
-    if shown.startswith("change-me"):
-        raise ConfigError(f"{source} is the example's placeholder; set a random value (openssl rand -hex 24)")
+    if is_placeholder(shown):
+        raise ConfigError(f"{source} is the example's placeholder; set a random value ({MAKE_ONE})")
     if len(shown) < MIN_SECRET_CHARS:
         raise ConfigError(f"{source} has {len(shown)} characters; the KV handles' HMAC key needs at least "
-                          f"{MIN_SECRET_CHARS} (openssl rand -hex 24)")
+                          f"{MIN_SECRET_CHARS} ({MAKE_ONE})")
     return value.encode()

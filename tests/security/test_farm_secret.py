@@ -56,3 +56,29 @@ def test_an_empty_secret_file_is_refused_not_used(tmp_path, monkeypatch):
     (tmp_path / "secret").write_text("")
     with pytest.raises(ConfigError, match="delete it"):
         farm_secret(load_config(environ={"FARM_STATE_DIR": str(tmp_path)}))
+
+
+@pytest.mark.parametrize("where,environ,named", [
+    ("env", {"FARM_REDIS_PASSWORD": "change-me-redis"}, "FARM_REDIS_PASSWORD"),
+    ("env", {"FARM_REDIS__URL": "redis://:change-me-redis@redis:6379/0"}, "redis.url's password"),
+    ("env", {"FARM_METRICS_TOKEN": "CHANGEME-metrics"}, "FARM_METRICS_TOKEN"),
+    ("env", {"FARM_FLOWER_AUTH": "admin:change-me-flower"}, "FARM_FLOWER_AUTH"),
+    ("env", {"FLOWER_BASIC_AUTH": "admin:change-me-flower"}, "FLOWER_BASIC_AUTH"),
+    ("env", {"FARM_API_KEYS": "sk-real-1f0c9e,sk-farm-change-me"}, "FARM_API_KEYS"),
+    ("file", {}, "api.api_keys"),
+])
+def test_a_placeholder_secret_anywhere_stops_the_farm(tmp_path, where, environ, named):
+    """The compose example's and the chart example's `change-me` values are public: any process of the farm refuses
+    to load its configuration while one is a secret, naming where it is; real values load."""
+    environ = {**environ, "FARM_STATE_DIR": str(tmp_path)}
+    if where == "file":
+        (tmp_path / "farm.yaml").write_text("api:\n  api_keys: [sk-real-key-1, {key: sk-farm-change-me}]\n")
+        environ["FARM_CONFIG"] = str(tmp_path / "farm.yaml")
+    with pytest.raises(ConfigError, match="placeholder") as refused:
+        load_config(environ=environ)
+    assert named in str(refused.value)
+    assert not any(v in str(refused.value) for v in environ.values() if "change" in v.lower())  # never echoed
+    real = {k: v.replace("change-me", "9f2c41d7a0b3").replace("CHANGEME", "9f2c41d7a0b3") for k, v in environ.items()}
+    if where == "file":
+        (tmp_path / "farm.yaml").write_text("api:\n  api_keys: [sk-real-key-1, {key: sk-real-key-2}]\n")
+    load_config(environ=real)
