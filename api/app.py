@@ -92,20 +92,19 @@ class FarmContext:
             self._served = (time.monotonic(), names)
         return names
 
-    def prefer_model(self, tied: tuple[str, ...], messages: list[dict], tenant: str) -> tuple[str, str] | None:
+    def prefer_model(self, tied: tuple[str, ...], messages: list[dict], scope: str) -> tuple[str, str] | None:
         """MoM among models that score alike (farm.semantic.layer.Prefer): the one the prompt would start on
         soonest, by the router's KV index and load (Gateway.soonest). The prompt is templated for each model as
-        its request would be (default template options) and salted with the tenant's cache salt, so only the
-        tenant's own cached prefixes count: another tenant's cache never shows in the choice."""
+        its request would be (default template options) and salted with the request's `scope` (its KV cache
+        salt), so only the caller's own cached prefixes count: another tenant's cache never shows in the choice."""
         import jinja2
         import redis
 
         from farm.models.tokenization import chat_prompt_ids
-        from farm.tenancy.api_keys import tenant_cache_salt
 
         try:
             prompts = {m: chat_prompt_ids(self.tokenizer(m), messages) for m in tied}
-            return self.gateway.soonest(prompts, tenant_cache_salt(tenant, None))
+            return self.gateway.soonest(prompts, scope)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, redis.RedisError):
             return None  # a tie-break only: the best-scored model answers (its own parse reports a bad template)
 

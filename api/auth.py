@@ -4,8 +4,9 @@ Rules (checked before every request, in this order):
 - `/health`, `/health/live`, `/health/ready`, `/openapi.json` and `/version` are public (probes, clients' code
   generators, vLLM clients checking the server).
 - With API keys configured, every other route needs `Authorization: Bearer <key>` (or Anthropic's
-  `x-api-key: <key>`, which its SDKs send); else 401 `invalid_api_key`. `/metrics` also takes
-  `FARM_METRICS_TOKEN` (a scrape token that is not an API key), or nothing when `api.metrics_public` is true.
+  `x-api-key: <key>`, which its SDKs send); else 401 `invalid_api_key`. `/metrics` takes `FARM_METRICS_TOKEN`
+  (a scrape token that is not an API key), or nothing when `api.metrics_public` is true, but not an API key (403):
+  its series count every tenant's requests, which one tenant must not read.
 - With no key configured the farm is a local tool: only loopback clients are served, anyone else
   gets 401, unless `api.allow_unauthenticated` is true (an authenticating proxy in front).
   `farm up` also refuses a non-local `api.host` without keys, so this is a second line.
@@ -28,7 +29,7 @@ from flask import Flask, current_app, g, request
 
 from api.admission import admit
 from farm.openai.api_error import APIError
-from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing, tenant_cache_salt
 from farm.tenancy.quota import Limiter, Refusal, Reservation
 
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json", "/version"})
@@ -58,6 +59,14 @@ def _auth() -> Auth:
 def current_owner() -> str:
     """The owner id of this request's key (anonymous when the farm has no keys)."""
     return g.get("farm_owner", OWNER_ANONYMOUS)
+
+
+def request_scope(client_salt: object = None) -> str:
+    """What this request may share with others: its KV cache salt, from its key's owner and the client's own
+    `cache_salt` (a string; anything else is refused later by the request's parse). The prefix caches, the
+    semantic layer's memo and cache and MoM's look at the KV index all keep to it, so neither another key nor
+    another end user of the same key (by cache_salt) can learn what was sent."""
+    return tenant_cache_salt(current_owner(), client_salt if isinstance(client_salt, str) else None)
 
 
 def reserve_tokens(tokens: int, least: int) -> Reservation:
@@ -105,8 +114,13 @@ def _check() -> None:
         return
     auth = _auth()
     token = _bearer()
-    if path == METRICS_PATH and (auth.cfg.api.metrics_public or auth.keys.is_metrics_token(token)):
-        return
+    if path == METRICS_PATH:
+        if auth.cfg.api.metrics_public or auth.keys.is_metrics_token(token):
+            return
+        if len(auth.keys) and auth.keys.owner(token) is not None:
+            raise APIError(403, "An API key does not open /metrics: its series count every tenant's requests "
+                           "(categories, guard blocks, cache hits). Scrape it with FARM_METRICS_TOKEN.",
+                           type="invalid_request_error", code="permission_denied")
     if len(auth.keys):
         owner = auth.keys.owner(token)
         if owner is None:

@@ -51,16 +51,17 @@ def answer_fits(answer: str, body: dict, tokenizer) -> bool:
     return len(tokenizer.encode(answer, add_special_tokens=False)) <= params.max_tokens
 
 
-def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, no_cache: bool,
-           inject: bool = True, fits: Callable[[Verdict], bool] | None = None, tenant: str = "") -> Verdict:
+def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, scope: str, no_cache: bool,
+           inject: bool = True, fits: Callable[[Verdict], bool] | None = None) -> Verdict:
     """The layer's verdict, counted; without a layer (disabled) the request passes unchanged.
     `inject=False` (text completions: no system prompt to put anything in) keeps the messages as sent.
     `fits` vets a cache hit against the request (see `answer_fits`); a hit that does not fit is
-    generated instead, and not stored again. `tenant` (the caller's owner id) partitions the cache."""
+    generated instead, and not stored again. `scope` (required: the request's KV cache salt, `request_scope`)
+    keeps the layer's memo and cache and MoM's look at the KV index to the caller."""
     if layer is None:
         return SemanticLayer.passthrough(model, messages)
     t0 = time.perf_counter()
-    v = layer.before(model, messages, no_cache=no_cache, tenant=tenant)
+    v = layer.before(model, messages, no_cache=no_cache, scope=scope)
     if v.action == "cached" and fits is not None and not fits(v):
         v = v.as_miss()
     prometheus.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)

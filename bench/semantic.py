@@ -62,7 +62,7 @@ from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text
 from farm.semantic.heads import HEADS_PATH, heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from farm.semantic.layer import SemanticLayer
-from farm.tenancy.api_keys import OWNER_ANONYMOUS
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, tenant_cache_salt
 from tools.semantic import datasets, pii_data, wheels
 from tools.semantic.custom_held_out import BUILT_IN, HELD_OUT
 from tools.semantic.embed import EmbeddingCache
@@ -412,7 +412,7 @@ def http_hits(cfg, questions: list[str]) -> dict:
     layer = app.extensions["farm"].semantic()
     stored: dict[str, str] = {}  # question -> the answer the cache holds for it
     for text in questions:  # stored for keyless callers, the tenant the HTTP requests below are
-        v = layer.before("MoM", [{"role": "user", "content": text}], tenant=OWNER_ANONYMOUS)
+        v = layer.before("MoM", [{"role": "user", "content": text}], scope=tenant_cache_salt(OWNER_ANONYMOUS))
         if v.action == "cached":  # stored already (by `latency`, or a paraphrase of it)
             stored[text] = v.answer or ""
         elif v.action == "forward" and layer.after(v, f"answer to: {text}"):

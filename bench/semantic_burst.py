@@ -95,7 +95,7 @@ def child(contender: str, redis_url: str, burst: int, bursts: int, stall_s: floa
     def one(i: int) -> None:
         messages = _messages(i, rng)
         t = time.perf_counter()
-        layer.before("MoM", messages, tenant=f"t{i % 5}")
+        layer.before("MoM", messages, scope=f"t{i % 5}")
         latencies.append((time.perf_counter() - t) * 1000)
         progress["at"] = time.monotonic()
 

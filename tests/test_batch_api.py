@@ -20,6 +20,7 @@ from farm.config import get_config
 from farm.gateway.reading import Answer
 from farm.protocol import BATCH_QUEUE, DoneEvent, Usage
 from farm.protocol.keys import BATCHES_KEY, FILES_KEY, owner_batches_key, owner_files_key
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, tenant_cache_salt
 
 
 @pytest.fixture
@@ -144,13 +145,14 @@ def test_batch_lines_are_screened_in_their_owners_partition(api, monkeypatch):
     c, cfg, r = api
     driver = BatchDriver(cfg, r=r)
     layer = driver.prep.semantic_layer()
-    tenants, before = [], layer.before
-    monkeypatch.setattr(layer, "before", lambda *a, **kw: tenants.append(kw.get("tenant")) or before(*a, **kw))
+    scopes, before = [], layer.before
+    monkeypatch.setattr(layer, "before", lambda *a, **kw: scopes.append(kw.get("scope")) or before(*a, **kw))
     fid = upload(c, (chat_line(cfg, "a") + "\n").encode()).get_json()["id"]
     bid = create(c, fid).get_json()["id"]
-    owner = json.loads(r.hget(f"farm:batch:{bid}", "owner"))
+    assert json.loads(r.hget(f"farm:batch:{bid}", "owner")) == OWNER_ANONYMOUS  # this farm has no keys:
+    r.hset(f"farm:batch:{bid}", "owner", json.dumps("acme"))                     # as a keyed owner's batch
     driver.prep.prepare(driver.store.get(bid))
-    assert tenants == [owner] and owner
+    assert scopes == [tenant_cache_salt("acme")]  # the scope the owner's own API requests get
 
 
 def test_batch_lines_pass_the_semantic_guards_and_mom(api):

@@ -204,7 +204,7 @@ def test_the_semantic_layer_takes_no_gevent_lock_on_the_hubs_pool(farm_env, redi
         def one(i):
             text = prompts[i % 4].format(i=i)
             messages = [{"role": "system", "content": f"Be brief {i % 3}."}, {"role": "user", "content": text}]
-            return layer.before("MoM", messages, tenant=f"t{i % 5}").action
+            return layer.before("MoM", messages, scope=f"t{i % 5}").action
         greenlets = [gevent.spawn(one, i) for i in range(200)]
         gevent.joinall(greenlets, timeout=240)
         print(json.dumps({"answered": sum(g.successful() for g in greenlets), "offloaded": len(offloaded),

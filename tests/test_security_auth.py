@@ -47,7 +47,10 @@ def test_public_and_metrics_routes(client):
     assert client.get("/openapi.json", environ_base=REMOTE).status_code == 200
     assert_openai_error(client.get("/metrics", environ_base=REMOTE), 401, "invalid_api_key")
     assert client.get("/metrics", headers=bearer("scrape-token"), environ_base=REMOTE).status_code == 200
-    assert client.get("/metrics", headers=bearer(KEY_A), environ_base=REMOTE).status_code == 200
+    # a tenant's key does not read every tenant's series (categories, guard blocks, cache hits)
+    err = assert_openai_error(client.get("/metrics", headers=bearer(KEY_A), environ_base=REMOTE), 403,
+                              "permission_denied")
+    assert "FARM_METRICS_TOKEN" in err["message"]
     # the scrape token is not an API key
     assert_openai_error(client.get("/v1/models", headers=bearer("scrape-token")), 401)
 

@@ -12,8 +12,10 @@ import pytest
 from flask import Flask
 from prometheus_client.parser import text_string_to_metric_families
 
-from farm.tenancy.api_keys import OWNER_ANONYMOUS
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, tenant_cache_salt
 from tests.test_api_errors import farm_app
+
+KEYLESS = tenant_cache_salt(OWNER_ANONYMOUS)  # the scope of a keyless caller's requests
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app, redis_c
     """(`redis_client` empties the shared Redis first: no worker registered by an earlier test is live.)"""
     layer = app.extensions["farm"].semantic()
     question = "Which river flows through Cairo?"
-    v = layer.before("MoM", [{"role": "user", "content": question}], tenant=OWNER_ANONYMOUS)  # keyless callers
+    v = layer.before("MoM", [{"role": "user", "content": question}], scope=KEYLESS)  # keyless callers
     assert v.action == "forward" and layer.after(v, "The Nile.")  # as if a worker had answered
     hit = chat(app, question)
     assert hit.status_code == 200 and hit.headers["x-vsr-cache-hit"] == "true"
@@ -96,7 +98,7 @@ def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redi
     layer = app.extensions["farm"].semantic()
     question = "Name the largest planet of the solar system."
     answer = "Jupiter is the largest planet. It is a gas giant."
-    v = layer.before("MoM", [{"role": "user", "content": question}], tenant=OWNER_ANONYMOUS)  # keyless callers
+    v = layer.before("MoM", [{"role": "user", "content": question}], scope=KEYLESS)  # keyless callers
     assert v.action == "forward" and layer.after(v, answer)
     n_tokens = len(app.extensions["farm"].tokenizer(v.model).encode(answer, add_special_tokens=False))
     fits = chat(app, question, max_tokens=n_tokens, stop=["Saturn"])
@@ -140,7 +142,6 @@ def test_the_apis_choice_among_alike_models_sees_only_the_tenants_own_cache(redi
     from farm.gateway.gateway import Gateway
     from farm.models.tokenization import chat_prompt_ids
     from farm.router.router import Router
-    from farm.tenancy.api_keys import tenant_cache_salt
     from tests.conftest import make_farm_env
 
     a, b = "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-b"
@@ -159,9 +160,11 @@ def test_the_apis_choice_among_alike_models_sees_only_the_tenants_own_cache(redi
     for i, model in enumerate((a, b)):                 # heartbeats start, which would lapse meanwhile
         registry.register(redis_client, registry.WorkerInfo(f"{model}-w", "both", model, "h", i, 16, num_blocks=4096))
     router.index.store(f"{b}-w", router.hashes(ids, b, tenant_cache_salt("acme"))[:-1])  # acme's prompt, cached
-    assert ctx.prefer_model((a, b), messages, "acme") == (b, "kv-cache")
-    assert ctx.prefer_model((a, b), messages, "globex") is None  # not globex's cache: the best score stands
-    assert ctx.prefer_model((a, b), [{"role": "user", "content": {"bad": 1}}], "acme") is None  # no error either
+    acme, globex = tenant_cache_salt("acme"), tenant_cache_salt("globex")
+    assert ctx.prefer_model((a, b), messages, acme) == (b, "kv-cache")
+    assert ctx.prefer_model((a, b), messages, globex) is None  # not globex's cache: the best score stands
+    assert ctx.prefer_model((a, b), messages, tenant_cache_salt("acme", "end-user-2")) is None  # nor its end user's
+    assert ctx.prefer_model((a, b), [{"role": "user", "content": {"bad": 1}}], acme) is None  # no error either
 
 
 FAST_ANSWER = "This assistant does not process internal documents."

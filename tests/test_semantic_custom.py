@@ -168,28 +168,28 @@ def test_mom_passes_over_models_without_a_live_worker_and_says_so(tmp_path, embe
 def test_mom_among_models_scoring_alike_takes_the_one_the_prompt_starts_on_soonest(tmp_path, embedder):
     """KV-aware model choice (issue 29, item 5): models within `semantic.cache_aware_margin` of the best score are
     equally good answers; `prefer` (the API: the router's KV index and load) picks among them, and the answer says
-    why. It gets the messages as the model will (the category's system prompt injected) and the tenant, whose
-    cache salt scopes what counts as cached."""
+    why. It gets the messages as the model will (the category's system prompt injected) and the request's scope (its
+    KV cache salt), which scopes what counts as cached."""
     scores = {"cooking": {MODEL_A: 0.9, MODEL_B: 0.88}}
     cats = [{**c, "model_scores": scores.get(c["name"], {MODEL_A: 0.5})} for c in CATEGORIES]
     asked: list = []
 
-    def prefer(tied, messages, tenant):
-        asked.append((tied, messages, tenant))
+    def prefer(tied, messages, scope):
+        asked.append((tied, messages, scope))
         return MODEL_B, "kv-cache"
 
     lay = SemanticLayer.from_config(_cfg(tmp_path, {"categories": cats}), embedder=embedder, prefer=prefer)
     ask = _user("How do I cook rice so it is fluffy?")
-    v = lay.before("MoM", ask, tenant="acme")
+    v = lay.before("MoM", ask, scope="t-acme")
     assert v.model == MODEL_B and v.headers["x-vsr-selected-model"] == MODEL_B
     assert v.headers["x-vsr-selection-reason"] == "kv-cache"
     assert v.explain["selection"] == {"tied": [MODEL_A, MODEL_B], "model": MODEL_B, "reason": "kv-cache"}
     assert v.alternatives == (MODEL_A,)  # the best-scored one is next, should B fail before its first token
-    tied, messages, tenant = asked[-1]
-    assert tied == (MODEL_A, MODEL_B) and tenant == "acme"
+    tied, messages, scope = asked[-1]
+    assert tied == (MODEL_A, MODEL_B) and scope == "t-acme"
     assert messages[0] == {"role": "system", "content": "You are a chef."} and messages == v.messages
     # nothing better known: the best score stands
-    lay.prefer = lambda tied, messages, tenant: None
+    lay.prefer = lambda tied, messages, scope: None
     v = lay.before("MoM", ask)
     assert v.model == MODEL_A and v.headers["x-vsr-selection-reason"] == "score" and v.alternatives == (MODEL_B,)
     # outside the margin, or the margin off: never asked

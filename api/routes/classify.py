@@ -10,7 +10,7 @@ import time
 
 from flask import Blueprint, Response, current_app, jsonify
 
-from api.auth import count_requests, current_owner
+from api.auth import count_requests, request_scope
 from api.bodies import json_body
 from farm.openai import classify_schemas as schemas
 from farm.openai.api_error import APIError
@@ -37,7 +37,7 @@ def _layer(model: str | None):
 
 
 def _signals(text: str, model: str | None, want: frozenset[str]):
-    return _layer(model).signals(text, model or "", tenant=current_owner(), want=want)
+    return _layer(model).signals(text, model or "", scope=request_scope(), want=want)
 
 
 @bp.post("/intent")
@@ -75,5 +75,5 @@ def batch() -> Response:
     count_requests(len(req.texts) - 1, "texts")
     t0 = time.perf_counter()
     want = frozenset({{"intent": "category", "security": "jailbreak", "pii": "pii"}[req.task_type]})
-    sigs = layer.signals_many(req.texts, tenant=current_owner(), want=want)
+    sigs = layer.signals_many(req.texts, scope=request_scope(), want=want)
     return _json(vsr.batch(sigs, req.task_type, req.options, (time.perf_counter() - t0) * 1000))

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from api.auth import current_owner, reserve_tokens
+from api.auth import request_scope, reserve_tokens
 from api.bodies import json_body
 from api.disconnect import client_gone_check
 from api.error_handlers import to_api_error
@@ -64,7 +64,6 @@ from farm.openai.tool_stream import CallDelta
 from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
 from farm.semantic.layer import Verdict
 from farm.telemetry import prometheus
-from farm.tenancy.api_keys import tenant_cache_salt
 from farm.tenancy.quota import Reservation
 
 log = logging.getLogger(__name__)
@@ -212,14 +211,15 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     ids = request_ids(kind, request.headers.get("X-Request-Id"))
     # the semantic layer (guards, cache, MoM selection) runs before anything is tokenized or queued
     layer = farm.semantic()
+    scope = request_scope(body.get("cache_salt"))
     messages = validate_chat(body) if kind == "chat" else None
     _refuse_oversized_prompt(body, model, messages)
     if messages is not None:  # a cached answer is one sample without log-probabilities: not for n > 1 or logprobs
         no_cache = no_cache_requested() or _asks_for_more_than_text(body)
-        verdict = decide(layer, model, messages, no_cache=no_cache, tenant=current_owner(),
+        verdict = decide(layer, model, messages, scope=scope, no_cache=no_cache,
                          fits=lambda v: answer_fits(v.answer or "", body, farm.tokenizer(v.model)))
     else:  # text completions: guards and selection on the prompt's text; no cache, no system prompt
-        verdict = decide(layer, model, _completion_messages(body, model), no_cache=True, inject=False)
+        verdict = decide(layer, model, _completion_messages(body, model), scope=scope, no_cache=True, inject=False)
     if verdict.action != "forward":
         return answer_locally(kind, ids.response, verdict, *stream_flags(body, kind), header_id=ids.header)
     answers: list[Answer] = []
@@ -389,7 +389,7 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
     with its own seed (seed + i) so seeded choices differ and reproduce. They share the prompt, so the router places
     them where its KV is and the worker computes it once. Each carries the caller's cache salt: prefix-cache
     reuse only within its tenant (and the client's own `cache_salt`, if given)."""
-    salt = tenant_cache_salt(current_owner(), parsed.cache_salt)
+    salt = request_scope(parsed.cache_salt)
     reqs = []
     for i in range(parsed.n):
         sampling = parsed.sampling

@@ -53,7 +53,9 @@ class OwnerQuota:
 
     @classmethod
     def from_config(cls, cfg: FarmConfig) -> OwnerQuota:
-        return cls(cfg.batch.owner_files_max_mb << 20, cfg.batch.owner_files_max)
+        mb = cfg.batch.owner_files_max_mb
+        assert mb is not None  # BatchConfig fills in its default for the backend
+        return cls(mb << 20, cfg.batch.owner_files_max)
 
 
 def _within(chunks: Iterable[bytes], room: int, full: Exception) -> Iterator[bytes]:

@@ -20,6 +20,7 @@ from farm.batch.store import BatchStore
 from farm.batch.validate import PreparedLine, validate_input
 from farm.cluster import registry
 from farm.config import FarmConfig
+from farm.tenancy.api_keys import tenant_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ class Preparation:
 
     def _decide(self, owner: str) -> Callable[[str, list[dict]], Any]:
         """A batch line's semantic verdict: as the API's, but never answered from (or stored in) the cache; in its
-        owner's partition of the layer's memo, as the API's requests are (no tenant's line shares another's)."""
-        return lambda model, messages: self.semantic_layer().before(model, messages, no_cache=True, tenant=owner)
+        owner's scope of the layer's memo, as the API's requests are (no tenant's line shares another's)."""
+        scope = tenant_cache_salt(owner)
+        return lambda model, messages: self.semantic_layer().before(model, messages, no_cache=True, scope=scope)
 
     def prepare(self, b: dict[str, Any]) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
         meta = self.files.get(b["input_file_id"])

@@ -25,7 +25,9 @@ class BatchConfig(Section):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)  # POST /v1/files upload limit (OpenAI: 200 MB)
     # per API key (owner), on either backend: an upload past either is 413 file_quota_exceeded. Output files
     # the farm writes count too (they go when the retention sweep or the owner deletes them) but are never refused.
-    owner_files_max_mb: int = Field(2048, ge=1)  # the bytes of an owner's files together
+    # The bytes of an owner's files together; unset: 2048 on disk, a quarter of files_redis_max_mb in Redis, whose
+    # room all keys share: one key must not be able to fill it for every other (set, it must stay below it).
+    owner_files_max_mb: int | None = Field(None, ge=1)
     owner_files_max: int = Field(1000, ge=1)  # an owner's files
     # -- validation -------------------------------------------------------------------------------------
     max_lines: int = Field(50_000, ge=1)  # requests per batch (OpenAI: 50,000)
@@ -61,5 +63,16 @@ class BatchConfig(Section):
     def _window(self) -> BatchConfig:
         if self.min_inflight > self.max_inflight:
             raise ValueError("batch.min_inflight must not exceed batch.max_inflight")
+        return self
+
+    @model_validator(mode="after")
+    def _owner_room(self) -> BatchConfig:
+        shared = self.files_backend == "redis"
+        if self.owner_files_max_mb is None:
+            self.owner_files_max_mb = max(1, self.files_redis_max_mb // 4) if shared else 2048
+        elif shared and self.owner_files_max_mb >= self.files_redis_max_mb:
+            raise ValueError(f"batch.owner_files_max_mb ({self.owner_files_max_mb}) must be below "
+                             f"batch.files_redis_max_mb ({self.files_redis_max_mb}) with files_backend redis: "
+                             "one key could fill the room every key's uploads share")
         return self
 

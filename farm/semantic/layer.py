@@ -110,7 +110,7 @@ H_FAST = "x-vsr-fast-response"  # answered with the category's fast_response, no
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
 # MoM among models that score alike (Route.tied): (tied models, the messages as the model would get them, the
-# tenant) -> (the model, why: "kv-cache" | "load"), or None to keep the best-scored one. The API's answers from
+# caller's scope, its KV cache salt) -> (the model, why: "kv-cache" | "load"), or None to keep the best-scored one. The API's answers from
 # the router's KV index and load (api/app.py, FarmContext.prefer_model).
 Prefer = Callable[[tuple[str, ...], list[dict], str], tuple[str, str] | None]
 
@@ -124,8 +124,9 @@ def fallback_value(passed_over: list[str] | tuple[str, ...], model: str, reason:
 
 
 class Memo(Generic[V]):
-    """A bounded least-recently-used map from a text's digest, within one tenant's scope, to what was computed from
-    it: a tenant never gets another's text answered from the memo (its speed would tell that someone sent it)."""
+    """A bounded least-recently-used map from a text's digest, within one scope, to what was computed from it: a
+    tenant (or one end user of a key, by its cache_salt) never gets another's text answered from the memo (its speed
+    would tell that someone sent it)."""
 
     def __init__(self, size: int = MEMO_ENTRIES) -> None:
         self.size = size
@@ -218,7 +219,7 @@ class SemanticLayer:
         self._pii_types: Memo[frozenset[str]] = Memo()
         remote = cfg.jailbreak.remote
         self.remote = RemoteGuard(remote) if remote is not None and cfg.jailbreak.enabled else None
-        self._remote_found: Memo[JailbreakResult] = Memo()  # the remote guard's verdicts, per tenant
+        self._remote_found: Memo[JailbreakResult] = Memo()  # the remote guard's verdicts, per scope
 
     @classmethod
     def from_config(cls, cfg: FarmConfig, redis_client=None, served: Callable[[], set[str]] | None = None,
@@ -271,8 +272,10 @@ class SemanticLayer:
         return Verdict("forward", model, messages)
 
     # -- the request path ------------------------------------------------------------------------------
-    def before(self, model: str, messages: list[dict], no_cache: bool = False, tenant: str = "") -> Verdict:
-        """`tenant` (the API key's owner id) partitions the cache unless `cache.shared_across_tenants`."""
+    def before(self, model: str, messages: list[dict], no_cache: bool = False, scope: str = "") -> Verdict:
+        """`scope` is the caller's: the request's KV cache salt (`farm.tenancy.api_keys.tenant_cache_salt` of its
+        key's owner and its own `cache_salt`; "" is one scope for all). It partitions the memo and the cache (unless
+        `cache.shared_across_tenants`) and salts `prefer`'s look at the KV index."""
         cfg = self.cfg
         if not cfg.enabled:
             return self.passthrough(model, messages)
@@ -289,9 +292,9 @@ class SemanticLayer:
         user_texts = list(dict.fromkeys(x[2] for x in users)) if conversation else [last] if last else []
 
         # the PII pass of every message starts first, on its own thread, and runs while the texts are embedded
-        pii_of = self._start_pii(texts, tenant) if cfg.pii.enabled and self.pii is not None else None
+        pii_of = self._start_pii(texts, scope) if cfg.pii.enabled and self.pii is not None else None
         # embeddings of every message (the last user message's is shared by every stage below)
-        vectors = self._embed(texts if cfg.jailbreak.enabled else user_texts, tenant)
+        vectors = self._embed(texts if cfg.jailbreak.enabled else user_texts, scope)
         vec, truncated = (vectors[last].vector, vectors[last].truncated) if last else (np.zeros(384, np.float32), False)
         t["embed"] = _ms(t0)
         explain: dict[str, Any] = {}
@@ -299,7 +302,7 @@ class SemanticLayer:
         # 1. jailbreak guard, on every message: an instruction hidden in a system, assistant or tool turn too
         if cfg.jailbreak.enabled and texts:
             s = time.perf_counter()
-            found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, tenant))
+            found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, scope))
             by_text = dict(zip(texts, found, strict=True))
             # the message furthest above (or least below) its role's threshold
             worst = max(scanned, key=lambda x: by_text[x[2]].confidence - self._jb_threshold(x[1]))
@@ -310,7 +313,7 @@ class SemanticLayer:
             if not blocked and self.remote is not None:  # the second check, on what the head was unsure of
                 asked_roles = self.remote.cfg.roles
                 remote, explain["jailbreak"]["remote"] = self._remote_screen(
-                    list(dict.fromkeys(x[2] for x in scanned if x[1] in asked_roles)), by_text, tenant)
+                    list(dict.fromkeys(x[2] for x in scanned if x[1] in asked_roles)), by_text, scope)
                 flagged = [x for x in scanned if x[1] in asked_roles and x[2] in remote and remote[x[2]].is_jailbreak]
                 if flagged:
                     worst = max(flagged, key=lambda x: remote[x[2]].confidence)
@@ -358,7 +361,7 @@ class SemanticLayer:
         t["classify"] = _ms(s)
         if route.tied and self.prefer is not None:  # models that score alike: where would the prompt start first?
             s = time.perf_counter()
-            choice = self.prefer(route.tied, out_messages, tenant)
+            choice = self.prefer(route.tied, out_messages, scope)
             if choice is not None:  # the best-scored model becomes the first alternative
                 others = tuple(m for m in (route.model, *route.alternatives) if m != choice[0])
                 route = dataclasses.replace(route, model=choice[0], reason=choice[1],
@@ -403,14 +406,14 @@ class SemanticLayer:
         if out_messages is not messages:
             headers[H_INJECTED] = "true"
 
-        # 3. semantic cache, partitioned by tenant + answering model + effective system prompt + earlier turns
+        # 3. semantic cache, partitioned by scope + answering model + effective system prompt + earlier turns
         query = None
         if self.cache is not None and not no_cache and last:
             s = time.perf_counter()
             last_user = max(i for i, m in enumerate(out_messages) if m.get("role") == "user")
             history = [{"role": m.get("role"), "content": message_text(m.get("content"))}
                        for m in out_messages[:last_user] if m.get("role") not in ("system", "developer")]
-            owner = "" if cfg.cache.shared_across_tenants else tenant
+            owner = "" if cfg.cache.shared_across_tenants else scope
             query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history, owner), vec,
                                text_sha(last), guard_signature(last), truncated, word_sequence(last))
             hit = self.cache.lookup(query)
@@ -423,13 +426,13 @@ class SemanticLayer:
                        route.confidence, route.reasoning, query, _total(t, t0), explain, route.alternatives)
 
     # -- one text's signals, each read on its own (the classification API) --------------------------------
-    def signals(self, text: str, model: str = "", tenant: str = "", want: frozenset[str] = ALL_SIGNALS) -> Signals:
+    def signals(self, text: str, model: str = "", scope: str = "", want: frozenset[str] = ALL_SIGNALS) -> Signals:
         """What each stage reads in `text` (a user message), every stage run whatever the others found: the
         category and the model `model` (an alias, by default the first) would get, the jailbreak guard's
         probability, and the PII entities with their offsets. No cache, nothing blocked, nothing stored."""
-        return self.signals_many([text], model, tenant, want)[0]
+        return self.signals_many([text], model, scope, want)[0]
 
-    def signals_many(self, texts: list[str], model: str = "", tenant: str = "",
+    def signals_many(self, texts: list[str], model: str = "", scope: str = "",
                      want: frozenset[str] = ALL_SIGNALS) -> list[Signals]:
         """`signals` of each text, read together: the encoder's forwards shared by the texts (padded by length),
         one PII pass over all of them beside it. Each Signals' `ms` is the whole call's time."""
@@ -441,16 +444,16 @@ class SemanticLayer:
             want = want - {"jailbreak"}
         out = [Signals(text) for text in texts]
         if want & {"category", "jailbreak"} and texts:
-            encoded = self._embed(list(dict.fromkeys(texts)), tenant)
+            encoded = self._embed(list(dict.fromkeys(texts)), scope)
             if "category" in want:
                 for sig in out:
                     sig.category = self.classifier.decide(encoded[sig.text].vector, sig.text)
                     sig.route = self.selector.select(model, sig.category.name, sig.category.confidence)
             if "jailbreak" in want:
                 threshold = self._jb_threshold("user")
-                found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, tenant))
+                found = self.jailbreak.screen(texts, lambda xs: self._guard_vectors(xs, scope))
                 unsure = {t: jb for t, jb in zip(texts, found, strict=True) if jb.confidence < threshold}
-                remote = self._remote_screen(list(unsure), unsure, tenant)[0] if self.remote is not None else {}
+                remote = self._remote_screen(list(unsure), unsure, scope)[0] if self.remote is not None else {}
                 for sig, jb in zip(out, found, strict=True):
                     sig.jailbreak, sig.jailbreak_threshold = jb, threshold
                     if sig.text in remote and remote[sig.text].is_jailbreak:  # the remote guard's block
@@ -474,14 +477,14 @@ class SemanticLayer:
         return route.model if route is not None else self.selector.default_model
 
     def _remote_screen(self, texts: list[str], local: dict[str, JailbreakResult],
-                       tenant: str) -> tuple[dict[str, JailbreakResult], dict[str, Any]]:
+                       scope: str) -> tuple[dict[str, JailbreakResult], dict[str, Any]]:
         """The remote guard's verdicts on the texts whose head probability reaches `ask_above` (remembered ones
-        from the tenant's memo), and what happened, for `explain`. On a failure `on_error` decides: `allow`
+        from the scope's memo), and what happened, for `explain`. On a failure `on_error` decides: `allow`
         leaves those texts to the head, `block` flags them as `guard_unavailable`."""
         assert self.remote is not None
         rcfg = self.remote.cfg
         asked = [t for t in texts if local[t].confidence >= rcfg.ask_above]
-        out = {t: v for t in asked if (v := self._remote_found.get(t, tenant)) is not None}
+        out = {t: v for t in asked if (v := self._remote_found.get(t, scope)) is not None}
         todo = [t for t in asked if t not in out]
         report: dict[str, Any] = {"asked": len(todo), "remembered": len(out)}
         t0 = time.perf_counter()
@@ -489,7 +492,7 @@ class SemanticLayer:
             for text, (p, label) in zip(todo, self.remote.attack_probabilities(todo), strict=True):
                 flagged = p >= rcfg.threshold
                 out[text] = JailbreakResult(flagged, label if flagged else "benign", p)
-                self._remote_found.put(text, out[text], tenant)
+                self._remote_found.put(text, out[text], scope)
         except RemoteGuardError as e:
             log.warning("remote jailbreak guard failed (on_error=%s): %s", rcfg.on_error, e)
             report["error"] = str(e)
@@ -504,33 +507,33 @@ class SemanticLayer:
         base = self.jailbreak.threshold
         return max(base, self.cfg.jailbreak.system_threshold) if role in ("system", "developer") else base
 
-    def _embed(self, texts: list[str], tenant: str) -> dict[str, Encoded]:
-        """Each text through the encoder: from the tenant's memo, the rest in one call to the encoder."""
+    def _embed(self, texts: list[str], scope: str) -> dict[str, Encoded]:
+        """Each text through the encoder: from the scope's memo, the rest in one call to the encoder."""
         out: dict[str, Encoded] = {}
         todo = []
         for text in texts:
-            hit = self._vectors.get(text, tenant)
+            hit = self._vectors.get(text, scope)
             if hit is None:
                 todo.append(text)
             else:
                 out[text] = hit
         if todo:
             for text, enc in zip(todo, self.embedder.encode_texts(todo), strict=True):
-                self._vectors.put(text, enc, tenant)
+                self._vectors.put(text, enc, scope)
                 out[text] = enc
         return out
 
-    def _guard_vectors(self, texts: list[str], tenant: str) -> np.ndarray:
+    def _guard_vectors(self, texts: list[str], scope: str) -> np.ndarray:
         """The texts' guard vectors in their order (what the jailbreak guard scores: messages and their decodings)."""
-        encoded = self._embed(texts, tenant)
+        encoded = self._embed(texts, scope)
         return np.stack([encoded[t].guard for t in texts])
 
-    def _start_pii(self, texts: list[str], tenant: str) -> Callable[[], dict[str, frozenset[str]]]:
+    def _start_pii(self, texts: list[str], scope: str) -> Callable[[], dict[str, frozenset[str]]]:
         """The PII types in each text, started now and waited for by the returned function: remembered ones
         (earlier turns come back with every request), the rest found in one pass of the detector, which runs on
         its own thread while this one embeds the texts (farm.semantic.pii)."""
         assert self.pii is not None
-        out = {text: self._pii_types.get(text, tenant) for text in texts}
+        out = {text: self._pii_types.get(text, scope) for text in texts}
         todo = [text for text, types in out.items() if types is None]
         pending = self.pii.start_detect_many(todo) if todo else None
 
@@ -538,7 +541,7 @@ class SemanticLayer:
             if pending is not None:
                 for text, entities in zip(todo, pending(), strict=True):
                     types = frozenset(e.type for e in entities)
-                    self._pii_types.put(text, types, tenant)
+                    self._pii_types.put(text, types, scope)
                     out[text] = types
             return {text: types or frozenset() for text, types in out.items()}
 

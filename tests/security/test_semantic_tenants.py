@@ -4,27 +4,31 @@ by default; `semantic.cache.shared_across_tenants` opts in to one cache for all.
 
 No worker runs here: a request that misses the cache reaches the gateway and gets 503 (no workers), so a
 200 with `x-vsr-cache-hit` can only be the cache. k1's answer is stored as the chat route stores it after a
-generation (`layer.before(..., tenant=k1's owner)` then `layer.after`)."""
+generation (`layer.before(..., scope=k1's scope)` then `layer.after`). A request's scope is its KV cache salt: its
+key's owner and its own `cache_salt`, so one key's end users are kept apart as well, and the layer's memo (whose
+speed would tell what was sent) keeps to it on every route."""
 
 from __future__ import annotations
 
 import pytest
 
-from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
+from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing, tenant_cache_salt
 from tests.security_helpers import KEY_A, KEY_B, bearer, farm_app
 
 QUESTION = "Which river flows through Budapest?"
 ANSWER = "The Danube."
 
 
-def ask(app, key: str | None):
+def ask(app, key: str | None, cache_salt: str | None = None):
     body = {"model": "MoM", "messages": [{"role": "user", "content": QUESTION}]}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return app.test_client().post("/v1/chat/completions", json=body, headers=bearer(key) if key else {})
 
 
-def store_answer_of(app, owner: str) -> None:
+def store_answer_of(app, owner: str, cache_salt: str | None = None) -> None:
     layer = app.extensions["farm"].semantic()
-    v = layer.before("MoM", [{"role": "user", "content": QUESTION}], tenant=owner)
+    v = layer.before("MoM", [{"role": "user", "content": QUESTION}], scope=tenant_cache_salt(owner, cache_salt))
     assert v.action == "forward" and layer.after(v, ANSWER)
 
 
@@ -59,6 +63,43 @@ def test_keyless_clients_are_a_tenant_of_their_own(redis_url, tmp_path, redis_cl
         assert_miss(ask(keyless, None))
         store_answer_of(keyless, OWNER_ANONYMOUS)
         assert_hit(ask(keyless, None))
+
+
+def test_one_keys_end_users_are_kept_apart_by_their_cache_salt(redis_url, tmp_path, redis_client):
+    """The README's advice, one `cache_salt` per end user, keeps them apart in the semantic cache as in the KV
+    cache: an answer stored for one end user is not served to another end user of the same key, nor to the key's
+    requests without a salt."""
+    with farm_app(redis_url, tmp_path, FARM_API_KEYS=KEY_A) as app:
+        store_answer_of(app, owner_of(app, KEY_A), "end-user-1")
+        assert_hit(ask(app, KEY_A, "end-user-1"))
+        assert_miss(ask(app, KEY_A, "end-user-2"))
+        assert_miss(ask(app, KEY_A))
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_the_layers_memo_keeps_each_key_to_its_own_texts_on_every_route(redis_url, tmp_path, redis_client, route):
+    """The layer remembers each text's embedding per scope. A text another key sent must be computed again for
+    this key: a hit would answer faster, and the time (milliseconds apart) would tell B what A sent. Text
+    completions shared one scope for all keys (their `decide` got no tenant)."""
+    prompt = "Memo for Margaret Oyelaran-Whitfield: the review is moved to Thursday."
+    body = {"model": "MoM", "prompt": prompt} if "chat" not in route else \
+        {"model": "MoM", "messages": [{"role": "user", "content": prompt}]}
+    with farm_app(redis_url, tmp_path, FARM_API_KEYS=f"{KEY_A},{KEY_B}") as app:
+        embedder = app.extensions["farm"].semantic().embedder
+        encoded: list[str] = []
+        encode = embedder.encode_texts
+
+        def counting(texts):
+            encoded.extend(texts)
+            return encode(texts)
+
+        embedder.encode_texts = counting
+        try:
+            for key in (KEY_A, KEY_A, KEY_B, KEY_B):
+                app.test_client().post(route, json=body, headers=bearer(key))
+        finally:
+            embedder.encode_texts = encode
+    assert encoded.count(prompt) == 2, encoded  # once for A, once for B; each key's repeat from its own memo
 
 
 def test_sharing_across_tenants_is_an_explicit_opt_in(redis_url, tmp_path, redis_client):
