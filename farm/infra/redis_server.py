@@ -65,6 +65,22 @@ def ping(target: RedisConfig | str, timeout: float = 1.0) -> bool:
         c.close()
 
 
+def listener_uids(port: int) -> set[int]:
+    """The users owning the TCP sockets that listen on `port` on this machine (in this network namespace), from
+    Linux's /proc/net/tcp and tcp6; empty where /proc does not tell."""
+    uids: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()  # sl local_address rem_address st ... uid: state 0A is LISTEN
+            if len(f) > 7 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                uids.add(int(f[7]))
+    return uids
+
+
 def executable() -> str:
     exe = shutil.which("redis-server")
     if exe is None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ class ManagedRedis:
         """A Redis this farm is about to start never runs without a password: when the URL has none (nor
         FARM_REDIS_PASSWORD), one is generated once into `<state_dir>/redis.password` (0600) and put into
         this farm's URL, so every child (through config.resolved.yaml) and every later `farm` command
-        (load_config reads the file) authenticates. A Redis already answering without one is used as it is."""
+        (load_config reads the file) authenticates. A Redis of this user's already answering without one is used as
+        it is; another user's is refused (`_start_redis`)."""
         url = self.cfg.redis.url
         if not self.cfg.redis.managed or not is_local(url) or url_password(url):
             return
@@ -39,7 +41,8 @@ class ManagedRedis:
     def _start_redis(self) -> None:
         url = self.cfg.redis.url
         if redis_server.ping(self.cfg.redis):
-            return  # someone else's Redis (or a shared one): use it, never stop it
+            self._refuse_another_users_redis(url)
+            return  # a Redis of this user's (another farm's, or a shared one): use it, never stop it
         if not self.cfg.redis.managed:
             raise FarmError(f"Redis at {redact_url(url)} does not answer and redis.managed is false")
         if not is_local(url):
@@ -50,6 +53,19 @@ class ManagedRedis:
             return
         _host, port, _db = redis_server.parse_url(url)
         self._start_redis_node("redis", port)
+
+    def _refuse_another_users_redis(self, url: str) -> None:
+        """A managed farm does not use a Redis another local user runs on its port: whoever started it first (after a
+        reboot, say) would read every prompt and answer and could queue work for the workers. A Redis of this user's
+        is used as before; `redis.managed: false` says that a Redis is meant to be used whoever runs it."""
+        if not self.cfg.redis.managed or not is_local(url):
+            return
+        port = redis_server.parse_url(url)[1]
+        others = redis_server.listener_uids(port) - {os.geteuid()}
+        if others:
+            raise FarmError(f"the Redis listening on port {port} is run by another user (uid {min(others)}), not by "
+                            "this farm's: it would see every prompt and answer. Stop it, give the farm another port "
+                            "(FARM_REDIS__URL), or set redis.managed: false to use that Redis on purpose")
 
     def _redis_node_dir(self, port: int) -> Path:
         """The data dir of the managed data node on `port`: the primary's (redis.url) or the replica's."""

@@ -3,8 +3,8 @@ local process could queue work for the workers and read every completion from `f
 
 `farm up` now gives a Redis it starts a password generated once into `<state_dir>/redis.password` (0600);
 every process it starts gets it through config.resolved.yaml, every later `farm` command through the file;
-FARM_REDIS_PASSWORD wins, a URL's own password is left alone, and a Redis that already answers without one
-(not ours) is used as it is."""
+FARM_REDIS_PASSWORD wins, a URL's own password is left alone, and a Redis of this user's that already answers
+without one (not ours) is used as it is; another user's on the farm's port is refused."""
 
 from __future__ import annotations
 
@@ -98,3 +98,42 @@ def test_a_redis_that_already_answers_is_left_as_it_is(redis_url, tmp_path):
         assert not (tmp_path / PASSWORD_FILE).exists()
     finally:
         f.stop()
+
+
+def test_another_users_redis_on_the_farms_port_is_refused(tmp_path, monkeypatch):
+    """A local user who starts a password-less Redis on the farm's port first (after a reboot, say) got every prompt
+    and answer: `farm up` used any Redis that answered. A managed farm now refuses one another user runs, naming
+    the way out; `redis.managed: false` still uses it on purpose."""
+    import subprocess
+
+    from farm.supervisor.procs import FarmError
+
+    port = free_port()
+    cmd = [redis_server.executable(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", "/tmp"]
+    if os.geteuid() == 0:  # a real other user: nobody
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+    else:  # not root: the farm plays another user than the one running this Redis
+        monkeypatch.setattr("farm.supervisor.redis_nodes.os.geteuid", lambda: os.getuid() + 1)
+    squatter = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        redis_server.wait_ready(url, squatter)
+        env = {"FARM_STATE_DIR": str(tmp_path), "FARM_REDIS__URL": url, "FARM_REDIS__APPENDONLY": "false"}
+        f = Farm(load_config(environ=env), prefill=0, decode=0, api=False, flower=False, prepare=False)
+        try:
+            with pytest.raises(FarmError, match=f"port {port} is run by another user"):
+                f.start()
+        finally:
+            f.stop()
+        assert not redis.Redis.from_url(url).keys("farm:*")  # nothing of the farm went there
+        f = Farm(load_config(environ={**env, "FARM_REDIS__MANAGED": "false"}), prefill=0, decode=0, api=False,
+                 flower=False, prepare=False)
+        try:
+            f.start()  # said on purpose: used as it is
+            assert not f.redis_managed and f.cfg.redis.url == url
+        finally:
+            f.stop()
+    finally:
+        squatter.kill()
+        squatter.wait()
