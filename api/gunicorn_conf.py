@@ -26,9 +26,12 @@ Helm chart passes --graceful-timeout).
 from __future__ import annotations
 
 from api.server import json_parse_errors, raise_fd_limit, settings
-from farm.config import get_config
+from farm.config import ConfigError, get_config
 from farm.infra.filemodes import private_umask
+from farm.tenancy.api_keys import open_api_refusal
 
+if why := open_api_refusal(get_config()):  # as `farm up` refuses it, for every launcher (the image, the chart)
+    raise ConfigError(why)
 private_umask()  # batch files the API writes, and anything else, are the farm user's alone (the worker inherits it)
 globals().update(settings(get_config()))  # gunicorn reads its settings from this module's attributes
 on_starting = raise_fd_limit

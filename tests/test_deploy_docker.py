@@ -268,7 +268,7 @@ def test_compose_files_follow_the_compose_spec(files):
 
 
 def test_compose_secrets_are_required_and_documented():
-    assert required_vars() == {"REDIS_PASSWORD", "FARM_SECRET", "FARM_FLOWER_AUTH", "FARM_METRICS_TOKEN"}
+    assert required_vars() == {"REDIS_PASSWORD", "FARM_SECRET", "FARM_FLOWER_AUTH", "FARM_METRICS_TOKEN", "FARM_API_KEYS"}
     documented = set(env_example())
     used: set[str] = set()
     interpolate(yaml.safe_load(COMPOSE.read_text()), {v: "x" for v in required_vars()}, used)
@@ -290,7 +290,7 @@ def test_the_examples_placeholders_stop_every_farm_service(tmp_path):
         with pytest.raises(ConfigError, match="placeholder") as refused:
             load_config(environ={**env, "FARM_STATE_DIR": str(tmp_path)})
         assert "FARM_SECRET" in str(refused.value) and "redis.url's password" in str(refused.value)
-        assert name != "api" or "FARM_METRICS_TOKEN" in str(refused.value)
+        assert name != "api" or "FARM_METRICS_TOKEN, FARM_API_KEYS" in str(refused.value)
         assert name != "flower" or "FLOWER_BASIC_AUTH" in str(refused.value)
     filled = compose()["services"]  # the same with the secrets set: every service loads
     for name in ("api", "prefill", "decode", "batch", "flower"):
@@ -340,7 +340,8 @@ def test_compose_services_fit_together():
 
 
 def test_compose_redis_aof_and_password():
-    c = compose({"REDIS_PASSWORD": "pw1", "FARM_SECRET": "s", "FARM_FLOWER_AUTH": "a:b", "FARM_METRICS_TOKEN": "t"})
+    c = compose({"REDIS_PASSWORD": "pw1", "FARM_SECRET": "s", "FARM_FLOWER_AUTH": "a:b", "FARM_METRICS_TOKEN": "t",
+                 "FARM_API_KEYS": "k"})
     r = c["services"]["redis"]
     script = r["command"][2]
     assert "--appendonly yes" in script and "--dir /data" in script and "--maxmemory-policy noeviction" in script

@@ -971,6 +971,10 @@ def test_api_keys_and_farm_secret():
     token = data.pop("metrics-token")
     assert data == {"farm-secret": "s3cret", "api-keys": "k1,k2", "redis-url": "redis://:pw@redis.example:6379/0"}
     assert re.fullmatch(r"[A-Za-z0-9]{32}", token), "generated once (kept across upgrades like the other secrets)"
+    # no key given: one is generated, so the API (which refuses 0.0.0.0 without a key) starts and serves no one
+    # keyless through a proxy in its pod
+    generated = by_kind(objects("default"), "Secret")[f"{RELEASE}-inference-farm-farm"]["data"]["api-keys"]
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", base64.b64decode(generated).decode())
     given = render_mod.manifests(render_mod.render({"secrets": {"metricsToken": "scrape-me"}}))
     assert base64.b64decode(by_kind(given, "Secret")[f"{RELEASE}-inference-farm-farm"]["data"]["metrics-token"]) == \
         b"scrape-me"

@@ -200,3 +200,26 @@ def test_farm_up_refuses_a_public_api_without_keys(monkeypatch, tmp_path):
     monkeypatch.setenv("FARM_API_KEYS", KEY_A)
     Farm(cfg, prefill=0, decode=0, flower=False, prepare=False)
     Farm(load_config(environ={"FARM_STATE_DIR": str(tmp_path)}), prefill=0, decode=0, flower=False, prepare=False)
+
+
+def test_the_apis_own_server_refuses_a_public_bind_without_keys(tmp_path):
+    """The image and the chart start gunicorn themselves, past `farm up`'s check: on 0.0.0.0 without keys the API
+    served any client whose connection came through a local proxy in its pod (a mesh sidecar connects from
+    127.0.0.6, port-forward from 127.0.0.1), which a farm without keys trusts. The one gunicorn config every
+    launcher names now refuses to start, as `farm up` does."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FARM_")}
+    base.update({"FARM_STATE_DIR": str(tmp_path), "FARM_API__HOST": "0.0.0.0"})
+
+    def load(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "import api.gunicorn_conf as c; print(c.bind)"],
+                              env={**base, **env}, capture_output=True, text=True, timeout=120)
+
+    refused = load()
+    assert refused.returncode != 0 and "no API key is set" in refused.stderr and "FARM_API_KEYS" in refused.stderr
+    for ok in (load(FARM_API_KEYS=KEY_A), load(FARM_API__ALLOW_UNAUTHENTICATED="true"),
+               load(FARM_API__HOST="127.0.0.1")):
+        assert ok.returncode == 0 and ":8080" in ok.stdout, ok.stderr[-2000:]

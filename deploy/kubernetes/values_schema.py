@@ -182,7 +182,9 @@ def chart_schema() -> dict[str, Any]:
         }),
         "flower": obj({
             "enabled": BOOL, "port": PORT,
-            "auth": obj({"username": {"type": "string", "pattern": "^[^:]+$"}, "password": STR,
+            # Flower reads "user:pass,more" as two logins: no comma in either part ("" = generated)
+            "auth": obj({"username": {"type": "string", "pattern": "^[^:,]+$"},
+                         "password": {"type": "string", "pattern": "^[^,]*$"},
                          "existingSecret": STR, "existingSecretKey": {"type": "string", "minLength": 1}}),
             "service": obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "port": PORT}),
             "resources": REF_("resources"), **placement,

@@ -17,10 +17,10 @@ from pydantic import ValidationError
 
 from farm.config.api import ApiKeyEntry
 from farm.config.base import DEFAULT_CONFIG_PATH, PROJECT_ROOT, ConfigError
-from farm.config.placeholders import MAKE_ONE, is_placeholder, refuse_placeholders
 from farm.config.redis import is_local, read_password, redis_url_with_password, url_password
 from farm.config.root import FarmConfig
 from farm.config.vsr import looks_like_vsr, vsr_override
+from farm.config.weak_secrets import MAKE_ONE, is_placeholder, refuse_placeholders, refuse_weak_flower_auth
 
 ENV_PREFIX = "FARM_"
 
@@ -96,6 +96,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     keys = [k.key if isinstance(k, ApiKeyEntry) else k for k in cfg.api.api_keys]
     refuse_placeholders(env, [("redis.url's password", url_password(cfg.redis.url)),
                               *(("api.api_keys", k) for k in keys)])
+    refuse_weak_flower_auth(env)
     return cfg
 
 

@@ -114,20 +114,16 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
         self.flower_port = int(flower_port or cfg.flower.port)
         self.flower_auth = os.environ.get("FARM_FLOWER_AUTH", "")
         if flower and self.flower_host not in LOCAL_HOSTS:
-            if ":" not in self.flower_auth:
+            if not self.flower_auth:  # a malformed one is refused when the configuration loads (weak_secrets)
                 raise ConfigError(
                     f"flower.host is {self.flower_host!r} (reachable from other machines): set "
                     "FARM_FLOWER_AUTH=user:password for Flower's basic auth, or use --no-flower"
                 )
-        if api and self.api_host not in LOCAL_HOSTS:
-            from farm.tenancy.api_keys import keys_configured
+        if api:
+            from farm.tenancy.api_keys import open_api_refusal
 
-            if not keys_configured(cfg) and not cfg.api.allow_unauthenticated:
-                raise ConfigError(
-                    f"api.host is {self.api_host!r} (reachable from other machines) and no API key is set: "
-                    "set FARM_API_KEYS=key1,key2 (or api.api_keys), or api.allow_unauthenticated: true "
-                    "behind your own authenticating proxy"
-                )
+            if why := open_api_refusal(cfg):
+                raise ConfigError(why)
         self.grace_s = grace_s
         self.prepare = prepare
         self.extra_env = dict(env or {})

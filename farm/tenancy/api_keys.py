@@ -79,6 +79,22 @@ def keys_configured(cfg: FarmConfig, environ: Mapping[str, str] | None = None) -
     return bool(_entries(cfg, os.environ if environ is None else environ))
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def open_api_refusal(cfg: FarmConfig, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why an API on `api.host` must not start, or None: reachable from other machines with no key and no
+    authenticating proxy declared (`api.allow_unauthenticated`). Without keys the API serves loopback peers only,
+    and in a container or pod any local proxy (a mesh sidecar, port-forward) is such a peer for every client.
+    `farm up` and the API's gunicorn config both refuse it."""
+    host = cfg.api.host
+    if host in LOOPBACK_HOSTS or cfg.api.allow_unauthenticated or keys_configured(cfg, environ):
+        return None
+    return (f"api.host is {host!r} (reachable from other machines) and no API key is set: set "
+            "FARM_API_KEYS=key1,key2 (or api.api_keys), or api.allow_unauthenticated: true behind your own "
+            "authenticating proxy")
+
+
 def tenant_cache_salt(owner: str, client_salt: str | None = None) -> str:
     """The cache salt (GenerationRequest.cache_salt) of a generation by `owner`: prefix-cache blocks are
     shared only among requests with the same salt, so one tenant's prompts are never found (cached_tokens,

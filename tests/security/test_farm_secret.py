@@ -82,3 +82,14 @@ def test_a_placeholder_secret_anywhere_stops_the_farm(tmp_path, where, environ, 
     if where == "file":
         (tmp_path / "farm.yaml").write_text("api:\n  api_keys: [sk-real-key-1, {key: sk-real-key-2}]\n")
     load_config(environ=real)
+
+
+@pytest.mark.parametrize("value", ["admin:", ":pw-long-enough", "admin", "ops:Long-Random-Part,x1"])
+@pytest.mark.parametrize("name", ["FARM_FLOWER_AUTH", "FLOWER_BASIC_AUTH"])
+def test_a_weak_flower_credential_is_refused(tmp_path, name, value):
+    """Flower's basic auth took an empty password, and read `user:pass,x1` as two logins, the second being `x1`
+    (a much shorter secret): every farm process (Flower's included) refuses such a value, without echoing it."""
+    with pytest.raises(ConfigError, match=name) as refused:
+        load_config(environ={"FARM_STATE_DIR": str(tmp_path), name: value})
+    assert value not in str(refused.value)
+    load_config(environ={"FARM_STATE_DIR": str(tmp_path), name: "ops:Long-Random-Part-x1"})
