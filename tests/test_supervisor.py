@@ -375,6 +375,31 @@ def test_flower_on_a_public_address_needs_basic_auth(tmp_path, monkeypatch):
     assert "--address=0.0.0.0" in farm.flower_command()
 
 
+def test_a_local_flower_gets_a_generated_login(tmp_path, monkeypatch, redis_url):
+    """Flower on 127.0.0.1 without FARM_FLOWER_AUTH had no login: every local user read the farm's request ids,
+    queues and workers from it. `farm up` now generates one once into the state dir (0600), which Flower gets
+    through its environment; its pages refuse a visitor without it."""
+    import requests
+
+    from farm.supervisor.flower_login import FLOWER_LOGIN_FILE
+
+    monkeypatch.delenv("FARM_FLOWER_AUTH", raising=False)
+    cfg = load_config(environ=_env(tmp_path, redis_url))
+    port = free_port()
+    with Farm(cfg, prefill=0, decode=0, api=False, prepare=False, flower_port=port).running(90) as farm:
+        path = farm.state_dir / FLOWER_LOGIN_FILE
+        login = path.read_text().strip()
+        user, _, password = login.partition(":")
+        assert user and len(password) >= 24 and os.stat(path).st_mode & 0o077 == 0
+        assert farm.child_env()["FLOWER_BASIC_AUTH"] == login
+        assert not any(password in a for a in farm.flower_command())
+        url = f"http://127.0.0.1:{port}/workers"
+        assert requests.get(url, timeout=10).status_code == 401
+        assert requests.get(url, timeout=10, auth=("admin", "admin")).status_code == 401
+        assert requests.get(url, timeout=10, auth=(user, password)).status_code == 200
+    assert Farm(cfg, prefill=0, decode=0, api=False).flower_auth == login  # the same login next time
+
+
 def test_worker_names_commands_and_child_config(tmp_path):
     env = _env(tmp_path, free_port(), FARM_API__WORKER_CONNECTIONS="7")
     cfg = load_config(environ=env)

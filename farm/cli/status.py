@@ -10,6 +10,7 @@ from typing import Any
 
 from farm.config import FarmConfig, redact_url
 from farm.protocol import ROLES, queue_depths, queue_name
+from farm.supervisor.flower_login import FLOWER_LOGIN_FILE
 
 
 def collect_status(cfg: FarmConfig) -> dict[str, Any]:
@@ -83,7 +84,8 @@ def print_status(st: dict[str, Any]) -> None:
     print(f"Redis    {red['url']}  " + ("ok" if red["ok"] else f"NOT REACHABLE ({red['error']})"))
     for key, label in (("api", "API"), ("flower", "Flower")):
         if st["urls"].get(key):
-            print(f"{label:<8} {st['urls'][key]}")
+            login = f"  (login: FARM_FLOWER_AUTH, or {st['state_dir']}/{FLOWER_LOGIN_FILE})" if key == "flower" else ""
+            print(f"{label:<8} {st['urls'][key]}{login}")
     print(f"State    {st['state_dir']}")
     print("\nModels")
     for m in st["models"]:

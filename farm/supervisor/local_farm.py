@@ -36,6 +36,7 @@ from farm.config import (
 )
 from farm.infra import filemodes, logfiles
 from farm.infra.orphans import die_with_parent
+from farm.supervisor.flower_login import flower_login
 from farm.supervisor.health_checks import HealthChecks
 from farm.supervisor.network import (
     LOCAL_HOSTS,
@@ -129,6 +130,8 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
         self.extra_env = dict(env or {})
         self.hostname = hostname or socket.gethostname()
         self.state_dir = cfg.state_path
+        if flower and not self.flower_auth:  # a local Flower gets a generated login, never none
+            self.flower_auth = flower_login(self.state_dir)
         self.log_dir = self.state_dir / "logs"
         self.state_path = self.state_dir / STATE_FILE
         self.procs: list[Proc] = []
@@ -208,7 +211,7 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
             env.setdefault("HF_HUB_OFFLINE", "1")
             env.setdefault("TRANSFORMERS_OFFLINE", "1")
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
-            if self.flower_enabled and self.flower_auth:
+            if self.flower_enabled:
                 # Flower reads FLOWER_<OPTION>: basic auth without the password on a command line.
                 env["FLOWER_BASIC_AUTH"] = self.flower_auth
             env.update(self.extra_env)
