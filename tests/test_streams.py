@@ -46,7 +46,7 @@ def test_one_entry_per_reader_and_flush_with_merged_deltas_keeping_ids_and_logpr
     w.flush()
     (a,) = batches(redis_client, "api-a")  # both requests of reader a in one entry
     (b,) = batches(redis_client, "api-b")
-    assert a.writer == b.writer == w.writer_id and a.seq != b.seq
+    assert a.writer == b.writer == w.writer_id and a.seq == b.seq == 1  # numbered per reader, from 1
     start, delta = a.events["r1"]
     assert isinstance(start, StartEvent)
     assert (delta.text, delta.n, delta.ids) == ("Hello!", 3, [10, 11, 12])
@@ -130,9 +130,11 @@ def test_a_retried_flush_repeats_its_sequence_number_and_the_reader_skips_it(red
     w.emit("r1", DeltaEvent("once", 1, [5]))
     with w._flush_lock, w._lock:
         pending, w._pending = w._pending, {}
-    batch = [(reply_stream_key(rd), encode_reply(w.writer_id, next(w._seq), ev)) for rd, ev in pending.items()]
-    w._write(batch, 1)
-    w._write(batch, 1)  # the same batch again, as after a connection error
+    [(reader_id, events)] = pending.items()
+    entry = (encode_reply(w.writer_id, 1, events), time.monotonic())
+    for _ in range(2):  # the same batch again, as after a flush whose answer never came
+        w._unsent = {reply_stream_key(reader_id): [entry]}
+        w._write_oldest()
     reader.start()
     try:
         got = []
@@ -211,3 +213,88 @@ def test_with_a_replica_each_flush_returns_only_once_the_replica_holds_it(tmp_pa
         for proc in (primary, replica):
             proc.kill()
             proc.wait()
+
+
+def test_events_redis_refuses_wait_in_order_however_long_nothing_is_dropped(tmp_path, monkeypatch):
+    """Redis refusing writes (out of memory under `noeviction`, as the chart and compose run it; MISCONF; BUSY) made
+    the writer drop a flush, and an outage past its retries (about 25 s) too: the answer then missed a stretch of
+    tokens and still ended `done` with the full usage. Now every batch waits for Redis, each reader's in order and
+    numbered 1, 2, ... with no gap, however long the refusal lasts (here past the retries of several flushes)."""
+    import threading
+
+    import farm.worker.stream_writer as sw
+
+    monkeypatch.setattr(sw, "FLUSH_ATTEMPTS", 3)  # a flush hands back to the pump after ~0.6 s: the outage outlasts it
+    proc, url = start_redis(tmp_path / "refusing")
+    try:
+        r = redis.Redis.from_url(url)
+        w = StreamWriter(r, flush_ms=5).start()
+        for rid, reader in (("a", "api-1"), ("b", "api-1"), ("c", "api-2")):
+            w.open(rid, reader)
+        sent: dict[str, list[str]] = {"a": [], "b": [], "c": []}
+
+        def stream(n: int) -> None:
+            for i in range(n):
+                for rid in sent:
+                    sent[rid].append(f"{rid}{i},")
+                    w.emit(rid, DeltaEvent(f"{rid}{i},", 1, [i]))
+                time.sleep(0.01)
+
+        stream(20)
+        _wait_for(lambda: len(events_of(r, "api-2", "c")) > 0)
+        r.config_set("maxmemory", 1)  # every XADD now fails with OOM
+        producer = threading.Thread(target=stream, args=(150,))
+        producer.start()
+        producer.join()
+        time.sleep(1.5)  # past several flushes' retries
+        assert w.unsent() > 0
+        r.config_set("maxmemory", 0)
+        _wait_for(lambda: w.unsent() == 0, 15)
+        for rid in ("a", "b"):
+            w.emit(rid, DoneEvent("stop", Usage(1, 170, 0)))
+        w.emit("c", DoneEvent("stop", Usage(1, 170, 0)))
+        _wait_for(lambda: all(events_of(r, rd, rid) and type(events_of(r, rd, rid)[-1]).__name__ == "DoneEvent"
+                              for rid, rd in (("a", "api-1"), ("b", "api-1"), ("c", "api-2"))), 15)
+        w.stop()
+        for rid, reader in (("a", "api-1"), ("b", "api-1"), ("c", "api-2")):
+            text = "".join(e.text for e in events_of(r, reader, rid) if isinstance(e, DeltaEvent))
+            assert text == "".join(sent[rid]), f"{rid}: {len(text)} of {len(''.join(sent[rid]))} characters"
+        for reader in ("api-1", "api-2"):
+            seqs = [b.seq for b in batches(r, reader)]
+            assert seqs == list(range(1, len(seqs) + 1)), seqs  # no gap, no reordering
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_reader_that_finds_a_hole_in_a_writers_batches_fails_the_requests_it_fed(redis_client):
+    """Batches are numbered per reader with no gap, so a batch Redis lost (a restart without the last second of its
+    AOF) shows as a hole: the requests that writer was feeding end with `events_lost` instead of an answer that is
+    missing a stretch yet looks whole; a request that begins after the hole is unharmed."""
+    from farm.config.processes import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+    from farm.protocol import ErrorEvent
+
+    reader = ReplyReader(redis_client, ReliabilityConfig())
+    fed, fresh = reader.open("fed"), reader.open("fresh")
+    key = reply_stream_key(reader.reader_id)
+
+    def write(seq: int, events: dict) -> None:
+        redis_client.xadd(key, {EVENT_FIELD: encode_reply("writer-1", seq, events)})
+
+    write(1, {"fed": [StartEvent("both", "w").to_dict(), DeltaEvent("one ", 1, [1]).to_dict()]})
+    # seq 2 (more of "fed") never arrives
+    write(3, {"fed": [DeltaEvent("three", 1, [3]).to_dict()],
+              "fresh": [StartEvent("both", "w").to_dict(), DeltaEvent("new", 1, [9]).to_dict()]})
+    reader.start()
+    try:
+        got: dict[str, list] = {"fed": [], "fresh": []}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (len(got["fed"]) < 3 or len(got["fresh"]) < 2):
+            for rid, box in (("fed", fed), ("fresh", fresh)):
+                got[rid] += box.take(0.1)
+        assert [type(e).__name__ for e in got["fed"]] == ["StartEvent", "DeltaEvent", "ErrorEvent"]
+        assert isinstance(got["fed"][-1], ErrorEvent) and got["fed"][-1].code == "events_lost"
+        assert [type(e).__name__ for e in got["fresh"]] == ["StartEvent", "DeltaEvent"]
+    finally:
+        reader.stop()

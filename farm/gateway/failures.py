@@ -21,8 +21,8 @@ class GatewayTimeout(TimeoutError):
 
 class WorkerError(RuntimeError):
     """The request failed on the workers (an `error` event): `code` says why (engine_error, invalid_task,
-    worker_lost when no other worker could take it over, orphaned...). The API answers 503 for worker_lost
-    (retry later) and 500 otherwise."""
+    worker_lost when no other worker could take it over, orphaned, events_lost when Redis lost part of the
+    answer...). The API answers 503 for those three (retry later) and 500 otherwise."""
 
     def __init__(self, message: str, code: str):
         super().__init__(message)
@@ -30,4 +30,4 @@ class WorkerError(RuntimeError):
 
     @property
     def retryable(self) -> bool:
-        return self.code in ("worker_lost", "orphaned")
+        return self.code in ("worker_lost", "orphaned", "events_lost")

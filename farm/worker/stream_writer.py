@@ -16,8 +16,12 @@ period means the API process that reads died, so nobody will ever read the token
 With nothing to flush and nothing open the pump sleeps until an event arrives: an idle worker costs no wakeups
 (a fixed tick of `flush_ms` cost each idle worker about 6 ms of CPU a second, 50 wakeups).
 
-Every batch carries (writer id, sequence number): a flush whose answer never came (Redis restarting, or with
-Sentinel the primary died) is sent again, whole, and readers skip what they already have. With
+Every batch carries (writer id, sequence number, counted per reader): a flush whose answer never came (Redis
+restarting, or with Sentinel the primary died) is sent again, whole, and readers skip what they already have. A
+batch Redis did not take, for any reason (unreachable, restarting, out of memory under `noeviction`, MISCONF, BUSY),
+is kept and sent again, and a reader's later batches wait behind it: per attempt each reader gets only its oldest
+batch not yet taken, so a reader never sees a batch after a later one nor a hole. Only a batch nobody could still be
+waiting for (older than the reply streams' TTL) is ever given up. With
 `replica_ack_ms` each flush also waits (WAIT) until a replica holds it, so a failover cannot lose events a reader
 has not seen; a primary that refuses writes for want of a replica (NOREPLICAS, redis.ha.min_replicas_max_lag_s)
 is waited out like an unreachable one (farm.infra.redis_client raises it as a ConnectionError).
@@ -48,9 +52,11 @@ from farm.protocol import (
 
 log = logging.getLogger(__name__)
 NO_REPLICA_RETRY_S = 5.0  # after a WAIT no replica answered, flushes do not wait for this long
-# a flush is retried this many times while Redis is unreachable: about 25 s when it refuses connections (a
-# restart), up to redis.socket's timeout per attempt when nothing answers (a partition)
+# One flush() tries this many times before it hands back to the pump (which polls flags, then flushes again): about
+# 25 s when Redis refuses connections (a restart), up to redis.socket's timeout per attempt when nothing answers (a
+# partition). The batches stay queued either way.
 FLUSH_ATTEMPTS = 30
+GIVE_UP_S = STREAM_TTL_S  # a batch this old has no reader left waiting for it (their requests timed out)
 MIN_POLL_S = 0.005  # the pump never wakes for flag polls more often than this
 
 
@@ -84,7 +90,9 @@ class StreamWriter:
         self._last_cancel_poll = 0.0
         self._lease_missing: dict[str, float] = {}  # reader -> when its lease was first seen missing
         self.writer_id = uuid.uuid4().hex[:12]
-        self._seq = itertools.count(1)
+        self._seqs: dict[str, itertools.count] = {}  # reader -> its batches' numbers, 1, 2, ... with no gap
+        # reply stream key -> [(payload, made at)] that Redis has not taken yet, oldest first
+        self._unsent: dict[str, list[tuple[str, float]]] = {}
 
     def start(self) -> StreamWriter:
         self._thread.start()
@@ -150,39 +158,88 @@ class StreamWriter:
         self.close(request_id)
 
     # -- the pump --------------------------------------------------------------------------------------------
-    def flush(self) -> None:
+    def flush(self) -> bool:
+        """Send what is pending, behind whatever Redis has not taken yet. False when something is still unsent
+        after FLUSH_ATTEMPTS (it stays queued, in order, for the next flush)."""
         with self._flush_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
                 self._due, self._urgent = 0.0, False
-            if not pending:
-                return
-            batch = [(reply_stream_key(reader), encode_reply(self.writer_id, next(self._seq), events))
-                     for reader, events in pending.items()]
-            self._write(batch, sum(len(e) for e in pending.values()))
+            now = time.monotonic()
+            for reader, events in pending.items():
+                seq = next(self._seqs.setdefault(reader, itertools.count(1)))
+                self._unsent.setdefault(reply_stream_key(reader), []).append(
+                    (encode_reply(self.writer_id, seq, events), now))
+            return self._send_unsent()
 
-    def _write(self, batch: list[tuple[str, str]], requests: int) -> None:
-        """XADD each reader's batch (and refresh its stream's TTL) in one pipeline, again after a connection
-        error; the pipeline is rebuilt per attempt (a failed execute() clears its commands)."""
-        for attempt in range(FLUSH_ATTEMPTS):
-            pipe = self.r.pipeline(transaction=False)
-            for key, payload in batch:
-                pipe.xadd(key, {EVENT_FIELD: payload})
-                pipe.expire(key, STREAM_TTL_S)
-            wait = self.replica_ack_ms > 0 and time.monotonic() >= self._no_replica_until
-            if wait:
-                pipe.execute_command("WAIT", 1, self.replica_ack_ms)
+    def unsent(self) -> int:
+        """Batches Redis has not taken yet."""
+        return sum(len(q) for q in self._unsent.values())
+
+    def _send_unsent(self) -> bool:
+        failures, failure = 0, None
+        while True:
+            self._give_up_stale()
+            if not self._unsent:
+                if failures:
+                    log.info("stream writer: Redis takes events again")
+                return True
             try:
-                replies = pipe.execute()
-            except (redis.ConnectionError, redis.TimeoutError):  # Redis restarting or unreachable: keep the tokens
-                time.sleep(min(0.1 * (attempt + 1), 1.0))  # (a timed-out flush may have landed: readers skip it)
+                self._write_oldest()
+                continue  # what was taken is gone from the queue; the rest (a reader's later batches) at once
+            except redis.RedisError as e:  # a timed-out attempt may have landed: readers skip what they have
+                failure = e
+            failures += 1
+            if failures == 1:
+                log.warning("stream writer: Redis refused events (%s: %s); keeping them and retrying",
+                            type(failure).__name__, failure)
+            if failures >= FLUSH_ATTEMPTS:
+                log.error("stream writer: %d event batches wait for Redis (%s); kept, retrying", self.unsent(),
+                          type(failure).__name__)
+                return False
+            time.sleep(min(0.1 * failures, 1.0))
+
+    def _write_oldest(self) -> None:
+        """One pipeline: each reader's oldest unsent batch (XADD, and its stream's TTL refreshed). A reader's next
+        batch goes only once this one was taken, so none overtakes an earlier one. Raises a RedisError when the
+        pipeline failed as a whole, or the first refusal of a reader's batch after the others were taken."""
+        keys = list(self._unsent)
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.xadd(key, {EVENT_FIELD: self._unsent[key][0][0]})
+            pipe.expire(key, STREAM_TTL_S)
+        wait = self.replica_ack_ms > 0 and time.monotonic() >= self._no_replica_until
+        if wait:
+            pipe.execute_command("WAIT", 1, self.replica_ack_ms)
+        replies = pipe.execute(raise_on_error=False)
+        refused: BaseException | None = None
+        for i, key in enumerate(keys):
+            if isinstance(replies[2 * i], Exception):  # out of memory, MISCONF, ...: this reader's batch stays
+                refused = replies[2 * i]
                 continue
-            if wait and not replies[-1]:  # no replica holds them (none connected, or far behind)
-                self._no_replica_until = time.monotonic() + NO_REPLICA_RETRY_S
-                log.warning("stream writer: no replica acknowledged within %d ms; a failover now could lose "
-                            "tokens not yet read (checking again in %.0f s)", self.replica_ack_ms, NO_REPLICA_RETRY_S)
-            return
-        log.error("dropping stream events for %d requests: Redis unreachable", requests)
+            queue = self._unsent[key]
+            queue.pop(0)
+            if not queue:
+                del self._unsent[key]
+        if wait and not isinstance(replies[-1], Exception) and not replies[-1]:  # no replica holds them
+            self._no_replica_until = time.monotonic() + NO_REPLICA_RETRY_S
+            log.warning("stream writer: no replica acknowledged within %d ms; a failover now could lose "
+                        "tokens not yet read (checking again in %.0f s)", self.replica_ack_ms, NO_REPLICA_RETRY_S)
+        if refused is not None:
+            raise refused
+
+    def _give_up_stale(self) -> None:
+        """Drop batches older than GIVE_UP_S: every request they belong to has timed out at its reader."""
+        cutoff = time.monotonic() - GIVE_UP_S
+        for key in list(self._unsent):
+            queue = self._unsent[key]
+            stale = sum(1 for _, made in queue if made < cutoff)
+            if stale:
+                log.error("stream writer: giving up %d event batches for %s, unsent for %d s", stale, key,
+                          GIVE_UP_S)
+                del queue[:stale]
+                if not queue:
+                    del self._unsent[key]
 
     def _poll_flags(self) -> None:
         """Abort open requests whose cancel flag is set or whose reader's lease stayed missing past its grace."""
@@ -222,7 +279,7 @@ class StreamWriter:
         with self._lock:
             if self._urgent:
                 return 0.0
-            due = self._due or None
+            due = self._due or (now + 1.0 if self._unsent else None)  # unsent batches: tried again each second
             if self._routes and self.on_cancel is not None:
                 poll = self._last_cancel_poll + max(self.cancel_poll_s, MIN_POLL_S)
                 due = poll if due is None else min(due, poll)
@@ -237,7 +294,7 @@ class StreamWriter:
             try:
                 with self._lock:
                     ready = self._urgent or (self._due and time.monotonic() >= self._due)
-                if ready:
+                if ready or self._unsent:
                     self.flush()
                 self._poll_flags()
             except redis.RedisError:
