@@ -198,3 +198,20 @@ def test_a_stage_that_fails_unexpectedly_fails_its_request_at_once():
     calls.clear()
     WorkerRuntime.run(rt, req, lambda: None)
     assert calls == []
+
+
+def test_a_last_token_without_text_still_reaches_the_reader(farm):
+    """The last output of a request went unsent when its text was empty (a special token the detokenizer skips, or
+    bytes of an unfinished character): its id and log-probability were missing, so `logprobs.content` had one entry
+    fewer than `completion_tokens`. Every token the engine counted now arrives, with its log-probability."""
+    cfg, r, _ = farm
+    tok = get_tokenizer(cfg, cfg.default_model)
+    special = tok.convert_tokens_to_ids("<|im_start|>")  # skipped in text (skip_special_tokens), never EOS
+    assert special not in (tok.eos_token_id, None)
+    req = request(cfg, "Say something.", max_tokens=3, ignore_eos=True, logit_bias={special: 100.0}, logprobs=0)
+    events, text = collect(Gateway(cfg, r).submit(req))
+    done = events[-1]
+    assert done.type == "done" and done.usage.completion_tokens == 3, events
+    ids = [i for e in events if e.type == "delta" for i in e.ids]
+    assert ids == [special] * 3 and text == ""
+    assert sum(len(e.lp or []) for e in events if e.type == "delta") == 3

@@ -228,7 +228,7 @@ class WorkerRuntime:
             if first[0] and out.token_ids:
                 first[0] = False
                 espan.add_event("first_token")  # type: ignore[union-attr]
-            if out.text or (out.token_ids and not out.finished):
+            if out.text or out.token_ids:  # a last token without text (a skipped special token) counts too
                 lp = [x.to_list() for x in out.logprobs] if out.logprobs else None
                 self.streams.emit(rid, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp))
             if out.finished:
