@@ -379,3 +379,28 @@ def test_an_upload_past_the_quota_is_413_over_http(api, monkeypatch):
     upload(c, b'{"x": 1}\n')
     resp = upload(c, b'{"x": 1}\n')
     assert resp.status_code == 413 and resp.get_json()["error"]["code"] == "file_quota_exceeded"
+
+
+def test_a_batch_whose_input_went_before_a_takeover_keeps_its_answered_lines(api):
+    """A driver that takes a batch over (another pod, whose state dir lacks the prepared lines) derives its lines
+    again from the input file. When the client had deleted that file meanwhile, the batch failed and the lines already
+    answered were in no file, though the owner was charged for them. They now go out in the output file, and the
+    batch's error says how many lines were not run."""
+    c, cfg, r = api
+    fid = upload(c, "\n".join(chat_line(cfg, x) for x in "abc").encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    driver = BatchDriver(cfg, r=r)
+    assert driver.prep.validate(bid, driver.store.get(bid)) == "in_progress"
+    first = driver.prep.load_prepared(bid, driver.store.get(bid))[0]
+    driver.results.record_success(bid, first, "rid-a", Answer("answered", DoneEvent("stop", Usage(3, 1, 0))))
+    driver.prep.prepared_file(bid).unlink()  # the pod that prepared it is gone
+    assert c.delete(f"/v1/files/{fid}").status_code == 200
+    assert driver.drive(bid) == "failed"
+    b = c.get(f"/v1/batches/{bid}").get_json()
+    assert b["status"] == "failed" and b["failed_at"] and b["output_file_id"]
+    [err] = b["errors"]["data"]
+    assert err["code"] == "input_file_missing" and "1 lines had been answered" in err["message"]
+    assert "the other 2 were not run" in err["message"]
+    [out] = [json.loads(x) for x in c.get(f"/v1/files/{b['output_file_id']}/content").data.splitlines()]
+    assert out["custom_id"] == first.custom_id
+    assert out["response"]["body"]["choices"][0]["message"]["content"] == "answered"

@@ -120,7 +120,13 @@ class Preparation:
             pass
         lines, errors = self.prepare(b)  # prepared on another host, or lost: derive again from the input
         if errors:
-            self.end(bid, ("in_progress",), "failed", failed_at=int(time.time()),
-                      errors={"object": "list", "data": errors})
+            now, recorded = int(time.time()), len(self.store.recorded_ids(bid))
+            if recorded:  # lines answered before the input went: they go out in the output file, not away
+                errors = [{**e, "message": f"{e['message']} {recorded} lines had been answered (in the output "
+                           f"file); the other {int(b.get('total') or 0) - recorded} were not run."} for e in errors]
+                self.store.transition(bid, ("in_progress",), "finalizing", finalizing_at=now, final_status="failed",
+                                      errors={"object": "list", "data": errors})
+            else:
+                self.end(bid, ("in_progress",), "failed", failed_at=now, errors={"object": "list", "data": errors})
             return None
         return lines

@@ -117,7 +117,8 @@ class Results:
                 self.files.create(chunks, f"{bid}_{name}.jsonl", "batch_output", owner, file_id=fid,
                                   expires_at=int(time.time()) + self.cfg.batch.retention_s)
                 ids[field] = fid
-        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final]
+        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at",
+                 "failed": "failed_at"}[final]
         st = self.end(bid, (frm,), final, **ids, **{stamp: int(time.time())})
         log.info("batch %s %s: %d results", bid, st, len(results))
         return st
