@@ -177,6 +177,7 @@ def test_batch_lines_pass_the_semantic_guards_and_mom(api):
     fid = upload(c, "\n".join(blocked).encode()).get_json()["id"]
     bid = create(c, fid).get_json()["id"]
     assert driver.drive(bid) == "completed"
+    assert not driver.prep.prepared_file(bid).exists()  # its prepared lines leave the driver's disk once it ends
     b = c.get(f"/v1/batches/{bid}").get_json()
     assert b["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     out = [json.loads(x) for x in c.get(f"/v1/files/{b['output_file_id']}/content").get_data().splitlines()]

@@ -130,6 +130,8 @@ class BatchDriver:
         outcome = "error"
         try:
             outcome = self._step(batch_id, keeper)
+            if outcome in TERMINAL:  # its prepared lines (prompts' token ids) are no longer needed on this disk
+                self.prep.prepared_file(batch_id).unlink(missing_ok=True)
             return outcome
         finally:
             keeper.stop()
