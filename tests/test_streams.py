@@ -276,13 +276,15 @@ def test_a_reader_that_finds_a_hole_in_a_writers_batches_fails_the_requests_it_f
     from farm.protocol import ErrorEvent
 
     reader = ReplyReader(redis_client, ReliabilityConfig())
-    fed, fresh = reader.open("fed"), reader.open("fresh")
+    fed, fresh, moved = reader.open("fed"), reader.open("fresh"), reader.open("moved")
     key = reply_stream_key(reader.reader_id)
 
-    def write(seq: int, events: dict) -> None:
-        redis_client.xadd(key, {EVENT_FIELD: encode_reply("writer-1", seq, events)})
+    def write(seq: int, events: dict, writer: str = "writer-1") -> None:
+        redis_client.xadd(key, {EVENT_FIELD: encode_reply(writer, seq, events)})
 
-    write(1, {"fed": [StartEvent("both", "w").to_dict(), DeltaEvent("one ", 1, [1]).to_dict()]})
+    write(1, {"fed": [StartEvent("both", "w").to_dict(), DeltaEvent("one ", 1, [1]).to_dict()],
+              "moved": [StartEvent("prefill", "w").to_dict()]})
+    write(1, {"moved": [StartEvent("decode", "w2").to_dict(), DeltaEvent("x", 1, [7]).to_dict()]}, "writer-2")
     # seq 2 (more of "fed") never arrives
     write(3, {"fed": [DeltaEvent("three", 1, [3]).to_dict()],
               "fresh": [StartEvent("both", "w").to_dict(), DeltaEvent("new", 1, [9]).to_dict()]})
@@ -296,5 +298,7 @@ def test_a_reader_that_finds_a_hole_in_a_writers_batches_fails_the_requests_it_f
         assert [type(e).__name__ for e in got["fed"]] == ["StartEvent", "DeltaEvent", "ErrorEvent"]
         assert isinstance(got["fed"][-1], ErrorEvent) and got["fed"][-1].code == "events_lost"
         assert [type(e).__name__ for e in got["fresh"]] == ["StartEvent", "DeltaEvent"]
+        # handed over to writer-2 before the hole: not writer-1's to fail
+        assert [type(e).__name__ for e in moved.take(0.2)] == ["StartEvent", "StartEvent", "DeltaEvent"]
     finally:
         reader.stop()

@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 READ_COUNT = 1024  # entries per XREAD: one per worker flush, each holding many requests' events
 TRIM_EVERY_S = 1.0
 SEEN_WRITERS_MAX = 4096  # writer sequence numbers remembered (a writer is a worker process's life)
-FED_PRUNE_AT = 1024  # a writer's remembered requests are pruned to the open ones past this many
 
 
 class Mailbox:
@@ -101,7 +100,7 @@ class ReplyReader:
         self.lease_ttl_s = rcfg.lease_ttl_s
         self._boxes: dict[str, Mailbox] = {}
         self._seen: dict[str, int] = {}  # writer -> last sequence number read
-        self._fed: dict[str, set[str]] = {}  # writer -> requests it sent events to (pruned to open ones)
+        self._writer_of: dict[str, str] = {}  # open request -> the writer that sent it events last
         # the worker processes requests depend on -> (their record, how many requests): a worker restarted under its
         # id is another process, watched apart from the one that died
         self._watched: dict[Process, tuple[registry.WorkerInfo | None, int]] = {}
@@ -143,6 +142,7 @@ class ReplyReader:
 
     def close(self, attempt_id: str) -> None:
         self._boxes.pop(attempt_id, None)
+        self._writer_of.pop(attempt_id, None)
 
     def watch(self, worker_id: str, info: registry.WorkerInfo | None) -> Process:
         """Keep the liveness of `worker_id`'s process (the one `info` describes; None: whichever runs under the id)
@@ -216,25 +216,21 @@ class ReplyReader:
             return  # a flush retried after a connection error: read already
         if len(self._seen) >= SEEN_WRITERS_MAX:
             self._seen.pop(next(iter(self._seen)))
-            self._fed.pop(next(iter(self._fed)), None)
         self._seen[batch.writer] = batch.seq
-        fed = self._fed.setdefault(batch.writer, set())
         if last and batch.seq > last + 1:  # numbered per reader with no gap: batches were lost on the way
-            self._fail_lost(batch, fed, batch.seq - last - 1)
+            self._fail_lost(batch, batch.seq - last - 1)
         for rid, events in batch.events.items():
             box = self._boxes.get(rid)
             if box is not None:  # else: finished, cancelled or migrated away; its events are moot
-                fed.add(rid)
+                self._writer_of[rid] = batch.writer
                 box.put(events)
-        if len(fed) > FED_PRUNE_AT:
-            fed.intersection_update(self._boxes)
 
-    def _fail_lost(self, batch: ReplyBatch, fed: set[str], missing: int) -> None:
+    def _fail_lost(self, batch: ReplyBatch, missing: int) -> None:
         """A writer's batches `missing` before this one never arrived (Redis lost them: a restart without the
-        last second of its AOF, or a writer that gave them up): every open request that writer was feeding, and any
-        in this batch that does not begin here, may miss tokens. They end with an error (`events_lost`, retried
-        like a lost worker) instead of a shortened answer that looks whole."""
-        hit = {rid for rid in fed if rid in self._boxes}
+        last second of its AOF, or a writer that gave them up): the open requests that writer fed last, and any in
+        this batch that does not begin here, may miss tokens. They end with an error (`events_lost`, retried like a
+        lost worker) instead of a shortened answer that looks whole."""
+        hit = {rid for rid, writer in list(self._writer_of.items()) if writer == batch.writer and rid in self._boxes}
         hit |= {rid for rid, events in batch.events.items()
                 if rid in self._boxes and not (events and isinstance(events[0], StartEvent))}
         log.error("reply reader %s: %d batches from writer %s were lost; failing %d requests", self.reader_id,
@@ -242,6 +238,4 @@ class ReplyReader:
         for rid in hit:
             self._boxes[rid].put([ErrorEvent(f"{missing} reply batches from the worker were lost on the way; "
                                              "the answer is incomplete", "events_lost")])
-        for rid in hit:  # what arrived after the hole is not delivered: the request already ended
-            batch.events.pop(rid, None)
-        fed.difference_update(hit)
+            batch.events.pop(rid, None)  # what came after the hole is not delivered: the request has ended
