@@ -11,11 +11,15 @@ to its end:
   prefills (the prefill is redone elsewhere or locally);
 - `redis restart`: redis-server is stopped (SIGTERM, AOF flushed) mid-stream and started again on the same
   port and data dir (readers wait it out; workers keep their tokens until it is back);
+- `redis down 35 s`: the same, down longer than a worker's flush retries (about 25 s), which used to give
+  the events up;
+- `redis refuses writes`: `maxmemory 1` for 3 s mid-stream (every write fails with OOM, as a full Redis under
+  `noeviction` answers), which used to drop the flush in hand;
 - `API (reader) killed`: a reader process is killed mid-stream; the worker must stop the orphaned request
   once its lease lapses (recovery = until no request runs on any worker).
-Columns: requests in flight, completed (done with every token asked for), failed cleanly (an error event,
-a bounded wait), lost (no end within the timeout, or a done with missing tokens: must be 0), recovery (s
-from the fault until every affected stream produced again, or the orphan stopped).
+Columns: requests in flight, completed (done with every token asked for, each of them received), failed cleanly
+(an error event, a bounded wait), lost (no end within the timeout, or a done whose tokens did not all arrive:
+must be 0), recovery (s from the fault until every affected stream produced again, or the orphan stopped).
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ class Tracker:
                 elif isinstance(ev, DeltaEvent):
                     self.n += ev.n
                     self.delta_times.append(time.monotonic())
-                elif isinstance(ev, DoneEvent):
-                    self.outcome = "completed" if ev.usage.completion_tokens == self.tokens else "lost"
+                elif isinstance(ev, DoneEvent):  # the usage counts what the worker made, not what arrived
+                    whole = ev.usage.completion_tokens == self.tokens == self.n
+                    self.outcome = "completed" if whole else "lost"
                 elif isinstance(ev, ErrorEvent):
                     self.outcome = "failed"
         except Exception:  # noqa: BLE001 - a timeout: the request never ended
@@ -133,6 +138,34 @@ def fault_redis_restart(farm: ChaosFarm, prompt: list[int], n: int, tokens: int)
             "workers_restarted": len(restarted)}
 
 
+def fault_redis_long_outage(farm: ChaosFarm, prompt: list[int], n: int, tokens: int,
+                            down_s: float = 35.0) -> dict[str, Any]:
+    trackers = [Tracker(farm, prompt, tokens) for _ in range(n)]
+    wait_streaming(trackers)
+    t0 = time.monotonic()
+    farm.redis.stop()
+    time.sleep(down_s)
+    farm.redis.start()
+    counts = settle(trackers)
+    restarted = farm.heal()
+    return {"fault": f"redis down {down_s:.0f} s", **counts, "in_flight": n, "recovery_s": recovery(trackers, t0),
+            "workers_restarted": len(restarted)}
+
+
+def fault_redis_refuses_writes(farm: ChaosFarm, prompt: list[int], n: int, tokens: int,
+                               refuse_s: float = 3.0) -> dict[str, Any]:
+    trackers = [Tracker(farm, prompt, tokens) for _ in range(n)]
+    wait_streaming(trackers)
+    t0 = time.monotonic()
+    farm.r.config_set("maxmemory", 1)  # every write now fails: OOM command not allowed
+    time.sleep(refuse_s)
+    farm.r.config_set("maxmemory", 0)
+    counts = settle(trackers)
+    restarted = farm.heal()
+    return {"fault": f"redis refuses writes {refuse_s:.0f} s", **counts, "in_flight": n,
+            "recovery_s": recovery(trackers, t0), "workers_restarted": len(restarted)}
+
+
 def fault_reader_killed(farm: ChaosFarm, prompt: list[int], tokens: int) -> dict[str, Any]:
     req = farm.request(prompt, max_tokens=tokens * 20, ignore_eos=True)
     reader = reader_process(farm.env, req)
@@ -167,7 +200,8 @@ def main() -> None:
         farm.start_workers(("prefill", "prefill-1"), ("decode", "decode-1"), ("decode", "decode-2"))
         prompt = chat_prompt_ids(get_tokenizer(farm.cfg, MODEL),
                                  [{"role": "user", "content": "Tell me a long story about a lighthouse."}])
-        for fault in (fault_decode_kill, fault_prefill_kill, fault_redis_restart):
+        for fault in (fault_decode_kill, fault_prefill_kill, fault_redis_restart, fault_redis_long_outage,
+                      fault_redis_refuses_writes):
             rows.append(fault(farm, prompt, args.requests, args.tokens))
             print(rows[-1], flush=True)
         rows.append(fault_reader_killed(farm, prompt, args.tokens))

@@ -145,7 +145,7 @@ def test_a_failed_guard_gets_on_error(tmp_path, embedder, vllm_guard):
 
     dead = f"http://127.0.0.1:{free_port()}/classify"
     before = counted()
-    assert decide(_layer(tmp_path, embedder, {"url": dead}), "MoM", user, no_cache=True).action == "forward"
+    assert decide(_layer(tmp_path, embedder, {"url": dead}), "MoM", user, scope="", no_cache=True).action == "forward"
     assert counted() == (before[0] + 1, before[1] + 1, before[2] + 1)  # the wait for a failed call is timed too
     v = _layer(tmp_path, embedder, {"url": dead, "on_error": "block"}).before("MoM", user, no_cache=True)
     assert v.action == "block" and "unreachable" in v.explain["jailbreak"]["remote"]["error"]
