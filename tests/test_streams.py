@@ -302,3 +302,34 @@ def test_a_reader_that_finds_a_hole_in_a_writers_batches_fails_the_requests_it_f
         assert [type(e).__name__ for e in moved.take(0.2)] == ["StartEvent", "StartEvent", "DeltaEvent"]
     finally:
         reader.stop()
+
+
+def test_a_reader_keeps_reading_while_redis_refuses_its_lease(tmp_path):
+    """Redis can refuse the reader's lease renewal (a write: out of memory under `noeviction`, MISCONF) while it
+    still serves reads: the reader then went into its error pause before every read, so tokens already in its
+    stream waited for the refusal to end. It now reads on. Here Redis refuses the write by ACL, mid-run."""
+    from farm.config.processes import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+
+    proc, url = start_redis(tmp_path / "refusing")
+    try:
+        admin = redis.Redis.from_url(url)
+        admin.acl_setuser("reader", enabled=True, nopass=True, keys=["*"], commands=["+@all"])
+        r = redis.Redis.from_url(url.replace("redis://", "redis://reader@"))
+        reader = ReplyReader(r, ReliabilityConfig(lease_ttl_s=2))  # renewed every 0.5 s
+        box = reader.open("r1")
+        reader.start()
+        try:
+            admin.acl_setuser("reader", commands=["-set"])  # its lease's SET is refused from now on
+            time.sleep(1.0)  # past a renewal
+            admin.xadd(reply_stream_key(reader.reader_id),
+                       {EVENT_FIELD: encode_reply("w", 1, {"r1": [DeltaEvent("still read", 1, [1]).to_dict()]})})
+            got, deadline = [], time.monotonic() + 3
+            while not got and time.monotonic() < deadline:
+                got += box.take(0.1)
+            assert [e.text for e in got] == ["still read"]
+        finally:
+            reader.stop()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -182,8 +182,12 @@ class ReplyReader:
             try:
                 now = time.monotonic()
                 if now >= next_lease:
-                    self._renew_lease()
-                    next_lease = now + self.lease_ttl_s / 4
+                    try:
+                        self._renew_lease()
+                        next_lease = now + self.lease_ttl_s / 4
+                    except redis.ResponseError as e:  # a write refused (out of memory, MISCONF): keep reading,
+                        log.warning("reply reader %s: lease not renewed: %s", self.reader_id, e)  # tokens still come
+                        next_lease = now + 0.25
                 if now >= next_check:
                     self._check_workers()
                     next_check = now + self.rcfg.check_interval_s
