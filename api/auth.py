@@ -114,13 +114,8 @@ def _check() -> None:
         return
     auth = _auth()
     token = _bearer()
-    if path == METRICS_PATH:
-        if auth.cfg.api.metrics_public or auth.keys.is_metrics_token(token):
-            return
-        if len(auth.keys) and auth.keys.owner(token) is not None:
-            raise APIError(403, "An API key does not open /metrics: its series count every tenant's requests "
-                           "(categories, guard blocks, cache hits). Scrape it with FARM_METRICS_TOKEN.",
-                           type="invalid_request_error", code="permission_denied")
+    if path == METRICS_PATH and (auth.cfg.api.metrics_public or auth.keys.is_metrics_token(token)):
+        return
     if len(auth.keys):
         owner = auth.keys.owner(token)
         if owner is None:
@@ -128,6 +123,10 @@ def _check() -> None:
                 raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
                                  "(or 'x-api-key: <key>').")
             raise unauthorized("Incorrect API key provided.")
+        if path == METRICS_PATH:
+            raise APIError(403, "An API key does not open /metrics: its series count every tenant's requests "
+                           "(categories, guard blocks, cache hits). Scrape it with FARM_METRICS_TOKEN.",
+                           type="invalid_request_error", code="permission_denied")
         g.farm_owner = owner
         admit(owner)  # requests in progress per key: before the body is read (slow bodies, api/admission.py)
     elif not auth.cfg.api.allow_unauthenticated and not _is_loopback(request.remote_addr):

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,45 +126,35 @@ def fault_prefill_kill(farm: ChaosFarm, prompt: list[int], n: int, tokens: int) 
             "recovery_s": round(max(firsts) - t0, 2) if firsts else None}
 
 
+def _redis_fault(farm: ChaosFarm, prompt: list[int], n: int, tokens: int, name: str, begin: Callable[[], Any],
+                 end: Callable[[], Any], hold_s: float) -> dict[str, Any]:
+    """`n` requests streaming, then `begin()`, `hold_s` seconds, `end()`; every request followed to its end, and
+    the workers healed as farm up's supervisor does (a worker Celery gave up on)."""
+    trackers = [Tracker(farm, prompt, tokens) for _ in range(n)]
+    wait_streaming(trackers)
+    t0 = time.monotonic()
+    begin()
+    time.sleep(hold_s)
+    end()
+    counts = settle(trackers)
+    restarted = farm.heal()
+    return {"fault": name, **counts, "in_flight": n, "recovery_s": recovery(trackers, t0),
+            "workers_restarted": len(restarted)}
+
+
 def fault_redis_restart(farm: ChaosFarm, prompt: list[int], n: int, tokens: int) -> dict[str, Any]:
-    trackers = [Tracker(farm, prompt, tokens) for _ in range(n)]
-    wait_streaming(trackers)
-    t0 = time.monotonic()
-    farm.redis.stop()
-    time.sleep(2.0)
-    farm.redis.start()
-    counts = settle(trackers)
-    restarted = farm.heal()  # as farm up's supervisor does (a worker Celery gave up on)
-    return {"fault": "redis restart (2 s down)", **counts, "in_flight": n, "recovery_s": recovery(trackers, t0),
-            "workers_restarted": len(restarted)}
+    return _redis_fault(farm, prompt, n, tokens, "redis restart (2 s down)", farm.redis.stop, farm.redis.start, 2.0)
 
 
-def fault_redis_long_outage(farm: ChaosFarm, prompt: list[int], n: int, tokens: int,
-                            down_s: float = 35.0) -> dict[str, Any]:
-    trackers = [Tracker(farm, prompt, tokens) for _ in range(n)]
-    wait_streaming(trackers)
-    t0 = time.monotonic()
-    farm.redis.stop()
-    time.sleep(down_s)
-    farm.redis.start()
-    counts = settle(trackers)
-    restarted = farm.heal()
-    return {"fault": f"redis down {down_s:.0f} s", **counts, "in_flight": n, "recovery_s": recovery(trackers, t0),
-            "workers_restarted": len(restarted)}
+def fault_redis_long_outage(farm: ChaosFarm, prompt: list[int], n: int, tokens: int) -> dict[str, Any]:
+    """Down longer than a worker's flush retries (about 25 s)."""
+    return _redis_fault(farm, prompt, n, tokens, "redis down 35 s", farm.redis.stop, farm.redis.start, 35.0)
 
 
-def fault_redis_refuses_writes(farm: ChaosFarm, prompt: list[int], n: int, tokens: int,
-                               refuse_s: float = 3.0) -> dict[str, Any]:
-    trackers = [Tracker(farm, prompt, tokens) for _ in range(n)]
-    wait_streaming(trackers)
-    t0 = time.monotonic()
-    farm.r.config_set("maxmemory", 1)  # every write now fails: OOM command not allowed
-    time.sleep(refuse_s)
-    farm.r.config_set("maxmemory", 0)
-    counts = settle(trackers)
-    restarted = farm.heal()
-    return {"fault": f"redis refuses writes {refuse_s:.0f} s", **counts, "in_flight": n,
-            "recovery_s": recovery(trackers, t0), "workers_restarted": len(restarted)}
+def fault_redis_refuses_writes(farm: ChaosFarm, prompt: list[int], n: int, tokens: int) -> dict[str, Any]:
+    """Every write fails (OOM command not allowed), as a full Redis under `noeviction` answers."""
+    return _redis_fault(farm, prompt, n, tokens, "redis refuses writes 3 s",
+                        lambda: farm.r.config_set("maxmemory", 1), lambda: farm.r.config_set("maxmemory", 0), 3.0)
 
 
 def fault_reader_killed(farm: ChaosFarm, prompt: list[int], tokens: int) -> dict[str, Any]:

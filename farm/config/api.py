@@ -8,6 +8,8 @@ from pydantic import Field, field_validator, model_validator
 
 from farm.config.base import Section
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a listener on these is reached from this machine only
+
 
 class ApiLimitsConfig(Section):
     """Per API key (each key on its own), held in Redis so every API replica enforces the same count."""

@@ -16,9 +16,9 @@ from farm.config.base import ConfigError
 
 _PLACEHOLDER = re.compile(r"change-?me", re.IGNORECASE)
 MAKE_ONE = "openssl rand -hex 24"
-# Environment variables that hold a secret (the Flower ones as user:password).
-SECRET_ENV = ("FARM_SECRET", "FARM_REDIS_PASSWORD", "FARM_METRICS_TOKEN", "FARM_API_KEYS", "FARM_FLOWER_AUTH",
-              "FLOWER_BASIC_AUTH")
+FLOWER_ENV = ("FARM_FLOWER_AUTH", "FLOWER_BASIC_AUTH")  # Flower's basic auth, user:password
+# Environment variables that hold a secret.
+SECRET_ENV = ("FARM_SECRET", "FARM_REDIS_PASSWORD", "FARM_METRICS_TOKEN", "FARM_API_KEYS", *FLOWER_ENV)
 
 
 def is_placeholder(value: str) -> bool:
@@ -34,9 +34,6 @@ def refuse_placeholders(environ: Mapping[str, str], configured: Iterable[tuple[s
     if found:
         raise ConfigError(f"the example's change-me placeholder is still in {', '.join(found)}: set real secrets "
                           f"(e.g. {MAKE_ONE}) before starting the farm")
-
-
-FLOWER_ENV = ("FARM_FLOWER_AUTH", "FLOWER_BASIC_AUTH")
 
 
 def flower_auth_problem(value: str) -> str | None:

@@ -110,8 +110,8 @@ H_FAST = "x-vsr-fast-response"  # answered with the category's fast_response, no
 SCANNED_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MEMO_ENTRIES = 4096  # texts whose embedding and PII types are kept per process (about 1.6 kB each)
 # MoM among models that score alike (Route.tied): (tied models, the messages as the model would get them, the
-# caller's scope, its KV cache salt) -> (the model, why: "kv-cache" | "load"), or None to keep the best-scored one. The API's answers from
-# the router's KV index and load (api/app.py, FarmContext.prefer_model).
+# caller's scope, its KV cache salt) -> (the model, why: "kv-cache" | "load"), or None to keep the best-scored
+# one. The API's answers from the router's KV index and load (api/app.py, FarmContext.prefer_model).
 Prefer = Callable[[tuple[str, ...], list[dict], str], tuple[str, str] | None]
 
 V = TypeVar("V")
@@ -413,8 +413,8 @@ class SemanticLayer:
             last_user = max(i for i, m in enumerate(out_messages) if m.get("role") == "user")
             history = [{"role": m.get("role"), "content": message_text(m.get("content"))}
                        for m in out_messages[:last_user] if m.get("role") not in ("system", "developer")]
-            owner = "" if cfg.cache.shared_across_tenants else scope
-            query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history, owner), vec,
+            cache_scope = "" if cfg.cache.shared_across_tenants else scope
+            query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history, cache_scope), vec,
                                text_sha(last), guard_signature(last), truncated, word_sequence(last))
             hit = self.cache.lookup(query)
             t["cache"] = _ms(s)

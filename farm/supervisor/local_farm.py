@@ -34,12 +34,12 @@ from farm.config import (
     farm_secret,
     redact_url,
 )
+from farm.config.api import LOOPBACK_HOSTS
 from farm.infra import filemodes, logfiles
 from farm.infra.orphans import die_with_parent
 from farm.supervisor.flower_login import flower_login
 from farm.supervisor.health_checks import HealthChecks
 from farm.supervisor.network import (
-    LOCAL_HOSTS,
     _display_host,
     _hostport,
     _port_in_use,
@@ -114,7 +114,7 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
         self.flower_host = cfg.flower.host
         self.flower_port = int(flower_port or cfg.flower.port)
         self.flower_auth = os.environ.get("FARM_FLOWER_AUTH", "")
-        if flower and self.flower_host not in LOCAL_HOSTS:
+        if flower and self.flower_host not in LOOPBACK_HOSTS:
             if not self.flower_auth:  # a malformed one is refused when the configuration loads (weak_secrets)
                 raise ConfigError(
                     f"flower.host is {self.flower_host!r} (reachable from other machines): set "

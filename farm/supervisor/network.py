@@ -9,8 +9,6 @@ from farm.config import (
     FarmConfig,
 )
 
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
-
 
 def _display_host(host: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "", "::") else host

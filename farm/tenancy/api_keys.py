@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from farm.config import ApiKeyEntry, FarmConfig
+from farm.config.api import LOOPBACK_HOSTS
 
 ENV_KEYS = "FARM_API_KEYS"
 ENV_METRICS_TOKEN = "FARM_METRICS_TOKEN"
@@ -77,9 +78,6 @@ class KeyRing:
 def keys_configured(cfg: FarmConfig, environ: Mapping[str, str] | None = None) -> bool:
     """Whether at least one API key is configured (config or FARM_API_KEYS)."""
     return bool(_entries(cfg, os.environ if environ is None else environ))
-
-
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def open_api_refusal(cfg: FarmConfig, environ: Mapping[str, str] | None = None) -> str | None:
