@@ -69,6 +69,12 @@ def request_scope(client_salt: object = None) -> str:
     return tenant_cache_salt(current_owner(), client_salt if isinstance(client_salt, str) else None)
 
 
+def request_tenant() -> str:
+    """The cache salt of this request's key's owner alone ("" for a keyless farm's one tenant): what the owner's
+    shares of shared caches are counted by, whatever `cache_salt` its clients send."""
+    return tenant_cache_salt(current_owner())
+
+
 def reserve_tokens(tokens: int, least: int) -> Reservation:
     """Hold up to `tokens` (a generation's prompt plus n x max_tokens) of the caller's token quota until the
     generation ends (`Reservation.settle`): all of them, or what is left when that is at least `least` (the prompt

@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Response, jsonify, request
 
+from api.auth import request_tenant
 from farm.models.tokenization import template_reads
 from farm.openai.parsing import local_params
 from farm.openai.responses import Choice, ChunkWriter, full_response
@@ -57,11 +58,12 @@ def decide(layer: SemanticLayer | None, model: str, messages: list[dict], *, sco
     `inject=False` (text completions: no system prompt to put anything in) keeps the messages as sent.
     `fits` vets a cache hit against the request (see `answer_fits`); a hit that does not fit is
     generated instead, and not stored again. `scope` (required: the request's KV cache salt, `request_scope`)
-    keeps the layer's memo and cache and MoM's look at the KV index to the caller."""
+    keeps the layer's memo and cache and MoM's look at the KV index to the caller; what it stores counts against
+    its key's owner's share of the cache (`request_tenant`)."""
     if layer is None:
         return SemanticLayer.passthrough(model, messages)
     t0 = time.perf_counter()
-    v = layer.before(model, messages, no_cache=no_cache, scope=scope)
+    v = layer.before(model, messages, no_cache=no_cache, scope=scope, tenant=request_tenant())
     if v.action == "cached" and fits is not None and not fits(v):
         v = v.as_miss()
     prometheus.SEMANTIC_SECONDS.observe(time.perf_counter() - t0)

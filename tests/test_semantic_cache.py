@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -124,6 +125,54 @@ def test_partition_bound(redis_client):
     assert c.lookup(q(vecs[2])).answer == "a2"
 
 
+def test_one_tenants_flood_evicts_its_own_answers_not_the_others(redis_client):
+    """Past its share of the cache, a tenant's oldest entries go, not the oldest of all: one key storing many
+    answers cannot push every other tenant's out (before, eviction was global, oldest first)."""
+    c = make(redis_client, max_entries=8, max_tenant_entries=3)
+    kept = unit(40)
+    c.store(replace(q(kept), tenant="t-a"), "a's answer")
+    flood = [unit(41 + i) for i in range(12)]
+    for i, v in enumerate(flood):
+        c.store(replace(q(v, model=f"m{i % 3}"), tenant="t-b"), f"b{i}")
+    assert c.lookup(q(kept)).answer == "a's answer"
+    assert [c.lookup(q(v, model=f"m{i % 3}")) is not None for i, v in enumerate(flood)] == [False] * 9 + [True] * 3
+    assert c.size() == 4
+    assert redis_client.zcard("farm:sc:t:t-b") == 3
+
+
+def test_a_tenants_index_forgets_entries_evicted_for_room(redis_client):
+    """Entries evicted past `max_entries` or a partition's bound leave their tenant's index too, so a tenant's
+    count is of entries that exist (a stale member would evict the tenant's live answers early)."""
+    c = make(redis_client, max_entries=4, max_tenant_entries=3, max_partition_entries=2)
+    for i in range(12):
+        c.store(replace(q(unit(60 + i), model=f"m{i % 2}"), tenant=f"t-{i % 3}"), f"x{i}")
+    live = {m.decode() for m in redis_client.zrange("farm:sc:all", 0, -1)}
+    assert len(live) == 4
+    indexed = set()
+    for key in redis_client.scan_iter(match="farm:sc:t:*"):
+        indexed |= {m.decode() for m in redis_client.zrange(key, 0, -1)}
+    assert indexed == live
+
+
+def test_a_cache_without_tenants_has_no_share(redis_client):
+    """A keyless farm (tenant "") is one tenant: the whole cache is its."""
+    c = make(redis_client, max_entries=5, max_tenant_entries=1)
+    vecs = [unit(80 + i) for i in range(5)]
+    for i, v in enumerate(vecs):
+        c.store(q(v), f"a{i}")
+    assert all(c.lookup(q(v)) is not None for v in vecs)
+
+
+@pytest.mark.parametrize(("kw", "share"), [({}, 2500), ({"max_entries": 3}, 1), ({"max_tenant_entries": 7}, 7)])
+def test_a_tenants_share_defaults_to_a_quarter(kw, share):
+    assert CacheConfig(**kw).tenant_share == share
+
+
+def test_a_share_above_the_whole_cache_is_refused():
+    with pytest.raises(ValueError, match="max_tenant_entries"):
+        CacheConfig(max_entries=10, max_tenant_entries=11)
+
+
 def test_shared_between_instances_and_mirror_refresh(redis_client):
     a, b = make(redis_client), make(redis_client)
     v = unit(30)
@@ -207,6 +256,16 @@ def test_milvus_backend_same_contract(tmp_path):
     c.sweep()  # past max_entries: the oldest goes
     assert c.lookup(mq(base)) is None
     assert c.lookup(mq(unit(53))).answer == "c"
+
+    # a tenant past its share loses its own oldest, not another tenant's
+    c.clear()
+    c.cfg = cfg.model_copy(update={"max_entries": 4, "max_tenant_entries": 2})
+    c.store(replace(mq(unit(54)), tenant="t-a"), "a's")
+    for i in range(3):
+        c.store(replace(mq(unit(55 + i)), tenant="t-b"), f"b{i}")
+    c.sweep()
+    assert c.lookup(mq(unit(54))).answer == "a's"
+    assert [c.lookup(mq(unit(55 + i))) is not None for i in range(3)] == [False, True, True]
 
 
 @pytest.mark.parametrize(("a", "b", "edit"), [

@@ -213,11 +213,26 @@ class CacheConfig(Section):
     ttl_s: int = Field(3600, ge=1)
     max_entries: int = Field(10000, ge=1)  # across all partitions; the oldest entries are evicted first
     max_partition_entries: int = Field(2000, ge=1)  # per model + system prompt: bounds one brute-force search
+    # One tenant's (API key owner's) entries at most; past it, that tenant's oldest go first, so one key's flood
+    # cannot evict every other tenant's answers. None: a quarter of max_entries. Unused when shared_across_tenants.
+    max_tenant_entries: int | None = Field(None, ge=1)
     key_prefix: str = "farm:sc"
     # false: each tenant (API key owner; keyless clients are one tenant) has its own cache, so no answer
     # (nor the fact that someone asked) crosses keys; true: one cache for every tenant (more hits).
     shared_across_tenants: bool = False
     milvus: MilvusConfig = MilvusConfig()
+
+    @model_validator(mode="after")
+    def _tenant_share_fits(self) -> CacheConfig:
+        if self.max_tenant_entries is not None and self.max_tenant_entries > self.max_entries:
+            raise ValueError(f"semantic.cache.max_tenant_entries ({self.max_tenant_entries}) is above max_entries "
+                             f"({self.max_entries}): one tenant could still evict every other tenant's entries")
+        return self
+
+    @property
+    def tenant_share(self) -> int:
+        """The most entries one tenant keeps: `max_tenant_entries`, by default a quarter of `max_entries`."""
+        return self.max_tenant_entries or max(1, self.max_entries // 4)
 
     @property
     def lowest_hit(self) -> float:

@@ -12,8 +12,9 @@ rephrasings and such one-place edits alike (0.82-0.89), but the edits keep the s
 rephrasings do not. Prompts longer than the embedding window are only served on an exact text match.
 
 Redis backend (default): entries are hashes with the vector as float32 bytes, a TTL, a per-partition
-sorted set and a global one (oldest evicted first past `max_entries`, or past `max_partition_entries`
-in one partition), all written by one Lua script so concurrent API processes agree. Each process keeps
+sorted set, a per-tenant one and a global one (oldest evicted first past `max_entries`, past
+`max_partition_entries` in one partition, or past the tenant's share, `CacheConfig.tenant_share`, so one key's
+flood evicts its own answers, not every tenant's), all written by one Lua script so concurrent API processes agree. Each process keeps
 a numpy mirror per partition, reloaded only when the partition's version token in Redis changes, and
 searches it by brute force (bounded by `max_partition_entries`). Shared by every API process; survives
 restarts with Redis's AOF.
@@ -168,6 +169,9 @@ class CacheQuery:
     signature: str  # guard_signature of the compared text
     exact_only: bool  # the text was truncated for embedding: only an exact match may hit
     words: str = ""  # word_sequence of the compared text (the lexical guard)
+    # whose share of the cache a stored answer counts against (`CacheConfig.tenant_share`): the key owner's
+    # cache salt, "" for none (a keyless farm, or a cache shared across tenants)
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -198,11 +202,12 @@ _STORE_LUA = """
 local prefix, pid, eid = ARGV[1], ARGV[2], ARGV[3]
 local ttl, now = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_all, max_part = tonumber(ARGV[6]), tonumber(ARGV[7])
+local tenant, max_tenant = ARGV[15], tonumber(ARGV[16])
 local ekey = prefix .. ':e:' .. pid .. ':' .. eid
 local pkey = prefix .. ':p:' .. pid
 local allkey = prefix .. ':all'
 redis.call('HSET', ekey, 'v', ARGV[8], 'a', ARGV[9], 's', ARGV[10], 'g', ARGV[11], 'x', ARGV[12], 't', ARGV[5],
-           'w', ARGV[14])
+           'w', ARGV[14], 'o', tenant)
 redis.call('EXPIRE', ekey, ttl)
 redis.call('ZADD', pkey, now, eid)
 redis.call('EXPIRE', pkey, ttl)
@@ -211,7 +216,10 @@ redis.call('SET', prefix .. ':ver:' .. pid, ARGV[13], 'EX', ttl)
 local function drop(member)
   local sep = string.find(member, ':', 1, true)
   local p, e = string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
-  redis.call('DEL', prefix .. ':e:' .. p .. ':' .. e)
+  local ek = prefix .. ':e:' .. p .. ':' .. e
+  local owner = redis.call('HGET', ek, 'o')
+  if owner and owner ~= '' then redis.call('ZREM', prefix .. ':t:' .. owner, member) end
+  redis.call('DEL', ek)
   redis.call('ZREM', prefix .. ':p:' .. p, e)
   redis.call('ZREM', allkey, member)
   redis.call('SET', prefix .. ':ver:' .. p, ARGV[13], 'EX', ttl)
@@ -221,6 +229,16 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', allkey, '-inf', now - ttl)) do dr
 local over = redis.call('ZCARD', pkey) - max_part
 if over > 0 then
   for _, e in ipairs(redis.call('ZRANGE', pkey, 0, over - 1)) do drop(pid .. ':' .. e); evicted = evicted + 1 end
+end
+if tenant ~= '' then
+  local tkey = prefix .. ':t:' .. tenant
+  redis.call('ZREMRANGEBYSCORE', tkey, '-inf', now - ttl)
+  redis.call('ZADD', tkey, now, pid .. ':' .. eid)
+  redis.call('EXPIRE', tkey, ttl)
+  over = redis.call('ZCARD', tkey) - max_tenant
+  if over > 0 then
+    for _, m in ipairs(redis.call('ZRANGE', tkey, 0, over - 1)) do drop(m); evicted = evicted + 1 end
+  end
 end
 over = redis.call('ZCARD', allkey) - max_all
 if over > 0 then
@@ -308,7 +326,7 @@ class RedisSemanticCache:
         self.last_evicted = int(self._store(args=[
             self.prefix, q.partition, eid, self.cfg.ttl_s, f"{time.time():.6f}", self.cfg.max_entries,
             self.cfg.max_partition_entries, q.vector.astype(np.float32).tobytes(), answer, q.sha, q.signature,
-            "1" if q.exact_only else "0", uuid.uuid4().hex, q.words]))
+            "1" if q.exact_only else "0", uuid.uuid4().hex, q.words, q.tenant, self.cfg.tenant_share]))
         return eid
 
     def size(self) -> int:
@@ -328,7 +346,8 @@ class MilvusSemanticCache:
 
     One collection with a COSINE index; the partition, signature, text hash and creation time are scalar
     fields used in the search filter. TTL: entries older than ttl_s are filtered out of searches and
-    deleted every `_SWEEP_EVERY` stores, together with the oldest entries past `max_entries`.
+    deleted every `_SWEEP_EVERY` stores, together with each tenant's oldest past its share and the oldest
+    entries past `max_entries`.
     """
 
     _SWEEP_EVERY = 64
@@ -369,21 +388,28 @@ class MilvusSemanticCache:
         self.c.insert(self.name, data=[{"id": eid, "vector": q.vector.astype(np.float32).tolist(),
                                         "partition": q.partition, "answer": answer, "sha": q.sha,
                                         "sig": q.signature, "exact": bool(q.exact_only), "words": q.words,
-                                        "created": time.time()}])
+                                        "tenant": q.tenant, "created": time.time()}])
         self._stores += 1
         if self._stores % self._SWEEP_EVERY == 0:
             self.sweep()
         return eid
 
     def sweep(self) -> None:
-        """Delete expired entries, then the oldest past max_entries."""
+        """Delete expired entries, then each tenant's oldest past its share, then the oldest past max_entries."""
         self.c.delete(self.name, filter=f"created < {time.time() - self.cfg.ttl_s}")
-        rows = [dict(r) for r in self.c.query(self.name, filter="created >= 0", output_fields=["id", "created"],
+        rows = [dict(r) for r in self.c.query(self.name, filter="created >= 0",
+                                              output_fields=["id", "created", "tenant"],
                                               limit=self.cfg.max_entries + 1024)]  # materialise the lazy rows
-        over = len(rows) - self.cfg.max_entries
-        if over > 0:
-            rows.sort(key=lambda r: r["created"])
-            self.c.delete(self.name, ids=[r["id"] for r in rows[:over]])
+        rows.sort(key=lambda r: r["created"])
+        per_tenant: dict[str, list[dict]] = {}
+        for r in rows:
+            if r.get("tenant"):
+                per_tenant.setdefault(r["tenant"], []).append(r)
+        gone = {r["id"] for own in per_tenant.values() for r in own[:max(0, len(own) - self.cfg.tenant_share)]}
+        rows = [r for r in rows if r["id"] not in gone]
+        gone.update(r["id"] for r in rows[:max(0, len(rows) - self.cfg.max_entries)])
+        if gone:
+            self.c.delete(self.name, ids=sorted(gone))
 
     def clear(self) -> None:
         self.c.drop_collection(self.name)

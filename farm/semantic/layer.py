@@ -272,10 +272,13 @@ class SemanticLayer:
         return Verdict("forward", model, messages)
 
     # -- the request path ------------------------------------------------------------------------------
-    def before(self, model: str, messages: list[dict], no_cache: bool = False, scope: str = "") -> Verdict:
+    def before(self, model: str, messages: list[dict], no_cache: bool = False, scope: str = "",
+               tenant: str = "") -> Verdict:
         """`scope` is the caller's: the request's KV cache salt (`farm.tenancy.api_keys.tenant_cache_salt` of its
         key's owner and its own `cache_salt`; "" is one scope for all). It partitions the memo and the cache (unless
-        `cache.shared_across_tenants`) and salts `prefer`'s look at the KV index."""
+        `cache.shared_across_tenants`) and salts `prefer`'s look at the KV index. `tenant` is the key owner's salt
+        alone (no client `cache_salt`, which a client may vary at will): the share of the cache its answers count
+        against."""
         cfg = self.cfg
         if not cfg.enabled:
             return self.passthrough(model, messages)
@@ -413,9 +416,10 @@ class SemanticLayer:
             last_user = max(i for i, m in enumerate(out_messages) if m.get("role") == "user")
             history = [{"role": m.get("role"), "content": message_text(m.get("content"))}
                        for m in out_messages[:last_user] if m.get("role") not in ("system", "developer")]
-            cache_scope = "" if cfg.cache.shared_across_tenants else scope
-            query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history, cache_scope), vec,
-                               text_sha(last), guard_signature(last), truncated, word_sequence(last))
+            shared = cfg.cache.shared_across_tenants
+            query = CacheQuery(partition_key(route.model, system_prompt_of(out_messages), history,
+                                             "" if shared else scope), vec, text_sha(last), guard_signature(last),
+                               truncated, word_sequence(last), "" if shared else tenant)
             hit = self.cache.lookup(query)
             t["cache"] = _ms(s)
             if hit is not None:

@@ -26,10 +26,12 @@ def ask(app, key: str | None, cache_salt: str | None = None):
     return app.test_client().post("/v1/chat/completions", json=body, headers=bearer(key) if key else {})
 
 
-def store_answer_of(app, owner: str, cache_salt: str | None = None) -> None:
+def store_answer_of(app, owner: str, cache_salt: str | None = None, question: str = QUESTION,
+                    answer: str = ANSWER) -> None:
     layer = app.extensions["farm"].semantic()
-    v = layer.before("MoM", [{"role": "user", "content": QUESTION}], scope=tenant_cache_salt(owner, cache_salt))
-    assert v.action == "forward" and layer.after(v, ANSWER)
+    v = layer.before("MoM", [{"role": "user", "content": question}], scope=tenant_cache_salt(owner, cache_salt),
+                     tenant=tenant_cache_salt(owner))
+    assert v.action == "forward" and layer.after(v, answer)
 
 
 def owner_of(app, key: str) -> str:
@@ -100,6 +102,38 @@ def test_the_layers_memo_keeps_each_key_to_its_own_texts_on_every_route(redis_ur
         finally:
             embedder.encode_texts = encode
     assert encoded.count(prompt) == 2, encoded  # once for A, once for B; each key's repeat from its own memo
+
+
+def test_one_keys_flood_of_answers_leaves_the_others_cached(redis_url, tmp_path, redis_client):
+    """The cache's room is shared, but each key's owner has a share of it (`semantic.cache.max_tenant_entries`):
+    B storing many answers, under any number of `cache_salt`s, evicts B's own oldest, not A's answer."""
+    with farm_app(redis_url, tmp_path, FARM_API_KEYS=f"{KEY_A},{KEY_B}", FARM_SEMANTIC__CACHE__MAX_ENTRIES="12",
+                  FARM_SEMANTIC__CACHE__MAX_TENANT_ENTRIES="4") as app:
+        store_answer_of(app, owner_of(app, KEY_A))
+        for i in range(14):
+            store_answer_of(app, owner_of(app, KEY_B), f"user-{i}", f"What is {i * 7919} in binary?", f"n{i}")
+        assert_hit(ask(app, KEY_A))
+
+
+def test_the_route_counts_a_stored_answer_against_the_keys_owner(redis_url, tmp_path, redis_client):
+    """The share is the owner's, not the request's scope: a client's own `cache_salt` (one per end user, or a
+    new one per request) narrows what it may hit, not whose room its answers take."""
+    with farm_app(redis_url, tmp_path, FARM_API_KEYS=f"{KEY_A},{KEY_B}") as app:
+        layer = app.extensions["farm"].semantic()
+        before = layer.before
+        seen: list[tuple[str, str]] = []
+
+        def recording(*args, **kw):
+            v = before(*args, **kw)
+            seen.append((kw["scope"], v.cache_query.tenant))
+            return v
+
+        layer.before = recording
+        for key, salt in ((KEY_A, None), (KEY_A, "end-user-1"), (KEY_B, "end-user-1")):
+            assert_miss(ask(app, key, salt))
+        a, b = tenant_cache_salt(owner_of(app, KEY_A)), tenant_cache_salt(owner_of(app, KEY_B))
+    assert [t for _, t in seen] == [a, a, b]
+    assert len({s for s, _ in seen}) == 3
 
 
 def test_sharing_across_tenants_is_an_explicit_opt_in(redis_url, tmp_path, redis_client):
