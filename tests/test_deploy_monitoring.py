@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,28 @@ def _jobs(path: Path) -> dict[str, dict]:
     assert len(jobs) == len(cfg["scrape_configs"])
     assert re.fullmatch(r"\d+[smh]", cfg["global"]["scrape_interval"])
     return jobs
+
+
+@pytest.mark.parametrize(("password", "starts"), [
+    (None, False), ("", False), ("admin", False), ("change-me-grafana", False), ("s3cret-9f2c", True)])
+def test_grafana_needs_a_real_admin_password(tmp_path, password, starts):
+    """The monitoring profile's Grafana refused nothing: it started with `admin`/`admin` on the host's loopback.
+    Its start command (run here by /bin/sh, with a stand-in for the image's /run.sh) now refuses an empty password,
+    `admin` and the example's placeholder, and passes a real one to Grafana."""
+    grafana = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yml").read_text())["services"]["grafana"]
+    assert grafana["entrypoint"] == ["/bin/sh", "-c"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:-}"
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    run = tmp_path / "run.sh"
+    run.write_text('#!/bin/sh\necho "grafana started with $GF_SECURITY_ADMIN_PASSWORD"\n')
+    run.chmod(0o755)
+    script = grafana["command"][0].replace("$$", "$").replace("/run.sh", str(run))
+    env = {"PATH": "/usr/bin:/bin"} | ({} if password is None else {"GF_SECURITY_ADMIN_PASSWORD": password})
+    out = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=10)
+    if starts:
+        assert out.returncode == 0 and out.stdout.strip() == f"grafana started with {password}"
+    else:
+        assert out.returncode == 1 and "set GRAFANA_ADMIN_PASSWORD" in out.stderr and not out.stdout
 
 
 def test_prometheus_compose_targets_exist():
