@@ -70,6 +70,25 @@ def test_file_upload_read_list_delete(api):
         assert resp.status_code == 404 and resp.get_json()["error"]["code"] == "file_not_found"
 
 
+def test_a_running_batchs_input_file_is_not_deleted(api):
+    """Deleting the input of a batch that has not ended is 409 `file_in_use`: a driver that takes the batch over
+    reads its lines from that file again, so the batch would end `failed` with its unrun lines lost. Once the batch
+    ends, the file is the client's to delete."""
+    c, cfg, r = api
+    fid = upload(c, (chat_line(cfg, "a") + "\n").encode()).get_json()["id"]
+    other = upload(c, (chat_line(cfg, "b") + "\n").encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    refused = c.delete(f"/v1/files/{fid}")
+    assert refused.status_code == 409, refused.data
+    err = refused.get_json()["error"]
+    assert err["code"] == "file_in_use" and bid in err["message"] and err["param"] == "id"
+    assert c.get(f"/v1/files/{fid}/content").status_code == 200  # nothing was deleted
+    assert c.delete(f"/v1/files/{other}").status_code == 200  # a file no batch reads goes at once
+    ok, _ = BatchStore(r).transition(bid, ("validating",), "cancelled", cancelled_at=int(time.time()))
+    assert ok
+    assert c.delete(f"/v1/files/{fid}").get_json() == {"id": fid, "object": "file", "deleted": True}
+
+
 def test_upload_errors(api):
     c, _, _ = api
     assert upload(c, b"x", purpose="fine-tune").status_code == 400
@@ -384,7 +403,7 @@ def test_an_upload_past_the_quota_is_413_over_http(api, monkeypatch):
 
 def test_a_batch_whose_input_went_before_a_takeover_keeps_its_answered_lines(api):
     """A driver that takes a batch over (another pod, whose state dir lacks the prepared lines) derives its lines
-    again from the input file. When the client had deleted that file meanwhile, the batch failed and the lines already
+    again from the input file. When that file was gone meanwhile, the batch failed and the lines already
     answered were in no file, though the owner was charged for them. They now go out in the output file, and the
     batch's error says how many lines were not run."""
     c, cfg, r = api
@@ -395,7 +414,8 @@ def test_a_batch_whose_input_went_before_a_takeover_keeps_its_answered_lines(api
     first = driver.prep.load_prepared(bid, driver.store.get(bid))[0]
     driver.results.record_success(bid, first, "rid-a", Answer("answered", DoneEvent("stop", Usage(3, 1, 0))))
     driver.prep.prepared_file(bid).unlink()  # the pod that prepared it is gone
-    assert c.delete(f"/v1/files/{fid}").status_code == 200
+    assert c.delete(f"/v1/files/{fid}").status_code == 409  # the API keeps it (file_in_use) ...
+    FileStore.from_config(r, cfg).delete(fid)  # ... but an operator, or a Redis without persistence, may not
     assert driver.drive(bid) == "failed"
     b = c.get(f"/v1/batches/{bid}").get_json()
     assert b["status"] == "failed" and b["failed_at"] and b["output_file_id"]

@@ -115,6 +115,10 @@ def delete_file(file_id: str):
     ctx = batch_ctx()
     if ctx.files.get(file_id, request_owner()) is None:
         raise not_found(file_id)
+    reader = ctx.batches.active_reading(file_id)
+    if reader is not None:
+        raise APIError(409, f"The file {file_id} is the input of batch {reader}, which has not ended; cancel the "
+                       "batch or wait for it to end, then delete the file", param="id", code="file_in_use")
     ctx.files.delete(file_id)
     return jsonify({"id": file_id, "object": "file", "deleted": True})
 

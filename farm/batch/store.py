@@ -252,6 +252,16 @@ class BatchStore:
     def active_ids(self) -> list[str]:
         return [as_str(b) for b in self.r.smembers(BATCH_ACTIVE_KEY)]
 
+    def active_reading(self, file_id: str) -> str | None:
+        """An unfinished batch whose input is `file_id`, or None: the file must stay while it may be read (a
+        driver taking the batch over derives its lines from it again)."""
+        ids = self.active_ids()
+        pipe = self.r.pipeline(transaction=False)
+        for bid in ids:
+            pipe.hget(batch_key(bid), "input_file_id")
+        return next((bid for bid, raw in zip(ids, pipe.execute() if ids else [], strict=True)
+                     if raw is not None and json.loads(raw) == file_id), None)
+
     # status changes
     def transition(self, batch_id: str, from_states: Iterable[str], to: str,
                    **fields: Any) -> tuple[bool, str | None]:
