@@ -200,11 +200,15 @@ class Submission:
                 return k
         return n
 
-    def _migrate(self, lost: str) -> Event | None:
-        """Move the request off `lost`; returns the event that ends the stream instead, if any."""
+    def _migrate(self, lost: str | None) -> Event | None:
+        """Move the request off `lost` (None: no worker was lost, but the attempt ended before decode, as a failed
+        hand-over does: place it again, any worker welcome); returns the event that ends the stream instead, if
+        any."""
         rcfg = self.svc.cfg.reliability
-        info = self._placed_info(lost)  # the lost process; one restarted under its id later may take the request
-        self._lost[lost] = max(self._lost.get(lost, 0.0), info.started_at if info is not None else time.time())
+        if lost is not None:
+            info = self._placed_info(lost)  # the lost process; one restarted under its id later may take the request
+            self._lost[lost] = max(self._lost.get(lost, 0.0), info.started_at if info is not None else time.time())
+        why = f"worker {lost} was lost" if lost is not None else "the prefill could not hand the request to decode"
         try:  # if it was only slow, it stops now
             self.svc.r.set(cancel_key(self.attempt_id), "1", ex=CANCEL_TTL_S)
         except redis.RedisError:
@@ -212,7 +216,7 @@ class Submission:
         self._close_attempt()
         if self.migrations >= rcfg.max_migrations:
             prometheus.MIGRATIONS.labels(outcome="limit").inc()
-            return ErrorEvent(f"worker {lost} was lost and the request already moved {self.migrations} times "
+            return ErrorEvent(f"{why} and the request already moved {self.migrations} times "
                               "(reliability.max_migrations)", "worker_lost")
         self.migrations += 1
         k = self._clean_prefix()
@@ -228,8 +232,7 @@ class Submission:
                                 orig.prompt_token_ids + self._ids, sampling, reply_to=orig.reply_to,
                                 created=orig.created, lease_s=orig.lease_s, origin=orig.request_id,
                                 cache_salt=orig.cache_salt, generated=k)
-        log.warning("request %s: worker %s lost after %d tokens; migrating as %s", orig.request_id, lost, k,
-                    req.request_id)
+        log.warning("request %s: %s after %d tokens; migrating as %s", orig.request_id, why, k, req.request_id)
         # with another model to go to (MoM) and nothing sent yet, a worker of this model is not waited for
         deadline = time.monotonic() + (0.0 if self._falls_back else rcfg.migration_wait_s)
         while True:
@@ -242,8 +245,7 @@ class Submission:
                 self.svc.replies.close(req.request_id)
                 if time.monotonic() >= deadline:
                     prometheus.MIGRATIONS.labels(outcome="no_worker").inc()
-                    return ErrorEvent(f"worker {lost} was lost and no other worker took the request: {e}",
-                                      "worker_lost")
+                    return ErrorEvent(f"{why} and no other worker took the request: {e}", "worker_lost")
                 time.sleep(rcfg.check_interval_s)
         prometheus.MIGRATIONS.labels(outcome="migrated").inc()
         self.placements, self.dispatch = placed.placements, placed.dispatch
@@ -320,6 +322,15 @@ class Submission:
                         self._end_load("p")
                     if ev.n:
                         self._observe_delta(ev.n)
+                elif isinstance(ev, ErrorEvent) and ev.code == ErrorEvent.HANDOVER_FAILED:
+                    if "decode" in self._stage:  # the task went through after all (a send that timed out)
+                        continue
+                    end = self._migrate(None)  # this attempt's later events, if any, went with its mailbox
+                    if end is not None:
+                        yield self._finish(end)
+                        return
+                    deadline = time.monotonic() + first
+                    break
                 elif isinstance(ev, (DoneEvent, ErrorEvent)):
                     yield self._finish(ev)
                     return

@@ -130,11 +130,14 @@ class DoneEvent(_Event):
 @dataclass(frozen=True, slots=True)
 class ErrorEvent(_Event):
     """The request failed: a message for the client and a machine-readable code (engine_error, invalid_task,
-    worker_lost, orphaned...)."""
+    worker_lost, orphaned...). `HANDOVER_FAILED` is the one a reader does not pass on: the prefill could not send
+    the decode task, so the reader places the request again."""
 
     type: ClassVar[str] = "error"
     message: str
     code: str
+
+    HANDOVER_FAILED: ClassVar[str] = "handover_failed"
 
 
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent

@@ -82,6 +82,9 @@ end
 return 'claimed'
 """
 HANDOVER_THREADS = 4  # prefill hand-overs (read the held KV for its checksum, sign, send the decode task)
+# A decode task that Redis does not take (unreachable, refusing writes) is sent again for this long; then the
+# prefill gives the request back to its reader (ErrorEvent.HANDOVER_FAILED), which places it again.
+HANDOVER_SEND_S = 10.0
 
 
 class WorkerRuntime:
@@ -384,11 +387,30 @@ class WorkerRuntime:
             if queue.startswith("farm.w.") and not self._direct_queue_alive(queue):
                 queue = queue_name(req.model, "decode")  # the chosen decode worker vanished: any will do
             if self.publisher is not None:
-                send_generation(self.publisher, TASK_DECODE, [req.to_dict(), handle], queue)
+                self._send_decode(req, handle, queue)
             return handle
-        except Exception:  # the reader migrates the request when nothing follows
+        except Exception as e:  # noqa: BLE001 - whatever failed, the reader must hear of it, not wait 600 s
             log.exception("request %s: hand-over to decode failed", req.request_id)
+            self.engine.release_held(req.request_id)
+            self.streams.emit_once(req.request_id, req.reply_to, ErrorEvent(
+                f"the prefill worker could not hand the request to decode ({type(e).__name__})",
+                ErrorEvent.HANDOVER_FAILED))
             return None
+
+    def _send_decode(self, req: GenerationRequest, handle: dict[str, Any] | None, queue: str) -> None:
+        """Send the decode task, again while Redis does not take it, for up to HANDOVER_SEND_S."""
+        give_up = time.monotonic() + HANDOVER_SEND_S
+        pause = 0.05
+        while True:
+            try:
+                send_generation(cast(TaskPublisher, self.publisher), TASK_DECODE, [req.to_dict(), handle], queue)
+                return
+            except redis.RedisError:
+                if time.monotonic() + pause > give_up:
+                    raise
+                log.warning("request %s: Redis did not take the decode task; sending it again", req.request_id)
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
     def _direct_queue_alive(self, queue: str) -> bool:
         return any(direct_queue(w.worker_id) == queue for w in registry.live_workers(self.r, model=self.model))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 import redis
 
 from farm.models.tokenization import chat_prompt_ids, get_tokenizer
+from farm.protocol import ErrorEvent
+from farm.worker.stream_writer import StreamWriter
 from tests.chaos.harness import MODEL, ChaosFarm, collect, kill, per_request_keys_without_ttl, reader_process
 
 pytestmark = pytest.mark.slow
@@ -49,6 +52,46 @@ def test_redis_restart_mid_stream_loses_no_token_and_workers_consume_again(farm,
     farm.heal()
     events, text = collect(farm.gw.submit(farm.request(prompt, max_tokens=N, ignore_eos=True)), 90)
     assert events[-1].type == "done" and text == ref_text, events[-1]
+
+
+def test_a_decode_task_redis_refused_is_sent_again(farm, prompt):
+    """Redis refused writes (a full Redis under `noeviction` answers OOM) just as the prefill sent the decode task:
+    the hand-over's exception was logged and the request was lost, with both workers alive, until the reader's idle
+    timeout (600 s by default, then a 504). The prefill now sends the task again until Redis takes it."""
+    ref_events, ref_text = collect(farm.gw.submit(farm.request(prompt, max_tokens=48, ignore_eos=True)))
+    assert ref_events[-1].type == "done"
+    prefill = farm.workers["prefill-1"]
+    prefill.proc.send_signal(signal.SIGSTOP)  # the request waits in its queue ...
+    try:
+        sub = farm.gw.submit(farm.request(prompt, max_tokens=48, ignore_eos=True))
+        farm.r.config_set("maxmemory", 1)  # ... while Redis refuses every write
+    finally:
+        prefill.proc.send_signal(signal.SIGCONT)  # the prefill runs and hands over inside the refusal
+    time.sleep(3.0)
+    farm.r.config_set("maxmemory", 0)
+    t0 = time.monotonic()
+    events, text = collect(sub, timeout=40)  # a GatewayTimeout before
+    assert events[-1].type == "done" and text == ref_text and sub.migrations == 0, events[-1]
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_failed_hand_over_places_the_request_again(farm, prompt):
+    """When the hand-over fails for good (Redis refusing past HANDOVER_SEND_S, or anything else), the prefill says so
+    (an `error` with ErrorEvent.HANDOVER_FAILED) and the reader places the request again instead of ending it or
+    waiting out its timeout. Here that error is written as the prefill writes it, while the prefill is stopped."""
+    ref_events, ref_text = collect(farm.gw.submit(farm.request(prompt, max_tokens=48, ignore_eos=True)))
+    prefill = farm.workers["prefill-1"]
+    prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        sub = farm.gw.submit(farm.request(prompt, max_tokens=48, ignore_eos=True))
+        writer = StreamWriter(farm.r)
+        writer.emit_once(sub.attempt_id, sub.req.reply_to, ErrorEvent("hand-over failed", ErrorEvent.HANDOVER_FAILED))
+        assert writer.flush()
+    finally:
+        prefill.proc.send_signal(signal.SIGCONT)
+    events, text = collect(sub, timeout=40)
+    assert events[-1].type == "done" and text == ref_text, events[-1]
+    assert sub.migrations == 1 and not any(e.type == "error" for e in events)
 
 
 def test_api_killed_mid_stream_stops_the_orphaned_generation(farm, prompt):
