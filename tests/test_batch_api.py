@@ -207,6 +207,29 @@ def test_batch_lines_pass_the_semantic_guards_and_mom(api):
         assert o["response"]["body"]["usage"]["total_tokens"] == 0
 
 
+def test_a_line_refused_at_validation_stays_refused_for_a_driver_that_takes_over(api, monkeypatch):
+    """A driver on another host (no prepared lines on its disk) derives the lines again and asks the guards again.
+    When they answered otherwise then (a remote guard down under `on_error: allow`, another configuration), a line
+    the first driver's guards had refused was generated, charged and written out. The refusals are now kept in
+    Redis at validation and put back."""
+    from farm.semantic.layer import SemanticLayer
+
+    c, cfg, r = api
+    first = BatchDriver(cfg, r=r)
+    fid = upload(c, "\n".join([chat_line(cfg, "ssn", "My SSN is 123-45-6789"),
+                               chat_line(cfg, "ok", "What is the capital of Peru?")]).encode()).get_json()["id"]
+    bid = create(c, fid).get_json()["id"]
+    assert first.prep.validate(bid, first.store.get(bid)) == "in_progress"
+    first.prep.prepared_file(bid).unlink()  # the first driver's host is gone
+    other = BatchDriver(cfg, r=r)
+    monkeypatch.setattr(other.prep, "_decide", lambda owner: SemanticLayer.passthrough)  # its guards let all pass
+    by_id = {ln.custom_id: ln for ln in other.prep.load_prepared(bid, other.store.get(bid))}
+    assert by_id["ssn"].answer.startswith("I cannot process") and by_id["ssn"].finish_reason == "content_filter"
+    assert by_id["ok"].answer is None and by_id["ok"].prompt_ids
+    other.store.forget(bid)
+    assert not r.exists(f"farm:batch:{bid}:answered")
+
+
 def test_cancel_before_it_runs_and_cancel_conflicts(api):
     c, cfg, r = api
     fid = upload(c, chat_line(cfg, "a").encode()).get_json()["id"]

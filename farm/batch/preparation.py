@@ -1,10 +1,12 @@
 """The validating stage of a batch: its input file read and every line checked, tokenized and run through the
 semantic layer (farm.batch.validate), then written as prepared lines beside the file bodies (`validating` ->
 `in_progress`, or `failed` with line-numbered errors). A driver that resumes a batch prepared on another host (or
-whose prepared lines are gone) derives them again from the input file."""
+whose prepared lines are gone) derives them again from the input file, with the semantic layer's answers at
+validation (a guard's refusals, kept in Redis) put back, so a refused line is never run by a later driver."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -106,6 +108,8 @@ class Preparation:
             for ln in lines:
                 f.write(ln.to_json() + "\n")
         os.replace(tmp, path)
+        self.store.keep_answered(bid, {ln.custom_id: (ln.answer, ln.finish_reason) for ln in lines
+                                       if ln.answer is not None})
         ok, st = self.store.transition(bid, ("validating",), "in_progress", in_progress_at=now, total=len(lines),
                                        model=lines[0].model)
         if ok:
@@ -129,4 +133,12 @@ class Preparation:
             else:
                 self.end(bid, ("in_progress",), "failed", failed_at=now, errors={"object": "list", "data": errors})
             return None
-        return lines
+        return self._with_kept_answers(bid, lines)
+
+    def _with_kept_answers(self, bid: str, lines: list[PreparedLine]) -> list[PreparedLine]:
+        """Lines derived again, with the answers the semantic layer gave at validation put back: a line refused
+        then stays refused, even if the guards would let it through now (a remote guard down under `on_error:
+        allow`, another configuration on this host). A line refused only now stays refused too."""
+        kept = self.store.answered(bid)
+        return [dataclasses.replace(ln, answer=kept[ln.custom_id][0], finish_reason=kept[ln.custom_id][1])
+                if ln.custom_id in kept else ln for ln in lines]

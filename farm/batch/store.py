@@ -38,6 +38,7 @@ from farm.protocol.keys import (
     BATCH_SEQ_KEY,
     BATCHES_ENDED_KEY,
     BATCHES_KEY,
+    batch_answered_key,
     batch_key,
     batch_kick_key,
     batch_lease_key,
@@ -281,7 +282,7 @@ class BatchStore:
         owner = self.r.hget(batch_key(batch_id), "owner")
         pipe = self.r.pipeline()
         pipe.delete(batch_key(batch_id), batch_results_key(batch_id), batch_kick_key(batch_id),
-                    batch_lease_key(batch_id))
+                    batch_lease_key(batch_id), batch_answered_key(batch_id))
         if owner is not None:
             pipe.zrem(owner_batches_key(json.loads(owner)), batch_id)
         pipe.zrem(BATCHES_ENDED_KEY, batch_id)
@@ -298,6 +299,19 @@ class BatchStore:
         return int(self._record(keys=[batch_results_key(batch_id), batch_key(batch_id)], args=[
             custom_id, json.dumps(result, separators=(",", ":")), "1" if ok else "0",
             int(u.get("prompt_tokens", 0)), int(u.get("cached_tokens", 0)), int(u.get("completion_tokens", 0))]))
+
+    def keep_answered(self, batch_id: str, answered: dict[str, tuple[str, str | None]]) -> None:
+        """Keep the semantic layer's answers to lines at validation (custom_id -> (answer, finish_reason)): a
+        guard's refusal stands for every driver, whatever the guards say when another derives the lines again."""
+        items = [(cid, json.dumps(list(v))) for cid, v in answered.items()]
+        pipe = self.r.pipeline()
+        for i in range(0, len(items), 1000):
+            pipe.hset(batch_answered_key(batch_id), mapping=dict(items[i:i + 1000]))
+        pipe.execute()
+
+    def answered(self, batch_id: str) -> dict[str, tuple[str, str | None]]:
+        return {as_str(k): tuple(json.loads(v))  # type: ignore[misc]
+                for k, v in self.r.hscan_iter(batch_answered_key(batch_id), count=1000)}
 
     def recorded_ids(self, batch_id: str) -> set[str]:
         return {as_str(k) for k in self.r.hkeys(batch_results_key(batch_id))}

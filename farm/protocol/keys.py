@@ -146,6 +146,12 @@ def batch_results_key(batch_id: str) -> str:
     return f"farm:batch:{batch_id}:results"
 
 
+def batch_answered_key(batch_id: str) -> str:
+    """Hash custom_id -> [answer, finish_reason] of the lines the semantic layer answered at validation (a guard's
+    refusal): kept where every driver reads it, so one that prepares the lines again never runs them."""
+    return f"farm:batch:{batch_id}:answered"
+
+
 def batch_lease_key(batch_id: str) -> str:
     """The lease of the batch driver that runs a batch (not a reader's lease, `reader_lease_key`)."""
     return f"farm:batch:{batch_id}:lease"
