@@ -223,3 +223,27 @@ def test_the_apis_own_server_refuses_a_public_bind_without_keys(tmp_path):
     for ok in (load(FARM_API_KEYS=KEY_A), load(FARM_API__ALLOW_UNAUTHENTICATED="true"),
                load(FARM_API__HOST="127.0.0.1")):
         assert ok.returncode == 0 and ":8080" in ok.stdout, ok.stderr[-2000:]
+
+
+def test_settling_after_the_window_ended_leaves_no_counter_behind(redis_client):
+    """A generation that outlives its token window gives its unused tokens back into a window that is gone: INCRBY
+    made its key again, negative and with no expiry (one key leaked per such generation). A rate counter given
+    back late (`uncount`) did the same. Neither is touched once its window has ended."""
+    import time
+
+    from farm.config.api import ApiLimitsConfig
+
+    limiter = Limiter(redis_client, ApiLimitsConfig(token_quota=1000, requests_per_minute=10))
+    held = limiter.reserve("late-owner", 400)
+    assert limiter.used_tokens("late-owner") == 400
+    redis_client.delete(held.key)  # the window ends (its key expires) while the generation runs
+    held.settle(20)
+    assert not redis_client.exists(held.key)
+    assert limiter.admit("late-owner") is None
+    rate_key = limiter._keys("late-owner", time.time())[0]
+    redis_client.delete(rate_key)
+    limiter.uncount("late-owner", 1)
+    assert not redis_client.exists(rate_key)
+    fresh = limiter.reserve("late-owner", 100)  # within a live window, settling still gives back
+    fresh.settle(30)
+    assert limiter.used_tokens("late-owner") == 30

@@ -79,3 +79,50 @@ def test_warm_shutdown_finishes_in_flight_requests(redis_url, tmp_path):
         assert len(results) == 3
     finally:
         worker.kill()
+
+
+def test_batch_lines_keep_within_their_owners_token_quota(both_farm):
+    """Batch lines spend their owner's token quota, as interactive requests do, and like them reserve the most
+    they can use before they run. Before, the quota was checked only when the batch was created and lines were
+    charged after they ran: one key's 40-line batch spent 10.5 times its quota (the audit's measure). Now the
+    lines that fit run (the last one capped to what is left), the others wait for the next window, and the key's
+    usage never passes its quota."""
+    import json
+    import time
+
+    from farm.batch.driver import BatchDriver
+    from farm.batch.file_store import FileStore
+    from farm.batch.store import BatchStore
+
+    base, r, _, env, _ = both_farm
+    quota = 200
+    cfg = load_config(environ={**env, "FARM_API__LIMITS__TOKEN_QUOTA": str(quota), "FARM_SEMANTIC__ENABLED": "false"})
+    owner = "quota-owner"
+    rows = [{"custom_id": f"q-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": cfg.default_model, "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                      "max_tokens": 24, "ignore_eos": True, "temperature": 0}} for i in range(8)]
+    f = FileStore.from_config(r, cfg).create("".join(json.dumps(x) + "\n" for x in rows).encode(), "q.jsonl",
+                                             "batch", owner)
+    store = BatchStore(r)
+    bid = store.create(f["id"], "/v1/chat/completions", "24h", 86400, None, owner)["id"]
+    driver = BatchDriver(cfg, r=r)
+    ran = threading.Thread(target=driver.drive, args=(bid,), daemon=True)
+    ran.start()
+    try:
+        done, since = -1, time.monotonic()
+        while done < 1 or time.monotonic() - since < 8:  # until no more line completes for 8 s: the rest wait
+            now = (store.get(bid) or {}).get("completed", 0)
+            if now != done:
+                done, since = now, time.monotonic()
+            assert time.monotonic() - since < 120
+            time.sleep(0.5)
+        used = driver.results.limiter.used_tokens(owner)
+        assert 2 <= done < len(rows), done
+        assert used <= quota, f"{used} tokens charged against a quota of {quota}"
+        ok, _ = store.transition(bid, ("in_progress",), "cancelling", cancelling_at=int(time.time()))
+        assert ok
+        ran.join(60)
+        assert store.status(bid) == "cancelled"
+        assert driver.results.limiter.used_tokens(owner) == used  # the waiting lines' reservations went back
+    finally:
+        driver.stop()

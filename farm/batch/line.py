@@ -4,6 +4,7 @@ retry, the next attempt, giving up) is the driver's call, from the line's `Outco
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -22,8 +23,11 @@ from farm.config import FarmConfig
 from farm.gateway.reading import collect
 from farm.protocol import DeltaEvent, GenerationRequest, SamplingParams
 from farm.tenancy.api_keys import tenant_cache_salt
+from farm.tenancy.quota import Refusal, Reservation
 
 log = logging.getLogger(__name__)
+
+QUOTA_RETRY_S = 30.0  # a line refused for its owner's quota asks again this often (or when the window ends)
 
 
 @dataclass
@@ -46,16 +50,34 @@ class LineRunner:
 
     def run(self, bid: str, line: PreparedLine, plan: Plan, stop: threading.Event,
             wake: threading.Event) -> Outcome:
-        """Run one line to its end; the result is recorded here, retries are decided by the caller."""
-        from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
-
-        cfg = self.cfg
+        """Run one line to its end; the result is recorded here, retries are decided by the caller. Its tokens are
+        reserved first from the owner's quota, as an interactive request's are: with the quota spent the line waits
+        for the next window (the batch's completion window bounds the wait)."""
         rid = ("chatcmpl-" if line.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        try:
+            held = self.results.reserve(bid, line)
+        except redis.RedisError as e:
+            return Outcome("retry", delay=1.0, code="redis_error", reason=str(e))
+        if isinstance(held, Refusal):  # the owner's quota is spent: the line waits for the next window
+            return Outcome("retry", delay=min(float(held.retry_after_s), QUOTA_RETRY_S), code="insufficient_quota",
+                           reason=f"the batch owner's token quota ({held.limit}) is spent")
+        sampling = SamplingParams.from_dict(line.sampling)
+        if held.tokens < len(line.prompt_ids) + sampling.max_tokens:  # what is left of the quota caps the answer
+            sampling = dataclasses.replace(sampling, max_tokens=held.tokens - len(line.prompt_ids))
         # the batch owner's cache salt, as the API gives its interactive requests
         # (farm.tenancy.api_keys.tenant_cache_salt)
-        req = GenerationRequest(rid, line.model, line.prompt_ids, SamplingParams.from_dict(line.sampling),
-                                created=time.time(),
+        req = GenerationRequest(rid, line.model, line.prompt_ids, sampling, created=time.time(),
                                 cache_salt=tenant_cache_salt(self.results.owner(bid), line.cache_salt))
+        try:
+            return self._run(bid, line, req, plan, stop, wake, held)
+        finally:
+            held.settle(0)  # not recorded (a retry, a failure, cancelled): its reservation goes back
+
+    def _run(self, bid: str, line: PreparedLine, req: GenerationRequest, plan: Plan, stop: threading.Event,
+             wake: threading.Event, held: Reservation) -> Outcome:
+        from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
+
+        cfg, rid = self.cfg, req.request_id
 
         def first_delta(_ev: DeltaEvent) -> None:
             plan.prefilled(line)
@@ -89,7 +111,7 @@ class LineRunner:
                 if stop.is_set():
                     return Outcome("cancelled")
                 return Outcome("retry", count=True, code="aborted", reason="the request was aborted")
-            self.results.record_success(bid, line, rid, answer)
+            self.results.record_success(bid, line, rid, answer, held)
             return Outcome("recorded")
         except redis.RedisError as e:
             return Outcome("retry", delay=1.0, code="redis_error", reason=str(e))

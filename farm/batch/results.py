@@ -1,5 +1,6 @@
 """What a batch's lines end with: each line's result recorded once (a success with its OpenAI response body, or a
-failure for the error file), its tokens charged to the batch owner's quota, and at the end the output and error
+failure for the error file), its tokens charged to the batch owner's quota (reserved before it runs, settled when
+recorded), and at the end the output and error
 files written from the recorded results (`finalizing` -> `completed`, `expired` or `cancelled`)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from farm.openai.responses import Choice, full_response
 from farm.openai.tools import ToolRequest
 from farm.telemetry import prometheus
 from farm.tenancy.api_keys import OWNER_ANONYMOUS, KeyRing
-from farm.tenancy.quota import Limiter
+from farm.tenancy.quota import Limiter, Refusal, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,11 @@ class Results:
             prometheus.count_farm(self.r, "farm_batches", to)
         return st or "missing"
 
-    def record_success(self, bid: str, line: PreparedLine, rid: str, answer: Answer) -> None:
+    def record_success(self, bid: str, line: PreparedLine, rid: str, answer: Answer,
+                       held: Reservation | None = None) -> None:
+        """Record a line's answer once; its tokens are charged to the owner's quota then: settled against the
+        reservation `held` for it (farm.batch.line), or charged (a line the semantic layer answered); a repeat of a
+        recorded line gives its reservation back."""
         usage = answer.usage.to_dict()
         logprobs = None
         if line.sampling.get("logprobs") is not None:
@@ -63,18 +68,27 @@ class Results:
         body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
-        if self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1:
+        first = self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1
+        used = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0)) if first else 0
+        if first:
             prometheus.count_farm(self.r, "farm_batch_lines", "completed")
-            self.charge(bid, usage)
+        if held is not None:
+            held.settle(used)
+        elif used:
+            self.charge(bid, used)
 
-    def charge(self, bid: str, usage: dict[str, Any]) -> None:
-        """A recorded line's tokens go to the batch owner's quota (once: only the first record counts).
-        The quota is checked when a batch is created; a batch admitted runs to its end."""
-        owner = self.owner(bid)
+    def charge(self, bid: str, tokens: int) -> None:
+        """Tokens a recorded line used without a reservation go to the batch owner's quota."""
         try:
-            self.limiter.charge(owner, int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0)))
+            self.limiter.charge(self.owner(bid), tokens)
         except redis.RedisError:
             log.warning("batch %s: could not charge a line's tokens to its owner's quota", bid)
+
+    def reserve(self, bid: str, line: PreparedLine) -> Reservation | Refusal:
+        """Hold the most a line can use (its prompt and `max_tokens`) of the owner's quota before it runs, as an
+        interactive request does, or what is left when that still covers the prompt and one token."""
+        want = len(line.prompt_ids) + int(line.sampling.get("max_tokens") or 0)
+        return self.limiter.reserve(self.owner(bid), want, len(line.prompt_ids) + 1)
 
     def owner(self, bid: str) -> str:
         """The batch's owner id (its creator's key; anonymous on a farm without keys), remembered while it runs."""

@@ -67,6 +67,14 @@ return {0, take}
 """
 
 
+# KEYS[1] a counter; ARGV[1] the change. A window that ended meanwhile has nothing left to change: INCRBY would
+# create its key again, with no expiry.
+_ADJUST = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('INCRBY', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
 @dataclass
 class Refusal:
     """Why a request was refused: `kind` is "rate" (requests per minute) or "quota" (tokens)."""
@@ -94,7 +102,7 @@ class Reservation:
         delta = int(used) - self.tokens
         if delta:
             try:
-                self.limiter.r.incrby(self.key, delta)
+                self.limiter.adjust(self.key, delta)
             except redis.RedisError:
                 pass  # the reservation stays charged: the safe side
 
@@ -109,6 +117,11 @@ class Limiter:
         self.overrides = dict(overrides or {})  # owner id -> that key's own limits
         self._admit = r.register_script(_ADMIT)
         self._reserve = r.register_script(_RESERVE)
+        self._adjust = r.register_script(_ADJUST)
+
+    def adjust(self, key: str, delta: int) -> None:
+        """Change a window's counter, unless that window has ended (its key expired)."""
+        self._adjust(keys=[key], args=[int(delta)])
 
     def limits_of(self, owner: str) -> tuple[int, int]:
         """(requests per minute, token quota) of `owner`; 0 = unlimited."""
@@ -151,7 +164,7 @@ class Limiter:
     def uncount(self, owner: str, count: int, now: float | None = None) -> None:
         """Give back `count` requests counted in the current window (a batch refused after its first was counted)."""
         if self.limits_of(owner)[0] and count > 0:
-            self.r.decrby(self._keys(owner, time.time() if now is None else now)[0], int(count))
+            self.adjust(self._keys(owner, time.time() if now is None else now)[0], -int(count))
 
     def charge(self, owner: str, tokens: int, now: float | None = None) -> None:
         """Add `tokens` to the owner's usage in the current token window."""
