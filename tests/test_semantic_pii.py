@@ -129,3 +129,22 @@ def test_no_phone_metadata_is_left_to_load_under_its_lock_on_a_request(det):
     assert not [r for r, loader in PhoneMetadata._region_available.items() if loader is not None]
     assert not [c for c, loader in PhoneMetadata._country_code_available.items() if loader is not None]
     assert not [r for r, loader in PhoneMetadata._short_region_available.items() if loader is not None]
+
+
+@pytest.mark.parametrize("shift", [0, 3595, 3598, 3990, 3996, 7190])
+def test_a_long_text_is_read_in_windows_without_losing_or_doubling_a_finding(det, shift):
+    """A long text is analysed in overlapping windows (one Presidio call over 160 KB of addresses took 38 s, its
+    cost quadratic in the findings): a finding at any place, across a window's edge too, is reported once, where
+    it is, as a short text's would be."""
+    from farm.semantic.pii import WINDOW_CHARS
+
+    filler = "The river runs past the old mill and on to the sea. "
+    head = (filler * 300)[:shift]
+    text = head + "Mail jane.doe@example.org today. " + (filler * 400)[:3 * WINDOW_CHARS]
+    assert len(text) > 3 * WINDOW_CHARS
+    at = text.index("jane.doe@example.org")
+    hits = [e for e in det.detect(text) if e.type == "EMAIL_ADDRESS"]
+    assert [(e.start, e.end, e.text) for e in hits] == [(at, at + 20, "jane.doe@example.org")]
+    per = det.detect_many(["Call me.", text, "Ada Lovelace wrote it."])
+    assert [(e.start, e.text) for e in per[1] if e.type == "EMAIL_ADDRESS"] == [(at, "jane.doe@example.org")]
+    assert [e.type for e in per[2]] == ["PERSON"]

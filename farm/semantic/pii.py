@@ -58,6 +58,8 @@ COLLEGE INSTITUTE SCHOOL HOSPITAL CLINIC FOUNDATION ASSOCIATION AGENCY MINISTRY 
 COMMITTEE BUREAU SOCIETY CLUB PARTY UNION FUND TRUST PARTNERS HOLDINGS LABS LABORATORIES SYSTEMS
 TECHNOLOGIES SOLUTIONS SERVICES""".split())
 _JOIN = "\n\n"  # between messages analysed in one call (PIIDetector.detect_many)
+WINDOW_CHARS = 4000  # the most text one analyzer call reads (PIIDetector._analyze)
+WINDOW_OVERLAP = 400  # windows overlap by this: a finding up to this long is whole in one of them
 _NOT_ORG = frozenset("ATM ASAP FAQ OK TV PDF USB GPS CEO CFO CTO HR IT AI ML".split())
 
 
@@ -241,9 +243,28 @@ class PIIDetector:
     def detect(self, text: str) -> list[Entity]:
         if not text.strip():
             return []
-        found = self.analyzer.analyze(text, language="en", entities=self.types, score_threshold=self.threshold)
-        cands = [Entity(r.entity_type, r.start, r.end, text[r.start:r.end], float(r.score)) for r in found]
+        cands = [Entity(t, a, b, text[a:b], score) for t, a, b, score in self._analyze(text)]
         return _resolve([e for e in cands if _plausible(e)])
+
+    def _analyze(self, text: str) -> list[tuple[str, int, int, float]]:
+        """Presidio's findings (type, start, end, score) in `text`, read in windows of WINDOW_CHARS that overlap by
+        WINDOW_OVERLAP: one analyzer call over a long text costs time quadratic in its findings (Presidio's context
+        enhancer walks the whole document for each one; 160 KB of addresses took 38 s), a window's is bounded, so
+        a text costs time in proportion to its length. A finding no longer than the overlap is whole in some
+        window; one found in two windows is kept once."""
+        if len(text) <= WINDOW_CHARS:
+            return [(r.entity_type, r.start, r.end, float(r.score)) for r in self.analyzer.analyze(
+                text, language="en", entities=self.types, score_threshold=self.threshold)]
+        out: dict[tuple[str, int, int], float] = {}
+        step = WINDOW_CHARS - WINDOW_OVERLAP
+        for at in range(0, len(text) - WINDOW_OVERLAP, step):
+            piece = text[at:at + WINDOW_CHARS]
+            for r in self.analyzer.analyze(piece, language="en", entities=self.types, score_threshold=self.threshold):
+                cut = (r.start == 0 and at > 0) or (r.end == len(piece) and at + len(piece) < len(text))
+                if not cut:  # one cut by the window's edge is found whole in the window beside it
+                    key = (r.entity_type, at + r.start, at + r.end)
+                    out[key] = max(out.get(key, 0.0), float(r.score))
+        return [(t, a, b, score) for (t, a, b), score in out.items()]
 
     def detect_many(self, texts: list[str]) -> list[list[Entity]]:
         """`detect` of each text through one analyzer call: a conversation's messages joined by a paragraph break
@@ -265,13 +286,12 @@ class PIIDetector:
             starts.append(at)
             at += len(t) + len(_JOIN)
         joined = _JOIN.join(texts)
-        found = self.analyzer.analyze(joined, language="en", entities=self.types, score_threshold=self.threshold)
         per: list[list[Entity]] = [[] for _ in texts]
-        for r in found:
-            i = bisect.bisect_right(starts, r.start) - 1
-            start, end = r.start - starts[i], r.end - starts[i]
+        for etype, a, b, score in self._analyze(joined):
+            i = bisect.bisect_right(starts, a) - 1
+            start, end = a - starts[i], b - starts[i]
             if end <= len(texts[i]):
-                per[i].append(Entity(r.entity_type, start, end, texts[i][start:end], float(r.score)))
+                per[i].append(Entity(etype, start, end, texts[i][start:end], score))
         return [_resolve([e for e in cands if _plausible(e)]) for cands in per]
 
 
@@ -293,11 +313,15 @@ def _plausible(e: Entity) -> bool:
 
 
 def _resolve(cands: list[Entity]) -> list[Entity]:
-    """Keep the best of overlapping findings: type priority, then score, then the longer span."""
+    """Keep the best of overlapping findings: type priority, then score, then the longer span. The kept spans never
+    overlap, so in start order each new one need only be checked against its two neighbours."""
     cands.sort(key=lambda e: (_PRIORITY[e.type], -e.score, -(e.end - e.start), e.start))
+    starts: list[int] = []
     kept: list[Entity] = []
     for e in cands:
-        if all(e.end <= k.start or e.start >= k.end for k in kept):
-            kept.append(e)
-    kept.sort(key=lambda e: e.start)
+        i = bisect.bisect_left(starts, e.start)
+        if (i > 0 and kept[i - 1].end > e.start) or (i < len(kept) and kept[i].start < e.end):
+            continue
+        starts.insert(i, e.start)
+        kept.insert(i, e)
     return kept
