@@ -206,7 +206,7 @@ def test_a_prompt_past_the_context_by_its_tokens_is_refused_before_the_semantic_
     monkeypatch.setattr(layer, "before", lambda *a, **kw: seen.append(a) or before(*a, **kw))
     max_len = cfg.model(cfg.default_model).max_model_len
     words = "word " * (max_len * 3)  # 15 characters a token here: far under the 81-character limit
-    turns = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * (max_len // 2)
+    turns = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 1000  # within MAX_MESSAGES
     for messages in ([{"role": "user", "content": words}], [*turns, {"role": "user", "content": "hi"}]):
         for model in (cfg.default_model, "MoM"):
             err = assert_error(post(c, "/v1/chat/completions", chat(cfg, model=model, messages=messages)), 400,

@@ -102,7 +102,7 @@ def test_a_line_past_the_context_is_refused_before_the_semantic_layer(env):
         asked.append(model)
         raise AssertionError("the semantic layer saw a line that cannot fit")
 
-    turns = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * (max_len // 2)
+    turns = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 1000  # within MAX_MESSAGES
     rows = [line(cfg, "long", "word " * (max_len * 3)),
             json.dumps({"custom_id": "turns", "method": "POST", "url": CHAT,
                         "body": {"model": cfg.default_model, "messages": [*turns, {"role": "user", "content": "hi"}]}})]

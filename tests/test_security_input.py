@@ -112,3 +112,44 @@ def test_non_object_bodies(c):
     for body in ("[]", '"x"', "null", "3"):
         assert_openai_error(post(c, CHAT, body), 400)
         assert_openai_error(post(c, "/v1/batches", body), 400)
+
+
+def test_more_messages_than_a_request_may_have_is_400_before_the_layer(c, app):
+    """Thousands of one-token messages added nothing to the prompt's token floor and each was embedded and scanned
+    by the semantic layer: 20,000 system messages held the encoder for 27 s. At most MAX_MESSAGES now."""
+    from farm.openai.schemas import MAX_MESSAGES
+
+    embedder = app.extensions["farm"].semantic().embedder
+    encode, seen = embedder.encode_texts, []
+    embedder.encode_texts = lambda texts: seen.extend(texts) or encode(texts)
+    try:
+        many = [{"role": "system", "content": f"s{i}"} for i in range(MAX_MESSAGES)] + \
+            [{"role": "user", "content": "hi"}]
+        err = assert_openai_error(post(c, CHAT, chat(messages=many)), 400, "array_above_max_length", param="messages")
+        assert str(MAX_MESSAGES) in err["message"] and str(MAX_MESSAGES + 1) in err["message"]
+        assert seen == []
+    finally:
+        embedder.encode_texts = encode
+
+
+def test_an_assistant_turn_past_the_context_is_refused_before_the_layer(c, app):
+    """An earlier assistant answer was left out of the prompt's token floor (a reasoning template drops its
+    reasoning), so 160 KB of it reached the semantic layer's PII pass whole before the template refused the
+    prompt. What follows the answer's last `</think>` counts now; the reasoning before it still does not."""
+    embedder = app.extensions["farm"].semantic().embedder
+    encode, seen = embedder.encode_texts, []
+    embedder.encode_texts = lambda texts: seen.extend(texts) or encode(texts)
+    huge = "".join(f"u{i}@ex.com " for i in range(16_000))
+    try:
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": huge},
+                {"role": "user", "content": "and?"}]
+        assert_openai_error(post(c, CHAT, chat(messages=msgs)), 400, "context_length_exceeded", param="messages")
+        assert seen == []
+    finally:
+        embedder.encode_texts = encode
+    from farm.models.tokenization import get_tokenizer, prompt_tokens_at_least
+
+    tok = get_tokenizer(app.extensions["farm"].cfg, "SmolLM2-135M-Instruct")
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Fine."}]
+    reasoned = [short[0], {"role": "assistant", "content": "<think>" + huge + "</think>Fine."}]
+    assert prompt_tokens_at_least(tok, reasoned) == prompt_tokens_at_least(tok, short)  # still a floor

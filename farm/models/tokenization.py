@@ -80,11 +80,14 @@ def turn_tokens(tokenizer) -> int:
 
 def prompt_tokens_at_least(tokenizer, messages: list[dict[str, Any]]) -> int:
     """A floor under a chat prompt's token count, found without rendering the template: the tokens of each
-    message's content but an assistant's (a template may drop an earlier answer's reasoning), one fewer each
-    for a merge at its edges, and turn_tokens for every user or assistant turn. A prompt over the model's
-    context by this floor is refused before the semantic layer, the template or the tokenizer pays for all of
-    it (a few hundred thousand characters, or tens of thousands of turns, cost seconds there)."""
-    texts = [m["content"] for m in messages if m.get("role") != "assistant" and m.get("content")]
+    message's content (of an assistant's, what follows its last `</think>`: a reasoning template drops an earlier
+    answer's reasoning), one fewer each for a merge at its edges, and turn_tokens for every user or assistant
+    turn. A prompt over the model's context by this floor is refused before the semantic layer, the template or
+    the tokenizer pays for all of it (a few hundred thousand characters, or tens of thousands of turns, cost
+    seconds there; an assistant turn left out of the floor reached the layer's PII pass whole)."""
+    texts = [m["content"].rsplit("</think>", 1)[-1] if m.get("role") == "assistant" else m["content"]
+             for m in messages if m.get("content")]
+    texts = [t for t in texts if t]
     counted = sum(max(0, len(ids) - 1) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) \
         if texts else 0
     return counted + chat_turns(messages) * turn_tokens(tokenizer)

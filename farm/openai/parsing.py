@@ -21,6 +21,7 @@ from farm.models.tokenization import (
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.schemas import (
     MAX_CACHE_SALT,
+    MAX_MESSAGES,
     ChatCompletionRequest,
     CompletionRequest,
     field_bounds,
@@ -400,6 +401,9 @@ def normalize_messages(body: dict) -> list[dict[str, Any]]:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"'messages' has {len(messages)} messages, more than the {MAX_MESSAGES} a request may have",
+                          "messages", "array_above_max_length")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):

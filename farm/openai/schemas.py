@@ -22,6 +22,9 @@ Role = Literal["system", "user", "assistant", "developer"]
 MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
 MAX_TOP_K = 1 << 20
 MAX_CACHE_SALT = 128  # vLLM's limit of cache_salt
+# Messages in one chat: the semantic layer embeds and scans each, and one-token messages add nothing to the
+# prompt's token floor, so without a bound a request of tens of thousands held the encoder for everyone for seconds.
+MAX_MESSAGES = 2048
 UNSUPPORTED_NOTE = "Not supported by this server: accepted only when absent, null, false or empty."
 
 
@@ -110,7 +113,7 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool | None = Field(None, description="log-probabilities of the generated tokens")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (with logprobs)")
