@@ -148,6 +148,7 @@ def test_each_text_of_a_batch_counts_against_the_request_rate_limit(app):
     ("batch", {"texts": []}, 400, "texts"),
     ("batch", {"texts": ["a"] * 101}, 400, "texts"),
     ("batch", {"texts": ["fine", " "]}, 400, "texts"),
+    ("batch", {"texts": ["word " * 12_000] * 2, "task_type": "pii"}, 400, "texts"),  # over MAX_BATCH_CHARS together
     ("batch", {"texts": ["fine"], "task_type": "all"}, 400, "task_type"),
     ("intent", {"text": "   "}, 400, "text"),
     ("intent", {}, 400, "text"),
