@@ -42,6 +42,7 @@ from farm.gateway.reading import (
     until_decode_starts,
     until_first_token,
 )
+from farm.infra.cooperative import offload
 from farm.models.directories import ModelNotFoundError
 from farm.openai import logprobs
 from farm.openai.answer import AnswerStream, read_answer
@@ -72,6 +73,7 @@ bp = Blueprint("openai", __name__, url_prefix="/v1")
 # A client's own id for its request (the X-Request-Id header, as vLLM takes it): used when it is 1-128 of these
 # characters, else ignored (a fresh id as without one)
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+OFFLOAD_TOKENS = 4096  # a non-streamed answer of more tokens is built off the hub (farm.infra.cooperative.offload)
 
 
 def _farm():
@@ -244,10 +246,18 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
         resp.headers.update(headers)
         return resp
     prometheus.REQUESTS.labels(model=model, status="200").inc()
-    choices = [Choice.of(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs), parsed.tools,
-                         parsed.reasoning_parser, parsed.echo) for a in answers]
-    resp = jsonify(full_response(kind, ids.response, model, choices, total_usage(a.usage for a in answers).to_dict(),
-                                 role=parsed.role))
+    json_provider = current_app.json
+
+    def body() -> str:
+        choices = [Choice.of(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs), parsed.tools,
+                             parsed.reasoning_parser, parsed.echo) for a in answers]
+        usage = total_usage(a.usage for a in answers).to_dict()
+        return json_provider.dumps(full_response(kind, ids.response, model, choices, usage, role=parsed.role)) + "\n"
+
+    # A big answer (log-probabilities, or many tokens) is built and serialised off the hub: 16 choices of 4,000
+    # tokens with 20 alternatives each make 115 MB of JSON, seconds in which no other request of the process moved.
+    big = out.wanted or sum(len(a.token_ids) for a in answers) > OFFLOAD_TOKENS
+    resp = current_app.response_class(offload(body) if big else body(), mimetype=json_provider.mimetype)
     resp.headers.update(_worker_headers(ids.header, gen.subs[0], st.head, answers[0].done))
     resp.headers.update(headers)
     return resp
