@@ -118,16 +118,16 @@ def test_the_pii_pass_runs_while_the_messages_are_embedded(layer, monkeypatch):
     spans: dict[str, list[float]] = {}
 
     def slowed(name, fn):
-        def run(texts):
+        def run(*args):
             spans[name] = [time.perf_counter()]
             time.sleep(0.3)
             try:
-                return fn(texts)
+                return fn(*args)
             finally:
                 spans[name].append(time.perf_counter())
         return run
 
-    monkeypatch.setattr(layer.pii, "_detect_many", slowed("pii", layer.pii._detect_many))
+    monkeypatch.setattr(layer.pii, "_analyze_window", slowed("pii", layer.pii._analyze_window))
     monkeypatch.setattr(layer.embedder, "encode_texts", slowed("embed", layer.embedder.encode_texts))
     t = time.perf_counter()
     v = layer.before("MoM", user("Mail the invoice to jane.doe@example.org by Friday"))

@@ -241,58 +241,78 @@ class PIIDetector:
         self.detect("Mail jane.doe@example.org or call +44 20 7946 0958 about Ada Lovelace in London.")
 
     def detect(self, text: str) -> list[Entity]:
+        """The entities of one text, analysed on the caller's thread (`detect_many` uses the analyzer's own)."""
         if not text.strip():
             return []
-        cands = [Entity(t, a, b, text[a:b], score) for t, a, b, score in self._analyze(text)]
-        return _resolve([e for e in cands if _plausible(e)])
+        return _split([text], [0], _merge([self._analyze_window(text, at) for at in _window_starts(len(text))]))[0]
 
-    def _analyze(self, text: str) -> list[tuple[str, int, int, float]]:
-        """Presidio's findings (type, start, end, score) in `text`, read in windows of WINDOW_CHARS that overlap by
-        WINDOW_OVERLAP: one analyzer call over a long text costs time quadratic in its findings (Presidio's context
-        enhancer walks the whole document for each one; 160 KB of addresses took 38 s), a window's is bounded, so
-        a text costs time in proportion to its length. A finding no longer than the overlap is whole in some
-        window; one found in two windows is kept once."""
-        if len(text) <= WINDOW_CHARS:
-            return [(r.entity_type, r.start, r.end, float(r.score)) for r in self.analyzer.analyze(
-                text, language="en", entities=self.types, score_threshold=self.threshold)]
-        out: dict[tuple[str, int, int], float] = {}
-        step = WINDOW_CHARS - WINDOW_OVERLAP
-        for at in range(0, len(text) - WINDOW_OVERLAP, step):
-            piece = text[at:at + WINDOW_CHARS]
-            for r in self.analyzer.analyze(piece, language="en", entities=self.types, score_threshold=self.threshold):
-                cut = (r.start == 0 and at > 0) or (r.end == len(piece) and at + len(piece) < len(text))
-                if not cut:  # one cut by the window's edge is found whole in the window beside it
-                    key = (r.entity_type, at + r.start, at + r.end)
-                    out[key] = max(out.get(key, 0.0), float(r.score))
-        return [(t, a, b, score) for (t, a, b), score in out.items()]
+    def _analyze_window(self, text: str, at: int) -> list[tuple[str, int, int, float]]:
+        """Presidio's findings (type, start, end, score) in the window of `text` from `at`, WINDOW_CHARS long, with
+        offsets in `text`. One analyzer call over a long text costs time quadratic in its findings (Presidio's
+        context enhancer walks the whole document for each one: 160 KB of addresses took 38 s); a window's is
+        bounded, so a text costs time in proportion to its length. Windows overlap by WINDOW_OVERLAP: a finding cut
+        by this window's edge is left to the window beside it, where it is whole (if no longer than the overlap)."""
+        piece = text[at:at + WINDOW_CHARS]
+        out = []
+        for r in self.analyzer.analyze(piece, language="en", entities=self.types, score_threshold=self.threshold):
+            if not ((r.start == 0 and at > 0) or (r.end == len(piece) and at + len(piece) < len(text))):
+                out.append((r.entity_type, at + r.start, at + r.end, float(r.score)))
+        return out
 
     def detect_many(self, texts: list[str]) -> list[list[Entity]]:
-        """`detect` of each text through one analyzer call: a conversation's messages joined by a paragraph break
-        (which no entity crosses; one that would is dropped), each finding given back to its own message with
-        offsets in it. One call, not one per message: Presidio's and spaCy's per-call work dominates short texts.
-        The pass runs on the analyzer's own thread (`_LANE`), off the hub under gevent (the API)."""
+        """`detect` of each text through one analyzer call per window: a conversation's messages joined by a
+        paragraph break (which no entity crosses; one that would is dropped), each finding given back to its own
+        message with offsets in it. One call, not one per message: Presidio's and spaCy's per-call work dominates
+        short texts. The pass runs on the analyzer's own thread (`_LANE`), off the hub under gevent (the API)."""
         return self.start_detect_many(texts)()
 
     def start_detect_many(self, texts: list[str]) -> Callable[[], list[list[Entity]]]:
         """`detect_many` started on the analyzer's thread; the returned function waits for its result. The
-        semantic layer embeds the same texts meanwhile: on 2 cores the two passes take the time of the longer."""
-        return _LANE.submit(self._detect_many, texts)
-
-    def _detect_many(self, texts: list[str]) -> list[list[Entity]]:
-        if len(texts) <= 1:
-            return [self.detect(t) for t in texts]
+        semantic layer embeds the same texts meanwhile: on 2 cores the two passes take the time of the longer.
+        A long conversation's windows take one turn each on the thread, so another request's pass goes between
+        them rather than behind the whole of it."""
         starts, at = [], 0
         for t in texts:
             starts.append(at)
             at += len(t) + len(_JOIN)
         joined = _JOIN.join(texts)
-        per: list[list[Entity]] = [[] for _ in texts]
-        for etype, a, b, score in self._analyze(joined):
-            i = bisect.bisect_right(starts, a) - 1
-            start, end = a - starts[i], b - starts[i]
-            if end <= len(texts[i]):
-                per[i].append(Entity(etype, start, end, texts[i][start:end], score))
-        return [_resolve([e for e in cands if _plausible(e)]) for cands in per]
+        if not joined.strip():
+            return lambda: [[] for _ in texts]
+        ats = _window_starts(len(joined))
+        first = _LANE.submit(self._analyze_window, joined, ats[0])
+
+        def wait() -> list[list[Entity]]:
+            found = [first()]
+            for w in ats[1:]:
+                found.append(_LANE.run(self._analyze_window, joined, w))
+            return _split(texts, starts, _merge(found))
+
+        return wait
+
+
+def _window_starts(n: int) -> list[int]:
+    """Where the windows of a text of `n` characters start (one window for a short text)."""
+    return [0] if n <= WINDOW_CHARS else list(range(0, n - WINDOW_OVERLAP, WINDOW_CHARS - WINDOW_OVERLAP))
+
+
+def _merge(windows: list[list[tuple[str, int, int, float]]]) -> list[tuple[str, int, int, float]]:
+    """The windows' findings, one found in two windows kept once (its higher score)."""
+    out: dict[tuple[str, int, int], float] = {}
+    for found in windows:
+        for etype, a, b, score in found:
+            out[(etype, a, b)] = max(out.get((etype, a, b), 0.0), score)
+    return [(t, a, b, score) for (t, a, b), score in out.items()]
+
+
+def _split(texts: list[str], starts: list[int], found: list[tuple[str, int, int, float]]) -> list[list[Entity]]:
+    """The findings in the joined texts given back to each text (offsets in it), plausible ones, overlaps resolved."""
+    per: list[list[Entity]] = [[] for _ in texts]
+    for etype, a, b, score in found:
+        i = bisect.bisect_right(starts, a) - 1
+        start, end = a - starts[i], b - starts[i]
+        if end <= len(texts[i]):
+            per[i].append(Entity(etype, start, end, texts[i][start:end], score))
+    return [_resolve([e for e in cands if _plausible(e)]) for cands in per]
 
 
 def _plausible(e: Entity) -> bool:
