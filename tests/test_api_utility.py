@@ -414,3 +414,27 @@ def test_a_real_chat_completions_prompt_tokens_is_the_tokenize_count(app, real_w
         assert resp.status_code == 200, resp.data
         assert resp.headers["x-farm-decode-worker"] == real_worker.name
         assert resp.get_json()["usage"]["prompt_tokens"] == tok["count"]
+
+
+def test_many_embeddings_leave_the_encoder_a_slice_at_a_time(app):
+    """/v1/embeddings took the encoder input after input, so the semantic layer's request that arrived meanwhile
+    waited for all of them (5 s behind 256 inputs of 256 tokens). Its inputs now join the encoder's queue a slice
+    at a time, oldest first: the layer's short call is answered between two slices."""
+    import threading
+    import time
+
+    embedder = app.extensions["farm"].embedder()
+    long_ids = embedder.token_ids(["word " * 250] * 160)
+    ended: dict[str, float] = {}
+
+    def many() -> None:
+        embedder.embed_many_ids(long_ids)
+        ended["many"] = time.perf_counter()
+
+    th = threading.Thread(target=many)
+    th.start()
+    time.sleep(0.3)
+    embedder.encode_texts(["Is it going to rain tomorrow?"])
+    ended["short"] = time.perf_counter()
+    th.join()
+    assert ended["short"] < ended["many"] - 0.5, ended

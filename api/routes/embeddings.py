@@ -2,7 +2,8 @@
 (all-MiniLM-L6-v2, 384 dimensions, a 256-token window), the very instance the layer loaded in this process (or, with
 `semantic.enabled: false`, the same model loaded on the first call).
 
-Each input is one forward off the gevent hub (farm.semantic.embeddings.Embedder.embed_ids), so open streams keep
+The inputs go through the encoder's queue a slice at a time, off the gevent hub
+(farm.semantic.embeddings.Embedder.embed_many_ids), so open streams keep
 flowing meanwhile. The inputs' tokens count against the key's token quota like a generation's prompt (api/auth.py).
 """
 
@@ -38,7 +39,7 @@ def create_embeddings() -> Response:
     used = sum(len(x) for x in ids)
     held = reserve_tokens(used, used)  # 429 insufficient_quota when what is left does not cover the inputs
     try:
-        vectors = [embedder.embed_ids(x) for x in ids]
+        vectors = embedder.embed_many_ids(ids)
     except BaseException:
         held.settle(0)
         raise
