@@ -196,7 +196,7 @@ class Submission:
         for k in range(n, max(-1, n - 8), -1):
             if tok.decode(self._ids[:k], skip_special_tokens=skip) == self._text:
                 self._boundary = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-                self._boundary.ids, self._boundary.text = list(self._ids[:k]), self._text
+                self._boundary.resume(self._ids[:k], self._text)
                 return k
         return n
 
