@@ -59,6 +59,8 @@ def to_api_error(err: BaseException) -> APIError:
         if err.retryable:
             return APIError(503, f"generation failed: {err}", code=err.code,
                             headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
+        if err.code == "invalid_request":  # the engine could not do what the request asked (its schema...)
+            return APIError(400, f"generation failed: {err}", code=err.code)
         return APIError(500, f"generation failed: {err}", code=err.code)
     if isinstance(err, ClientGone):  # nobody reads the answer; 499 as nginx logs it, for logs and metrics
         return APIError(499, str(err), code="client_disconnected")

@@ -189,6 +189,24 @@ def test_a_schema_the_engine_refuses_ends_the_request_not_the_engine(engine):
     assert run(engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).last.completion_tokens == 3
 
 
+def test_a_grammar_that_fails_while_generating_ends_with_an_error_not_a_whole_answer(engine):
+    """A schema the grammar compiler accepts can still trip one of the parser's limits at the first steps (3,000
+    properties: a row of 12,007 items, the most being 2,000). The matcher then stops, and the request ended as
+    `stop`: a cut, invalid JSON given as a whole answer. It ends with the matcher's error now."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    fmt = {"type": "json_schema", "json_schema": {"schema": wide}}
+    failed = []
+    for seed in range(1, 13):  # the first token is `{`, `{}` or `{"`; after `{"` the parser meets the wide row
+        c = run(engine, [1, 2, 3], SamplingParams(max_tokens=20, temperature=1.0, seed=seed, response_format=fmt))
+        if c.last.finish_reason == "stop":
+            assert json.loads(c.text) == {}, c.text  # a whole answer is a valid one
+        else:
+            assert c.last.finish_reason.startswith("error:structured output failed"), (c.last.finish_reason, c.text)
+            failed.append(c.last.finish_reason)
+    assert failed and "2000" in failed[0]
+    assert run(engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).last.completion_tokens == 3
+
+
 def test_a_migrated_structured_request_resumes_its_grammar(engine):
     """A request moved to another worker after some tokens (`generated`): the grammar continues after them, so the
     whole answer (what came before the move and after) is one valid object; tokens that break the format end it

@@ -448,6 +448,10 @@ class Engine:
                     seq.text = seq.text[:start + length if p.include_stop_str_in_output else start]
                     reason = "stop"
         if reason is None and seq.grammar is not None and seq.grammar.is_stopped():
+            if seq.grammar.is_error():  # the matcher failed (a parser limit of a schema the API let through): the
+                # output so far is not the schema's, and must not end as a whole answer ("stop")
+                self._finish(seq, "stop", error=f"structured output failed: {seq.grammar.get_error()[:300]}")
+                return
             reason = "stop"  # the structured output is complete
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_len):
             reason = "length"

@@ -22,7 +22,8 @@ class GatewayTimeout(TimeoutError):
 class WorkerError(RuntimeError):
     """The request failed on the workers (an `error` event): `code` says why (engine_error, invalid_task,
     worker_lost when no other worker could take it over, orphaned, events_lost when Redis lost part of the
-    answer...). The API answers 503 for those three (retry later) and 500 otherwise."""
+    answer, invalid_request when the engine could not do what the request asked...). The API answers 503 for
+    worker_lost, orphaned and events_lost (retry later), 400 for invalid_request and 500 otherwise."""
 
     def __init__(self, message: str, code: str):
         super().__init__(message)

@@ -85,6 +85,8 @@ HANDOVER_THREADS = 4  # prefill hand-overs (read the held KV for its checksum, s
 # A decode task that Redis does not take (unreachable, refusing writes) is sent again for this long; then the
 # prefill gives the request back to its reader (ErrorEvent.HANDOVER_FAILED), which places it again.
 HANDOVER_SEND_S = 10.0
+# The engine's finish reasons that name the request's own fault (a schema, a migrated prefix that breaks it).
+CLIENTS_ERRORS = ("error:invalid request", "error:structured output failed")
 
 
 class WorkerRuntime:
@@ -267,7 +269,9 @@ class WorkerRuntime:
                       cached_tokens: int | None = None) -> None:
         reason = out.finish_reason or "stop"
         if reason.startswith("error:"):
-            self.streams.emit(req.request_id, ErrorEvent(reason[6:], "engine_error"))
+            # what the request itself asked for and the engine could not do is the client's (the API's 400)
+            code = "invalid_request" if reason.startswith(CLIENTS_ERRORS) else "engine_error"
+            self.streams.emit(req.request_id, ErrorEvent(reason[6:], code))
             return
         usage = Usage(out.prompt_tokens, out.completion_tokens,
                       out.cached_tokens if cached_tokens is None else cached_tokens)
