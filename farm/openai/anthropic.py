@@ -26,6 +26,7 @@ from pydantic import (
     StrictStr,
 )
 
+from farm.models.tokenization import partial_stop
 from farm.openai.anthropic_tools import (
     AnthropicTextBlockParam,
     AnthropicToolChoice,
@@ -270,13 +271,7 @@ def from_chat_completion(chat: dict[str, Any], stops: list[str]) -> dict[str, An
 
 def _held_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of `text` may begin (or be) a stop sequence: held back until known."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s), len(text)), best, -1):
-            if s.startswith(text[-k:]):
-                best = k
-                break
-    return best
+    return partial_stop(text, stops, whole=True)
 
 
 event = named_event  # Anthropic's SSE blocks name their event
