@@ -54,16 +54,17 @@ class LineRunner:
         reserved first from the owner's quota, as an interactive request's are: with the quota spent the line waits
         for the next window (the batch's completion window bounds the wait)."""
         rid = ("chatcmpl-" if line.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        sampling = SamplingParams.from_dict(line.sampling)
+        n_prompt = len(line.prompt_ids)
         try:
-            held = self.results.reserve(bid, line)
+            held = self.results.reserve(bid, n_prompt, sampling.max_tokens)
         except redis.RedisError as e:
             return Outcome("retry", delay=1.0, code="redis_error", reason=str(e))
         if isinstance(held, Refusal):  # the owner's quota is spent: the line waits for the next window
             return Outcome("retry", delay=min(float(held.retry_after_s), QUOTA_RETRY_S), code="insufficient_quota",
                            reason=f"the batch owner's token quota ({held.limit}) is spent")
-        sampling = SamplingParams.from_dict(line.sampling)
-        if held.tokens < len(line.prompt_ids) + sampling.max_tokens:  # what is left of the quota caps the answer
-            sampling = dataclasses.replace(sampling, max_tokens=held.tokens - len(line.prompt_ids))
+        if held.tokens < n_prompt + sampling.max_tokens:  # what is left of the quota caps the answer
+            sampling = dataclasses.replace(sampling, max_tokens=held.tokens - n_prompt)
         # the batch owner's cache salt, as the API gives its interactive requests
         # (farm.tenancy.api_keys.tenant_cache_salt)
         req = GenerationRequest(rid, line.model, line.prompt_ids, sampling, created=time.time(),

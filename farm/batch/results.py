@@ -84,11 +84,10 @@ class Results:
         except redis.RedisError:
             log.warning("batch %s: could not charge a line's tokens to its owner's quota", bid)
 
-    def reserve(self, bid: str, line: PreparedLine) -> Reservation | Refusal:
+    def reserve(self, bid: str, prompt_tokens: int, max_tokens: int) -> Reservation | Refusal:
         """Hold the most a line can use (its prompt and `max_tokens`) of the owner's quota before it runs, as an
         interactive request does, or what is left when that still covers the prompt and one token."""
-        want = len(line.prompt_ids) + int(line.sampling.get("max_tokens") or 0)
-        return self.limiter.reserve(self.owner(bid), want, len(line.prompt_ids) + 1)
+        return self.limiter.reserve(self.owner(bid), prompt_tokens + max_tokens, prompt_tokens + 1)
 
     def owner(self, bid: str) -> str:
         """The batch's owner id (its creator's key; anonymous on a farm without keys), remembered while it runs."""
