@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from flask import Flask, current_app, g, request
+from flask import Flask, current_app, g, has_app_context, request
 
 from api.admission import admit
 from farm.openai.api_error import APIError
@@ -70,9 +70,9 @@ def request_scope(client_salt: object = None) -> str:
 
 
 def request_tenant() -> str:
-    """The cache salt of this request's key's owner alone ("" for a keyless farm's one tenant): what the owner's
-    shares of shared caches are counted by, whatever `cache_salt` its clients send."""
-    return tenant_cache_salt(current_owner())
+    """The cache salt of this request's key's owner alone ("" for a keyless farm's one tenant, and outside a
+    request): what the owner's shares of shared caches are counted by, whatever `cache_salt` its clients send."""
+    return tenant_cache_salt(current_owner()) if has_app_context() else ""
 
 
 def reserve_tokens(tokens: int, least: int) -> Reservation:

@@ -139,16 +139,16 @@ def test_the_pii_pass_under_gevent_runs_on_one_thread_and_still_finds_pii():
         from farm.semantic.pii import PIIDetector
         calls = Calls()
         detector = PIIDetector()
-        inner = detector._detect_many
+        inner = detector._analyze_window
 
-        def watched(texts):
+        def watched(text, at):
             calls.enter()
             try:
-                return inner(texts)
+                return inner(text, at)
             finally:
                 calls.leave()
 
-        detector._detect_many = watched
+        detector._analyze_window = watched
         texts = [[f"Mail jane{i}@example.org please", f"call +44 20 7946 09{i:02d} tomorrow"] for i in range(24)]
         greenlets = [gevent.spawn(detector.detect_many, t) for t in texts]
         gevent.joinall(greenlets, timeout=240)

@@ -232,7 +232,8 @@ class Submission:
                                 orig.prompt_token_ids + self._ids, sampling, reply_to=orig.reply_to,
                                 created=orig.created, lease_s=orig.lease_s, origin=orig.request_id,
                                 cache_salt=orig.cache_salt, generated=k)
-        log.warning("request %s: %s after %d tokens; migrating as %s", orig.request_id, why, k, req.request_id)
+        log.warning("request %s: %s after %d tokens; migrating as %s", orig.request_id,
+                    f"worker {lost} lost" if lost is not None else why, k, req.request_id)
         # with another model to go to (MoM) and nothing sent yet, a worker of this model is not waited for
         deadline = time.monotonic() + (0.0 if self._falls_back else rcfg.migration_wait_s)
         while True:

@@ -58,6 +58,7 @@ def test_a_decode_task_redis_refused_is_sent_again(farm, prompt):
     """Redis refused writes (a full Redis under `noeviction` answers OOM) just as the prefill sent the decode task:
     the hand-over's exception was logged and the request was lost, with both workers alive, until the reader's idle
     timeout (600 s by default, then a 504). The prefill now sends the task again until Redis takes it."""
+    farm.heal()  # every worker in routing (the test before restarted Redis)
     ref_events, ref_text = collect(farm.gw.submit(farm.request(prompt, max_tokens=48, ignore_eos=True)))
     assert ref_events[-1].type == "done"
     prefill = farm.workers["prefill-1"]
@@ -79,6 +80,7 @@ def test_a_failed_hand_over_places_the_request_again(farm, prompt):
     """When the hand-over fails for good (Redis refusing past HANDOVER_SEND_S, or anything else), the prefill says so
     (an `error` with ErrorEvent.HANDOVER_FAILED) and the reader places the request again instead of ending it or
     waiting out its timeout. Here that error is written as the prefill writes it, while the prefill is stopped."""
+    farm.heal()
     ref_events, ref_text = collect(farm.gw.submit(farm.request(prompt, max_tokens=48, ignore_eos=True)))
     prefill = farm.workers["prefill-1"]
     prefill.proc.send_signal(signal.SIGSTOP)
@@ -92,6 +94,7 @@ def test_a_failed_hand_over_places_the_request_again(farm, prompt):
     events, text = collect(sub, timeout=40)
     assert events[-1].type == "done" and text == ref_text, events[-1]
     assert sub.migrations == 1 and not any(e.type == "error" for e in events)
+    farm.heal()  # the stopped worker's heartbeat may have lapsed: back in routing for the tests after
 
 
 def test_api_killed_mid_stream_stops_the_orphaned_generation(farm, prompt):
