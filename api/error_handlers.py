@@ -56,12 +56,8 @@ def to_api_error(err: BaseException) -> APIError:
     if isinstance(err, GatewayTimeout):
         return APIError(504, str(err), code="timeout")
     if isinstance(err, WorkerError):  # a lost worker no other could replace: retry later; else the engine failed
-        if err.retryable:
-            return APIError(503, f"generation failed: {err}", code=err.code,
-                            headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
-        if err.code == "invalid_request":  # the engine could not do what the request asked (its schema...)
-            return APIError(400, f"generation failed: {err}", code=err.code)
-        return APIError(500, f"generation failed: {err}", code=err.code)
+        return APIError(err.status, f"generation failed: {err}", code=err.code,
+                        headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)} if err.retryable else None)
     if isinstance(err, ClientGone):  # nobody reads the answer; 499 as nginx logs it, for logs and metrics
         return APIError(499, str(err), code="client_disconnected")
     if isinstance(err, ModelNotFoundError):  # configured but not on disk: the operator's problem, not the client's

@@ -103,8 +103,7 @@ class LineRunner:
                 if e.retryable:  # no worker could take it over: run it again later
                     log.warning("batch %s line %d (%s): %s; running it again", bid, line.line, line.custom_id, e)
                     return Outcome("retry", count=True, code=e.code, reason=str(e))
-                self.results.record_failure(bid, line, e.code, f"generation failed: {e}", rid=rid,
-                                            status=400 if e.code == "invalid_request" else 500)
+                self.results.record_failure(bid, line, e.code, f"generation failed: {e}", rid=rid, status=e.status)
                 return Outcome("recorded")
             finally:
                 sub.cancel()  # a no-op once it finished; stops the workers when the line gives up

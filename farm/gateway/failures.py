@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from farm.protocol import ErrorEvent
 from farm.router.router import BusyError
 
 __all__ = ["BusyError", "ClientGone", "GatewayTimeout", "NoWorkersError", "WorkerError"]
@@ -32,3 +33,9 @@ class WorkerError(RuntimeError):
     @property
     def retryable(self) -> bool:
         return self.code in ("worker_lost", "orphaned", "events_lost")
+
+    @property
+    def status(self) -> int:
+        """The HTTP status it is answered with (the API's response, a batch line's error): 503 when retrying
+        later may succeed, 400 when the request asked what the engine could not do, else 500."""
+        return 503 if self.retryable else 400 if self.code == ErrorEvent.INVALID_REQUEST else 500

@@ -85,8 +85,8 @@ class BatchRequest(BaseModel):
                 raise ValueError(f"texts[{i}] cannot be empty")
             if len(t) > MAX_TEXT_CHARS:
                 raise ValueError(f"texts[{i}] is longer than {MAX_TEXT_CHARS} characters")
-        if sum(map(len, v)) > MAX_BATCH_CHARS:
-            raise ValueError(f"the texts hold {sum(map(len, v))} characters together, more than {MAX_BATCH_CHARS}")
+        if (total := sum(map(len, v))) > MAX_BATCH_CHARS:
+            raise ValueError(f"the texts hold {total} characters together, more than {MAX_BATCH_CHARS}")
         return v
 
 

@@ -138,6 +138,7 @@ class ErrorEvent(_Event):
     code: str
 
     HANDOVER_FAILED: ClassVar[str] = "handover_failed"
+    INVALID_REQUEST: ClassVar[str] = "invalid_request"  # the engine could not do what the request asked
 
 
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent

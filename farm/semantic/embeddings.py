@@ -263,13 +263,9 @@ class Embedder:
             pause()
         return out
 
-    def embed_ids(self, ids: list[int]) -> np.ndarray:
-        """The unit vector of one tokenized text (as `token_ids` gives it, at most MAX_TOKENS ids): the same
-        vector `encode_one` gives the text."""
-        return self.embed_many_ids([ids])[0]
-
     def embed_many_ids(self, ids: list[list[int]]) -> list[np.ndarray]:
-        """`embed_ids` of each text, MAX_BATCH at a time through the encoder's queue: a request that arrives while
+        """The unit vector of each tokenized text (as `token_ids` gives it, at most MAX_TOKENS ids; the same vector
+        `encode_one` gives the text), MAX_BATCH at a time through the encoder's queue: a request that arrives while
         /v1/embeddings works through 256 inputs joins the queue between two slices, oldest first, instead of
         waiting for all of them (it waited 5 s behind 256 inputs of 256 tokens)."""
         out: list[np.ndarray] = []

@@ -270,7 +270,7 @@ class WorkerRuntime:
         reason = out.finish_reason or "stop"
         if reason.startswith("error:"):
             # what the request itself asked for and the engine could not do is the client's (the API's 400)
-            code = "invalid_request" if reason.startswith(CLIENTS_ERRORS) else "engine_error"
+            code = ErrorEvent.INVALID_REQUEST if reason.startswith(CLIENTS_ERRORS) else "engine_error"
             self.streams.emit(req.request_id, ErrorEvent(reason[6:], code))
             return
         usage = Usage(out.prompt_tokens, out.completion_tokens,
