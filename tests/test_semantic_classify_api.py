@@ -99,6 +99,28 @@ def test_batch_gives_one_label_per_text_and_the_statistics(app):
     assert [r["category"] for r in pii["results"]] == ["US_SSN", "NO_PII"]
 
 
+def test_confidence_thresholds_filter_pii_entities_and_set_the_batch_s_low_confidence(app):
+    """`options.confidence_threshold`, which the Router's clients send: PII entities scored below it are not
+    reported (the policy's recommendation stays the guard's), and in a batch an intent below it counts as low
+    confidence. Outside [0, 1] it is a 400."""
+    text = f"My SSN is {SSN}, write to {MAIL}."
+    every = post(app, "pii", {"text": text}).get_json()["entities"]
+    scores = sorted({e["confidence"] for e in every})
+    assert len(scores) >= 2  # the SSN and the address are scored apart, so a cut between them shows
+    for cut in (scores[0], scores[-1], 1.0):
+        kept = post(app, "pii", {"text": text, "options": {"confidence_threshold": cut}}).get_json()
+        assert kept["entities"] == [e for e in every if e["confidence"] >= cut]
+        assert kept["has_pii"] is bool(kept["entities"]) and kept["security_recommendation"] == "block"
+    texts = ["Solve for x: 3x - 7 = 11", "What is the derivative of x^3?", "hi"]
+    results = post(app, "batch", {"texts": texts}).get_json()["results"]
+    for threshold in (0.0, 1.0, sorted(r["confidence"] for r in results)[1]):
+        stats = post(app, "batch", {"texts": texts, "options": {"confidence_threshold": threshold}}).get_json()
+        assert stats["statistics"]["low_confidence_count"] == sum(r["confidence"] < threshold for r in results)
+    for bad in (-0.1, 1.5, "high"):
+        resp = post(app, "pii", {"text": text, "options": {"confidence_threshold": bad}})
+        assert resp.status_code == 400 and resp.get_json()["error"]["type"] == "invalid_request_error"
+
+
 def test_a_batch_reads_each_text_as_its_own_request_would(app):
     """The batch reads its texts together (shared forwards, one PII pass): each text's label is the one its own
     request gives."""

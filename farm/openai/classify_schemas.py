@@ -16,6 +16,9 @@ class _Options(BaseModel):
 
 class IntentOptions(_Options):
     return_probabilities: bool = False
+    # an answer below it counts as low confidence in a batch's statistics (default: the classifier's own threshold,
+    # below which the default model answers); the routing decision itself is the farm's, whatever a caller asks
+    confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
 
 
 class PIIOptions(_Options):
@@ -23,6 +26,7 @@ class PIIOptions(_Options):
     return_positions: bool = False
     mask_entities: bool = False
     reveal_entity_text: bool = False  # the entity's text in `value`; else its type in brackets
+    confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)  # entities scored below it are not reported
 
 
 class SecurityOptions(_Options):

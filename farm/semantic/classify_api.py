@@ -38,7 +38,8 @@ def pii(sig: Signals, opts: s.PIIOptions) -> s.PIIResponse:
         return s.PIIResponse(has_pii=False, entities=[], security_recommendation="allow",
                              processing_time_ms=_ms(sig), enabled=False)
     wanted = {normalize_type(t) for t in opts.entity_types} if opts.entity_types else None
-    found = [e for e in sig.pii if wanted is None or e.type in wanted]
+    floor = opts.confidence_threshold or 0.0
+    found = [e for e in sig.pii if (wanted is None or e.type in wanted) and e.score >= floor]
     entities = [s.PIIEntity(type=e.type, value=e.text if opts.reveal_entity_text else f"[{e.type}]",
                             confidence=round(e.score, 4),
                             start_position=e.start if opts.return_positions else None,
@@ -94,9 +95,14 @@ def batch_result(sig: Signals, task: str, opts: s.IntentOptions) -> s.BatchResul
 
 def batch(sigs: list[Signals], task: str, opts: s.IntentOptions, ms: float) -> s.BatchResponse:
     """A batch's answer: each text's one label, and the statistics (low confidence: an intent below the
-    classifier's threshold, which the default model answers)."""
+    request's `confidence_threshold`, by default below the classifier's, which the default model answers)."""
     results = [batch_result(sig, task, opts) for sig in sigs]
-    low = sum(task == "intent" and sig.route is not None and sig.route.category is None for sig in sigs)
+    if task != "intent":
+        low = 0
+    elif opts.confidence_threshold is not None:
+        low = sum(r.confidence < opts.confidence_threshold for r in results)
+    else:
+        low = sum(sig.route is not None and sig.route.category is None for sig in sigs)
     dist: dict[str, int] = {}
     for r in results:
         dist[r.category] = dist.get(r.category, 0) + 1
