@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 import uuid
 
@@ -13,13 +14,14 @@ import pytest
 
 from api.app import create_app
 from farm.batch.driver import BatchDriver
-from farm.batch.file_store import FileQuotaExceeded, FileStore, OwnerQuota
+from farm.batch.file_store import FileStore
 from farm.batch.store import BatchStore
+from farm.batch.upload_room import FileQuotaExceeded, OwnerQuota
 from farm.batch.validate import PreparedLine
 from farm.config import get_config
 from farm.gateway.reading import Answer
 from farm.protocol import BATCH_QUEUE, DoneEvent, Usage
-from farm.protocol.keys import BATCHES_KEY, FILES_KEY, owner_batches_key, owner_files_key
+from farm.protocol.keys import BATCHES_KEY, FILES_KEY, owner_batches_key, owner_files_key, owner_uploads_key
 from farm.tenancy.api_keys import OWNER_ANONYMOUS, tenant_cache_salt
 
 
@@ -413,6 +415,58 @@ def test_a_keys_uploads_stop_at_its_storage_quota(redis_client, tmp_path):
     files.delete(first)
     assert files.usage(owner) == ((1 << 20) + 3, 2)
     files.create(mb, "f.jsonl", "batch", owner=owner, quota=quota)
+
+
+def test_two_uploads_at_once_cannot_both_take_a_keys_last_room(redis_client, tmp_path):
+    """The quota was read once before an upload: two uploads at once each saw the room free and both were
+    stored, past the quota. Each chunk is now reserved against the key's files and its other uploads under way:
+    with 2 MB of a 3 MB upload streamed, a 2 MB upload is refused against a 3 MB quota, and with one file left
+    the second upload is refused while the first is still streaming. A refused or finished upload hands its reservation back."""
+    files = FileStore(redis_client, tmp_path)
+    mb = b"x" * (1 << 20)
+
+    def held_upload(owner: str, quota: OwnerQuota) -> tuple[threading.Thread, threading.Event, list]:
+        """A 3 MB upload that stops after its first 2 MB until released; its outcome lands in the list."""
+        first_sent, release, outcome = threading.Event(), threading.Event(), []
+
+        def body():
+            yield mb
+            yield mb
+            first_sent.set()
+            release.wait(10)
+            yield mb
+
+        def run():
+            try:
+                outcome.append(files.create(body(), "a.jsonl", "batch", owner=owner, quota=quota)["bytes"])
+            except FileQuotaExceeded as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert first_sent.wait(10)
+        time.sleep(0.1)  # the first chunk is stored
+        return t, release, outcome
+
+    owner = f"owner-race-{uuid.uuid4().hex[:6]}"
+    quota = OwnerQuota(max_bytes=3 << 20, max_files=5)
+    t, release, first = held_upload(owner, quota)
+    with pytest.raises(FileQuotaExceeded, match="3 MB"):  # 2 MB under way + 2 MB would pass 3 MB
+        files.create(mb * 2, "b.jsonl", "batch", owner=owner, quota=quota)
+    release.set()
+    t.join(10)
+    assert first == [3 << 20] and files.usage(owner) == (3 << 20, 1)
+    assert not redis_client.exists(owner_uploads_key(owner))  # every reservation handed back
+
+    owner = f"owner-race-{uuid.uuid4().hex[:6]}"
+    quota = OwnerQuota(max_bytes=10 << 20, max_files=1)
+    t, release, first = held_upload(owner, quota)
+    with pytest.raises(FileQuotaExceeded, match="holds 1 files"):
+        files.create(b"y", "c.jsonl", "batch", owner=owner, quota=quota)
+    release.set()
+    t.join(10)
+    assert first == [3 << 20] and files.usage(owner) == (3 << 20, 1)
+    assert not redis_client.exists(owner_uploads_key(owner))
 
 
 def test_an_upload_past_the_quota_is_413_over_http(api, monkeypatch):

@@ -12,8 +12,9 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
-from farm.batch.file_store import FileQuotaExceeded, FileStorageFull, FileStore, OwnerQuota, public_file
+from farm.batch.file_store import FileStorageFull, FileStore, public_file
 from farm.batch.store import BatchStore, clean_filename
+from farm.batch.upload_room import FileQuotaExceeded, OwnerQuota
 from farm.openai.api_error import APIError, bad_request
 
 bp = Blueprint("files", __name__, url_prefix="/v1")

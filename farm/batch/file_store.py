@@ -10,13 +10,13 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import redis
 
 from farm.batch.store import clean_filename, index_by_owner, is_file_id, new_file_id, owner_page
+from farm.batch.upload_room import OwnerQuota, UploadRoom
 from farm.config import FarmConfig
 from farm.infra.filemodes import open_private, private_dir
 from farm.infra.redis_client import as_str
@@ -38,24 +38,6 @@ CHUNK_BYTES = 1 << 20  # bodies are streamed in and out in pieces of this size
 
 class FileStorageFull(Exception):
     """An upload would take the Redis file storage past `batch.files_redis_max_mb`."""
-
-
-class FileQuotaExceeded(Exception):
-    """An upload would take its owner past `batch.owner_files_max_mb` or `batch.owner_files_max`."""
-
-
-@dataclass(frozen=True)
-class OwnerQuota:
-    """What one owner's files may hold: bytes and files (batch.owner_files_max_mb, batch.owner_files_max)."""
-
-    max_bytes: int
-    max_files: int
-
-    @classmethod
-    def from_config(cls, cfg: FarmConfig) -> OwnerQuota:
-        mb = cfg.batch.owner_files_max_mb
-        assert mb is not None  # BatchConfig fills in its default for the backend
-        return cls(mb << 20, cfg.batch.owner_files_max)
 
 
 def _within(chunks: Iterable[bytes], room: int, full: Exception) -> Iterator[bytes]:
@@ -241,28 +223,32 @@ class FileStore:
         """Store a body (bytes, a binary stream, or chunks) and its metadata; returns the metadata.
         With `file_id` given the file is replaced (a finalizing batch rewriting its output). `expires_at`: when
         the retention sweep deletes it (a batch's output and error files), shown to clients as OpenAI does.
-        `quota` (a client's upload): FileQuotaExceeded once the owner's files would pass it, checked against the
-        body as it streams in (two uploads at once may each take the last room: the excess is one upload)."""
+        `quota` (a client's upload): FileQuotaExceeded once the owner's files, with its other uploads under way,
+        would pass it, checked as the body streams in (farm.batch.upload_room)."""
         chunks = _chunks(src)
+        room = None
         if quota is not None:
-            used, count = self.usage(owner)
-            if count >= quota.max_files:
-                raise FileQuotaExceeded(f"this key holds {count} files, the most it may (batch.owner_files_max); "
-                                        "delete files you no longer need (DELETE /v1/files/{id})")
-            chunks = _within(chunks, quota.max_bytes - used, FileQuotaExceeded(
-                f"this key's files would pass {quota.max_bytes >> 20} MB (batch.owner_files_max_mb); "
-                "delete files you no longer need (DELETE /v1/files/{id})"))
-        replaced = self.r.hget(file_key(file_id), "bytes") if file_id else None
-        file_id = file_id or new_file_id()
-        size = self.bodies.write(file_id, chunks, capped=purpose == "batch")
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-                "filename": clean_filename(filename), "purpose": purpose, "owner": owner, "status": "processed",
-                "expires_at": expires_at, "status_details": None}
-        pipe = self.r.pipeline()
-        pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
-        pipe.zadd(owner_files_key(owner), {file_id: self.r.incr(BATCH_SEQ_KEY)})
-        pipe.incrby(owner_file_bytes_key(owner), size - (int(json.loads(replaced)) if replaced else 0))
-        pipe.execute()
+            room = UploadRoom(self.r, owner, quota)
+            room.enter()
+            chunks = room.within(chunks)
+        try:
+            replaced = self.r.hget(file_key(file_id), "bytes") if file_id else None
+            file_id = file_id or new_file_id()
+            size = self.bodies.write(file_id, chunks, capped=purpose == "batch")
+            meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+                    "filename": clean_filename(filename), "purpose": purpose, "owner": owner, "status": "processed",
+                    "expires_at": expires_at, "status_details": None}
+            pipe = self.r.pipeline()
+            pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
+            pipe.zadd(owner_files_key(owner), {file_id: self.r.incr(BATCH_SEQ_KEY)})
+            pipe.incrby(owner_file_bytes_key(owner), size - (int(json.loads(replaced)) if replaced else 0))
+            if room is not None:
+                room.leave(pipe)  # with the file's own counts: its bytes now count in the owner's files
+            pipe.execute()
+        except BaseException:
+            if room is not None:
+                room.leave()  # refused or failed: nothing of it is kept
+            raise
         return meta
 
     def usage(self, owner: str) -> tuple[int, int]:

@@ -116,6 +116,12 @@ def owner_file_bytes_key(owner: str) -> str:
     return f"farm:files:owner:{owner}:bytes"
 
 
+def owner_uploads_key(owner: str) -> str:
+    """Hash of what one owner's uploads under way hold of its quota (`files`, `bytes`): two uploads at once cannot
+    both take the last room (farm.batch.upload_room). It expires an hour after its last change (a crashed API)."""
+    return f"farm:files:owner:{owner}:uploading"
+
+
 def owner_batches_key(owner: str) -> str:
     """Zset of one owner's batch ids by creation sequence."""
     return f"farm:batches:owner:{owner}"
