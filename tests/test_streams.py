@@ -46,7 +46,7 @@ def test_one_entry_per_reader_and_flush_with_merged_deltas_keeping_ids_and_logpr
     w.flush()
     (a,) = batches(redis_client, "api-a")  # both requests of reader a in one entry
     (b,) = batches(redis_client, "api-b")
-    assert a.writer == b.writer == w.writer_id and a.seq == b.seq == 1  # numbered per reader, from 1
+    assert a.seq == b.seq == 1 and a.writer.startswith(w.writer_id + ".")  # numbered per reader, from 1
     start, delta = a.events["r1"]
     assert isinstance(start, StartEvent)
     assert (delta.text, delta.n, delta.ids) == ("Hello!", 3, [10, 11, 12])
@@ -333,3 +333,59 @@ def test_a_reader_keeps_reading_while_redis_refuses_its_lease(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_reader_long_idle_is_forgotten_and_numbered_afresh_when_it_returns(redis_client, monkeypatch):
+    """The writer kept one numbering per reader it ever answered (an API process life: gunicorn recycles its
+    workers), for the worker's whole life. A reader idle for FORGET_READER_S with nothing open is forgotten; one
+    with a request open is kept; a forgotten reader that returns is numbered from 1 under a new writer id, and
+    its reply reader delivers that batch rather than skipping it as seen."""
+    from farm.config.processes import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+    from farm.worker import stream_writer
+
+    clock = [1000.0]
+    monkeypatch.setattr(stream_writer.time, "monotonic", lambda: clock[0])
+    reader = ReplyReader(redis_client, ReliabilityConfig())
+    w = StreamWriter(redis_client, flush_ms=10_000)
+    quiet = [f"api-quiet-{i}" for i in range(50)]
+    for i, rid in enumerate(quiet):
+        w.open(rid, rid)
+        w.emit(rid, DeltaEvent("x", 1, [i]))
+        w.close(rid)
+    for rid in ("a", "b"):
+        w.open(rid, reader.reader_id)
+        w.emit(rid, DeltaEvent(rid, 1, [1]))
+        assert w.flush()
+    w.close("a")
+    w.open("kept", "api-busy")  # a request still open: its reader keeps its numbering however long it is quiet
+    w.emit("kept", DeltaEvent("k", 1, [2]))
+    assert w.flush() and w.readers_numbered() == 52
+    first_writer = batches(redis_client, reader.reader_id)[-1].writer
+    clock[0] += stream_writer.FORGET_READER_S + 1
+    w.open("c", "api-new")
+    w.emit("c", DeltaEvent("c", 1, [3]))
+    assert w.flush()
+    assert w.readers_numbered() == 3  # api-busy, api-new, and the reader that still has "b" open
+    w.close("b")
+    clock[0] += stream_writer.FORGET_READER_S + 1
+    w.open("c2", "api-new")
+    w.emit("c2", DeltaEvent("c", 1, [3]))
+    assert w.flush() and w.readers_numbered() == 2  # its last request closed: the reader is forgotten
+    box = reader.open("d")
+    reader.start()
+    try:
+        deadline = time.monotonic() + 5  # the reader reads what came before its start too
+        while time.monotonic() < deadline and not reader._seen:
+            time.sleep(0.05)
+        w.open("d", reader.reader_id)  # it returns: numbered again
+        w.emit("d", DeltaEvent("back", 1, [4]))
+        assert w.flush()
+        last = batches(redis_client, reader.reader_id)[-1]
+        assert last.seq == 1 and last.writer != first_writer
+        got: list = []
+        while time.monotonic() < deadline and not got:
+            got += box.take(0.2)
+        assert [e.text for e in got] == ["back"]
+    finally:
+        reader.stop()

@@ -16,7 +16,8 @@ period means the API process that reads died, so nobody will ever read the token
 With nothing to flush and nothing open the pump sleeps until an event arrives: an idle worker costs no wakeups
 (a fixed tick of `flush_ms` cost each idle worker about 6 ms of CPU a second, 50 wakeups).
 
-Every batch carries (writer id, sequence number, counted per reader): a flush whose answer never came (Redis
+Every batch carries (writer id, sequence number), both per reader (a reader idle for FORGET_READER_S is forgotten,
+and numbered afresh under a new writer id should it return): a flush whose answer never came (Redis
 restarting, or with Sentinel the primary died) is sent again, whole, and readers skip what they already have. A
 batch Redis did not take, for any reason (unreachable, restarting, out of memory under `noeviction`, MISCONF, BUSY),
 is kept and sent again, and a reader's later batches wait behind it: per attempt each reader gets only its oldest
@@ -35,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -57,6 +58,10 @@ NO_REPLICA_RETRY_S = 5.0  # after a WAIT no replica answered, flushes do not wai
 # partition). The batches stay queued either way.
 FLUSH_ATTEMPTS = 30
 GIVE_UP_S = STREAM_TTL_S  # a batch this old has no reader left waiting for it (their requests timed out)
+# A reader this writer sent nothing to for this long, with no request open, loses its numbering: a long-lived
+# worker would otherwise keep one per API process life it ever answered (gunicorn recycles its workers). Should
+# the reader come back, it is numbered again from 1 under a new writer id, so it skips nothing as already seen.
+FORGET_READER_S = 2 * STREAM_TTL_S
 MIN_POLL_S = 0.005  # the pump never wakes for flag polls more often than this
 
 
@@ -67,6 +72,15 @@ class _Route:
     reply_to: str
     grace_s: float  # 0: the request has no reader lease (never orphaned)
     streaming: bool = False  # its first token was sent (later deltas wait for the flush window)
+
+
+@dataclass(slots=True)
+class _Numbering:
+    """One reader's batches from this writer: the writer id they carry and their sequence numbers."""
+
+    writer: str
+    seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+    used: float = 0.0  # monotonic time of its last batch
 
 
 class StreamWriter:
@@ -90,7 +104,8 @@ class StreamWriter:
         self._last_cancel_poll = 0.0
         self._lease_missing: dict[str, float] = {}  # reader -> when its lease was first seen missing
         self.writer_id = uuid.uuid4().hex[:12]
-        self._seqs: dict[str, itertools.count] = {}  # reader -> its batches' numbers, 1, 2, ... with no gap
+        self._numbering: dict[str, _Numbering] = {}  # reader -> its batches' writer id and numbers, 1, 2, ...
+        self._generations = itertools.count(1)  # a reader numbered again gets the next writer id
         # reply stream key -> [(payload, made at)] that Redis has not taken yet, oldest first
         self._unsent: dict[str, list[tuple[str, float]]] = {}
 
@@ -167,10 +182,29 @@ class StreamWriter:
                 self._due, self._urgent = 0.0, False
             now = time.monotonic()
             for reader, events in pending.items():
-                seq = next(self._seqs.setdefault(reader, itertools.count(1)))
+                numbering = self._numbering.get(reader)
+                if numbering is None:
+                    numbering = self._numbering[reader] = _Numbering(f"{self.writer_id}.{next(self._generations)}")
+                numbering.used = now
                 self._unsent.setdefault(reply_stream_key(reader), []).append(
-                    (encode_reply(self.writer_id, seq, events), now))
+                    (encode_reply(numbering.writer, next(numbering.seq), events), now))
+            self._forget_idle_readers(now)
             return self._send_unsent()
+
+    def _forget_idle_readers(self, now: float) -> None:
+        """Drop the numbering of readers idle for FORGET_READER_S with no request open and nothing unsent."""
+        cutoff = now - FORGET_READER_S
+        if not any(n.used < cutoff for n in self._numbering.values()):
+            return
+        with self._lock:
+            busy = {rt.reply_to for rt in self._routes.values()}
+        for reader in [x for x, n in self._numbering.items() if n.used < cutoff]:
+            if reader not in busy and reply_stream_key(reader) not in self._unsent:
+                del self._numbering[reader]
+
+    def readers_numbered(self) -> int:
+        """Readers whose batches this writer still numbers."""
+        return len(self._numbering)
 
     def unsent(self) -> int:
         """Batches Redis has not taken yet."""
