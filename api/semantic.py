@@ -43,12 +43,10 @@ def no_cache_requested() -> bool:
 
 
 def answer_fits(answer: str, body: dict, tokenizer) -> bool:
-    """Whether a cached answer honours this request's own limits: no more tokens than its `max_tokens`
-    (or `max_completion_tokens`) and none of its `stop` sequences inside (a generated answer would have
-    ended there). Sampling settings are not compared: a cached answer is one valid sample."""
+    """Whether a cached answer honours this request's own length: no more tokens than its `max_tokens` (or
+    `max_completion_tokens`). Sampling settings are not compared: a cached answer is one valid sample. (A request
+    with stop sequences or another constraint on its answer never reaches the cache: api/routes/openai.py.)"""
     params, _, _, _ = local_params(body)
-    if any(s in answer for s in params.stop):
-        return False
     return len(tokenizer.encode(answer, add_special_tokens=False)) <= params.max_tokens
 
 

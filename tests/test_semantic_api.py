@@ -93,21 +93,40 @@ def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app, redis_c
 
 
 def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redis_client):
-    """A hit longer than the request's max_tokens, or containing one of its stop sequences, is generated
-    instead (here: 503, no worker); within the limits it is served."""
+    """A hit longer than the request's max_tokens is generated instead (here: 503, no worker); within the
+    limits it is served. A request that constrains its answer (stop sequences or tokens, a response format,
+    min_tokens, ignore_eos, logit_bias) never reads the cache: a free sample is not an answer held to them (a
+    stop-cut answer of one client, or a `json_object` "{}", was replayed to others)."""
     layer = app.extensions["farm"].semantic()
     question = "Name the largest planet of the solar system."
     answer = "Jupiter is the largest planet. It is a gas giant."
     v = layer.before("MoM", [{"role": "user", "content": question}], scope=KEYLESS)  # keyless callers
     assert v.action == "forward" and layer.after(v, answer)
     n_tokens = len(app.extensions["farm"].tokenizer(v.model).encode(answer, add_special_tokens=False))
-    fits = chat(app, question, max_tokens=n_tokens, stop=["Saturn"])
+    fits = chat(app, question, max_tokens=n_tokens)
     assert fits.status_code == 200 and fits.get_json()["choices"][0]["message"]["content"] == answer
     for extra in ({"max_tokens": n_tokens - 1}, {"max_completion_tokens": 3}, {"stop": "gas"},
-                  {"stop": ["x", " planet."]}):
+                  {"stop": ["Saturn"]}, {"stop_token_ids": [2]}, {"response_format": {"type": "json_object"}},
+                  {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {"5": 1.0}}):
         resp = chat(app, question, **extra)
         assert resp.status_code == 503 and "x-vsr-cache-hit" not in resp.headers, extra
+    for extra in ({"stop": []}, {"response_format": {"type": "text"}}, {"min_tokens": 0}, {"logit_bias": {}}):
+        assert chat(app, question, **extra).headers.get("x-vsr-cache-hit") == "true", extra  # no constraint
     assert chat(app, question, max_tokens=0).status_code == 400  # still validated on the cache path
+
+
+def test_an_answer_to_a_constrained_request_is_not_stored(app, redis_client, monkeypatch):
+    """The other half: a generated answer of a request with a stop sequence or a response format is never
+    stored for others (its verdict has no cache query)."""
+    from api.routes import openai as routes
+
+    seen = []
+    real = routes.decide
+    monkeypatch.setattr(routes, "decide", lambda *a, **kw: seen.append(kw["no_cache"]) or real(*a, **kw))
+    question = "Which metal is liquid at room temperature?"
+    for extra in ({"stop": ["."]}, {"response_format": {"type": "json_object"}}, {}):
+        chat(app, question, **extra)
+    assert seen == [True, True, False]
 
 
 def test_mom_is_listed_and_unknown_models_are_404(app):

@@ -386,12 +386,19 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
 
 
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
-    """n > 1, log-probabilities, or vLLM's options that change the prompt or the answer's text (the chat-template
-    fields, echo, special tokens shown, the stop string kept): what a cached answer (one sample of the plain
-    prompt, text only) cannot give, and what must not be stored as one. (The body passed validate_chat.)"""
+    """n > 1, log-probabilities, tools, vLLM's options that change the prompt or the answer's text (the
+    chat-template fields, special tokens shown, the stop string kept), or a constraint on the answer (stop
+    sequences or tokens, a response format, min_tokens, ignore_eos, logit_bias): what a cached answer (one free
+    sample of the plain prompt, text only) cannot give, and what must not be stored as one: an answer cut at one
+    client's stop, or held to its schema, replayed to another request was wrong for it. (The body passed
+    validate_chat.)"""
+    fmt = body.get("response_format")
     return (body.get("n") not in (None, 1) or body.get("logprobs") not in (None, False) or bool(body.get("tools"))
             or not chat_options(body).default or body.get("skip_special_tokens") is False
-            or body.get("include_stop_str_in_output") is True)
+            or body.get("include_stop_str_in_output") is True
+            or bool(body.get("stop")) or bool(body.get("stop_token_ids"))
+            or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
+            or bool(body.get("min_tokens")) or body.get("ignore_eos") is True or bool(body.get("logit_bias")))
 
 
 def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[GenerationRequest]:
