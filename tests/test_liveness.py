@@ -81,3 +81,49 @@ def test_a_reader_prunes_a_lapsed_record_but_never_one_registered_since_it_looke
     registry.prune(redis_client, ["w-3", "w-4"])
     assert sorted(k.decode() for k in redis_client.hkeys(registry.WORKERS_KEY)) == ["w-4"]
     assert [w.worker_id for w in registry.live_workers(redis_client, model="m")] == ["w-4"]
+
+
+def test_a_reader_that_lost_redis_waits_a_heartbeat_s_lifetime_before_judging_by_heartbeats(tmp_path):
+    """Redis away for longer than a heartbeat's lifetime lets every worker's heartbeat lapse, the live ones' too:
+    the reader judged them all gone once Redis was back and migrated every request (computed twice). After the
+    reader itself could not reach Redis, a lapsed heartbeat alone now counts only once the workers had
+    HEARTBEAT_TTL_S to beat again: a worker that beats stays alive, one that does not is gone after it."""
+    import time
+
+    import redis
+
+    from farm.config.processes import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+    from tests.conftest import start_redis
+
+    proc, url = start_redis(tmp_path / "r")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    r = redis.Redis.from_url(url, socket_timeout=1)
+    live, dead = info("w-live", 100.0), info("w-dead", 100.0)
+    for w in (live, dead):
+        registry.register(r, w)
+    reader = ReplyReader(r, ReliabilityConfig(check_interval_s=0.1)).start()
+    try:
+        procs = {w.worker_id: reader.watch(w.worker_id, w) for w in (live, dead)}
+        time.sleep(0.3)
+        assert not any(reader.gone(p) for p in procs.values())
+        proc.terminate()
+        proc.wait()
+        time.sleep(1.0)  # the reader meets refused connections
+        proc, _ = start_redis(tmp_path / "r", port)
+        r.delete(alive_key("w-live"), alive_key("w-dead"))  # both lapsed while Redis was away
+        back = time.monotonic()
+        while time.monotonic() - back < registry.HEARTBEAT_TTL_S - 1.5:
+            assert not any(reader.gone(p) for p in procs.values())  # the old code: both gone within 0.2 s
+            if time.monotonic() - back > 1.0:
+                registry.heartbeat(r, "w-live")  # the live worker beats again; the dead one never
+            time.sleep(0.1)
+        deadline = time.monotonic() + 4
+        while not reader.gone(procs["w-dead"]) and time.monotonic() < deadline:
+            registry.heartbeat(r, "w-live")
+            time.sleep(0.1)
+        assert reader.gone(procs["w-dead"]) and not reader.gone(procs["w-live"])
+    finally:
+        reader.stop()
+        proc.kill()
+        proc.wait()

@@ -28,20 +28,23 @@ def process_of(worker_id: str, info: registry.WorkerInfo | None) -> Process:
     return worker_id, info.started_at if info is not None else None
 
 
-def processes_gone(r: redis.Redis, processes: dict[Process, registry.WorkerInfo | None]) -> set[Process]:
-    """The dead among `processes` (each with its record as the caller knows it, or None), in one round trip."""
+def processes_gone(r: redis.Redis, processes: dict[Process, registry.WorkerInfo | None],
+                   beats: bool = True) -> set[Process]:
+    """The dead among `processes` (each with its record as the caller knows it, or None), in one round trip.
+    `beats` False: a missing heartbeat alone does not make a worker dead (the caller could not reach Redis
+    lately either, so every heartbeat may have lapsed for want of Redis, not of the worker)."""
     ids = sorted({wid for wid, _ in processes})
     pipe = r.pipeline(transaction=False)
     pipe.mget([alive_key(w) for w in ids])
     pipe.hmget(WORKERS_KEY, ids)
-    beats, records = pipe.execute()
-    beat = dict(zip(ids, beats, strict=True))
+    found, records = pipe.execute()
+    beat = dict(zip(ids, found, strict=True))
     now = {w: registry.WorkerInfo.from_json(raw) if raw else None for w, raw in zip(ids, records, strict=True)}
     gone = set()
     for proc, known in processes.items():
         wid = proc[0]
         known = known or now[wid]
-        if beat[wid] is None or _process_gone(known) or _replaced(known, now[wid]):
+        if (beats and beat[wid] is None) or _process_gone(known) or _replaced(known, now[wid]):
             gone.add(proc)
     return gone
 

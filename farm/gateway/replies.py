@@ -12,6 +12,8 @@ The reader also keeps what every request of the process would otherwise ask Redi
 - which of the workers serving its requests are gone (`gone`), refreshed every `reliability.check_interval_s`
   in one round trip (farm.cluster.liveness.processes_gone), for the requests' migration; by process, so a worker
   restarted under its id is alive for the requests placed on it and gone for those of the process that died.
+  For a heartbeat's lifetime after the reader itself could not reach Redis, a lapsed heartbeat alone does not
+  count: the workers could not beat either (a 35 s outage had every request migrated, and computed twice).
 
 It reads from the last entry id it saw, so a Redis restart loses nothing it has not read (the workers retry their
 flushes) and a batch written twice (a retried flush) is skipped by its writer's sequence number. Entries it has
@@ -105,6 +107,9 @@ class ReplyReader:
         # id is another process, watched apart from the one that died
         self._watched: dict[Process, tuple[registry.WorkerInfo | None, int]] = {}
         self._gone: frozenset[Process] = frozenset()  # the watched processes found dead at the last check
+        # after this reader could not reach Redis, a missing heartbeat proves nothing until the workers had a
+        # heartbeat's lifetime to beat again: monotonic time from which it counts again
+        self._beats_count_from = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -172,7 +177,8 @@ class ReplyReader:
     def _check_workers(self) -> None:
         with self._lock:
             watched = {proc: info for proc, (info, _) in self._watched.items()}
-        self._gone = frozenset(processes_gone(self.r, watched)) if watched else frozenset()
+        beats = time.monotonic() >= self._beats_count_from
+        self._gone = frozenset(processes_gone(self.r, watched, beats)) if watched else frozenset()
 
     def _run(self) -> None:
         last_id = "0-0"
@@ -197,6 +203,8 @@ class ReplyReader:
                 block_ms = int(min(max(min(next_lease, next_check) - time.monotonic(), 0.001), 1.0) * 1000) or 1
                 resp = self.r.xread({self.stream: last_id}, count=READ_COUNT, block=block_ms)
             except (redis.ConnectionError, redis.TimeoutError):
+                # every worker's heartbeat may lapse while Redis is away: none counts until they could beat again
+                self._beats_count_from = time.monotonic() + registry.HEARTBEAT_TTL_S
                 time.sleep(0.25)  # Redis restarting: the workers keep their batches until it is back
                 continue
             except redis.RedisError:
@@ -218,8 +226,8 @@ class ReplyReader:
         last = self._seen.get(batch.writer, 0)
         if batch.seq <= last:
             return  # a flush retried after a connection error: read already
-        if len(self._seen) >= SEEN_WRITERS_MAX:
-            self._seen.pop(next(iter(self._seen)))
+        if self._seen.pop(batch.writer, None) is None and len(self._seen) >= SEEN_WRITERS_MAX:
+            self._seen.pop(next(iter(self._seen)))  # the writer heard from longest ago (each read moves to the end)
         self._seen[batch.writer] = batch.seq
         if last and batch.seq > last + 1:  # numbered per reader with no gap: batches were lost on the way
             self._fail_lost(batch, batch.seq - last - 1)
