@@ -132,6 +132,27 @@ def test_truly_unknown_fields_are_still_refused(app_client_no_worker):
     assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", "echo": True}), 400, "echo")
 
 
+def test_openai_fields_that_change_nothing_a_client_relies_on_are_accepted(app_client_no_worker):
+    """`store`, `metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`, `reasoning_effort`,
+    `verbosity`, `modalities: ["text"]` and `prediction` were 400 `unknown_parameter`; LiteLLM and LangChain send
+    several on their own, and vLLM accepts them. They pass validation now (503 here: no worker), a value OpenAI
+    would refuse is still a 400 naming it, and what would change the answer (audio, web search) stays refused."""
+    c, cfg = app_client_no_worker
+    accepted = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "prompt_cache_key": "user-1",
+                "safety_identifier": "hash-1", "reasoning_effort": "low", "verbosity": "low",
+                "modalities": ["text"], "prediction": {"type": "content", "content": "x"}}
+    for field, value in accepted.items():
+        resp = post(c, "/v1/chat/completions", chat(cfg, **{field: value}))
+        assert resp.status_code == 503, (field, resp.get_json())
+    assert post(c, "/v1/chat/completions", chat(cfg, **accepted)).status_code == 503
+    for field, value in (("modalities", ["text", "audio"]), ("service_tier", "fastest"), ("store", "yes"),
+                         ("metadata", {f"k{i}": "v" for i in range(17)}), ("reasoning_effort", "max")):
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: value})), 400, field if field != "modalities"
+                     else "modalities.1", "invalid_value")
+    for field in ("audio", "web_search_options"):
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: {}})), 400, field, "unknown_parameter")
+
+
 def test_chat_options_defaults_and_values():
     assert chat_options(body()).default
     o = chat_options(body(chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False,

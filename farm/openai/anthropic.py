@@ -73,6 +73,8 @@ class AnthropicMessagesRequest(_Request):
     top_k: StrictInt | None = Field(None, ge=0, le=MAX_TOP_K)
     stream: StrictBool | None = None
     metadata: AnthropicMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = Field(None, description=(
+        "accepted; every request is served alike"))
     cache_control: dict[str, Any] | None = Field(None, description=(
         "accepted and ignored: the farm's prefix cache needs no breakpoints"))
     tools: list[AnthropicToolParam] | None = Field(None, max_length=128, description="client tools (custom)")

@@ -24,6 +24,7 @@ from farm.openai.schemas import (
     MAX_MESSAGES,
     ChatCompletionRequest,
     CompletionRequest,
+    check_hints,
     field_bounds,
     reject_unknown_fields,
 )
@@ -431,6 +432,7 @@ def validate_chat(body: dict) -> list[dict[str, str]]:
     """The checks of a chat body that need no model: declared fields, the messages (normalized), the
     chat-template options."""
     reject_unknown_fields(body, ChatCompletionRequest)
+    check_hints(body)
     messages = normalize_messages(body)
     chat_options(body)
     return messages

@@ -182,6 +182,11 @@ class ResponsesRequest(_Request):
                                                        "(default true; api.responses_ttl_s)")
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     user: StrictStr | None = Field(None, max_length=256)
+    prompt_cache_key: StrictStr | None = Field(None, max_length=1024, description=(
+        "accepted; the KV-aware router finds a cached prefix from the prompt itself"))
+    safety_identifier: StrictStr | None = Field(None, max_length=256, description="accepted, as `user`")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; every request is served alike")
     text: ResponsesTextConfig | None = None
     tools: list[ResponsesFunctionTool] | None = Field(None, description="function tools only")
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | None = None

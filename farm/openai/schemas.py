@@ -10,10 +10,10 @@ first, or the API rejects it. Response models are loose (extra fields allowed): 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, StringConstraints, ValidationError
 
 from farm.openai.api_error import bad_request
 from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
@@ -110,7 +110,42 @@ class _Sampling(_Request):
         "scope (which every request has anyway); no '@', '/', '\\' or NUL"))
 
 
-class ChatCompletionRequest(_Sampling):
+class OpenAIHints(_Request):
+    """Fields of OpenAI's chat API that are accepted and not applied, as vLLM accepts them: none changes what a
+    client may rely on in the answer (wrappers such as LiteLLM and LangChain send several on their own). What
+    would change it (audio, web search) stays a 400."""
+
+    store: StrictBool | None = Field(None, description="accepted; a chat completion is not kept for retrieval")
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[StrictStr, StringConstraints(max_length=512)]] | None = Field(
+        None, max_length=16, description="accepted, not kept (OpenAI keeps it with a stored completion)")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; every request is served alike")
+    prompt_cache_key: StrictStr | None = Field(None, max_length=1024, description=(
+        "accepted; the KV-aware router finds a cached prefix from the prompt itself"))
+    safety_identifier: StrictStr | None = Field(None, max_length=256, description="accepted, as `user`")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="accepted, not applied: the semantic layer picks the reasoning mode")
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description="accepted, not applied")
+    modalities: list[Literal["text"]] | None = Field(None, description="text only")
+    prediction: dict[str, Any] | None = Field(None, description=(
+        "a predicted output: accepted; it would only speed the answer up, which is the same without it"))
+
+
+def check_hints(body: dict[str, Any]) -> None:
+    """400 naming the first of the body's OpenAIHints fields whose value OpenAI would refuse."""
+    sub = {k: body[k] for k in OpenAIHints.model_fields if k in body}
+    if not sub:
+        return
+    try:
+        OpenAIHints.model_validate(sub)
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        param = ".".join(str(x) for x in err["loc"])
+        raise bad_request(f"'{param}': {err['msg']}", param, "invalid_value") from None
+
+
+class ChatCompletionRequest(_Sampling, OpenAIHints):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
