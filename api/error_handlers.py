@@ -14,6 +14,7 @@ import redis
 from flask import Flask, Response, has_request_context, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from api.request_ids import error_request_id
 from farm.gateway import BusyError, ClientGone, GatewayTimeout, NoWorkersError, WorkerError
 from farm.models.directories import ModelNotFoundError
 from farm.openai import anthropic
@@ -72,12 +73,24 @@ ANTHROPIC_PATH = "/v1/messages"  # its routes answer every error in Anthropic's 
 
 
 def error_response(err: APIError) -> Response:
-    if has_request_context() and request.path.startswith(ANTHROPIC_PATH):
+    """The error's JSON with its headers, its request id (`x-request-id`, and Anthropic's `request-id` under its
+    routes: an SDK's error object names the request), and `x-should-retry: false` on a 409: the openai SDK
+    retries a conflict, and the farm's (a file a batch still reads, a batch no longer cancellable) do not end
+    by waiting."""
+    anthropic_route = has_request_context() and request.path.startswith(ANTHROPIC_PATH)
+    if anthropic_route:
         status, body = anthropic.from_api_error(err)
     else:
         status, body = err.status, err.body()
     resp = jsonify(body)
     resp.status_code = status
+    if has_request_context():
+        rid = error_request_id(request.headers.get("X-Request-Id"))
+        resp.headers["x-request-id"] = rid
+        if anthropic_route:
+            resp.headers["request-id"] = rid
+    if status == 409:
+        resp.headers["x-should-retry"] = "false"
     for k, v in err.headers.items():
         resp.headers[k] = v
     return resp

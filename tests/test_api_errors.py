@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -234,6 +235,22 @@ def test_unknown_route_and_wrong_method(app_client):
     assert_error(resp, 405, code="method_not_allowed")
     assert "POST" in resp.headers["Allow"]
     assert_error(c.delete("/v1/models"), 405)
+
+
+def test_an_error_names_its_request(app_client):
+    """An error answer carries its request id, as a generated one does: the client's own X-Request-Id when
+    usable, else a fresh `req_...`; under /v1/messages Anthropic's `request-id` too. (Before, the SDKs'
+    `err.request_id` was None.) Only a 409 says not to retry."""
+    c, cfg = app_client
+    fresh = c.get("/v1/models/nope")
+    assert fresh.status_code == 404 and re.fullmatch(r"req_[0-9a-f]{32}", fresh.headers["x-request-id"])
+    assert "x-should-retry" not in fresh.headers
+    own = post(c, "/v1/chat/completions", chat(cfg, temperature=9), headers={"X-Request-Id": "client-7"})
+    assert own.status_code == 400 and own.headers["x-request-id"] == "client-7"
+    bad = c.get("/v1/nope", headers={"X-Request-Id": "no spaces please"})
+    assert bad.headers["x-request-id"].startswith("req_")
+    anth = c.post("/v1/messages", json={"model": cfg.default_model, "messages": []})
+    assert anth.status_code == 400 and anth.headers["request-id"] == anth.headers["x-request-id"]
 
 
 def test_completion_specific_errors(app_client):

@@ -84,6 +84,7 @@ def test_a_running_batchs_input_file_is_not_deleted(api):
     assert refused.status_code == 409, refused.data
     err = refused.get_json()["error"]
     assert err["code"] == "file_in_use" and bid in err["message"] and err["param"] == "id"
+    assert refused.headers["x-should-retry"] == "false"  # the openai SDK would retry a 409 twice for nothing
     assert c.get(f"/v1/files/{fid}/content").status_code == 200  # nothing was deleted
     assert c.delete(f"/v1/files/{other}").status_code == 200  # a file no batch reads goes at once
     ok, _ = BatchStore(r).transition(bid, ("validating",), "cancelled", cancelled_at=int(time.time()))

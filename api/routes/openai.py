@@ -8,7 +8,6 @@ Redis error), the submission is cancelled so the worker stops generating for nob
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -22,6 +21,7 @@ from api.auth import request_scope, reserve_tokens
 from api.bodies import json_body
 from api.disconnect import client_gone_check
 from api.error_handlers import to_api_error
+from api.request_ids import client_request_id
 from api.semantic import (
     answer_fits,
     answer_locally,
@@ -70,9 +70,6 @@ from farm.tenancy.quota import Reservation
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 bp = Blueprint("openai", __name__, url_prefix="/v1")
-# A client's own id for its request (the X-Request-Id header, as vLLM takes it): used when it is 1-128 of these
-# characters, else ignored (a fresh id as without one)
-CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 OFFLOAD_TOKENS = 4096  # a non-streamed answer of more tokens is built off the hub (farm.infra.cooperative.offload)
 
 
@@ -138,7 +135,8 @@ class RequestIds:
 def request_ids(kind: str, client_id: str | None) -> RequestIds:
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     own = uuid.uuid4().hex
-    if client_id is None or CLIENT_REQUEST_ID.fullmatch(client_id) is None:
+    client_id = client_request_id(client_id)
+    if client_id is None:
         return RequestIds(prefix + own, prefix + own, prefix + own)
     return RequestIds(f"{prefix}{client_id}@{own}", prefix + client_id, client_id)
 
