@@ -143,6 +143,21 @@ def test_list_pagination_newest_first(api):
     assert c.get("/v1/batches?limit=0").status_code == 400
 
 
+def test_files_list_in_either_order(api):
+    """OpenAI's `order` on GET /v1/files: `desc` (newest first, the default) or `asc`, `after` paging each way;
+    anything else is a 400 (it was ignored)."""
+    c, cfg, r = api
+    r.delete(owner_files_key(OWNER_ANONYMOUS))  # this module's earlier uploads stay out of the listing
+    ids = [upload(c, chat_line(cfg, str(i)).encode()).get_json()["id"] for i in range(5)]
+    assert [f["id"] for f in c.get("/v1/files").get_json()["data"]] == ids[::-1]
+    page = c.get("/v1/files?order=asc&limit=2").get_json()
+    assert [f["id"] for f in page["data"]] == ids[:2] and page["has_more"] is True
+    page = c.get(f"/v1/files?order=asc&limit=2&after={page['last_id']}").get_json()
+    assert [f["id"] for f in page["data"]] == ids[2:4]
+    assert [f["id"] for f in c.get(f"/v1/files?order=desc&after={ids[2]}").get_json()["data"]] == ids[:2][::-1]
+    assert c.get("/v1/files?order=up").status_code == 400
+
+
 def test_driver_fails_a_malformed_file_with_line_numbers_and_runs_nothing(api):
     c, cfg, r = api
     text = "\n".join([chat_line(cfg, "a"), "{oops", chat_line(cfg, "a"), chat_line(cfg, "b", max_tokens=0)])

@@ -83,7 +83,11 @@ def upload():
 def list_files():
     ctx = batch_ctx()
     limit = limit_arg(10_000, 10_000)
-    page, has_more = ctx.files.list(request_owner(), request.args.get("purpose"), request.args.get("after"), limit)
+    order = request.args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("'order' must be asc or desc", "order", "invalid_value")
+    page, has_more = ctx.files.list(request_owner(), request.args.get("purpose"), request.args.get("after"), limit,
+                                    oldest_first=order == "asc")
     data = [public_file(m) for m in page]
     return jsonify({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                     "last_id": data[-1]["id"] if data else None, "has_more": has_more})

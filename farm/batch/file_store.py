@@ -291,10 +291,10 @@ class FileStore:
         return existed
 
     def list(self, owner: str, purpose: str | None = None, after: str | None = None,
-             limit: int = 100) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first; returns (page, has_more)."""
+             limit: int = 100, oldest_first: bool = False) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first (OpenAI's `order=desc`, its default) or oldest first; returns (page, has_more)."""
         return owner_page(self.r, owner_files_key(owner), file_key, owner, after, limit,
-                          keep=lambda m: purpose is None or m.get("purpose") == purpose)
+                          keep=lambda m: purpose is None or m.get("purpose") == purpose, oldest_first=oldest_first)
 
 
 _FILE_FIELDS = ("id", "object", "bytes", "created_at", "filename", "purpose", "status", "expires_at",

@@ -142,18 +142,20 @@ return 0
 
 
 def owner_page(r: redis.Redis, zkey: str, key_of: Callable[[str], str], owner: str, after: str | None, limit: int,
-               keep: Callable[[dict[str, Any]], bool] = lambda d: True) -> tuple[list[dict[str, Any]], bool]:
-    """One page of an owner's index (`owner_files_key`, `owner_batches_key`), newest first after the id `after`:
-    (the decoded hashes `key_of(id)` names, has_more), read 64 at a time in one pipeline each, until one more than
-    `limit` is kept. The cost is the owner's own items, never every tenant's."""
+               keep: Callable[[dict[str, Any]], bool] = lambda d: True,
+               oldest_first: bool = False) -> tuple[list[dict[str, Any]], bool]:
+    """One page of an owner's index (`owner_files_key`, `owner_batches_key`), newest first (or oldest first) after
+    the id `after`: (the decoded hashes `key_of(id)` names, has_more), read 64 at a time in one pipeline each, until
+    one more than `limit` is kept. The cost is the owner's own items, never every tenant's."""
+    rank_of, window = (r.zrank, r.zrange) if oldest_first else (r.zrevrank, r.zrevrange)
     start = 0
     if after:
-        rank = r.zrevrank(zkey, after)
+        rank = rank_of(zkey, after)
         if rank is not None:
             start = rank + 1
     out: list[dict[str, Any]] = []
     while len(out) <= limit:
-        ids = r.zrevrange(zkey, start, start + 63)
+        ids = window(zkey, start, start + 63)
         if not ids:
             break
         start += len(ids)
