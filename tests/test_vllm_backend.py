@@ -8,6 +8,7 @@ The backend on a real vLLM engine (vLLM's CPU build) is tested end to end in tes
 
 import hashlib
 import json
+import os
 import pickle
 import sys
 import threading
@@ -421,7 +422,7 @@ def test_zmq_events_reach_the_router_index(redis_client, layout):
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     try:
-        pub.connect(sub.endpoint)  # vLLM's publisher connects when its endpoint has no '*'
+        pub.bind(sub.endpoint)  # vLLM's publisher binds an ipc:// endpoint, and our SUB connects to it
         hs = vllm_hashes(PROMPT)
         ours = block_hashes(PROMPT, BS)
         batches = [v.KVEventBatch(ts=time.time(), events=[stored(v, hs[:2], None, PROMPT[:2 * BS])]),
@@ -455,6 +456,48 @@ def test_zmq_events_reach_the_router_index(redis_client, layout):
         pub_events.stop()
 
 
+def test_the_event_sockets_are_private_to_the_worker_and_bounded(monkeypatch):
+    """vLLM's replay socket keeps the last batches, whose stored blocks carry their token ids: on
+    tcp://127.0.0.1 any local user could read every tenant's prompts from it (the listeners audit did, as
+    `nobody`), or publish forged events. The sockets are ipc:// in a 0700 directory of the worker's own, which
+    another user cannot enter, removed on stop; and a frame past MAX_BATCH_BYTES is dropped unread."""
+    import pwd
+    import shutil
+    import subprocess
+
+    from farm.backends import vllm_events
+
+    monkeypatch.setattr(vllm_events, "MAX_BATCH_BYTES", 4096)
+    sub = VllmKVEventSubscriber(VllmKVEventTranslator(Recorder(), BS)).start()
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    try:
+        assert sub.endpoint.startswith("ipc://") and sub.replay_endpoint.startswith("ipc://")
+        pub.bind(sub.endpoint)
+        router.bind(sub.replay_endpoint)  # both as vLLM binds them
+        folder = Path(sub.replay_endpoint[len("ipc://"):]).parent
+        assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.geteuid()
+        if os.geteuid() == 0:  # another user cannot connect (as root here: the tests run as root in CI)
+            probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+                     "try:\n    s.connect(sys.argv[1]); print('connected')\n"
+                     "except PermissionError:\n    print('refused')\n")
+            system_python = shutil.which("python3", path="/usr/local/bin:/usr/bin")  # nobody may run it
+            out = subprocess.run([system_python, "-c", probe, sub.replay_endpoint[len("ipc://"):]],
+                                 user=pwd.getpwnam("nobody").pw_uid, capture_output=True, text=True, timeout=30)
+            assert out.stdout.strip() == "refused", out
+        time.sleep(0.3)  # the SUB connects
+        for _ in range(5):
+            pub.send_multipart((b"", (0).to_bytes(8, "big"), b"x" * 8192))  # past the bound: never read
+        time.sleep(0.5)
+        assert sub.batches == 0 and sub.next_seq == 0
+    finally:
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+        sub.stop()
+    assert not folder.exists()
+
+
 def test_gap_is_filled_from_the_replay_socket(redis_client):
     """A lost batch is fetched from vLLM's ROUTER replay socket (vLLM's protocol: start seq in, then
     (seq, payload) frames and an END_SEQ marker out)."""
@@ -463,9 +506,11 @@ def test_gap_is_filled_from_the_replay_socket(redis_client):
     payloads = [v.encode(v.KVEventBatch(ts=1.0, events=[stored(v, hs[:1], None, PROMPT[:BS])])),
                 v.encode(v.KVEventBatch(ts=2.0, events=[stored(v, hs[1:2], hs[0], PROMPT[BS:2 * BS])])),
                 v.encode(v.KVEventBatch(ts=3.0, events=[stored(v, hs[2:3], hs[1], PROMPT[2 * BS:3 * BS])]))]
+    rec = Recorder()
+    sub = VllmKVEventSubscriber(VllmKVEventTranslator(rec, BS))
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router.bind(sub.replay_endpoint)  # vLLM binds it
 
     def serve():
         if router.poll(5000):
@@ -476,8 +521,6 @@ def test_gap_is_filled_from_the_replay_socket(redis_client):
 
     server = threading.Thread(target=serve)
     server.start()
-    rec = Recorder()
-    sub = VllmKVEventSubscriber(VllmKVEventTranslator(rec, BS), replay_endpoint=f"tcp://127.0.0.1:{port}")
     try:
         sub.handle(2, payloads[2])  # batches 0 and 1 were lost
         server.join(10)
@@ -489,9 +532,9 @@ def test_gap_is_filled_from_the_replay_socket(redis_client):
         sub.stop()
         router.close(linger=0)
         ctx.term()
-    # no replay socket: the worker's index is reset rather than left wrong
+    # no replay socket answers: the worker's index is reset rather than left wrong
     rec = Recorder()
-    sub = VllmKVEventSubscriber(VllmKVEventTranslator(rec, BS))
+    sub = VllmKVEventSubscriber(VllmKVEventTranslator(rec, BS), replay_timeout_s=0.2)
     try:
         sub.handle(5, payloads[0])
         assert rec.events[0][0] == "cleared" and rec.events[1][0] == "stored"

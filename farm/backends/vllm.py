@@ -130,7 +130,7 @@ class VllmEngine:
         self.held: dict[str, Any] = {}  # vLLM's connector holds prefilled blocks, not us
         self.runner = _Runner(self.block_size, self.device)
         self.translator = VllmKVEventTranslator(on_kv_event or (lambda *a, **k: None), self.block_size)
-        self.events = VllmKVEventSubscriber(self.translator, replay_endpoint=_free_tcp_endpoint())
+        self.events = VllmKVEventSubscriber(self.translator)
         known = {f.name for f in dataclasses.fields(self.vllm.AsyncEngineArgs)} \
             if dataclasses.is_dataclass(self.vllm.AsyncEngineArgs) else None
         self.engine_args = build_engine_args(cfg, model, model_dir, self.events.endpoint,
@@ -461,8 +461,3 @@ def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _free_tcp_endpoint() -> str:
-    """A local endpoint for vLLM's replay ROUTER socket (vLLM binds it)."""
-    return f"tcp://127.0.0.1:{_free_port()}"

@@ -30,14 +30,19 @@ the router finds a tenant's vLLM blocks only under that tenant's hashes.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.protocol.kv_events import KVEventHook, KVEventKind
 
 log = logging.getLogger(__name__)
+MAX_IPC_PATH = 100  # a unix socket's path (sun_path holds 107 bytes on Linux)
+MAX_BATCH_BYTES = 64 << 20  # one published batch (an engine step's events) is far smaller
 
 # Field order of vLLM's structs (array_like encoding is positional; trailing defaults may be omitted).
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -240,25 +245,32 @@ class VllmKVEventTranslator:
 class VllmKVEventSubscriber:
     """Follows vLLM's ZMQ KV event stream in a thread and feeds the translator.
 
-    Our SUB socket binds a free local port and vLLM's publisher connects to it (vLLM connects when its
-    endpoint has no `*`), so there is no port to guess. Sequence gaps are filled from vLLM's replay
-    socket; if that fails the index for this worker is reset (`cleared`) rather than left wrong.
+    vLLM binds its PUB socket and its replay ROUTER socket; ours connects to them. They are `ipc://` sockets in a
+    directory of this process's own (mode 0700, made afresh, removed on stop): on `tcp://127.0.0.1` any local
+    user (or a sidecar in the pod) could ask the replay socket for the last 10,000 batches, whose stored blocks
+    carry their token ids, so every tenant's prompts, or publish forged events into the router's index. Sequence
+    gaps (the first batches, sent before ZMQ connected, and any later loss) are filled from the replay socket; if
+    that fails the index for this worker is reset (`cleared`) rather than left wrong.
     """
 
-    def __init__(self, translator: VllmKVEventTranslator, replay_endpoint: str | None = None,
-                 topic: str = "", bind: str = "tcp://127.0.0.1:*", replay_timeout_s: float = 2.0):
+    def __init__(self, translator: VllmKVEventTranslator, topic: str = "", replay_timeout_s: float = 2.0):
         zmq = _require("zmq")
         self.translator = translator
-        self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
         self.topic = topic
+        self._dir = Path(tempfile.mkdtemp(prefix="farm-kv-events-"))  # 0700, ours: nobody else may connect
+        self.endpoint = f"ipc://{self._dir}/events"
+        self.replay_endpoint = f"ipc://{self._dir}/replay"
+        if len(self.replay_endpoint) - len("ipc://") > MAX_IPC_PATH:
+            raise ValueError(f"the KV event socket path {self.replay_endpoint} is longer than a unix socket's "
+                             f"{MAX_IPC_PATH} characters: set TMPDIR to a shorter directory")
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._sub.bind(bind)
-        self.endpoint: str = self._sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)  # ZMQ drops a bigger frame before allocating it
+        self._sub.connect(self.endpoint)  # connects (and reconnects) once vLLM's engine core has bound it
         self.next_seq = 0
         self.batches = 0
         self.gaps = 0
@@ -275,6 +287,7 @@ class VllmKVEventSubscriber:
             self._thread.join(timeout=5)
         self._sub.close(linger=0)
         self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -305,8 +318,6 @@ class VllmKVEventSubscriber:
 
     def _replay(self, start: int, until: int) -> bool:
         """Ask vLLM's replay socket for batches start..until-1; True if all of them arrived."""
-        if not self.replay_endpoint:
-            return False
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -14,7 +14,10 @@ Both ends treat the other as untrusted: the port is reachable by anything that c
 The server parses the header with bounded nesting and checks its shape (an object with a `handle`
 object and a known `mode`), answers any bad request with `{"ok": false, "error"}` instead of a
 traceback, drops a peer silent for `timeout_s`, and serves at most `max_connections` at once (one
-thread each; the rest are refused at once). The client never allocates more than the signed handle
+thread each). At the cap, a new connection takes the place of the one that has waited longest for its
+header (before any authentication): a puller sends its header at once, so idle or trickling peers holding
+every slot (which made every decode worker recompute its prompts, and kept the prefill's blocks held) can no
+longer shut pulls out; only when every slot serves a verified pull is a newcomer refused. The client never allocates more than the signed handle
 implies: a peer announcing other `nbytes` is refused before any buffer is taken, and a trickling peer
 is cut off at a deadline.
 """
@@ -46,6 +49,7 @@ MAX_HEADER_DEPTH = 16  # a request is {handle: {layout: {...}, kv_transfer_param
 MODES = ("tcp", "shm", "nixl")
 SERVER_TIMEOUT_S = 30.0  # a peer silent this long (header not sent, "done" never comes) is dropped
 MAX_CONNECTIONS = 64  # pulls served at once; decode workers pull a few at a time
+EVICTION_WAIT_S = 2.0  # at the cap, how long a newcomer waits for the slot of the connection closed for it
 MIN_PULL_BYTES_PER_S = 10 << 20  # a pull slower than this on top of the timeout is cut off
 ReadBlocks = Callable[..., torch.Tensor]  # read_blocks(block_ids, out=None) -> tensor
 
@@ -117,8 +121,22 @@ class TransferServer:
         self.worker_id = worker_id
         self.staging = StagingPool()
         self.refused = 0  # connections turned away at the cap
+        self.evicted = 0  # connections still without a header, closed at the cap for a newcomer
         slots = threading.BoundedSemaphore(max_connections)
+        waiting: dict[socket.socket, None] = {}  # connections not past their header yet, oldest first
+        waiting_lock = threading.Lock()
         outer = self
+
+        def evict_oldest_waiting() -> bool:
+            with waiting_lock:
+                oldest = next(iter(waiting), None)
+                if oldest is None:
+                    return False
+                del waiting[oldest]
+            outer.evicted += 1
+            with contextlib.suppress(OSError):
+                oldest.shutdown(socket.SHUT_RDWR)  # its thread's read ends now, and its slot is given back
+            return True
 
         class Handler(socketserver.StreamRequestHandler):
             timeout = timeout_s  # applied to the connection: reads and writes of a silent peer time out
@@ -134,7 +152,13 @@ class TransferServer:
 
             def _pull(self) -> None:
                 try:  # the header by one deadline: a peer trickling a byte per timeout would hold its slot for good
-                    line, _ = _recv_line(self.connection, time.monotonic() + timeout_s)
+                    with waiting_lock:
+                        waiting[self.connection] = None
+                    try:
+                        line, _ = _recv_line(self.connection, time.monotonic() + timeout_s)
+                    finally:
+                        with waiting_lock:
+                            waiting.pop(self.connection, None)
                     self.connection.settimeout(timeout_s)
                     handle, mode = parse_request(line)
                     h = verify_handle(handle, secret)
@@ -181,7 +205,9 @@ class TransferServer:
             request_queue_size = 128  # listen backlog: a burst is accepted (and served or refused) at once
 
             def process_request(self, request: socket.socket, client_address: Any) -> None:
-                if not slots.acquire(blocking=False):  # at the cap: refuse now, spend no thread on it
+                admitted = slots.acquire(blocking=False) or (  # at the cap: the longest waiting for its header goes
+                    evict_oldest_waiting() and slots.acquire(timeout=EVICTION_WAIT_S))
+                if not admitted:  # every slot serves a verified pull: refuse now, spend no thread on it
                     outer.refused += 1
                     with contextlib.suppress(OSError):
                         request.settimeout(1.0)

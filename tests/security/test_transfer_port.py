@@ -22,7 +22,7 @@ import torch
 
 from farm.transfer.handle import sign_handle
 from farm.transfer.staging import StagingPool
-from farm.transfer.tcp import TransferError, TransferServer, fetch_blocks, handle_nbytes
+from farm.transfer.tcp import TransferError, TransferServer, checksum, fetch_blocks, handle_nbytes
 
 SECRET = b"s" * 32
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "block_size": 4, "dtype": "float32"}
@@ -79,22 +79,23 @@ def read_to_eof(s: socket.socket, timeout: float) -> bytes:
     return out
 
 
-def test_a_silent_peer_is_dropped_and_connections_are_capped(server):
-    """Past the cap (8 here) new connections are refused at once and spend no thread; the ones served are
-    dropped after the read timeout (1 s here) with an error reply; then the server serves again."""
+def test_silent_peers_are_capped_and_the_longest_waiting_makes_room(server):
+    """Threads stay within the cap (8 here): at the cap each newcomer takes the place of the connection that has
+    waited longest for its header, which is closed; the ones left are dropped after the read timeout (1 s here)
+    with an error reply; then the server serves again."""
     me = psutil.Process()
     before = me.num_threads()
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)]
     try:
         t0 = time.monotonic()
-        while server.refused < 40 - 8 and time.monotonic() - t0 < 5:
+        while server.evicted < 40 - 8 and time.monotonic() - t0 < 10:
             time.sleep(0.05)
-        assert server.refused == 40 - 8
+        assert server.evicted == 40 - 8 and server.refused == 0
         assert me.num_threads() - before <= 8
-        for s in idle[8:]:  # refused ones are told so and closed
-            assert b"too many connections" in read_to_eof(s, 5)
+        for s in idle[:32]:  # the oldest were closed for the newer
+            assert b'"ok": true' not in read_to_eof(s, 5)
         t0 = time.monotonic()
-        for s in idle[:8]:  # the served ones: dropped after the timeout, with an error reply
+        for s in idle[32:]:  # the newest 8: dropped after the timeout, with an error reply
             reply = json.loads(read_to_eof(s, 10))
             assert reply["ok"] is False and "timed out" in reply["error"]
         assert time.monotonic() - t0 < 10
@@ -106,6 +107,35 @@ def test_a_silent_peer_is_dropped_and_connections_are_capped(server):
             s.close()
     reply = json.loads(exchange(server.port, b"[]\n"))  # capacity is back
     assert reply["ok"] is False and "object" in reply["error"]
+
+
+def test_a_real_pull_gets_through_while_idle_peers_hold_every_slot():
+    """The listeners audit held the 64 slots with idle sockets: every pull was refused ("too many
+    connections"), decode workers recomputed every prompt and the prefill kept its blocks held. A pull with a
+    valid handle now takes the place of the longest-waiting idle peer, however many there are."""
+    shape = (2, 2, 2, 4, 2, 4)
+    data = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    released = []
+
+    def read(ids, out=None):
+        out.copy_(data)
+        return out
+
+    srv = TransferServer("w1", SECRET, lambda h: None, read, released.append, "127.0.0.1", timeout_s=30.0,
+                         max_connections=8).start()
+    endpoint = f"127.0.0.1:{srv.port}"
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(20)]
+    try:
+        time.sleep(0.5)  # every slot held by a peer that sends nothing (for 30 s here)
+        for attempt in range(3):
+            got = fetch_blocks(handle(endpoint, checksum=checksum(data), request_id=f"r{attempt}"), SECRET,
+                               timeout=10, allow_shm=False)
+            assert torch.equal(got, data)
+        assert released == ["r0", "r1", "r2"] and srv.refused == 0 and srv.evicted >= 3
+    finally:
+        for s in idle:
+            s.close()
+        srv.stop()
 
 
 class RogueServer(socketserver.ThreadingTCPServer):
