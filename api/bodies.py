@@ -20,10 +20,9 @@ from flask import request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from farm.openai.api_error import APIError, bad_request
-from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
+from farm.protocol.jsonsafe import MAX_JSON_DEPTH, JSONTooDeep, loads_bounded
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into valid UTF-8 JSON
-MAX_JSON_DEPTH = 32  # an OpenAI request nests about 5 deep; anything far past that is an attack or a bug
 _READ_CHUNK = 64 * 1024
 
 

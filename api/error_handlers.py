@@ -12,6 +12,7 @@ import logging
 
 import redis
 from flask import Flask, Response, has_request_context, jsonify, request
+from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from api.request_ids import error_request_id
@@ -49,6 +50,8 @@ def to_api_error(err: BaseException) -> APIError:
         # keep headers such as Allow (405) or Retry-After, never werkzeug's Content-Type
         headers = {k: v for k, v in err.get_headers() if k.lower() not in ("content-type", "content-length")}
         return APIError(status, message, code=_HTTP_CODES.get(status), headers=headers)
+    if isinstance(err, (ParseException, NoMoreData)):  # gunicorn reading the body: a malformed chunk, a cut body
+        return APIError(400, f"The request body could not be read: {type(err).__name__}.", code="bad_request")
     if isinstance(err, NoWorkersError):
         return APIError(503, str(err), code="no_workers", headers={"Retry-After": str(NO_WORKERS_RETRY_AFTER_S)})
     if isinstance(err, BusyError):

@@ -153,6 +153,32 @@ def test_openai_fields_that_change_nothing_a_client_relies_on_are_accepted(app_c
         assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: {}})), 400, field, "unknown_parameter")
 
 
+def test_what_a_worker_would_refuse_as_an_invalid_task_is_settled_in_the_api(app_client_no_worker, hint_tok):
+    """The fuzz audit's 500s, where the worker's task check was stricter than the API's: a `top_k` past the
+    vocabulary (vLLM samples among all tokens then: it is clamped), a response format past the 64 KiB a task
+    carries (a 400 naming it, for a client's schema and for the one forced tools make), and an earlier tool
+    call whose `arguments` nest thousands deep (json.loads raised RecursionError: kept as sent instead)."""
+    c, cfg = app_client_no_worker
+    assert parse_chat(body(top_k=10**6), hint_tok, 2048).sampling.top_k == len(hint_tok)
+    assert parse_chat(body(top_k=7), hint_tok, 2048).sampling.top_k == 7
+    big = {"type": "object", "description": "d" * 70_000}
+    err = assert_error(post(c, "/v1/chat/completions", chat(cfg, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": big}})), 400, "response_format", "invalid_value")
+    assert "65536" in err["message"]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "description": "d" * 20_000}}} for i in range(4)]
+    with pytest.raises(APIError) as e:  # a context long enough for the tools' prompt: their forced format is past
+        parse_chat(body(tools=tools, tool_choice="required"), hint_tok, 1 << 20)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "tools", "invalid_value")
+    deep = "[" * 2000 + "]" * 2000
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    resp = post(c, "/v1/chat/completions", {"model": cfg.default_model, "messages": history})
+    assert resp.status_code == 503 and resp.get_json()["error"]["code"] == "no_workers"  # valid: on to the workers
+
+
 def test_chat_options_defaults_and_values():
     assert chat_options(body()).default
     o = chat_options(body(chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False,

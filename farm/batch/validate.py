@@ -35,7 +35,7 @@ from farm.openai.parsing import (
 from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
 
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-# A line is {custom_id, method, url, body}: one level above a request body (api.bodies.MAX_JSON_DEPTH, 32).
+# A line is {custom_id, method, url, body}: one level above a request body (farm.protocol.jsonsafe.MAX_JSON_DEPTH, 32).
 # Deeper lines are refused on their own line, before anything walks them recursively.
 MAX_LINE_DEPTH = 33
 

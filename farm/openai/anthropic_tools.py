@@ -13,6 +13,7 @@ from pydantic import Field, StrictBool, StrictStr, model_validator
 
 from farm.openai.api_error import bad_request
 from farm.openai.schemas import _Request
+from farm.protocol.jsonsafe import MAX_JSON_DEPTH, loads_bounded
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -129,7 +130,7 @@ def tool_use_blocks(tool_calls: list[dict[str, Any]] | None) -> list[dict[str, A
 
 def _input(arguments: str) -> Any:
     try:
-        value = json.loads(arguments)
-    except ValueError:
+        value = loads_bounded(arguments, MAX_JSON_DEPTH)
+    except ValueError:  # not JSON, or nested past the bound (RecursionError is a JSONTooDeep here)
         return {}
     return value if isinstance(value, dict) else {}

@@ -32,6 +32,7 @@ from farm.openai.structured import check_schema
 from farm.openai.tools import ToolRequest, parse_tools, template_inputs
 from farm.protocol import (
     MAX_LOGIT_BIAS,
+    MAX_RESPONSE_FORMAT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     RESPONSE_FORMATS,
@@ -175,8 +176,18 @@ def _response_format(body: dict) -> dict[str, Any] | None:
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               "response_format")
         check_schema(spec["schema"], "response_format")
-        return {"type": "json_schema", "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
+        return format_within_bound({"type": "json_schema", "json_schema": {
+            k: spec[k] for k in ("name", "schema", "strict") if k in spec}}, "response_format")
     return {"type": "json_object"}
+
+
+def format_within_bound(fmt: dict[str, Any], param: str) -> dict[str, Any]:
+    """`fmt`, or a 400 naming `param` when it is past what a worker takes (MAX_RESPONSE_FORMAT_CHARS as JSON): the
+    worker refused it as an invalid task, which reached the client as a 500."""
+    if len(json.dumps(fmt)) > MAX_RESPONSE_FORMAT_CHARS:
+        raise bad_request(f"'{param}' is larger than {MAX_RESPONSE_FORMAT_CHARS} characters as JSON (with a tool "
+                          "choice: every forced tool's parameters together)", param, "invalid_value")
+    return fmt
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -301,7 +312,8 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop=stops, ignore_eos=ignore_eos, presence_penalty=presence,
-                            frequency_penalty=frequency, repetition_penalty=repetition, top_k=max(0, top_k),
+                            frequency_penalty=frequency, repetition_penalty=repetition,
+                            top_k=max(0, min(top_k, vocab) if vocab else top_k),  # past the vocabulary: all, as vLLM
                             min_p=min_p, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
                             logit_bias=logit_bias, response_format=response_format,
                             skip_special_tokens=skip_special is not False, include_stop_str_in_output=include_stop)
@@ -484,7 +496,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
                                                vocab=len(tokenizer))
     if tools is not None and (forced := tools.response_format()) is not None:
-        params = replace(params, response_format=forced)
+        params = replace(params, response_format=format_within_bound(forced, "tools"))
     role = "assistant" if opts.add_generation_prompt else messages[-1]["role"]
     echo = messages[-1]["content"] if opts.echo and messages[-1]["role"] == role else ""
     return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n,

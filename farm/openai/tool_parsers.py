@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from farm.protocol.jsonsafe import MAX_JSON_DEPTH, loads_bounded
+
 _DECODER = json.JSONDecoder()
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker before a call (text only when special tokens are shown)
 
@@ -44,8 +46,8 @@ def _call(obj: Any, args_key: str) -> ToolCall | None:
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except ValueError:
+            args = loads_bounded(args, MAX_JSON_DEPTH)
+        except ValueError:  # not JSON, or nested past the bound: not a call
             return None
     if not isinstance(args, dict):
         return None
@@ -89,7 +91,7 @@ class HermesParser(ToolParser):
         calls = []
         for body in self._block.findall(text):
             try:
-                call = _call(json.loads(body), "arguments")
+                call = _call(loads_bounded(body, MAX_JSON_DEPTH), "arguments")
             except ValueError:
                 call = None
             if call is None:
@@ -128,7 +130,7 @@ class Llama3JsonParser(ToolParser):
         while rest:
             try:
                 obj, end = _DECODER.raw_decode(rest)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or a model's text nesting past Python's stack
                 return text, []
             call = _call(obj, "parameters")
             if call is None:

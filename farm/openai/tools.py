@@ -23,6 +23,7 @@ from farm.models.tokenization import template_reads
 from farm.openai.api_error import bad_request
 from farm.openai.structured import check_schema
 from farm.openai.tool_parsers import PARSERS, ToolCall, ToolParser, call_id, get_parser
+from farm.protocol.jsonsafe import MAX_JSON_DEPTH, loads_bounded
 
 MAX_TOOLS = 128
 _DECODER = json.JSONDecoder()
@@ -103,7 +104,7 @@ def _required_calls(text: str) -> list[ToolCall]:
         rest = rest.lstrip().removeprefix(",").lstrip()
         try:
             item, end = _DECODER.raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nesting past Python's stack
             return calls
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return calls
@@ -221,8 +222,10 @@ def template_inputs(messages: list[dict[str, Any]], tools: ToolRequest | None, t
 
 
 def _arguments(text: str) -> Any:
-    """An earlier call's arguments as an object when they are JSON (templates print them), else as sent."""
+    """An earlier call's arguments as an object when they are JSON (templates print them), else as sent (also
+    when they nest past MAX_JSON_DEPTH: the body's own depth bound does not reach JSON inside a string, and a
+    client's 4 kB of brackets raised RecursionError, a 500)."""
     try:
-        return json.loads(text)
+        return loads_bounded(text, MAX_JSON_DEPTH)
     except ValueError:
         return text

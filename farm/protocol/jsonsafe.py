@@ -12,6 +12,9 @@ import json
 from collections.abc import Collection
 from typing import Any
 
+MAX_JSON_DEPTH = 32  # a client's JSON (a request body, a tool call's arguments) nests about 5 deep; far past it is
+# an attack or a bug
+
 
 class JSONTooDeep(ValueError):
     """The document nests deeper than allowed."""

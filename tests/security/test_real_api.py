@@ -112,6 +112,19 @@ def test_a_chunked_body_under_the_limit_is_read_whole(farm):
 
 
 # -- item 7: upload names that break headers --------------------------------------------------------------
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages", "/v1/files"])
+@pytest.mark.parametrize("body", [b"zz\r\nabc\r\n0\r\n\r\n", b"-5\r\nabcde\r\n0\r\n\r\n",
+                                  b"3\r\nabcXX0\r\n\r\n"])
+def test_a_malformed_chunked_body_is_a_400(farm, path, body):
+    """A chunk size that is not hex, or a chunk without its CRLF: gunicorn's parse error reached the app's
+    catch-all as a 500 `internal_error` (the fuzz audit); the client's malformed body is now a 400."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{farm.api_port}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    status, _, answer = raw_request(farm.api_port, head, [body])
+    assert status == 400, answer[:300]
+    assert b"Traceback" not in answer and b"internal" not in answer
+
+
 @pytest.mark.parametrize("disposition", [
     b"filename*=UTF-8''evil%0D%0ASet-Cookie%3A%20x%3D1.jsonl",  # CR LF: "Header values must not contain newlines"
     b"filename*=UTF-8''nul%00byte.jsonl",  # NUL: gunicorn's own HTML 500
