@@ -7,7 +7,8 @@ audit found requests that held them for tens of seconds and were then refused, c
 an earlier assistant turn of 160 KB (left out of the prompt's token floor, so its PII pass ran before the template
 refused it), 20,000 one-token system messages (each embedded and scanned), and the classification API's PII pass
 over 100,000 characters, or a batch of two such texts (one Presidio call over a long text costs time quadratic
-in its findings). Each attack here is sent while a victim, `POST /api/v1/classify/combined` on a short
+in its findings), and a later one: 100,000 characters of "a." (Presidio's schema-less URL pattern backtracked
+over 253 characters and every TLD at each position). Each attack here is sent while a victim, `POST /api/v1/classify/combined` on a short
 sentence (the layer's every stage, nothing generated), is asked again and again; the table gives the attack's
 status and time, and the victim's longest wait while it ran, next to the victim's own time with no attack.
 
@@ -45,6 +46,7 @@ def attacks(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
         "classify pii, 100 KB": ("/api/v1/classify/pii", {"text": _emails(100_000)}),
         "classify batch pii, 2 x 100 KB": ("/api/v1/classify/batch", {"texts": [_emails(100_000)] * 2,
                                                                         "task_type": "pii"}),
+        "classify pii, 100 KB of 'a.'": ("/api/v1/classify/pii", {"text": "a." * 50_000}),
     }
 
 
