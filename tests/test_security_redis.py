@@ -80,7 +80,8 @@ def test_flower_beyond_localhost_needs_credentials(tmp_path, monkeypatch):
         Farm(cfg, prefill=0, decode=0, api=False, prepare=False)
     monkeypatch.setenv("FARM_FLOWER_AUTH", "admin:pw")
     farm = Farm(cfg, prefill=0, decode=0, api=False, prepare=False)
-    assert farm.child_env()["FLOWER_BASIC_AUTH"] == "admin:pw"
+    assert farm.flower_env()["FLOWER_BASIC_AUTH"] == "admin:pw"
+    assert not {"FLOWER_BASIC_AUTH", "FARM_FLOWER_AUTH"} & set(farm.child_env())  # Flower's alone: an admin login
     assert "admin:pw" not in " ".join(farm.flower_command())
 
 

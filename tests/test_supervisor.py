@@ -370,7 +370,8 @@ def test_flower_on_a_public_address_needs_basic_auth(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FARM_FLOWER_AUTH", "admin:s3cret")
     farm = Farm(cfg)
-    assert farm.child_env()["FLOWER_BASIC_AUTH"] == "admin:s3cret"
+    assert farm.flower_env()["FLOWER_BASIC_AUTH"] == "admin:s3cret"
+    assert not {"FLOWER_BASIC_AUTH", "FARM_FLOWER_AUTH"} & set(farm.child_env())  # no other child gets it
     assert not any("s3cret" in a for a in farm.flower_command())  # never on a command line / in farm.json
     assert "--address=0.0.0.0" in farm.flower_command()
 
@@ -391,8 +392,10 @@ def test_a_local_flower_gets_a_generated_login(tmp_path, monkeypatch, redis_url)
         login = path.read_text().strip()
         user, _, password = login.partition(":")
         assert user and len(password) >= 24 and os.stat(path).st_mode & 0o077 == 0
-        assert farm.child_env()["FLOWER_BASIC_AUTH"] == login
+        assert farm.flower_env()["FLOWER_BASIC_AUTH"] == login and "FLOWER_BASIC_AUTH" not in farm.child_env()
         assert not any(password in a for a in farm.flower_command())
+        flower = next(p for p in farm.procs if p.role == "flower")
+        assert psutil.Process(flower.pid).environ()["FLOWER_BASIC_AUTH"] == login  # Flower's own environment
         url = f"http://127.0.0.1:{port}/workers"
         assert requests.get(url, timeout=10).status_code == 401
         assert requests.get(url, timeout=10, auth=("admin", "admin")).status_code == 401

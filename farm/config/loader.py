@@ -180,8 +180,12 @@ def farm_secret(cfg: FarmConfig) -> bytes:
     if env:
         return _usable_secret(env, "FARM_SECRET")  # as given: every process must derive the same key
     path = cfg.state_path / "secret"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for what in (path.parent, path):  # another user's state dir or file would hand them the key (a dir in /tmp)
+        if what.exists() and (owner := what.stat().st_uid) not in (os.geteuid(), 0):
+            raise ConfigError(f"{what} belongs to another user (uid {owner}): the farm's secret cannot be kept "
+                              "there; use a state_dir of your own, or set FARM_SECRET")
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         aside = path.with_name(f".secret-{os.getpid()}-{secrets.token_hex(4)}")
         fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

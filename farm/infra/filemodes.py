@@ -34,10 +34,27 @@ def private_umask() -> int:
     return os.umask(PRIVATE_UMASK)
 
 
+class NotOurs(PermissionError):
+    """A directory the farm keeps private state in belongs to another user."""
+
+
+def require_ours(path: Path | str) -> None:
+    """NotOurs when `path` (links followed) belongs to a user other than this process's or root. A state dir in a
+    place others may write (/tmp) could be made beforehand by another user, who would then read and replace what
+    the farm keeps there (its HMAC secret, logs, Redis's files), whatever modes the farm sets. Root's is allowed:
+    a volume's mount point (root's, with a group the pod runs as) is not another user's."""
+    owner = Path(path).stat().st_uid
+    if owner not in (os.geteuid(), 0):
+        raise NotOurs(f"{path} belongs to another user (uid {owner}), not to the farm's user (uid {os.geteuid()}): "
+                      "the farm keeps private state there; use a directory of your own (state_dir, FARM_STATE_DIR)")
+
+
 def private_dir(path: Path | str) -> Path:
-    """`path` as a directory only its owner can enter (0700): created (with missing parents) or tightened."""
+    """`path` as a directory only its owner can enter (0700): created (with missing parents) or tightened;
+    NotOurs when another user owns it (`require_ours`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    require_ours(path)
     try:
         if stat.S_IMODE(path.stat().st_mode) & _OTHERS:
             path.chmod(stat.S_IMODE(path.stat().st_mode) & ~_OTHERS)
@@ -47,8 +64,9 @@ def private_dir(path: Path | str) -> Path:
 
 
 def open_private(path: Path | str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
-    """os.open with mode 0600 for a file it creates, whatever the umask."""
-    return os.open(path, flags | os.O_CLOEXEC, FILE_MODE)
+    """os.open with mode 0600 for a file it creates, whatever the umask; a symbolic link in its place is not
+    followed (OSError ELOOP): a link planted there would have had the farm append to the file it names."""
+    return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
 
 
 def tighten(root: Path | str) -> tuple[int, int]:

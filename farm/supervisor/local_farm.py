@@ -35,6 +35,7 @@ from farm.config import (
     redact_url,
 )
 from farm.config.api import LOOPBACK_HOSTS
+from farm.config.weak_secrets import FLOWER_ENV
 from farm.infra import filemodes, logfiles
 from farm.infra.orphans import die_with_parent
 from farm.supervisor.flower_login import flower_login
@@ -202,18 +203,20 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
                         + yaml.safe_dump(data, sort_keys=False))
         return path
 
+    def flower_env(self) -> dict[str, str]:
+        """What Flower's process gets beyond child_env(): its login (Flower reads FLOWER_<OPTION>)."""
+        return {"FLOWER_BASIC_AUTH": self.flower_auth}
+
     def child_env(self) -> dict[str, str]:
         if self._env is None:
             env = {k: v for k, v in os.environ.items()
-                   if not (k.startswith("FARM_") and ("__" in k or k in ("FARM_CONFIG", "FARM_STATE_DIR")))}
+                   if not (k.startswith("FARM_") and ("__" in k or k in ("FARM_CONFIG", "FARM_STATE_DIR")))
+                   and k not in FLOWER_ENV}  # Flower's login goes to Flower alone (flower_command's Proc)
             env["FARM_CONFIG"] = str(self.state_dir / RESOLVED_CONFIG)
             env["PYTHONUNBUFFERED"] = "1"
             env.setdefault("HF_HUB_OFFLINE", "1")
             env.setdefault("TRANSFORMERS_OFFLINE", "1")
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
-            if self.flower_enabled:
-                # Flower reads FLOWER_<OPTION>: basic auth without the password on a command line.
-                env["FLOWER_BASIC_AUTH"] = self.flower_auth
             env.update(self.extra_env)
             # the resolved configuration is the one every child reads (it carries this farm's ports and
             # password), also when the caller's environment names another FARM_CONFIG
@@ -346,7 +349,10 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
             if self.api_enabled:
                 self._spawn(Proc("api", "api", self.api_command(), str(self.log_path("api"))))
             if self.flower_enabled:
-                self._spawn(Proc("flower", "flower", self.flower_command(), str(self.log_path("flower"))))
+                # Flower reads FLOWER_<OPTION>: basic auth without the password on a command line, and in no
+                # other child's environment (the login can send tasks through Flower's API: an admin credential)
+                self._spawn(Proc("flower", "flower", self.flower_command(), str(self.log_path("flower")),
+                                 env=self.flower_env()))
             self.write_state()
             self.check_alive("while starting")
         except BaseException:

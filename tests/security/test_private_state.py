@@ -165,3 +165,43 @@ def test_tightening_leaves_links_and_their_targets_alone(tmp_path):
     assert filemodes.tighten(state) == (0, 0)
     assert filemodes.private_dir(state / "new" / "deeper") == state / "new" / "deeper"
     assert mode(state / "new" / "deeper") == 0o700
+
+
+def test_a_state_dir_another_user_made_is_refused_and_links_are_not_followed(tmp_path, monkeypatch):
+    """The listeners audit: a state_dir under /tmp, made beforehand by another user (here `nobody`), was used as
+    it was: the farm read that user's planted `secret` as its HMAC key (every KV handle forgeable), and a log
+    path linked elsewhere had the farm append to the file it named. Another user's directory is now refused
+    (root's, a volume's mount point, is not another user's), so is another user's secret file, and a link in
+    a private file's place is not followed."""
+    from farm.config import ConfigError, load_config
+    from farm.config.loader import farm_secret
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    theirs = tmp_path / "planted"
+    theirs.mkdir()
+    (theirs / "secret").write_text("a" * 64)  # the key they chose
+    os.chown(theirs / "secret", nobody, -1)
+    os.chown(theirs, nobody, -1)
+    with pytest.raises(filemodes.NotOurs, match="another user"):
+        filemodes.private_dir(theirs)
+    (tmp_path / "link-to-planted").symlink_to(theirs)
+    with pytest.raises(filemodes.NotOurs):  # a link to it: judged by what it names
+        filemodes.private_dir(tmp_path / "link-to-planted")
+    monkeypatch.delenv("FARM_SECRET", raising=False)
+    cfg = load_config(environ={"FARM_STATE_DIR": str(theirs)})
+    with pytest.raises(ConfigError, match="another user"):
+        farm_secret(cfg)
+    ours = tmp_path / "ours"
+    filemodes.private_dir(ours)
+    (ours / "secret").write_text("b" * 64)
+    os.chown(ours / "secret", nobody, -1)  # a file of theirs in a directory of ours
+    with pytest.raises(ConfigError, match="another user"):
+        farm_secret(load_config(environ={"FARM_STATE_DIR": str(ours)}))
+    (ours / "secret").unlink()
+    assert len(farm_secret(load_config(environ={"FARM_STATE_DIR": str(ours)}))) >= 32  # made afresh, ours
+    target = tmp_path / "root-only.log"
+    target.write_text("")
+    (ours / "api.log").symlink_to(target)
+    with pytest.raises(OSError):
+        filemodes.open_private(ours / "api.log")
+    assert target.read_text() == ""
