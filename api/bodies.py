@@ -37,6 +37,25 @@ def require_json_media_type() -> None:
         got = request.content_type or "none"
         raise APIError(415, f"Unsupported Content-Type {got!r}: send the body as application/json.",
                        param="Content-Type", code="unsupported_media_type")
+    require_identity_encoding()
+
+
+def require_identity_encoding() -> None:
+    """415 for a compressed (or otherwise encoded) body: the API reads bodies as sent, and gzip read as JSON was a
+    misleading 400 "not valid UTF-8", an unknown coding silently ignored."""
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise APIError(415, f"Unsupported Content-Encoding {coding[:64]!r}: send the body uncompressed.",
+                       param="Content-Encoding", code="unsupported_media_type")
+
+
+def require_multipart() -> None:
+    """415 unless the body is multipart/form-data (a file upload), uncompressed."""
+    if request.mimetype != "multipart/form-data":
+        got = request.content_type or "none"
+        raise APIError(415, f"Unsupported Content-Type {got!r}: upload the file as multipart/form-data.",
+                       param="Content-Type", code="unsupported_media_type")
+    require_identity_encoding()
 
 
 def read_body() -> bytes:

@@ -253,6 +253,23 @@ def test_an_error_names_its_request(app_client):
     assert anth.status_code == 400 and anth.headers["request-id"] == anth.headers["x-request-id"]
 
 
+def test_a_compressed_body_or_an_upload_of_the_wrong_type_is_415(app_client):
+    """The fuzz audit: gzip read as JSON was a 400 "not valid UTF-8", a made-up Content-Encoding was ignored, and
+    a file sent as JSON was a 400 "'purpose' is required"; each is a 415 naming what to send."""
+    import gzip
+
+    c, cfg = app_client
+    raw = json.dumps(chat(cfg)).encode()
+    for coding, data in (("gzip", gzip.compress(raw)), ("br", raw), ("x-made-up", raw)):
+        resp = c.post("/v1/chat/completions", data=data, content_type="application/json",
+                      headers={"Content-Encoding": coding})
+        err = assert_error(resp, 415, "Content-Encoding", "unsupported_media_type")
+        assert coding in err["message"]
+    assert post(c, "/v1/chat/completions", chat(cfg), headers={"Content-Encoding": "identity"}).status_code != 415
+    for kw in ({"json": {"purpose": "batch"}}, {"data": "purpose=batch", "content_type": "text/plain"}):
+        assert_error(c.post("/v1/files", **kw), 415, "Content-Type", "unsupported_media_type")
+
+
 def test_completion_specific_errors(app_client):
     c, cfg = app_client
     m = cfg.default_model

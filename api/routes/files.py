@@ -12,6 +12,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
+from api.bodies import require_multipart
 from farm.batch.file_store import FileStorageFull, FileStore, public_file
 from farm.batch.store import BatchStore, clean_filename
 from farm.batch.upload_room import FileQuotaExceeded, OwnerQuota
@@ -58,6 +59,7 @@ def _upload_limit() -> None:
 @bp.post("/files")
 def upload():
     ctx = batch_ctx()
+    require_multipart()
     purpose = request.form.get("purpose")
     if not purpose:
         raise bad_request("'purpose' is required", "purpose", "missing_required_parameter")
