@@ -680,7 +680,7 @@ def _walk_objects(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]
 
 
 # Kubernetes' own structures the chart passes through whole (the API server checks them when applied).
-_PASS_THROUGH = re.compile(r"/(nodeAffinity|podAffinity|podAntiAffinity|valueFrom|seccompProfile|seLinuxOptions)$")
+_PASS_THROUGH = re.compile(r"/(nodeAffinity|podAffinity|podAntiAffinity|valueFrom|seccompProfile|seLinuxOptions|podSelector|namespaceSelector|ipBlock)$")
 
 
 def test_values_schema_is_the_generated_one_and_closed_at_every_level():
@@ -1061,3 +1061,29 @@ def test_render_cli_prints_every_manifest(capsys):
     api = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-api"))
     assert api["spec"]["replicas"] == 3
     assert render_mod.main(["--lint"]) == 0
+
+
+@pytest.mark.parametrize("case", list(VALUE_SETS))
+def test_workers_take_connections_from_workers_only(case):
+    """The listeners audit: workers' KV-transfer port listens on 0.0.0.0 (decode workers on other nodes pull
+    from it), and with no NetworkPolicy any pod of the cluster could hold its connection slots. The chart's
+    policy selects every worker pod and lets in only this release's workers (its selector matches the worker
+    Deployments' own pod labels); networkPolicy.enabled false leaves it out, workerIngressFrom adds peers."""
+    objs = objects(case)
+    (policy,) = by_kind(objs, "NetworkPolicy").values()
+    sel = policy["spec"]["podSelector"]["matchLabels"]
+    pods = [o["spec"]["template"]["metadata"]["labels"] for o, _ in pod_specs(objs)]
+    worker_pods = [labels for labels in pods if labels.get("app.kubernetes.io/component") == "worker"]
+    assert worker_pods and all(sel.items() <= labels.items() for labels in worker_pods)
+    assert not any(sel.items() <= labels.items() for labels in pods if labels not in worker_pods)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": sel}}] and "ports" not in rule
+    off = render_mod.manifests(render_mod.render({**VALUE_SETS[case], "networkPolicy": {"enabled": False}},
+                                                 name=RELEASE, namespace=NAMESPACE))
+    assert not by_kind(off, "NetworkPolicy")
+    extra = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "debug"}}}
+    more = render_mod.manifests(render_mod.render(
+        {**VALUE_SETS[case], "networkPolicy": {"enabled": True, "workerIngressFrom": [extra]}},
+        name=RELEASE, namespace=NAMESPACE))
+    assert next(iter(by_kind(more, "NetworkPolicy").values()))["spec"]["ingress"][0]["from"][1] == extra
