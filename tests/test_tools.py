@@ -137,6 +137,10 @@ def test_choices_carry_calls_and_the_finish_reason(tok):
                                       .tools).tool_calls] == ["get_time", "get_weather"]
     cut = Choice.of(two[:-30], "length", tools=parse(tok, tools=[WEATHER, TIME], tool_choice="required").tools)
     assert [c.name for c in cut.tool_calls] == ["get_time"]  # max_tokens cut the second call: the first stands
+    none = Choice.of(two[:20], "length", tools=parse(tok, tools=[WEATHER, TIME], tool_choice="required").tools)
+    msg = full_response("chat", "id", "m", [none], {})["choices"][0]  # cut inside the first: no call, and no text
+    assert msg["finish_reason"] == "length" and not msg["message"].get("tool_calls")
+    assert msg["message"]["content"] == ""  # as vLLM; the raw JSON as content read as the model's final answer
 
 
 # --- the built-in engine's structured output -----------------------------------------------------------------------

@@ -202,7 +202,7 @@ class ToolStream:
         for i, c in enumerate(read[len(streamed):], start=len(streamed)):  # those written another way
             self.calls.append(c)
             yield CallDelta(i, c.arguments, c.id, c.name)
-        if not self.calls:
+        if not self.calls and r.choice != "required":  # a forced answer's JSON is never content (read above)
             yield from self._content(len(self.text))
 
     @property

@@ -71,9 +71,9 @@ class ToolRequest:
             return text, []
         if self.choice == "function":
             return None, [ToolCall(call_id(), str(self.function), text)]
-        if self.choice == "required":
-            calls = _required_calls(text)
-            content, calls = (None, calls) if calls else (text, [])
+        if self.choice == "required":  # forced JSON: never content, even with no call complete (cut by max_tokens),
+            calls = _required_calls(text)  # as vLLM answers it; the raw JSON as text misled agents into a final answer
+            content, calls = (None, calls) if calls else ("", [])
         else:
             content, calls = get_parser(self.parser).extract(text)
         return content, calls if self.parallel else calls[:1]
