@@ -158,6 +158,43 @@ def test_files_list_in_either_order(api):
     assert c.get("/v1/files?order=up").status_code == 400
 
 
+def test_an_upload_expires_after_what_it_asked(api):
+    """OpenAI's `expires_after` (the SDK's multipart fields) was accepted and ignored: `expires_at` stayed null and
+    the file stayed. It now sets `expires_at`, and the retention sweep deletes the file once it has passed, but
+    not while an unfinished batch still reads it; bad values are a 400 naming the field."""
+    from farm.batch.retention import sweep_expired_uploads
+
+    c, cfg, r = api
+
+    def upload_expiring(fields: dict) -> object:
+        return c.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(chat_line(cfg, "a").encode()),
+                                                                      "in.jsonl"), **fields},
+                      content_type="multipart/form-data")
+
+    t0 = int(time.time())
+    fields = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    meta = upload_expiring(fields).get_json()
+    assert t0 + 3600 <= meta["expires_at"] <= int(time.time()) + 3600
+    busy = upload_expiring(fields).get_json()["id"]
+    bid = create(c, busy).get_json()["id"]
+    plain = upload(c, chat_line(cfg, "b").encode()).get_json()
+    assert plain["expires_at"] is None
+    store, files = BatchStore(r), FileStore.from_config(r, cfg)
+    assert sweep_expired_uploads(store, files, now=time.time()) == 0  # not yet
+    assert sweep_expired_uploads(store, files, now=time.time() + 3601) == 1  # the one no batch reads
+    assert c.get(f"/v1/files/{meta['id']}").status_code == 404
+    assert c.get(f"/v1/files/{busy}").status_code == 200 and c.get(f"/v1/files/{plain['id']}").status_code == 200
+    BatchStore(r).transition(bid, ("validating",), "cancelled", cancelled_at=int(time.time()))
+    assert sweep_expired_uploads(store, files, now=time.time() + 3601) == 1  # its batch ended
+    assert c.get(f"/v1/files/{busy}").status_code == 404
+    for bad in ({"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+                {"expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
+                {"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"},
+                {"expires_after[seconds]": "3600"}):
+        resp = upload_expiring(bad)
+        assert resp.status_code == 400 and resp.get_json()["error"]["param"].startswith("expires_after"), bad
+
+
 def test_driver_fails_a_malformed_file_with_line_numbers_and_runs_nothing(api):
     c, cfg, r = api
     text = "\n".join([chat_line(cfg, "a"), "{oops", chat_line(cfg, "a"), chat_line(cfg, "b", max_tokens=0)])

@@ -9,6 +9,8 @@ its owner: another key gets 404, as from OpenAI.
 
 from __future__ import annotations
 
+import time
+
 from flask import Blueprint, current_app, jsonify, request, send_file
 
 from api.auth import current_owner
@@ -56,6 +58,24 @@ def _upload_limit() -> None:
     request.max_content_length = batch_ctx().cfg.max_file_bytes  # batch files are larger than API bodies
 
 
+EXPIRES_AFTER_S = (3600, 30 * 86400)  # OpenAI's bounds of expires_after[seconds]: an hour to 30 days
+
+
+def _expires_after() -> int | None:
+    """OpenAI's `expires_after` of an upload (multipart fields `expires_after[anchor]`, `created_at` only, and
+    `expires_after[seconds]`): the seconds after which the retention sweep deletes the file, or None."""
+    anchor, seconds = request.form.get("expires_after[anchor]"), request.form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise bad_request("'expires_after[anchor]' must be created_at", "expires_after.anchor", "invalid_value")
+    lo, hi = EXPIRES_AFTER_S
+    if seconds is None or not seconds.isascii() or not seconds.isdigit() or not lo <= int(seconds) <= hi:
+        raise bad_request(f"'expires_after[seconds]' must be an integer from {lo} to {hi}", "expires_after.seconds",
+                          "invalid_value")
+    return int(seconds)
+
+
 @bp.post("/files")
 def upload():
     ctx = batch_ctx()
@@ -68,8 +88,10 @@ def upload():
     up = request.files.get("file")
     if up is None:
         raise bad_request("'file' is required (multipart/form-data)", "file", "missing_required_parameter")
+    expires_in = _expires_after()
     try:
         meta = ctx.files.create(up.stream, up.filename or "upload.jsonl", purpose, request_owner(),
+                                expires_at=None if expires_in is None else int(time.time()) + expires_in,
                                 quota=ctx.quota)
     except FileStorageFull as e:
         raise APIError(413, str(e), param="file", code="file_storage_full") from None

@@ -23,6 +23,7 @@ from farm.infra.redis_client import as_str
 from farm.protocol.keys import (
     BATCH_SEQ_KEY,
     FILE_BYTES_KEY,
+    FILES_EXPIRING_KEY,
     FILES_KEY,
     file_body_key,
     file_key,
@@ -33,6 +34,7 @@ from farm.protocol.keys import (
 from farm.tenancy.api_keys import OWNER_ANONYMOUS
 
 # -- files ------------------------------------------------------------------------------------------------
+UPLOAD_EXPIRY_PURPOSES = ("batch",)  # a client's uploads; the farm's output files go with their batch (retention)
 CHUNK_BYTES = 1 << 20  # bodies are streamed in and out in pieces of this size
 
 
@@ -241,6 +243,8 @@ class FileStore:
             pipe = self.r.pipeline()
             pipe.hset(file_key(file_id), mapping={k: json.dumps(v) for k, v in meta.items()})
             pipe.zadd(owner_files_key(owner), {file_id: self.r.incr(BATCH_SEQ_KEY)})
+            if expires_at is not None and purpose in UPLOAD_EXPIRY_PURPOSES:  # the retention sweep deletes it then
+                pipe.zadd(FILES_EXPIRING_KEY, {file_id: expires_at})
             pipe.incrby(owner_file_bytes_key(owner), size - (int(json.loads(replaced)) if replaced else 0))
             if room is not None:
                 room.leave(pipe)  # with the file's own counts: its bytes now count in the owner's files
@@ -286,9 +290,14 @@ class FileStore:
             who = json.loads(owner)
             pipe.zrem(owner_files_key(who), file_id)
             pipe.decrby(owner_file_bytes_key(who), int(json.loads(size or b"0")))
+        pipe.zrem(FILES_EXPIRING_KEY, file_id)
         existed = bool(pipe.execute()[0])
         self.bodies.delete(file_id)
         return existed
+
+    def expired(self, now: float, limit: int = 500) -> list[str]:
+        """Uploads whose `expires_after` has passed (oldest first)."""
+        return [as_str(x) for x in self.r.zrangebyscore(FILES_EXPIRING_KEY, "-inf", now, start=0, num=limit)]
 
     def list(self, owner: str, purpose: str | None = None, after: str | None = None,
              limit: int = 100, oldest_first: bool = False) -> tuple[list[dict[str, Any]], bool]:

@@ -1,6 +1,7 @@
 """The retention sweep: final batches, their results and their output and error files are deleted
 `batch.retention_s` after they ended, so Redis (and the files directory) hold what clients may still fetch,
-not every batch ever run. Run by every driver process's reaper thread; deletes are idempotent, so drivers
+not every batch ever run; and uploads whose `expires_after` passed are deleted (one a batch still reads waits
+for that batch to end). Run by every driver process's reaper thread; deletes are idempotent, so drivers
 sweeping at once do no harm."""
 
 from __future__ import annotations
@@ -29,4 +30,15 @@ def sweep(store: BatchStore, files: FileStore, retention_s: float, now: float | 
             n += 1
     if n:
         log.info("batch retention: %d batches older than %ds deleted", n, retention_s)
+    return n + sweep_expired_uploads(store, files, now)
+
+
+def sweep_expired_uploads(store: BatchStore, files: FileStore, now: float | None = None) -> int:
+    """Delete the uploads whose `expires_after` has passed, but one an unfinished batch reads; returns how many."""
+    n = 0
+    for fid in files.expired(time.time() if now is None else now):
+        if store.active_reading(fid) is None:
+            n += files.delete(fid)
+    if n:
+        log.info("files: %d uploads past their expires_after deleted", n)
     return n

@@ -102,6 +102,7 @@ FILE_BYTES_KEY = "farm:files:bytes"  # redis bodies backend: the bytes of every 
 BATCHES_KEY = "farm:batches"  # before owner indexes: every batch's id (moved on start, then gone)
 BATCH_ACTIVE_KEY = "farm:batch:active"  # set of batches not yet final
 BATCHES_ENDED_KEY = "farm:batches:ended"  # zset batch id -> when it became final (retention, farm.batch.retention)
+FILES_EXPIRING_KEY = "farm:files:expiring"  # zset file id -> its expires_at: uploads with OpenAI's expires_after
 BATCH_SEQ_KEY = "farm:batch:seq"  # the creation sequence of files and batches (list order)
 BATCH_INFLIGHT_KEY = "farm:batch:inflight"  # zset request id -> deadline: batch lines in flight
 
