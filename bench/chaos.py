@@ -19,7 +19,8 @@ to its end:
   once its lease lapses (recovery = until no request runs on any worker).
 Columns: requests in flight, completed (done with every token asked for, each of them received), failed cleanly
 (an error event, a bounded wait), lost (no end within the timeout, or a done whose tokens did not all arrive:
-must be 0), recovery (s from the fault until every affected stream produced again, or the orphan stopped).
+must be 0), migrated (Redis faults: attempts moved to another worker, each computing its answer again; a live
+worker judged gone for a heartbeat Redis could not take), recovery (s from the fault until every affected stream produced again, or the orphan stopped).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _redis_fault(farm: ChaosFarm, prompt: list[int], n: int, tokens: int, name: 
     counts = settle(trackers)
     restarted = farm.heal()
     return {"fault": name, **counts, "in_flight": n, "recovery_s": recovery(trackers, t0),
-            "workers_restarted": len(restarted)}
+            "workers_restarted": len(restarted), "migrated": sum(t.sub.migrations for t in trackers)}
 
 
 def fault_redis_restart(farm: ChaosFarm, prompt: list[int], n: int, tokens: int) -> dict[str, Any]:
@@ -199,8 +200,8 @@ def main() -> None:
     finally:
         farm.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    cols = ["fault", "in_flight", "completed", "failed", "lost", "recovery_s"]
-    print(table(cols, [[r[c] for c in cols] for r in rows]))
+    cols = ["fault", "in_flight", "completed", "failed", "lost", "migrated", "recovery_s"]
+    print(table(cols, [[r.get(c, "-") for c in cols] for r in rows]))
     lost = sum(r["lost"] for r in rows)
     goals = [goal("requests lost over every fault", lost, 0, higher_is_better=False)]
     finish(args.out, {"config": vars(args), "rows": rows}, goals)
