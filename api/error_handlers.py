@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import redis
-from flask import Flask, Response, has_request_context, jsonify, request
+from flask import Flask, Response, g, has_request_context, jsonify, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
@@ -75,6 +75,14 @@ def to_api_error(err: BaseException) -> APIError:
 ANTHROPIC_PATH = "/v1/messages"  # its routes answer every error in Anthropic's shape
 
 
+def request_id_of_error() -> str:
+    """The failed request's id: the one its answer would have carried once a generation route gave it one (in its
+    logs too), else the client's own, else a fresh `req_...` (made once per request, so the log names it too)."""
+    if "request_header_id" not in g:
+        g.request_header_id = error_request_id(request.headers.get("X-Request-Id"))
+    return str(g.request_header_id)
+
+
 def error_response(err: APIError) -> Response:
     """The error's JSON with its headers, its request id (`x-request-id`, and Anthropic's `request-id` under its
     routes: an SDK's error object names the request), and `x-should-retry: false` on a 409: the openai SDK
@@ -88,7 +96,7 @@ def error_response(err: APIError) -> Response:
     resp = jsonify(body)
     resp.status_code = status
     if has_request_context():
-        rid = error_request_id(request.headers.get("X-Request-Id"))
+        rid = request_id_of_error()
         resp.headers["x-request-id"] = rid
         if anthropic_route:
             resp.headers["request-id"] = rid
@@ -115,8 +123,9 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
         api_err = to_api_error(err)
+        rid = request_id_of_error() if has_request_context() else "-"
         if api_err.status == 500:
-            log.exception("unhandled error")
+            log.exception("unhandled error (request %s)", rid)
         else:
-            log.warning("request failed: %s: %s", type(err).__name__, err)
+            log.warning("request failed (request %s): %s: %s", rid, type(err).__name__, err)
         return error_response(api_err)

@@ -251,6 +251,8 @@ def test_an_error_names_its_request(app_client):
     assert bad.headers["x-request-id"].startswith("req_")
     anth = c.post("/v1/messages", json={"model": cfg.default_model, "messages": []})
     assert anth.status_code == 400 and anth.headers["request-id"] == anth.headers["x-request-id"]
+    placed = post(c, "/v1/chat/completions", chat(cfg))  # 503, no worker: after the request got its own id
+    assert placed.status_code == 503 and placed.headers["x-request-id"].startswith("chatcmpl-")
 
 
 def test_a_compressed_body_or_an_upload_of_the_wrong_type_is_415(app_client):

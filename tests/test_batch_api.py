@@ -522,6 +522,40 @@ def test_two_uploads_at_once_cannot_both_take_a_keys_last_room(redis_client, tmp
     assert not redis_client.exists(owner_uploads_key(owner))
 
 
+def test_an_upload_that_died_half_way_gives_its_room_back_after_the_ttl(redis_client, tmp_path, monkeypatch):
+    """An API process killed mid-upload (or a hand-back Redis refused) never leaves its reservation: it held a
+    file and its bytes for as long as the owner kept uploading (one hash, its expiry renewed by every upload).
+    Each upload's reservation is its own entry now, dropped UPLOAD_TTL_S after it last reserved room, while
+    another upload's reservations go on counting."""
+    from types import SimpleNamespace
+
+    from farm.batch import upload_room
+    from farm.batch.upload_room import UPLOAD_TTL_S, UploadRoom
+
+    files = FileStore(redis_client, tmp_path)
+    owner = f"owner-dead-{uuid.uuid4().hex[:6]}"
+    quota = OwnerQuota(max_bytes=3 << 20, max_files=2)
+    dead = UploadRoom(redis_client, owner, quota)
+    dead.enter()
+    assert list(dead.within([b"x" * (2 << 20)]))  # 2 MB reserved, then the process died: no leave
+    with pytest.raises(FileQuotaExceeded, match="3 MB"):
+        files.create(b"y" * (2 << 20), "a.jsonl", "batch", owner=owner, quota=quota)
+    real = time.time
+    monkeypatch.setattr(upload_room, "time", SimpleNamespace(time=lambda: real() + UPLOAD_TTL_S / 2))
+    alive = UploadRoom(redis_client, owner, quota)  # another upload under way, half the TTL later
+    alive.enter()
+    assert list(alive.within([b"z" * (1 << 20)]))
+    with pytest.raises(FileQuotaExceeded, match="holds 2 files"):  # both still count
+        files.create(b"y", "b.jsonl", "batch", owner=owner, quota=quota)
+    monkeypatch.setattr(upload_room, "time", SimpleNamespace(time=lambda: real() + UPLOAD_TTL_S + 1))
+    # the dead upload's entry is past its TTL and dropped; the live one (touched later) still holds 1 MB
+    assert files.create(b"y" * (2 << 20), "c.jsonl", "batch", owner=owner, quota=quota)["bytes"] == 2 << 20
+    with pytest.raises(FileQuotaExceeded):  # c's file and the live upload hold the 2 files
+        files.create(b"y" * (1 << 20), "d.jsonl", "batch", owner=owner, quota=quota)
+    alive.leave()
+    assert files.usage(owner) == (2 << 20, 1)
+
+
 def test_an_upload_past_the_quota_is_413_over_http(api, monkeypatch):
     c, cfg, _ = api
     monkeypatch.setattr(cfg.batch, "owner_files_max", 1)

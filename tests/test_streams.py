@@ -340,12 +340,14 @@ def test_a_reader_long_idle_is_forgotten_and_numbered_afresh_when_it_returns(red
     workers), for the worker's whole life. A reader idle for FORGET_READER_S with nothing open is forgotten; one
     with a request open is kept; a forgotten reader that returns is numbered from 1 under a new writer id, and
     its reply reader delivers that batch rather than skipping it as seen."""
+    from types import SimpleNamespace
+
     from farm.config.processes import ReliabilityConfig
     from farm.gateway.replies import ReplyReader
     from farm.worker import stream_writer
 
-    clock = [1000.0]
-    monkeypatch.setattr(stream_writer.time, "monotonic", lambda: clock[0])
+    clock = [1000.0]  # the writer's clock only: the reader and the test's deadlines keep the real one
+    monkeypatch.setattr(stream_writer, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
     reader = ReplyReader(redis_client, ReliabilityConfig())
     w = StreamWriter(redis_client, flush_ms=10_000)
     quiet = [f"api-quiet-{i}" for i in range(50)]

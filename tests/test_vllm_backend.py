@@ -456,18 +456,16 @@ def test_zmq_events_reach_the_router_index(redis_client, layout):
         pub_events.stop()
 
 
-def test_the_event_sockets_are_private_to_the_worker_and_bounded(monkeypatch):
+def test_the_event_sockets_are_private_to_the_worker():
     """vLLM's replay socket keeps the last batches, whose stored blocks carry their token ids: on
     tcp://127.0.0.1 any local user could read every tenant's prompts from it (the listeners audit did, as
     `nobody`), or publish forged events. The sockets are ipc:// in a 0700 directory of the worker's own, which
-    another user cannot enter, removed on stop; and a frame past MAX_BATCH_BYTES is dropped unread."""
+    another user cannot enter, removed on stop. (No frame bound: libzmq 4.3 does not reconnect after a frame
+    past ZMQ_MAXMSGSIZE, so one big batch would stop the stream for good; only vLLM can reach the socket.)"""
     import pwd
     import shutil
     import subprocess
 
-    from farm.backends import vllm_events
-
-    monkeypatch.setattr(vllm_events, "MAX_BATCH_BYTES", 4096)
     sub = VllmKVEventSubscriber(VllmKVEventTranslator(Recorder(), BS)).start()
     ctx = zmq.Context()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
@@ -485,11 +483,6 @@ def test_the_event_sockets_are_private_to_the_worker_and_bounded(monkeypatch):
             out = subprocess.run([system_python, "-c", probe, sub.replay_endpoint[len("ipc://"):]],
                                  user=pwd.getpwnam("nobody").pw_uid, capture_output=True, text=True, timeout=30)
             assert out.stdout.strip() == "refused", out
-        time.sleep(0.3)  # the SUB connects
-        for _ in range(5):
-            pub.send_multipart((b"", (0).to_bytes(8, "big"), b"x" * 8192))  # past the bound: never read
-        time.sleep(0.5)
-        assert sub.batches == 0 and sub.next_seq == 0
     finally:
         pub.close(linger=0)
         router.close(linger=0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import redis
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request
 
 from api.auth import request_scope, reserve_tokens
 from api.bodies import json_body
@@ -209,6 +209,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     body = _json_body() if body is None else body
     model = require_model(body, [m.name for m in farm.cfg.models] + _aliases())
     ids = request_ids(kind, request.headers.get("X-Request-Id"))
+    g.request_header_id = ids.header  # an error answer names the request by the id its success would carry
     # the semantic layer (guards, cache, MoM selection) runs before anything is tokenized or queued
     layer = farm.semantic()
     scope = request_scope(body.get("cache_salt"))

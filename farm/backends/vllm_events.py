@@ -42,7 +42,6 @@ from farm.protocol.kv_events import KVEventHook, KVEventKind
 
 log = logging.getLogger(__name__)
 MAX_IPC_PATH = 100  # a unix socket's path (sun_path holds 107 bytes on Linux)
-MAX_BATCH_BYTES = 64 << 20  # one published batch (an engine step's events) is far smaller
 
 # Field order of vLLM's structs (array_like encoding is positional; trailing defaults may be omitted).
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -269,7 +268,6 @@ class VllmKVEventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)  # ZMQ drops a bigger frame before allocating it
         self._sub.connect(self.endpoint)  # connects (and reconnects) once vLLM's engine core has bound it
         self.next_seq = 0
         self.batches = 0

@@ -295,9 +295,9 @@ class FileStore:
         self.bodies.delete(file_id)
         return existed
 
-    def expired(self, now: float, limit: int = 500) -> list[str]:
-        """Uploads whose `expires_after` has passed (oldest first)."""
-        return [as_str(x) for x in self.r.zrangebyscore(FILES_EXPIRING_KEY, "-inf", now, start=0, num=limit)]
+    def expired(self, now: float, start: int = 0, limit: int = 500) -> list[str]:
+        """Uploads whose `expires_after` has passed, oldest first, from the `start`-th."""
+        return [as_str(x) for x in self.r.zrangebyscore(FILES_EXPIRING_KEY, "-inf", now, start=start, num=limit)]
 
     def list(self, owner: str, purpose: str | None = None, after: str | None = None,
              limit: int = 100, oldest_first: bool = False) -> tuple[list[dict[str, Any]], bool]:

@@ -34,11 +34,17 @@ def sweep(store: BatchStore, files: FileStore, retention_s: float, now: float | 
 
 
 def sweep_expired_uploads(store: BatchStore, files: FileStore, now: float | None = None) -> int:
-    """Delete the uploads whose `expires_after` has passed, but one an unfinished batch reads; returns how many."""
-    n = 0
-    for fid in files.expired(time.time() if now is None else now):
-        if store.active_reading(fid) is None:
-            n += files.delete(fid)
+    """Delete the uploads whose `expires_after` has passed, but those an unfinished batch reads (read once per
+    sweep, and paged past: they stay first in line until their batch ends); returns how many."""
+    busy = store.active_inputs()
+    now = time.time() if now is None else now
+    n = skipped = 0
+    while ids := files.expired(now, start=skipped):
+        for fid in ids:
+            if fid in busy:
+                skipped += 1
+            else:
+                n += files.delete(fid)
     if n:
         log.info("files: %d uploads past their expires_after deleted", n)
     return n

@@ -258,12 +258,17 @@ class BatchStore:
     def active_reading(self, file_id: str) -> str | None:
         """An unfinished batch whose input is `file_id`, or None: the file must stay while it may be read (a
         driver taking the batch over derives its lines from it again)."""
+        return self.active_inputs().get(file_id)
+
+    def active_inputs(self) -> dict[str, str]:
+        """The input files of the unfinished batches -> one batch reading each, in one round trip."""
         ids = self.active_ids()
+        if not ids:
+            return {}
         pipe = self.r.pipeline(transaction=False)
         for bid in ids:
             pipe.hget(batch_key(bid), "input_file_id")
-        return next((bid for bid, raw in zip(ids, pipe.execute() if ids else [], strict=True)
-                     if raw is not None and json.loads(raw) == file_id), None)
+        return {json.loads(raw): bid for bid, raw in zip(ids, pipe.execute(), strict=True) if raw is not None}
 
     # status changes
     def transition(self, batch_id: str, from_states: Iterable[str], to: str,

@@ -26,7 +26,8 @@ class PIIOptions(_Options):
     return_positions: bool = False
     mask_entities: bool = False
     reveal_entity_text: bool = False  # the entity's text in `value`; else its type in brackets
-    confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)  # entities scored below it are not reported
+    # entities scored below it are not reported; the recommendation and denied_types stay the guard's own verdict
+    confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
 
 
 class SecurityOptions(_Options):

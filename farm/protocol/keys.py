@@ -118,9 +118,15 @@ def owner_file_bytes_key(owner: str) -> str:
 
 
 def owner_uploads_key(owner: str) -> str:
-    """Hash of what one owner's uploads under way hold of its quota (`files`, `bytes`): two uploads at once cannot
-    both take the last room (farm.batch.upload_room). It expires an hour after its last change (a crashed API)."""
+    """Zset of one owner's uploads under way (upload id -> when it last reserved room): with
+    `owner_upload_bytes_key`, what they hold of its quota, so two uploads at once cannot both take the last room
+    (farm.batch.upload_room). An entry not touched for an hour is dropped (its API process died)."""
     return f"farm:files:owner:{owner}:uploading"
+
+
+def owner_upload_bytes_key(owner: str) -> str:
+    """Hash upload id -> the bytes that upload under way has reserved of its owner's quota."""
+    return f"farm:files:owner:{owner}:uploading:bytes"
 
 
 def owner_batches_key(owner: str) -> str:
