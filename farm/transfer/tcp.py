@@ -166,7 +166,8 @@ class TransferServer:
                         raise HandleError("handle names another worker")
                     check(h)
                 except (HandleError, TransferError, KeyError, ValueError) as e:
-                    _send(self.wfile, {"ok": False, "error": str(e)})
+                    with contextlib.suppress(OSError):  # a peer gone (or closed at the cap for a newcomer): no log
+                        _send(self.wfile, {"ok": False, "error": str(e)})
                     return
                 try:
                     if mode == "nixl" and nixl_source is not None:

@@ -118,7 +118,8 @@ def test_a_chunked_body_under_the_limit_is_read_whole(farm):
 def test_a_malformed_chunked_body_is_a_400(farm, path, body):
     """A chunk size that is not hex, or a chunk without its CRLF: gunicorn's parse error reached the app's
     catch-all as a 500 `internal_error` (the fuzz audit); the client's malformed body is now a 400."""
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{farm.api_port}\r\nContent-Type: application/json\r\n"
+    kind = "multipart/form-data; boundary=x" if path == "/v1/files" else "application/json"  # else a 415 first
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{farm.api_port}\r\nContent-Type: {kind}\r\n"
             "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
     status, _, answer = raw_request(farm.api_port, head, [body])
     assert status == 400, answer[:300]
