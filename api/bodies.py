@@ -14,6 +14,7 @@ deep input) or a silently accepted oddity:
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 from flask import request
@@ -93,6 +94,9 @@ def parse_json(data: bytes) -> Any:
         raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
                           code="json_too_deep") from None
     except ValueError as e:
+        if "integer string conversion" in str(e):  # Python's own message would tell the client to call sys.*
+            raise bad_request(f"the request body has a number of more than {sys.get_int_max_str_digits()} digits",
+                              code="invalid_json") from None
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(text):  # an escaped pair is one character; a lone half is no text at all
         _refuse_lone_surrogates(body)
