@@ -121,7 +121,7 @@ def test_tool_use_translates_both_ways():
             {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}}]}
     msg = a.from_chat_completion(chat, [])
     assert msg["stop_reason"] == "tool_use"
-    assert msg["content"] == [{"type": "tool_use", "id": "call_7", "name": "get_weather", "input": {"city": "Rome"}}]
+    assert msg["content"] == [{"type": "tool_use", "id": "toolu_7", "name": "get_weather", "input": {"city": "Rome"}}]
 
 
 def test_calls_stream_as_tool_use_blocks():
@@ -139,7 +139,7 @@ def test_calls_stream_as_tool_use_blocks():
         ("message_start", None), ("content_block_start", 0), ("ping", None), ("content_block_delta", 0),
         ("content_block_stop", 0), ("content_block_start", 1), ("content_block_delta", 1), ("content_block_delta", 1),
         ("content_block_stop", 1), ("message_delta", None), ("message_stop", None)]
-    assert events[5]["content_block"] == {"type": "tool_use", "id": "call_7", "name": "get_weather", "input": {}}
+    assert events[5]["content_block"] == {"type": "tool_use", "id": "toolu_7", "name": "get_weather", "input": {}}
     assert "".join(e["delta"]["partial_json"] for e in events if e.get("index") == 1 and "delta" in e) == \
         '{"city": "Rome"}'
     assert events[-2]["delta"]["stop_reason"] == "tool_use"

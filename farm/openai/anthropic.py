@@ -36,6 +36,7 @@ from farm.openai.anthropic_tools import (
     chat_tool_fields,
     check_blocks,
     tool_use_blocks,
+    tool_use_id,
 )
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.chat_stream import ChunkTranslator, named_event, streamed_with_usage, translate
@@ -330,7 +331,8 @@ class StreamTranslator(ChunkTranslator):
         out = ""
         fn = call.get("function") or {}
         if call.get("id"):
-            out += self._open({"type": "tool_use", "id": call["id"], "name": fn.get("name", ""), "input": {}})
+            out += self._open({"type": "tool_use", "id": tool_use_id(call["id"]), "name": fn.get("name", ""),
+                               "input": {}})
         if fn.get("arguments") and self.block == "tool_use":
             out += self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
         return out

@@ -124,8 +124,14 @@ def chat_tool_fields(tools: list[AnthropicToolParam] | None, choice: AnthropicTo
 
 def tool_use_blocks(tool_calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The chat answer's calls as `tool_use` blocks (their arguments as the `input` object)."""
-    return [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+    return [{"type": "tool_use", "id": tool_use_id(c["id"]), "name": c["function"]["name"],
              "input": _input(c["function"]["arguments"])} for c in tool_calls or ()]
+
+
+def tool_use_id(call_id: str) -> str:
+    """A chat call's id as Anthropic writes a tool_use block's (`toolu_...`); the client sends it back in its
+    tool_result, and the conversation keeps it as sent."""
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def _input(arguments: str) -> Any:
