@@ -90,7 +90,6 @@ class UploadRoom:
         self.owner = owner
         self.quota = quota
         self.upload_id = uuid.uuid4().hex
-        self.reserved = 0
         self._keys = [owner_uploads_key(self.owner), owner_upload_bytes_key(self.owner)]
 
     def enter(self) -> None:
@@ -112,7 +111,6 @@ class UploadRoom:
                 raise FileQuotaExceeded(f"this key's files would pass {self.quota.max_bytes >> 20} MB "
                                         "(batch.owner_files_max_mb); delete files you no longer need "
                                         "(DELETE /v1/files/{id})")
-            self.reserved += len(chunk)
             yield chunk
 
     def leave(self, pipe: redis.client.Pipeline | None = None) -> None:

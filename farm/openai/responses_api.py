@@ -37,7 +37,7 @@ from pydantic import (
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.chat_stream import streamed_with_usage
 from farm.openai.response_store import MAX_ID_CHARS
-from farm.openai.schemas import _Request, reject_unknown_fields
+from farm.openai.schemas import ServingHints, _Request, reject_unknown_fields
 from farm.openai.validation import validated
 from farm.protocol import MAX_TEMPERATURE
 
@@ -165,7 +165,7 @@ MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[StrictStr, StringConstraints(max_length=512)]
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(ServingHints):
     """POST /v1/responses (text and function tools)."""
 
     model: StrictStr = Field(description="a configured model (GET /v1/models)")
@@ -182,11 +182,6 @@ class ResponsesRequest(_Request):
                                                        "(default true; api.responses_ttl_s)")
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     user: StrictStr | None = Field(None, max_length=256)
-    prompt_cache_key: StrictStr | None = Field(None, max_length=1024, description=(
-        "accepted; the KV-aware router finds a cached prefix from the prompt itself"))
-    safety_identifier: StrictStr | None = Field(None, max_length=256, description="accepted, as `user`")
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
-        None, description="accepted; every request is served alike")
     text: ResponsesTextConfig | None = None
     tools: list[ResponsesFunctionTool] | None = Field(None, description="function tools only")
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | None = None

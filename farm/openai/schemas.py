@@ -110,7 +110,17 @@ class _Sampling(_Request):
         "scope (which every request has anyway); no '@', '/', '\\' or NUL"))
 
 
-class OpenAIHints(_Request):
+class ServingHints(_Request):
+    """OpenAI's serving hints, accepted and not applied by chat and by the Responses API alike."""
+
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; every request is served alike")
+    prompt_cache_key: StrictStr | None = Field(None, max_length=1024, description=(
+        "accepted; the KV-aware router finds a cached prefix from the prompt itself"))
+    safety_identifier: StrictStr | None = Field(None, max_length=256, description="accepted, as `user`")
+
+
+class OpenAIHints(ServingHints):
     """Fields of OpenAI's chat API that are accepted and not applied, as vLLM accepts them: none changes what a
     client may rely on in the answer (wrappers such as LiteLLM and LangChain send several on their own). What
     would change it (audio, web search) stays a 400."""
@@ -119,11 +129,6 @@ class OpenAIHints(_Request):
     metadata: dict[Annotated[str, StringConstraints(max_length=64)],
                    Annotated[StrictStr, StringConstraints(max_length=512)]] | None = Field(
         None, max_length=16, description="accepted, not kept (OpenAI keeps it with a stored completion)")
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
-        None, description="accepted; every request is served alike")
-    prompt_cache_key: StrictStr | None = Field(None, max_length=1024, description=(
-        "accepted; the KV-aware router finds a cached prefix from the prompt itself"))
-    safety_identifier: StrictStr | None = Field(None, max_length=256, description="accepted, as `user`")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
         None, description="accepted, not applied: the semantic layer picks the reasoning mode")
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description="accepted, not applied")
