@@ -128,8 +128,6 @@ def test_truly_unknown_fields_are_still_refused(app_client_no_worker):
     c, cfg = app_client_no_worker
     for field in ("spaces_between_special_tokens", "chat_template_kwarg", "echo_prompt"):
         assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: True})), 400, field, "unknown_parameter")
-    # echo stays refused on text completions (only chat has it here)
-    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", "echo": True}), 400, "echo")
 
 
 def test_openai_fields_that_change_nothing_a_client_relies_on_are_accepted(app_client_no_worker):
@@ -213,11 +211,11 @@ def test_echo_is_the_last_message_when_it_has_the_responses_role(tok):
     msgs = [QUESTION, PREFILL]
     cont = parse_chat(body(messages=msgs, add_generation_prompt=False, continue_final_message=True, echo=True),
                       tok, 2048)
-    assert cont.echo == "The capital of France is"
-    assert parse_chat(body(echo=True), tok, 2048).echo == ""  # a user message, an assistant answer: nothing
-    assert parse_chat(body(echo=True, add_generation_prompt=False), tok, 2048).echo == QUESTION["content"]
+    assert cont.prompts[0].echo == "The capital of France is"
+    assert parse_chat(body(echo=True), tok, 2048).prompts[0].echo == ""  # a user message, an assistant answer: nothing
+    assert parse_chat(body(echo=True, add_generation_prompt=False), tok, 2048).prompts[0].echo == QUESTION["content"]
     assert parse_chat(body(messages=msgs, continue_final_message=False, add_generation_prompt=False), tok,
-                      2048).echo == ""  # echo not asked
+                      2048).prompts[0].echo == ""  # echo not asked
 
 
 def test_chat_template_kwargs_reach_the_template_and_win_over_the_layers(hint_tok):

@@ -81,7 +81,15 @@ def test_completions_endpoint_and_limits(env):
     comp = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
                        "body": {"model": cfg.default_model, "prompt": "Once upon", "max_tokens": 3}})
     lines, errors = run(comp, "/v1/completions")
-    assert not errors and lines[0].kind == "completion"
+    assert not errors and lines[0].kind == "completion" and lines[0].echo == ""
+    echo = json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": cfg.default_model, "prompt": "Once upon", "echo": True}})
+    lines, errors = run(echo, "/v1/completions")
+    assert not errors and lines[0].echo == "Once upon"  # each line's answer starts with its prompt
+    two = json.dumps({"custom_id": "p", "method": "POST", "url": "/v1/completions",
+                      "body": {"model": cfg.default_model, "prompt": ["Once upon", "a time"]}})
+    _, errors = run(two, "/v1/completions")  # one line, one prompt: a batch of prompts is refused with its line
+    assert [(e["code"], e["param"], e["line"]) for e in errors] == [("unsupported_value", "body.prompt", 1)]
     _, errors = run("\n".join([comp.replace('"c"', f'"c{i}"') for i in range(3)]), "/v1/completions", max_lines=2)
     assert errors[-1]["code"] == "too_many_requests" and errors[-1]["line"] == 3
     _, errors = run("\n\n")

@@ -273,6 +273,29 @@ def test_continue_final_message_and_echo(farm, client):
     assert cont.usage.completion_tokens > 0
 
 
+def test_batched_completion_prompts_answer_in_vllms_order_with_echo(farm, client):
+    """A list of prompts (vLLM's batch, as lm-eval sends it): choice i*n+j is the j-th of prompt i, each the
+    answer its prompt gets alone; usage counts every prompt once; `echo` starts each choice with its own prompt,
+    streamed too."""
+    m = farm.cfg.default_model
+    prompts = ["The capital of France is", "One, two, three,", "The opposite of hot is"]
+    kw = {"model": m, "max_tokens": 5, "temperature": 0, "extra_headers": NO_CACHE}
+    answers = [client.completions.create(prompt=p, **kw) for p in prompts]
+    alone = [a.choices[0].text for a in answers]
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [t for t in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in answers)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in answers)
+    echoed = client.completions.create(prompt=prompts[:2], echo=True, **kw)
+    assert [c.text for c in echoed.choices] == [p + t for p, t in zip(prompts[:2], alone[:2], strict=True)]
+    texts = ["", ""]
+    for chunk in client.completions.create(prompt=prompts[:2], echo=True, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [p + t for p, t in zip(prompts[:2], alone[:2], strict=True)]
+
+
 def test_special_tokens_and_stop_strings_kept_when_asked(farm, client):
     """skip_special_tokens and include_stop_str_in_output on the built-in engine, the first token sampled on the
     prefill worker and the rest on the decode worker (the options travel in the request message)."""

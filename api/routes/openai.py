@@ -53,7 +53,7 @@ from farm.openai.parsing import (
     completion_messages,
     parse_chat,
     parse_completion,
-    raw_prompt,
+    raw_prompts,
     refuse_oversized,
     require_model,
     stream_flags,
@@ -249,8 +249,8 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
 
     def body() -> str:
         choices = [Choice.of(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs), parsed.tools,
-                             parsed.reasoning_parser, parsed.echo) for a in answers]
-        usage = total_usage(a.usage for a in answers).to_dict()
+                             parsed.reasoning_parser, parsed.prompt_of(i).echo) for i, a in enumerate(answers)]
+        usage = total_usage((a.usage for a in answers), parsed.n).to_dict()
         return json_provider.dumps(full_response(kind, ids.response, model, choices, usage, role=parsed.role)) + "\n"
 
     # A big answer (log-probabilities, or many tokens) is built and serialised off the hub: 16 choices of 4,000
@@ -265,7 +265,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
 def _cache_store(layer: Any, verdict: Verdict, st: _Started) -> Callable[[str, str], None] | None:
     """How the first choice's answer is stored in the semantic cache, if it may be: one choice, and the model the
     layer chose (the cache's partition names it: a fallback model's answer is not stored there)."""
-    if st.parsed.n != 1 or st.model != verdict.model:
+    if st.parsed.choices != 1 or st.model != verdict.model:
         return None
     return lambda text, reason: store(layer, verdict, text, reason)
 
@@ -361,11 +361,11 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
                                                verdict, tok, body.get("chat_template_kwargs")))
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token)
-    n_prompt = len(parsed.prompt_ids)
-    held = reserve_tokens(n_prompt + parsed.n * parsed.sampling.max_tokens, n_prompt + parsed.n)
+    n_prompt, choices = parsed.prompt_tokens, parsed.choices
+    held = reserve_tokens(n_prompt + choices * parsed.sampling.max_tokens, n_prompt + choices)
     quota_headers = {}
-    if held.tokens < n_prompt + parsed.n * parsed.sampling.max_tokens:  # what is left of the quota caps the answer
-        capped = (held.tokens - n_prompt) // parsed.n
+    if held.tokens < n_prompt + choices * parsed.sampling.max_tokens:  # what is left of the quota caps the answer
+        capped = (held.tokens - n_prompt) // choices
         parsed = replace(parsed, sampling=replace(parsed.sampling, max_tokens=capped))
         quota_headers["x-farm-quota-max-tokens"] = str(capped)
     gen = _Generation(n_prompt, held)
@@ -401,17 +401,18 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
 
 
 def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[GenerationRequest]:
-    """One request per choice: the first under the request's internal id (RequestIds), the others `<id>-<i>`, each
-    with its own seed (seed + i) so seeded choices differ and reproduce. They share the prompt, so the router places
-    them where its KV is and the worker computes it once. Each carries the caller's cache salt: prefix-cache
-    reuse only within its tenant (and the client's own `cache_salt`, if given)."""
+    """One request per choice: the first under the request's internal id (RequestIds), the others `<id>-<i>`. The
+    j-th choice of a prompt has its own seed (seed + j), so seeded choices differ and each prompt's reproduce
+    wherever it stands in a batch. A prompt's choices share it, so the router places them where its KV is and the
+    worker computes it once. Each carries the caller's cache salt: prefix-cache reuse only within its tenant (and
+    the client's own `cache_salt`, if given)."""
     salt = request_scope(parsed.cache_salt)
     reqs = []
-    for i in range(parsed.n):
-        sampling = parsed.sampling
-        if i and sampling.seed is not None:
-            sampling = replace(sampling, seed=(sampling.seed + i) % (1 << 63))
-        reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_ids, sampling,
+    for i in range(parsed.choices):
+        sampling, j = parsed.sampling, i % parsed.n
+        if j and sampling.seed is not None:
+            sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
+        reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_of(i).ids, sampling,
                                       created=time.time(), cache_salt=salt))
     return reqs
 
@@ -478,11 +479,15 @@ def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[di
         return
     if messages is not None:
         refuse_oversized(models, messages, "messages", farm.cfg.api.max_chars_per_token)
-    elif isinstance(prompt := raw_prompt(body), str):
-        refuse_oversized(models, prompt, "prompt", farm.cfg.api.max_chars_per_token)
-    elif isinstance(prompt, list) and len(prompt) >= (context := max(n for _, n in models)):  # token ids: one each
-        raise bad_request(f"This model's maximum context length is {context} tokens; your prompt has "
-                          f"{len(prompt)} tokens.", "prompt", "context_length_exceeded")
+        return
+    prompts = raw_prompts(body)
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            refuse_oversized(models, prompt, param, farm.cfg.api.max_chars_per_token)
+        elif isinstance(prompt, list) and len(prompt) >= (context := max(n for _, n in models)):  # ids: one each
+            raise bad_request(f"This model's maximum context length is {context} tokens; your prompt has "
+                              f"{len(prompt)} tokens.", param, "context_length_exceeded")
 
 
 def _completion_messages(body: dict[str, Any], model: str) -> list[dict[str, str]]:
@@ -517,10 +522,10 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
         for index, events in enumerate(streams):
             shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
                 if parsed.tools is not None or parsed.reasoning_parser else None
-            done = yield from _stream_choice(w, index, events, out, on_done, parsed.echo, shaper)
+            done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index).echo, shaper)
             usages.append(done.usage)
         prometheus.REQUESTS.labels(model=model, status="200").inc()
-        tail = w.usage(total_usage(usages).to_dict()) if parsed.include_usage else ""
+        tail = w.usage(total_usage(usages, parsed.n).to_dict()) if parsed.include_usage else ""
         yield tail + w.done()
     except Exception as e:  # headers are sent: report in-band (GeneratorExit is not an Exception)
         err = to_api_error(e)

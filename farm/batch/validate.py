@@ -169,8 +169,12 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             errors.append(_err("unsupported_value", "'n' greater than 1 is not supported in a batch line; give each "
                                "sample a line of its own", no, "body.n"))
             continue
+        if len(parsed.prompts) != 1:
+            errors.append(_err("unsupported_value", "a batch line holds one prompt; give each prompt a line of its "
+                               "own", no, "body.prompt"))
+            continue
         lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict(),
-                                  cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.echo,
+                                  cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.prompt_of(0).echo,
                                   tools=parsed.tools.to_dict() if parsed.tools is not None else None))
     if not errors and not lines:
         errors.append(_err("empty_file", "The input file holds no requests.", None, "input_file_id"))

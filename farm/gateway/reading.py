@@ -115,11 +115,12 @@ def collect(events: Iterable[Event], on_first_delta: Callable[[DeltaEvent], None
             lps.extend(ev.lp)
 
 
-def total_usage(usages: Iterable[Usage]) -> Usage:
-    """The usage of a response of several choices: the prompt (and its cached part) counted once, the
-    completions summed."""
+def total_usage(usages: Iterable[Usage], per_prompt: int = 0) -> Usage:
+    """The usage of a response of several choices: each prompt (and its cached part) counted once, the
+    completions summed. Every `per_prompt` choices in a row share a prompt (0: all of them)."""
     usages = list(usages)
     if not usages:
         return Usage()
-    first = usages[0]
-    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)
+    firsts = usages[::per_prompt] if per_prompt else usages[:1]
+    return Usage(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in firsts))

@@ -21,6 +21,7 @@ from farm.models.tokenization import (
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.schemas import (
     MAX_CACHE_SALT,
+    MAX_CHOICES,
     MAX_MESSAGES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,12 +59,22 @@ SPECIAL_TOKEN_NAMES = frozenset({"bos_token", "eos_token", "unk_token", "sep_tok
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs as JSON: switches and short texts, not prompts
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its token ids, and the text each of its choices starts with (vLLM's `echo`)."""
+
+    ids: list[int]
+    echo: str = ""
+
+
 @dataclass
 class ParsedRequest:
-    """A validated request: what the gateway needs (token ids, sampling) plus the response flags."""
+    """A validated request: what the gateway needs (token ids, sampling) plus the response flags. A chat has one
+    prompt; a text completion may have several (vLLM's batched `prompt`): choice `c` is choice `c % n` of prompt
+    `c // n`, in vLLM's order."""
 
     model: str
-    prompt_ids: list[int]
+    prompts: list[Prompt]
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -73,7 +84,22 @@ class ParsedRequest:
     tools: ToolRequest | None = None  # chat: the request's tools (farm.openai.tools), when it has any
     reasoning_parser: str | None = None  # chat: the model's (farm.openai.reasoning): reasoning split from content
     role: str = "assistant"  # chat: the response message's role (the last message's without a generation prompt)
-    echo: str = ""  # chat: text every choice starts with (vLLM's `echo`: the last message, when it has `role`)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt's token ids (a chat's only prompt)."""
+        return self.prompts[0].ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> Prompt:
+        return self.prompts[choice // self.n]
 
 
 @dataclass(frozen=True)
@@ -499,62 +525,91 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
         params = replace(params, response_format=format_within_bound(forced, "tools"))
     role = "assistant" if opts.add_generation_prompt else messages[-1]["role"]
     echo = messages[-1]["content"] if opts.echo and messages[-1]["role"] == role else ""
-    return ParsedRequest(body["model"], ids, params, stream, include_usage, {"messages": messages}, n,
-                         cache_salt=_cache_salt(body), tools=tools if tools is not None and tools.active else None,
-                         reasoning_parser=reasoning_parser, role=role, echo=echo)
+    return ParsedRequest(body["model"], [Prompt(ids, echo)], params, stream, include_usage, {"messages": messages},
+                         n, cache_salt=_cache_salt(body),
+                         tools=tools if tools is not None and tools.active else None,
+                         reasoning_parser=reasoning_parser, role=role)
 
 
-def raw_prompt(body: dict) -> Any:
-    """A completion body's one prompt: a string or a list of token ids (a one-element list unwrapped)."""
+def raw_prompts(body: dict) -> list[Any]:
+    """A completion body's prompts, unchecked: a string or a list of token ids, or a list of those (vLLM's
+    batched prompt); anything else is one malformed prompt (parse_completion's 400)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
 
 
 def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
-    """A text completion's prompt as one user message, for the guards and the classifier. Token-id
-    prompts are decoded with `tokenizer`; a malformed prompt gives no text here (and its 400 from
-    parse_completion)."""
-    prompt = raw_prompt(body)
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    """A text completion's prompts as user messages (one each), for the guards and the classifier: every prompt
+    of a batch is scanned. Token-id prompts are decoded with `tokenizer`; a malformed prompt gives no text here
+    (and its 400 from parse_completion)."""
+    return [{"role": "user", "content": _prompt_text(p, tokenizer)} for p in raw_prompts(body)]
+
+
+def _prompt_text(prompt: Any, tokenizer, skip_special_tokens: bool = True) -> str:
+    if _is_token_ids(prompt):
         try:
-            prompt = tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)], skip_special_tokens=True)
+            return tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)],
+                                    skip_special_tokens=skip_special_tokens)
         except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
-            prompt = ""
-    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+            return ""
+    return prompt if isinstance(prompt, str) else ""
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int,
                      defaults: SamplingDefaults | None = None, chars_per_token: int = 0) -> ParsedRequest:
-    """Validate a /v1/completions body (model already checked): one prompt, as text or token ids."""
+    """Validate a /v1/completions body (model already checked): its prompts, each as text or token ids (vLLM's
+    batch: up to MAX_CHOICES choices in all), and vLLM's `echo` (each choice starts with its prompt's text)."""
     reject_unknown_fields(body, CompletionRequest)
-    for key in ("echo", "suffix"):
-        if body.get(key):
-            raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    if body.get("suffix"):
+        raise bad_request("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
+    echo = _type_check(body, "echo", (bool,), "a boolean") or False
+    if echo and body.get("logprobs") is not None:
+        raise bad_request("'logprobs' with 'echo' asks for the prompt's log-probabilities, which this server does not "
+                          "compute", "logprobs", "unsupported_value")
     best_of = _type_check(body, "best_of", (int,), "an integer")
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
-    prompt = raw_prompt(body)
+    raw = raw_prompts(body)
+    if len(raw) > MAX_CHOICES:
+        raise bad_request(f"'prompt' may hold at most {MAX_CHOICES} prompts, got {len(raw)}", "prompt",
+                          "invalid_value")
+    limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
+    prompts = []
+    for i, prompt in enumerate(raw):
+        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+        ids = _completion_ids(prompt, tokenizer, limit, max_model_len, param)
+        prompts.append(Prompt(ids, _prompt_text(prompt, tokenizer, skip_special_tokens=False) if echo else ""))
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i].ids))
+    params, stream, include_usage, n = _common(body, len(prompts[longest].ids), max_model_len,
+                                               "prompt" if len(raw) == 1 else f"prompt[{longest}]", defaults,
+                                               kind="completion", vocab=len(tokenizer))
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"a request may ask for at most {MAX_CHOICES} choices (prompts times n), got "
+                          f"{len(prompts)} x {n}", "n", "invalid_value")
+    return ParsedRequest(body["model"], prompts, params, stream, include_usage, n=n, cache_salt=_cache_salt(body))
+
+
+def _completion_ids(prompt: Any, tokenizer, limit: int, max_model_len: int, param: str) -> list[int]:
+    """One prompt's token ids: a string tokenized, or token ids checked against the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("'prompt' must not be empty", "prompt")
-        check_prompt_chars(len(prompt), prompt_char_limit(tokenizer, max_model_len, chars_per_token),
-                           max_model_len, "prompt")
-        ids = text_prompt_ids(tokenizer, prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise bad_request(f"'{param}' must not be empty", param)
+        check_prompt_chars(len(prompt), limit, max_model_len, param)
+        return text_prompt_ids(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = len(tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):
-            raise bad_request(f"token ids in 'prompt' must be in [0, {vocab})", "prompt", "invalid_value")
-        ids = list(prompt)
-    elif prompt is None:
+            raise bad_request(f"token ids in '{param}' must be in [0, {vocab})", param, "invalid_value")
+        return list(prompt)
+    if prompt is None:
         raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
-    else:
-        raise bad_request("'prompt' must be a string, a list of token ids, or a list with one of those "
-                          "(batched prompts are not supported)", "prompt")
-    params, stream, include_usage, n = _common(body, len(ids), max_model_len, "prompt", defaults,
-                                               kind="completion", vocab=len(tokenizer))
-    return ParsedRequest(body["model"], ids, params, stream, include_usage, n=n, cache_salt=_cache_salt(body))
+    raise bad_request(f"'{param}' must be a string, a list of token ids, or a list of those", param)
 
 
 def require_model(body: Any, known: list[str]) -> str:

@@ -20,6 +20,7 @@ from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 Role = Literal["system", "user", "assistant", "developer"]
 MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
+MAX_CHOICES = 64  # a text completion's prompts times n: vLLM's batched prompt, each choice a request of its own
 MAX_TOP_K = 1 << 20
 MAX_CACHE_SALT = 128  # vLLM's limit of cache_salt
 # Messages in one chat: the semantic layer embeds and scans each, and one-token messages add nothing to the
@@ -184,11 +185,14 @@ class ChatCompletionRequest(_Sampling, OpenAIHints):
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions: one prompt, as text or token ids."""
+    """POST /v1/completions: a prompt as text or token ids, or a batch of them (vLLM's)."""
 
-    prompt: str | list[int] | list[str | list[int]] = Field(
-        description="a string, a list of token ids, or a list holding one of those")
-    echo: bool | None = Field(None, description=UNSUPPORTED_NOTE)
+    prompt: str | list[int] | list[str | list[int]] = Field(description=(
+        f"a string, a list of token ids, or a list of those (a batch: choice i*n+j is the j-th of prompt i; at "
+        f"most {MAX_CHOICES} choices in all)"))
+    echo: bool | None = Field(None, description=(
+        "each choice starts with its prompt's text (not with logprobs: the prompt's log-probabilities are not "
+        "computed)"))
     suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
     best_of: Literal[1] | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probabilities with this many alternatives")
