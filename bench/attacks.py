@@ -50,8 +50,9 @@ import requests
 from bench.common import finish, goal, percentile, table
 from bench.farms import bench_farm
 from farm.cluster import registry
-from farm.config import FarmConfig, farm_secret
+from farm.config import FarmConfig
 from farm.infra.redis_client import connect
+from farm.infra.secret import farm_secret
 from farm.models.directories import model_dir
 from farm.protocol import (
     EVENT_FIELD,

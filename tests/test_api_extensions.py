@@ -146,7 +146,7 @@ def test_openai_fields_that_change_nothing_a_client_relies_on_are_accepted(app_c
     for field, value in (("modalities", ["text", "audio"]), ("service_tier", "fastest"), ("store", "yes"),
                          ("metadata", {f"k{i}": "v" for i in range(17)}), ("reasoning_effort", "max")):
         assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: value})), 400, field if field != "modalities"
-                     else "modalities.1", "invalid_value")
+                     else "modalities[1]", "invalid_value")
     for field in ("audio", "web_search_options"):
         assert_error(post(c, "/v1/chat/completions", chat(cfg, **{field: {}})), 400, field, "unknown_parameter")
 

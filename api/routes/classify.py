@@ -14,7 +14,7 @@ from api.auth import count_requests, request_scope
 from api.bodies import json_body
 from farm.openai import classify_schemas as schemas
 from farm.openai.api_error import APIError
-from farm.openai.utility import validated
+from farm.openai.validation import validated
 from farm.semantic import classify_api as vsr
 
 bp = Blueprint("classify", __name__, url_prefix="/api/v1/classify")

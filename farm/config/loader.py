@@ -7,7 +7,6 @@ Validation errors name the key and the source so a typo never starts a half-conf
 from __future__ import annotations
 
 import os
-import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from farm.config.base import DEFAULT_CONFIG_PATH, PROJECT_ROOT, ConfigError
 from farm.config.redis import is_local, read_password, redis_url_with_password, url_password
 from farm.config.root import FarmConfig
 from farm.config.vsr import looks_like_vsr, vsr_override
-from farm.config.weak_secrets import MAKE_ONE, is_placeholder, refuse_placeholders, refuse_weak_flower_auth
+from farm.config.weak_secrets import refuse_placeholders, refuse_weak_flower_auth
 
 ENV_PREFIX = "FARM_"
 
@@ -162,49 +161,3 @@ def _managed_redis_password(data: dict[str, Any]) -> str:
 def get_config() -> FarmConfig:
     """The process-wide configuration, loaded once."""
     return load_config()
-
-
-MIN_SECRET_CHARS = 16  # FARM_SECRET keys the KV handles' HMAC: a short one can be guessed, an empty one forged by all
-
-
-def farm_secret(cfg: FarmConfig) -> bytes:
-    """The HMAC secret shared by every process of the farm.
-
-    FARM_SECRET wins; otherwise a random one is created once in the state dir (mode 0600) so all
-    processes started from this checkout agree. Workers on other hosts must get FARM_SECRET.
-    The file appears whole or not at all (written aside, then linked into place), so processes started
-    together (a Procfile) all read the one that won; a secret that is short, empty or the example's
-    placeholder is refused with the fix.
-    """
-    env = os.environ.get("FARM_SECRET")
-    if env:
-        return _usable_secret(env, "FARM_SECRET")  # as given: every process must derive the same key
-    path = cfg.state_path / "secret"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for what in (path.parent, path):  # another user's state dir or file would hand them the key (a dir in /tmp)
-        if what.exists() and (owner := what.stat().st_uid) not in (os.geteuid(), 0):
-            raise ConfigError(f"{what} belongs to another user (uid {owner}): the farm's secret cannot be kept "
-                              "there; use a state_dir of your own, or set FARM_SECRET")
-    if not path.exists():
-        aside = path.with_name(f".secret-{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-            try:
-                os.link(aside, path)
-            except FileExistsError:  # another process of the farm linked its own first: use that one
-                pass
-        finally:
-            aside.unlink(missing_ok=True)
-    return _usable_secret(path.read_text().strip(), f"the secret file {path} (delete it to have a new one made)")
-
-
-def _usable_secret(value: str, source: str) -> bytes:
-    shown = value.strip()  # judged without surrounding whitespace; used as given
-    if is_placeholder(shown):
-        raise ConfigError(f"{source} is the example's placeholder; set a random value ({MAKE_ONE})")
-    if len(shown) < MIN_SECRET_CHARS:
-        raise ConfigError(f"{source} has {len(shown)} characters; the KV handles' HMAC key needs at least "
-                          f"{MIN_SECRET_CHARS} ({MAKE_ONE})")
-    return value.encode()

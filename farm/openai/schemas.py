@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, StringConstraints
 
 from farm.openai.api_error import bad_request
+from farm.openai.validation import validated
 from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 Role = Literal["system", "user", "assistant", "developer"]
@@ -143,12 +144,7 @@ def check_hints(body: dict[str, Any]) -> None:
     sub = {k: body[k] for k in OpenAIHints.model_fields if k in body}
     if not sub:
         return
-    try:
-        OpenAIHints.model_validate(sub)
-    except ValidationError as e:
-        err = e.errors(include_url=False, include_input=False)[0]
-        param = ".".join(str(x) for x in err["loc"])
-        raise bad_request(f"'{param}': {err['msg']}", param, "invalid_value") from None
+    validated(OpenAIHints, sub)
 
 
 class ChatCompletionRequest(_Sampling, OpenAIHints):

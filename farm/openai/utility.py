@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
 
 from farm.models.tokenization import PromptTooLong, chat_prompt_ids, text_prompt_ids
 from farm.openai.api_error import APIError, bad_request
@@ -36,30 +35,7 @@ from farm.openai.utility_schemas import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-
-
-def _param(loc: Sequence[int | str]) -> str:
-    """pydantic's error location as the API names params: messages[0].role."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def validated(model: type[BaseModel], body: Any) -> Any:
-    """`body` (a JSON object) as `model`, or a 400 naming the first offending field."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors(include_url=False, include_input=False)[0]
-        param = _param(err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise bad_request(f"Unknown parameter: '{param}'.", param, "unknown_parameter") from None
-        if err["type"] == "missing":
-            raise bad_request(f"'{param}' is required", param, "missing_required_parameter") from None
-        raise bad_request(f"'{param}': {err['msg']}", param, "invalid_value") from None
+from farm.openai.validation import validated
 
 
 def resolve_model(asked: str | None, models: Sequence[str], default: str, aliases: Sequence[str] = ()) -> str:

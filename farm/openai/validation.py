@@ -1,5 +1,6 @@
-"""A request body checked against the pydantic model of a protocol the farm translates onto its chat path
-(Anthropic's Messages API, OpenAI's Responses API): the first problem as a 400 naming where it is."""
+"""A request body checked against its pydantic model (the utility endpoints', the classification API's, and
+those of the protocols the farm translates onto its chat path: Anthropic's Messages API, OpenAI's Responses API):
+the first problem as a 400 naming where it is."""
 
 from __future__ import annotations
 
@@ -24,15 +25,23 @@ def location(loc: tuple[Any, ...], member_prefixes: tuple[str, ...]) -> str:
     return out
 
 
-def first_problem(e: ValidationError, member_prefixes: tuple[str, ...]) -> APIError:
-    """The 400 for a failed validation: in a union, the member that got furthest."""
-    first = max(e.errors(), key=lambda err: len(err["loc"]))
+# what a client's SDK branches on: an unknown field, a missing one, else a value it may not have
+_CODES = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}
+
+
+def first_problem(e: ValidationError, member_prefixes: tuple[str, ...] = ()) -> APIError:
+    """The 400 for a failed validation: in a union, the member that got furthest; its code says what kind."""
+    first = max(e.errors(include_url=False, include_input=False), key=lambda err: len(err["loc"]))
     where = location(tuple(first["loc"]), member_prefixes)
-    return bad_request(f"{where}: {first['msg']}" if where else first["msg"], where or None)
+    return bad_request(f"{where}: {first['msg']}" if where else first["msg"], where or None,
+                       _CODES.get(first["type"], "invalid_value"))
 
 
-def validated(model: type[M], body: dict[str, Any], member_prefixes: tuple[str, ...]) -> M:
-    """`body` as `model`, or the 400 of its first problem."""
+def validated(model: type[M], body: Any, member_prefixes: tuple[str, ...] = ()) -> M:
+    """`body` (a JSON object) as `model`, or the 400 of its first problem. Every request model of the API is
+    checked here, so a problem is named alike on every route (`messages[0].content[1].text`)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as e:

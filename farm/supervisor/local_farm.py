@@ -31,13 +31,13 @@ from farm.config import (
     PROJECT_ROOT,
     ConfigError,
     FarmConfig,
-    farm_secret,
     redact_url,
 )
 from farm.config.api import LOOPBACK_HOSTS
 from farm.config.weak_secrets import FLOWER_ENV
 from farm.infra import filemodes, logfiles
 from farm.infra.orphans import die_with_parent
+from farm.infra.secret import farm_secret
 from farm.supervisor.flower_login import flower_login
 from farm.supervisor.health_checks import HealthChecks
 from farm.supervisor.network import (

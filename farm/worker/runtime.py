@@ -27,13 +27,14 @@ import redis
 
 from farm.backends import connector_import, make_engine
 from farm.cluster import registry
-from farm.config import FarmConfig, farm_secret
+from farm.config import FarmConfig
 from farm.engine.contract import ConnectorEngine, RequestOutput, ServingEngine
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.scheduler import KVImport
 from farm.infra import tracing
 from farm.infra.broker import TaskPublisher, send_generation
 from farm.infra.redis_client import connect
+from farm.infra.secret import farm_secret
 from farm.models.directories import model_vocab_size, require_model_dir
 from farm.protocol import (
     TASK_DECODE,

@@ -9,7 +9,8 @@ import stat
 
 import pytest
 
-from farm.config import ConfigError, farm_secret, load_config
+from farm.config import ConfigError, load_config
+from farm.infra.secret import farm_secret
 
 
 def _read_secret(state_dir: str, barrier, out) -> None:

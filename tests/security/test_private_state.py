@@ -174,7 +174,7 @@ def test_a_state_dir_another_user_made_is_refused_and_links_are_not_followed(tmp
     (root's, a volume's mount point, is not another user's), so is another user's secret file, and a link in
     a private file's place is not followed."""
     from farm.config import ConfigError, load_config
-    from farm.config.loader import farm_secret
+    from farm.infra.secret import farm_secret
 
     nobody = pwd.getpwnam("nobody").pw_uid
     theirs = tmp_path / "planted"
