@@ -175,8 +175,9 @@ def test_stream_options_need_stream(app_client):
     c, cfg = app_client
     opts = {"include_usage": True}
     assert_error(post(c, "/v1/chat/completions", chat(cfg, stream_options=opts)), 400, "stream_options")
-    assert_error(post(c, "/v1/chat/completions", chat(cfg, stream=True, stream_options={"include_usage": 1})),
-                 400, "stream_options")
+    for name in ("include_usage", "continuous_usage_stats"):
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, stream=True, stream_options={name: 1})),
+                     400, f"stream_options.{name}")
 
 
 def test_prompt_longer_than_context(app_client):

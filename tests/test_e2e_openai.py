@@ -296,6 +296,24 @@ def test_batched_completion_prompts_answer_in_vllms_order_with_echo(farm, client
     assert texts == [p + t for p, t in zip(prompts[:2], alone[:2], strict=True)]
 
 
+def test_continuous_usage_stats_give_every_chunk_its_running_usage(farm, client):
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk of a choice carries the prompt's tokens and the
+    tokens generated so far (it was accepted and ignored); the last one agrees with the final usage chunk."""
+    m = farm.cfg.default_model
+    kw = {"model": m, "max_tokens": 8, "temperature": 0, "extra_headers": NO_CACHE, "stream": True}
+    chunks = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Count to ten."}],
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    *deltas, final = chunks
+    assert deltas and all(c.usage is not None for c in deltas) and not final.choices
+    running = [c.usage.completion_tokens for c in deltas]
+    assert running == sorted(running) and running[0] == 0  # the role chunk: nothing generated yet
+    assert running[-1] == final.usage.completion_tokens > 1
+    assert {c.usage.prompt_tokens for c in deltas} == {final.usage.prompt_tokens}
+    plain = list(client.completions.create(prompt="One, two,", stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens > 1
+
+
 def test_special_tokens_and_stop_strings_kept_when_asked(farm, client):
     """skip_special_tokens and include_stop_str_in_output on the built-in engine, the first token sampled on the
     prefill worker and the rest on the decode worker (the options travel in the request message)."""

@@ -445,6 +445,7 @@ def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], s
                 on_done("".join(content), done.finish_reason)
             yield pending + tail + w.finish(reason or "stop", index)
             return done
+        w.generated(index, ev.n)
         if ev.text:
             piece = chunks(shaper.feed(ev.text))
             if piece:
@@ -516,7 +517,8 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
     """OpenAI SSE chunks, choice after choice (each chunk names its index; the choices are generated at the
     same time on the workers); a failure mid-stream ends with an error line and [DONE]. `on_done(text,
     finish_reason)` sees the whole answer once it finished (the semantic cache stores it)."""
-    w = ChunkWriter(kind, ids.response, model, parsed.role)
+    running = (lambda i: len(parsed.prompt_of(i).ids)) if parsed.continuous_usage else None
+    w = ChunkWriter(kind, ids.response, model, parsed.role, prompt_tokens=running)
     usages: list[Usage] = []
     try:
         for index, events in enumerate(streams):
@@ -557,6 +559,7 @@ def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Ou
                 on_done("".join(parts), done.finish_reason)
             yield pending + w.finish(done.finish_reason, index)
             return done
+        w.generated(index, ev.n)
         if not ev.text and ev.lp is None:
             continue
         lps = out.logprobs(ev.ids, ev.lp, sum(map(len, parts))) if ev.lp is not None else None

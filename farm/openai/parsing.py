@@ -84,6 +84,7 @@ class ParsedRequest:
     tools: ToolRequest | None = None  # chat: the request's tools (farm.openai.tools), when it has any
     reasoning_parser: str | None = None  # chat: the model's (farm.openai.reasoning): reasoning split from content
     role: str = "assistant"  # chat: the response message's role (the last message's without a generation prompt)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -332,8 +333,9 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     stream = _type_check(body, "stream", (bool,), "a boolean") or False
     opts = _type_check(body, "stream_options", (dict,), "an object") or {}
     include_usage = opts.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(opts.get(name, False), bool):
+            raise bad_request(f"'stream_options.{name}' must be a boolean", f"stream_options.{name}")
     if opts and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -528,7 +530,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
     return ParsedRequest(body["model"], [Prompt(ids, echo)], params, stream, include_usage, {"messages": messages},
                          n, cache_salt=_cache_salt(body),
                          tools=tools if tools is not None and tools.active else None,
-                         reasoning_parser=reasoning_parser, role=role)
+                         reasoning_parser=reasoning_parser, role=role,
+                         continuous_usage=_continuous_usage(body, include_usage))
 
 
 def raw_prompts(body: dict) -> list[Any]:
@@ -592,7 +595,14 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"a request may ask for at most {MAX_CHOICES} choices (prompts times n), got "
                           f"{len(prompts)} x {n}", "n", "invalid_value")
-    return ParsedRequest(body["model"], prompts, params, stream, include_usage, n=n, cache_salt=_cache_salt(body))
+    return ParsedRequest(body["model"], prompts, params, stream, include_usage, n=n, cache_salt=_cache_salt(body),
+                         continuous_usage=_continuous_usage(body, include_usage))
+
+
+def _continuous_usage(body: dict, include_usage: bool) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries its choice's usage so far; only with
+    `include_usage`, as vLLM (the body passed _common)."""
+    return include_usage and body["stream_options"].get("continuous_usage_stats", False)
 
 
 def _completion_ids(prompt: Any, tokenizer, limit: int, max_model_len: int, param: str) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -78,10 +79,16 @@ class ChunkWriter:
 
     A text delta is a prefix (id, object, created, model, choice index), the JSON-escaped text and a fixed
     suffix, so the per-token chunk is a string concatenation (about 1 us) instead of a json.dumps of a nested
-    dict (tens of us); the bytes are the same as json.dumps(..., separators=(",", ":")) would give."""
+    dict (tens of us); the bytes are the same as json.dumps(..., separators=(",", ":")) would give.
 
-    def __init__(self, kind: str, rid: str, model: str, role: str = "assistant"):
+    With `prompt_tokens` (a choice's prompt length by its index: vLLM's `stream_options.continuous_usage_stats`),
+    every chunk of a choice carries its usage so far, counted by `generated`."""
+
+    def __init__(self, kind: str, rid: str, model: str, role: str = "assistant",
+                 prompt_tokens: Callable[[int], int] | None = None):
         self.kind, self.rid, self.model, self.message_role = kind, rid, model, role
+        self._prompt_tokens = prompt_tokens
+        self._generated: dict[int, int] = {}
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = "data: " + _dumps({"id": rid, "object": self.object, "created": self.created,
@@ -94,8 +101,16 @@ class ChunkWriter:
         return f"data: {_dumps(obj)}\n\n"
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        if self._prompt_tokens is not None and choices:
+            index = choices[0]["index"]
+            p, c = self._prompt_tokens(index), self._generated.get(index, 0)
+            extra["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         return self._line({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                            "choices": choices, **extra})
+
+    def generated(self, index: int, tokens: int) -> None:
+        """Choice `index` has `tokens` more tokens (what its next chunks' running usage counts)."""
+        self._generated[index] = self._generated.get(index, 0) + tokens
 
     def role(self, index: int = 0) -> str:
         if self.kind != "chat":
@@ -104,7 +119,7 @@ class ChunkWriter:
                              "finish_reason": None}])
 
     def delta(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
-        if logprobs is None:
+        if logprobs is None and self._prompt_tokens is None:
             return f"{self._head}{index}{self._text_key}{encode_basestring_ascii(text)}{self._text_end}"
         if self.kind == "chat":
             return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,

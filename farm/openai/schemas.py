@@ -78,6 +78,8 @@ class Tool(_Loose):
 
 class StreamOptions(_Loose):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description=(
+        "vLLM extension: with include_usage, every chunk carries its choice's usage so far"))
 
 
 class _Sampling(_Request):
