@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PING, TASK_PREFILL
+from farm.protocol import TASK_DECODE, TASK_GENERATE, TASK_PING, TASK_PREFILL, TASK_RELEASE_KV
 from farm.worker.runtime import get_runtime
 from tasks.celery_app import app
 
@@ -41,3 +41,10 @@ def ping(worker_id: str, token: str) -> None:
     rt = get_runtime()
     if rt.worker_id == worker_id:
         rt.pong(token)
+
+
+@app.task(name=TASK_RELEASE_KV, ignore_result=True)
+def release_kv(handle: Any) -> None:
+    """A decode worker will not pull this handle's blocks (farm.worker.runtime: its request was cancelled, or the
+    pull failed): this prefill worker frees them now rather than when the handle expires."""
+    get_runtime().release_unpulled(handle)

@@ -314,6 +314,57 @@ def test_continuous_usage_stats_give_every_chunk_its_running_usage(farm, client)
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens > 1
 
 
+def test_blocks_a_cancelled_decode_will_not_pull_are_freed_at_once(farm):
+    """The prefill worker held a handle's blocks until the handle expired (120 s) whenever its decode did not pull
+    them: a client gone while the decode task waited, a pull that failed. The decode now gives the handle back
+    (farm.release_kv through the prefill worker's own queue). Here the hand-over is parked on a queue no worker
+    reads, the request is cancelled, then the decode task is sent on: the prefill's held blocks go to 0."""
+    import base64
+    import uuid
+
+    from farm.infra.broker import TaskPublisher
+    from farm.models.tokenization import get_tokenizer
+    from farm.protocol import (
+        TASK_DECODE,
+        TASK_PREFILL,
+        GenerationRequest,
+        SamplingParams,
+        cancel_key,
+        queue_name,
+    )
+
+    r = redis.Redis.from_url(farm.cfg.redis.url)
+    m = farm.cfg.default_model
+    pre = registry.live_workers(r, model=m, role="prefill")[0].worker_id
+    held = lambda: registry.heartbeats(r, [pre])[pre]["held"]  # noqa: E731 - the prefill's held handles
+    parked = f"farm.test.parked-{uuid.uuid4().hex[:8]}"
+    ids = get_tokenizer(farm.cfg, m).encode("Blocks held for a decode that never comes. " * 6)
+    req = GenerationRequest(f"cmpl-release-{uuid.uuid4().hex}", m, ids, SamplingParams(max_tokens=4, temperature=0),
+                            decode_queue=parked)
+    publisher = TaskPublisher(r)
+    publisher.send(TASK_PREFILL, [req.to_dict()], queue_name(m, "prefill"))
+    deadline = time.monotonic() + 60
+    while (raw := r.rpop(parked)) is None:
+        assert time.monotonic() < deadline, "the prefill never handed the request over"
+        time.sleep(0.05)
+    message = json.loads(raw)
+    body = message["body"]
+    if message["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    request, handle = json.loads(body)[0]
+    assert handle["worker_id"] == pre and handle["block_ids"]
+    deadline = time.monotonic() + 10
+    while held() == 0:  # the heartbeat's stats lag by up to its interval
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    r.set(cancel_key(req.request_id), 1, ex=60)  # the client left while its decode task waited
+    publisher.send(TASK_DECODE, [request, handle], queue_name(m, "decode"))
+    deadline = time.monotonic() + 15
+    while held() != 0:
+        assert time.monotonic() < deadline, "the prefill still holds the blocks its decode will not pull"
+        time.sleep(0.2)
+
+
 def test_special_tokens_and_stop_strings_kept_when_asked(farm, client):
     """skip_special_tokens and include_stop_str_in_output on the built-in engine, the first token sampled on the
     prefill worker and the rest on the decode worker (the options travel in the request message)."""

@@ -98,6 +98,27 @@ def test_pull_returns_exact_blocks_and_releases_them(prefill_side, transport):
         fetch_blocks(h, SECRET)  # already pulled
 
 
+def test_blocks_its_decode_will_not_pull_are_freed_only_on_a_handle_of_ours(prefill_side):
+    """A decode whose request was cancelled, or whose pull failed, gives the handle back (farm.release_kv): the
+    blocks are freed then, not when the handle expires (120 s). A handle signed with another key or naming
+    another worker frees nothing."""
+    eng, server = prefill_side
+    out = hold(eng, list(range(300, 318)))
+    good = make_handle(eng, server, out)
+    assert not server.release_unpulled(sign_handle(dict(good), b"attacker"))
+    assert not server.release_unpulled(make_handle(eng, server, out, worker_id="w2"))
+    assert not server.release_unpulled({"request_id": "r1"}) and not server.release_unpulled("not a handle")
+    assert "r1" in eng.held
+    assert server.release_unpulled(good)
+    deadline = time.time() + 2
+    while eng.held and time.time() < deadline:
+        time.sleep(0.02)
+    assert not eng.held and eng.pool.num_free == eng.pool.num_blocks
+    with pytest.raises(TransferError, match="not held"):
+        fetch_blocks(good, SECRET)
+    assert not server.release_unpulled(good)  # once only
+
+
 def test_forged_or_wrong_handles_are_refused_before_transfer(prefill_side):
     eng, server = prefill_side
     out = hold(eng, list(range(200, 212)))

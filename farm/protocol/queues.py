@@ -13,6 +13,7 @@ TASK_PREFILL = "farm.prefill"
 TASK_DECODE = "farm.decode"
 TASK_GENERATE = "farm.generate"
 TASK_PING = "farm.ping"  # the consumer watchdog's probe through a worker's own queue (farm.worker.watchdog)
+TASK_RELEASE_KV = "farm.release_kv"  # a decode that will not pull a handle frees its blocks on the prefill worker
 TASK_BATCH_DRIVE = "farm.batch.drive"  # drives one batch (farm.batch.driver)
 BATCH_QUEUE = "farm.batch"  # consumed only by batch-driver processes (`python -m tasks.batch`)
 

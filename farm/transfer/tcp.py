@@ -112,13 +112,15 @@ def handle_nbytes(h: dict[str, Any]) -> int:
 
 class TransferServer:
     """Serves held blocks: `check(handle)` raises if they are not held, `read_blocks` gathers them,
-    `release(request_id)` frees them after the pull."""
+    `release(request_id)` frees them after the pull, or when the decode says it will not pull them
+    (`release_unpulled`)."""
 
     def __init__(self, worker_id: str, secret: bytes, check: Callable[[dict], None], read_blocks: ReadBlocks,
                  release: Callable[[str], None], bind_host: str = "0.0.0.0", port: int = 0,
                  nixl_source: Any = None, timeout_s: float = SERVER_TIMEOUT_S,
                  max_connections: int = MAX_CONNECTIONS):
         self.worker_id = worker_id
+        self._secret, self._check, self._release = secret, check, release
         self.staging = StagingPool()
         self.refused = 0  # connections turned away at the cap
         self.evicted = 0  # connections still without a header, closed at the cap for a newcomer
@@ -161,10 +163,7 @@ class TransferServer:
                             waiting.pop(self.connection, None)
                     self.connection.settimeout(timeout_s)
                     handle, mode = parse_request(line)
-                    h = verify_handle(handle, secret)
-                    if h["worker_id"] != outer.worker_id:
-                        raise HandleError("handle names another worker")
-                    check(h)
+                    h = outer._held(handle)
                 except (HandleError, TransferError, KeyError, ValueError) as e:
                     with contextlib.suppress(OSError):  # a peer gone (or closed at the cap for a newcomer): no log
                         _send(self.wfile, {"ok": False, "error": str(e)})
@@ -230,6 +229,27 @@ class TransferServer:
         self.server = Server((bind_host, port), Handler)
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(target=self.server.serve_forever, name="kv-transfer", daemon=True)
+
+    def _held(self, handle: Any) -> dict[str, Any]:
+        """The handle, verified: signed with the farm's secret, made by this worker, its blocks still held
+        (HandleError or TransferError otherwise)."""
+        h = verify_handle(handle, self._secret)
+        if h["worker_id"] != self.worker_id:
+            raise HandleError("handle names another worker")
+        self._check(h)
+        return h
+
+    def release_unpulled(self, handle: Any) -> bool:
+        """Free the blocks of a handle its decode will not pull (its request was cancelled, or the pull failed and
+        the decode computes the prompt itself), instead of holding them until the handle expires. Only a handle
+        this worker signed, for blocks it still holds; returns whether they were freed."""
+        try:
+            h = self._held(handle)
+        except (HandleError, TransferError, KeyError, ValueError, TypeError) as e:
+            log.debug("release of an unpulled handle ignored: %s", e)
+            return False
+        self._release(h["request_id"])
+        return True
 
     def start(self) -> TransferServer:
         self._thread.start()

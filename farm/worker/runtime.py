@@ -39,6 +39,7 @@ from farm.models.directories import model_vocab_size, require_model_dir
 from farm.protocol import (
     TASK_DECODE,
     TASK_PING,
+    TASK_RELEASE_KV,
     DeltaEvent,
     DoneEvent,
     ErrorEvent,
@@ -212,6 +213,24 @@ class WorkerRuntime:
         if self.celery is not None:
             self.celery.send_task(TASK_PING, args=[self.worker_id, token], queue=direct_queue(self.worker_id))
 
+    def release_unpulled(self, handle: Any) -> None:
+        """TASK_RELEASE_KV: a decode will not pull this handle's blocks; free them if this worker holds them."""
+        if self.transfer.release_unpulled(handle):
+            log.info("request %s: KV blocks freed, their decode will not pull them", handle.get("request_id"))
+
+    def _send_release(self, req: GenerationRequest, handle: dict[str, Any], why: str) -> None:
+        """Tell the prefill worker of `handle` that this decode will not pull its blocks (`why`), through its own
+        queue: it may be out of this worker's reach while Redis still reaches both. A message lost here costs
+        only the blocks' wait for the handle's expiry."""
+        if self.celery is None:
+            return
+        try:
+            self.celery.send_task(TASK_RELEASE_KV, args=[handle], queue=direct_queue(str(handle["worker_id"])))
+            log.info("request %s: asked %s to free the KV blocks it holds for it (%s)", req.request_id,
+                     handle["worker_id"], why)
+        except Exception as e:  # noqa: BLE001 - never fail the request for it
+            log.warning("request %s: could not ask its prefill worker to free its blocks: %s", req.request_id, e)
+
     def pong(self, token: str) -> None:
         self.r.set(ping_key(self.worker_id), token, ex=300)
 
@@ -279,7 +298,10 @@ class WorkerRuntime:
         self.streams.emit(req.request_id, DoneEvent(reason, usage, prefill_worker, self.worker_id, mode))
 
     def _admitted(self, req: GenerationRequest, stage: str) -> bool:
-        """Run a request only when its client is still there, its reader's lease holds (else it is a redelivered
+        return self._admission(req, stage) == "ok"
+
+    def _admission(self, req: GenerationRequest, stage: str) -> str:
+        """Run a request ("ok") only when its client is still there, its reader's lease holds (else it is a redelivered
         message of a request migrated or abandoned long ago, or its reader died) and no other live worker runs
         this stage (a task re-sent after its first worker vanished must not run twice). A request refused for
         its lapsed lease gets an `orphaned` error, so a reader that is in fact alive fails it at once instead of
@@ -294,7 +316,7 @@ class WorkerRuntime:
                     args=[self.worker_id, int(self.cfg.celery.visibility_timeout_s), "1" if leased else "0",
                           alive_key("")])
             except redis.RedisError:
-                return True  # Redis trouble: run it (claims only prevent duplicates, never losses)
+                return "ok"  # Redis trouble: run it (claims only prevent duplicates, never losses)
             verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
             if span is not None:
                 span.set_attribute("farm.verdict", str(verdict))
@@ -302,7 +324,7 @@ class WorkerRuntime:
             log.warning("request %s: its reader's lease lapsed before it started; refusing it", req.request_id)
             self.streams.emit_once(req.request_id, req.reply_to, ErrorEvent(
                 "the request's reader lost its lease before a worker took the request; retry", "orphaned"))
-        return verdict == "ok"
+        return str(verdict)
 
     # -- tasks --------------------------------------------------------------------------------------
     def accept(self, message: Any, handle: Any = None) -> GenerationRequest | None:
@@ -421,8 +443,13 @@ class WorkerRuntime:
         return any(direct_queue(w.worker_id) == queue for w in registry.live_workers(self.r, model=self.model))
 
     def decode(self, req: GenerationRequest, handle: dict[str, Any] | None) -> None:
-        """Pull the handle's blocks (or prefill locally if that fails) and decode in the batch."""
-        if not self._admitted(req, "decode"):
+        """Pull the handle's blocks (or prefill locally if that fails) and decode in the batch. A handle whose
+        blocks this decode will not pull (its request was cancelled or orphaned before it started, the pull
+        failed) is given back to its prefill worker at once."""
+        verdict = self._admission(req, "decode")
+        if verdict != "ok":
+            if verdict in ("cancelled", "orphaned") and _built_in_handle(handle):  # "claimed": another pulls it
+                self._send_release(req, cast(dict, handle), verdict)
             return
         self.streams.open(req.request_id, req.reply_to, req.lease_s)
         kv_import = None
@@ -457,9 +484,16 @@ class WorkerRuntime:
                 prefill_worker, mode, cached = handle["worker_id"], "remote", int(handle["cached_tokens"])
             except TransferError as e:
                 log.warning("request %s: KV pull failed (%s); prefilling locally", req.request_id, e)
+                self._send_release(req, handle, "pull failed")
         self.streams.emit(req.request_id, StartEvent("decode", self.worker_id, prefill_worker, mode,
                                                      pull if mode == "remote" else None))
         self._submit(req, lambda out: self._finish_event(req, out, prefill_worker, mode, cached), kv_import=kv_import)
+
+
+def _built_in_handle(handle: Any) -> bool:
+    """A handle of the built-in engine's blocks, which its prefill worker holds until pulled (vLLM's connector
+    frees its own on its timeout)."""
+    return isinstance(handle, dict) and handle.get("kv_transfer_params") is None and "worker_id" in handle
 
 
 class _TaskSlot:
