@@ -296,6 +296,40 @@ def test_batched_completion_prompts_answer_in_vllms_order_with_echo(farm, client
     assert texts == [p + t for p, t in zip(prompts[:2], alone[:2], strict=True)]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(farm, client):
+    """lm-eval's log-likelihood request (local-completions): a batch of token-id prompts, echo, logprobs 1,
+    max_tokens 1. Each choice's log-probabilities cover its prompt (null for the first token) and the generated
+    token; a prompt token's equals what the model gives it after the prompt before it. A prompt's are computed
+    where the whole prompt is, even in a farm that always disaggregates."""
+    from farm.models.tokenization import get_tokenizer
+
+    m = farm.cfg.default_model
+    tok = get_tokenizer(farm.cfg, m)
+    prompts = [tok.encode("The capital of France is Paris"), tok.encode("One, two, three, four")]
+    kw = {"model": m, "max_tokens": 1, "temperature": 0, "logprobs": 1, "extra_headers": NO_CACHE}
+    raw = client.completions.with_raw_response.create(prompt=prompts, echo=True, **kw)
+    assert raw.headers["x-farm-prefill"] == "local"
+    scored = raw.parse()
+    for prompt, choice in zip(prompts, scored.choices, strict=True):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.tokens) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+        assert all(t[token] == v and len(t) <= 2  # the best one, and the token's own (OpenAI's k + 1)
+                   for token, v, t in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+        assert choice.text.startswith(tok.decode(prompt)) and lp.text_offset == sorted(lp.text_offset)
+    # the last prompt token's, against the model's next-token distribution after the rest of the prompt
+    before = client.completions.create(prompt=prompts[0][:-1], **{**kw, "logprobs": 20}).choices[0].logprobs
+    paris = tok.decode(prompts[0][-1:])
+    assert abs(before.top_logprobs[0][paris] - scored.choices[0].logprobs.token_logprobs[-2]) < 1e-3
+    # the generated token's, as a request without echo gets it
+    plain = client.completions.create(prompt=prompts[1], **kw).choices[0].logprobs
+    assert abs(plain.token_logprobs[0] - scored.choices[1].logprobs.token_logprobs[-1]) < 1e-3
+    first = next(iter(client.completions.create(prompt=prompts[1], echo=True, stream=True, **kw)))
+    assert first.choices[0].text == tok.decode(prompts[1])
+    assert first.choices[0].logprobs.token_logprobs == scored.choices[1].logprobs.token_logprobs[:-1]
+
+
 def test_continuous_usage_stats_give_every_chunk_its_running_usage(farm, client):
     """vLLM's `stream_options.continuous_usage_stats`: each chunk of a choice carries the prompt's tokens and the
     tokens generated so far (it was accepted and ignored); the last one agrees with the final usage chunk."""

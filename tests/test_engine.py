@@ -154,6 +154,32 @@ def test_chunked_prefill_equals_single_shot(tiny_engine):
     assert chunked.steps >= 150 // 32
 
 
+def test_prompt_logprobs_are_the_models_own_over_chunks_and_a_warm_prefix_cache(tiny_engine, tiny_model_dir):
+    """vLLM's prompt_logprobs (a completion's echo with logprobs: lm-eval's log-likelihoods): each prompt token's
+    log-probability given the tokens before it, and the k most likely there, equal to a whole-prompt forward of
+    the same weights, when the prompt is computed in chunks and when its prefix is already cached (the whole
+    prompt is computed again: a cached block has no logits). They come once, with the first token."""
+    from transformers import LlamaForCausalLM
+
+    prompt = list(range(3000, 3050))
+    eng = tiny_engine(budget=16)  # 50 tokens: four chunks
+    warm = run(eng, prompt, GREEDY)
+    assert warm.outs[0].prompt_logprobs is None  # not asked: not computed
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    got = run(eng, prompt, params)
+    lps = got.outs[0].prompt_logprobs
+    assert got.last.cached_tokens == 0 and all(o.prompt_logprobs is None for o in got.outs[1:])
+    assert len(lps) == len(prompt) and lps[0] is None
+    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        assert abs(lps[pos].logprob - float(ref[pos - 1, prompt[pos]])) < 1e-3, pos
+        top = ref[pos - 1].topk(2)
+        assert [t for t, _ in lps[pos].top] == top.indices.tolist(), pos
+    assert run(eng, prompt, params).token_ids == got.token_ids == warm.token_ids[:3]
+
+
 def test_preemption_under_block_pressure_completes_all_and_frees_blocks(tiny_engine):
     eng = tiny_engine(blocks=24)  # 96 token slots for 4 requests needing ~50 each
     reference = tiny_engine()

@@ -292,13 +292,14 @@ def test_sampling_param_mapping():
                   "ignore_eos": True, "skip_special_tokens": True, "include_stop_str_in_output": False,
                   "presence_penalty": 0.0, "frequency_penalty": 0.0,
                   "repetition_penalty": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": None,
-                  "logprobs": None, "logit_bias": None}
+                  "logprobs": None, "prompt_logprobs": None, "logit_bias": None}
     full = SamplingParams(max_tokens=9, top_k=5, min_p=0.1, min_tokens=3, stop_token_ids=[2], logprobs=4,
                           logit_bias={7: -5.0}, response_format={"type": "json_schema", "json_schema": {"schema": {}}})
     kw = sampling_kwargs(full, 10, 4096, structured=lambda **k: ("structured", k))
     assert (kw["top_k"], kw["min_p"], kw["min_tokens"], kw["stop_token_ids"], kw["logprobs"]) == (5, 0.1, 3, [2], 4)
     assert kw["logit_bias"] == {7: -5.0} and kw["structured_outputs"] == ("structured", {"json": {}})
     assert sampling_kwargs(full, 10, 4096, prefill_only=True)["logprobs"] is None  # one token, for the KV only
+    assert sampling_kwargs(SamplingParams(prompt_logprobs=1), 10, 4096)["prompt_logprobs"] == 1
     # the room left in max_model_len caps max_tokens (vLLM would reject the request instead)
     assert sampling_kwargs(p, prompt_len=4090, max_model_len=4096)["max_tokens"] == 6
     assert sampling_kwargs(SamplingParams(stop=[]), 10, 4096)["stop"] is None

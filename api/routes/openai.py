@@ -49,6 +49,7 @@ from farm.openai.answer import AnswerStream, read_answer
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.parsing import (
     ParsedRequest,
+    Prompt,
     chat_options,
     completion_messages,
     parse_chat,
@@ -248,8 +249,10 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     json_provider = current_app.json
 
     def body() -> str:
-        choices = [Choice.of(a.text, a.finish_reason, out.logprobs(a.token_ids, a.logprobs), parsed.tools,
-                             parsed.reasoning_parser, parsed.prompt_of(i).echo) for i, a in enumerate(answers)]
+        choices = [Choice.of(a.text, a.finish_reason, out.after_prompt(parsed.prompt_of(i), a.prompt_logprobs,
+                                                                       a.token_ids, a.logprobs),
+                             parsed.tools, parsed.reasoning_parser, parsed.prompt_of(i).echo)
+                   for i, a in enumerate(answers)]
         usage = total_usage((a.usage for a in answers), parsed.n).to_dict()
         return json_provider.dumps(full_response(kind, ids.response, model, choices, usage, role=parsed.role)) + "\n"
 
@@ -464,6 +467,19 @@ class _Output:
             return None
         return logprobs.for_kind(self.kind, self.tokenizer, ids, lps, offset)
 
+    def prompt(self, prompt: Prompt, prompt_lps: list[list | None] | None) -> tuple[dict[str, Any] | None, int]:
+        """An echoed prompt's log-probabilities and where its tokens end (farm.openai.logprobs.echoed)."""
+        if not self.wanted or prompt_lps is None:
+            return None, 0
+        return logprobs.echoed(self.tokenizer, prompt.ids, prompt_lps)
+
+    def after_prompt(self, prompt: Prompt, prompt_lps: list[list | None] | None, ids: list[int],
+                     lps: list[list]) -> dict[str, Any] | None:
+        """A whole choice's log-probabilities: its echoed prompt's first when it has them."""
+        if not self.wanted:
+            return None
+        return logprobs.for_answer(self.kind, self.tokenizer, ids, lps, prompt.ids, prompt_lps)
+
 
 def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[dict[str, str]] | None) -> None:
     """context_length_exceeded before the semantic layer or the template sees a prompt that cannot fit
@@ -524,7 +540,7 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
         for index, events in enumerate(streams):
             shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
                 if parsed.tools is not None or parsed.reasoning_parser else None
-            done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index).echo, shaper)
+            done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper)
             usages.append(done.usage)
         prometheus.REQUESTS.labels(model=model, status="200").inc()
         tail = w.usage(total_usage(usages, parsed.n).to_dict()) if parsed.include_usage else ""
@@ -540,15 +556,20 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
 
 
 def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,
-                   on_done: Callable[[str, str], None] | None, echo: str = "",
+                   on_done: Callable[[str, str], None] | None, prompt: Prompt,
                    shaper: AnswerStream | None = None) -> Generator[str, None, DoneEvent]:
-    """The chunks of one choice (after its role, the `echo` text as a delta of its own, as vLLM sends it); returns
-    its done event (a worker error raises WorkerError). With tools or a reasoning parser, `shaper` turns the text
-    into reasoning, content and tool-call deltas."""
+    """The chunks of one choice (after its role, the prompt's `echo` text as a delta of its own, as vLLM sends it,
+    with the prompt's log-probabilities when asked); returns its done event (a worker error raises WorkerError).
+    With tools or a reasoning parser, `shaper` turns the text into reasoning, content and tool-call deltas."""
+    echo = prompt.echo
     if shaper is not None:
         return (yield from _stream_shaped_choice(w, index, events, shaper, echo, on_done))
     parts: list[str] = []
-    pending = w.role(index) + (w.delta(echo, index) if echo else "")  # sent with the first delta: one write
+    pending = w.role(index)  # sent with the first delta: one write
+    echo_lps = bool(echo) and out.wanted and out.kind == "completion"  # the echo waits for the prompt's, in the first delta
+    if echo and not echo_lps:
+        pending += w.delta(echo, index)
+    base = 0  # where the completion's token offsets start: after the echoed prompt's tokens
     deltas = stream_choice(events)
     while True:
         try:
@@ -557,12 +578,17 @@ def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Ou
             done: DoneEvent = stop.value
             if on_done is not None and index == 0:
                 on_done("".join(parts), done.finish_reason)
+            if echo_lps:  # no token came: the echo alone
+                pending += w.delta(echo, index)
             yield pending + w.finish(done.finish_reason, index)
             return done
         w.generated(index, ev.n)
+        if echo_lps:
+            head, base = out.prompt(prompt, ev.prompt_lp)
+            pending, echo_lps = pending + w.delta(echo, index, head), False
         if not ev.text and ev.lp is None:
             continue
-        lps = out.logprobs(ev.ids, ev.lp, sum(map(len, parts))) if ev.lp is not None else None
+        lps = out.logprobs(ev.ids, ev.lp, base + sum(map(len, parts))) if ev.lp is not None else None
         parts.append(ev.text)
         yield pending + w.delta(ev.text, index, lps)
         pending = ""

@@ -383,10 +383,11 @@ class VllmEngine:
         """`imported`: the prompt's KV comes through the connector (a remote prefill counted the prompt)."""
         n_out, cached, first = 0, 0, None
         done = False
-        k = sp.logprobs
+        k, kp = sp.logprobs, getattr(sp, "prompt_logprobs", None)
 
         def finish(reason: str, text: str = "", tokens: list[int] | None = None, params: Any = None,
-                   logprobs: list[TokenLogprobs] | None = None) -> None:
+                   logprobs: list[TokenLogprobs] | None = None,
+                   prompt_lps: list[TokenLogprobs | None] | None = None) -> None:
             nonlocal done
             if done:
                 return
@@ -395,7 +396,7 @@ class VllmEngine:
                 self.tokens.finished(reason, len(prompt_ids), n_out)
             out = VllmRequestOutput(rid, text=text, token_ids=tokens or [], finished=True, finish_reason=reason,
                                     prompt_tokens=len(prompt_ids), completion_tokens=n_out, cached_tokens=cached,
-                                    logprobs=logprobs)
+                                    logprobs=logprobs, prompt_logprobs=prompt_lps)
             if reason == "prefilled":
                 out.first_token = first
                 out.block_hashes = block_hashes(prompt_ids, self.block_size, salt_root(cache_salt))
@@ -418,6 +419,10 @@ class VllmEngine:
                     tokens = [int(t) for t in (comp.token_ids if comp else [])]
                     text = comp.text if comp else ""
                     lps = token_logprobs(tokens, comp.logprobs, k) if k is not None and comp else None
+                    plps = None  # vLLM sends the prompt's with the first output
+                    if kp is not None and getattr(ro, "prompt_logprobs", None):
+                        plps = [None, *token_logprobs(prompt_ids[1:], ro.prompt_logprobs[1:], kp)]
+                        kp = None
                     n_out += len(tokens)
                     self.tokens_generated += len(tokens)
                     cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
@@ -430,10 +435,12 @@ class VllmEngine:
                             finish("prefilled", params=getattr(ro, "kv_transfer_params", None))
                         else:
                             reason = (comp.finish_reason if comp else None) or "stop"
-                            finish("abort" if reason == "abort" else reason, text, tokens, logprobs=lps)
+                            finish("abort" if reason == "abort" else reason, text, tokens, logprobs=lps,
+                                   prompt_lps=plps)
                         break
                     if text or tokens:
-                        on_output(VllmRequestOutput(rid, text=text, token_ids=tokens, logprobs=lps))
+                        on_output(VllmRequestOutput(rid, text=text, token_ids=tokens, logprobs=lps,
+                                                    prompt_logprobs=plps))
         except TimeoutError:
             finish("length")  # the farm's cap on one request, as the built-in engine ends it
         except asyncio.CancelledError:

@@ -106,6 +106,7 @@ def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, p
         "min_tokens": 0 if prefill_only else min(int(p.min_tokens), room),
         "stop_token_ids": list(p.stop_token_ids) or None,
         "logprobs": None if prefill_only else p.logprobs,
+        "prompt_logprobs": None if prefill_only else p.prompt_logprobs,
         "logit_bias": dict(p.logit_bias) or None,
     }
     if p.response_format is not None:

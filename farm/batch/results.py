@@ -19,7 +19,7 @@ from farm.batch.store import TERMINAL, BatchStore
 from farm.batch.validate import PreparedLine
 from farm.config import FarmConfig
 from farm.gateway.reading import Answer
-from farm.openai.logprobs import for_kind
+from farm.openai.logprobs import for_answer
 from farm.openai.responses import Choice, full_response
 from farm.openai.tools import ToolRequest
 from farm.telemetry import prometheus
@@ -59,7 +59,8 @@ class Results:
         usage = answer.usage.to_dict()
         logprobs = None
         if line.sampling.get("logprobs") is not None:
-            logprobs = for_kind(line.kind, self.tokenizer(line.model), answer.token_ids, answer.logprobs)
+            logprobs = for_answer(line.kind, self.tokenizer(line.model), answer.token_ids, answer.logprobs,
+                                  line.prompt_ids, answer.prompt_logprobs)
         tools = ToolRequest.from_dict(line.tools) if line.tools is not None else None
         # a guard's refusal names the model asked (an alias, MoM): no engine wrote it, no reasoning to split
         parser = next((m.reasoning_parser for m in self.cfg.models if m.name == line.model), None) \

@@ -33,6 +33,8 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # per token of token_ids, when the request asks for them
+    # with the first token, when the request asks for them: per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # prefill-only results
     held_blocks: list[int] | None = None
     block_hashes: list[int] | None = None

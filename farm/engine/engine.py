@@ -46,6 +46,8 @@ from farm.protocol import SamplingParams
 from farm.protocol.hashing import salt_root
 from farm.protocol.kv_events import KVEventHook
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once (256 x a 49k vocabulary: 50 MB)
+
 log = logging.getLogger(__name__)
 
 
@@ -337,8 +339,11 @@ class Engine:
                 self._append_token(seq, tokens[i])
 
     def _prefill_tokens(self, batch: PrefillBatch, idx: list[int]) -> dict[int, int | None]:
-        """Forward the chunks `idx` of a prefill batch; the sampled token of each that completes its prompt."""
-        logits = self.runner.prefill([batch.chunks[i] for i in idx])
+        """Forward the chunks `idx` of a prefill batch; the sampled token of each that completes its prompt (and
+        the log-probabilities of the prompt tokens a chunk predicts, for a sequence that asks for them)."""
+        logits, kept = self.runner.prefill_positions([batch.chunks[i] for i in idx])
+        for j, hidden in kept.items():
+            self._prompt_logprobs(batch.seqs[idx[j]], batch.chunks[idx[j]].start, hidden)
         rows = [j for j, i in enumerate(idx) if batch.completes[i]]
         out: dict[int, int | None] = dict.fromkeys(idx)
         if rows:
@@ -346,6 +351,21 @@ class Engine:
             sampled = self._sample(logits[torch.tensor(rows, device=logits.device)], done)
             out.update({idx[j]: tok for j, tok in zip(rows, sampled, strict=True)})
         return out
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens that positions start.. predict (position p predicts token
+        p + 1), a slice of positions at a time, into `seq.prompt_logprobs` by position (a chunk computed again
+        after a preemption writes the same values)."""
+        prompt = seq.prompt_ids
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * len(prompt)
+        k = int(seq.params.prompt_logprobs or 0)
+        end = min(start + hidden.shape[0], len(prompt) - 1)  # the last prompt position predicts the answer
+        for lo in range(start, end, PROMPT_LOGPROB_ROWS):
+            hi = min(lo + PROMPT_LOGPROB_ROWS, end)
+            rows = self.runner.logits(hidden[lo - start:hi - start])
+            found = logprobs_of(rows, prompt[lo + 1:hi + 1], [k] * (hi - lo))
+            seq.prompt_logprobs[lo + 1:hi + 1] = found
 
     def _decode_tokens(self, seqs: list[Sequence], idx: list[int]) -> dict[int, int | None]:
         """One decode forward for the sequences `idx`; their sampled tokens."""
@@ -460,13 +480,16 @@ class Engine:
             end -= partial_stop(seq.text, p.stop)
         delta, seq.sent = seq.text[seq.sent:end], max(seq.sent, end)
         lps = [seq.last_logprobs] if p.logprobs is not None and seq.last_logprobs is not None else None
+        prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # with the first token, once
         if reason is not None:
-            self._finish(seq, reason, text=delta, token_ids=[tok], logprobs=lps)
+            self._finish(seq, reason, text=delta, token_ids=[tok], logprobs=lps, prompt_logprobs=prompt_lps)
         else:
-            seq.on_output(RequestOutput(seq.request_id, text=delta, token_ids=[tok], logprobs=lps))
+            seq.on_output(RequestOutput(seq.request_id, text=delta, token_ids=[tok], logprobs=lps,
+                                        prompt_logprobs=prompt_lps))
 
     def _finish(self, seq: Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
-                error: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
+                error: str | None = None, logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
         self.scheduler.release(seq)
         self._by_id.pop(seq.request_id, None)
         self.timings.finished(seq.request_id)
@@ -476,7 +499,7 @@ class Engine:
         out = RequestOutput(seq.request_id, text=text, token_ids=token_ids or [], finished=True,
                             finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
                             completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens,
-                            logprobs=logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if error:
             out.text = ""
             out.finish_reason = "error:" + error

@@ -62,7 +62,14 @@ class Sequence:
     text: str = ""
     sent: int = 0  # characters of `text` sent: the tail that may begin a stop string is held back until it cannot
     last_logprobs: Any = None  # TokenLogprobs of the newest token, when the request asks for them
+    # the prompt's TokenLogprobs by position (None at 0), filled as its chunks are computed, when it asks for them
+    prompt_logprobs: list[Any] | None = None
     grammar: Any = None  # structured output: the sequence's grammar matcher (farm.engine.structured)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to be computed: every prompt token, none from the cache."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def all_ids(self) -> list[int]:
@@ -153,11 +160,11 @@ class Scheduler:
         # imported KV covers the prompt only: never match a block that includes the first token
         hashes = self._planned(seq) if seq.kv_import is None else \
             block_hashes(ids[:seq.kv_import.num_tokens], self.bs, seq.root)
-        cached = self.pool.cached_prefix(hashes)
+        cached = self.pool.cached_prefix(hashes) if not seq.wants_prompt_logprobs else []
         if seq.kv_import is None and len(cached) * self.bs >= len(ids):
             cached = cached[:-1]  # always compute at least one token to get logits
         lower: list[str] = []
-        if seq.kv_import is None and self.tiers is not None and self.tiers.enabled:
+        if seq.kv_import is None and self.tiers is not None and self.tiers.enabled and not seq.wants_prompt_logprobs:
             limit = (len(ids) - 1) // self.bs  # full blocks that leave at least one token to compute
             lower = self.tiers.lookup(hashes[len(cached):limit])
         total_blocks = math.ceil(len(ids) / self.bs) if seq.kv_import is None else \
@@ -205,7 +212,7 @@ class Scheduler:
             ids = seq.all_ids
             n = min(len(ids) - seq.num_computed, budget)
             start = seq.num_computed
-            chunks.append(PrefillChunk(ids[start:start + n], start, seq.block_table))
+            chunks.append(PrefillChunk(ids[start:start + n], start, seq.block_table, seq.wants_prompt_logprobs))
             seqs.append(seq)
             completes.append(start + n == len(ids))
             budget -= n

@@ -151,14 +151,16 @@ class Placer:
         bs = self.cfg.block_size(req.model)
         dcfg = self.cfg.disaggregation
         remote = False
-        if layout == "disaggregated":
+        # a prompt's log-probabilities are computed where the whole prompt is: never on a separate prefill worker
+        local = req.sampling.prompt_logprobs is not None
+        if layout == "disaggregated" and not local:
             d = self.router.choose(pools.decode, hashes, n, "decode", loads)
             p = self.router.choose(pools.prefill, hashes, n, "prefill", loads)
             remote = True
         else:
             # the decode worker may prefill itself: weigh its cached prefix as well as its load
             d = p = self.router.choose(pools.decode, hashes, n, "both", loads)
-            if layout == "conditional" and n - d.overlap_blocks * bs > dcfg.remote_min_uncached_tokens:
+            if layout == "conditional" and not local and n - d.overlap_blocks * bs > dcfg.remote_min_uncached_tokens:
                 cand = self.router.choose(pools.prefill, hashes, n, "prefill", loads)
                 if (loads.get(cand.worker.worker_id) or {}).get("pn", 0) < dcfg.max_prefill_queue:
                     p, remote = cand, True

@@ -30,6 +30,7 @@ class Answer:
     done: DoneEvent
     token_ids: list[int] = field(default_factory=list)  # only when the worker sent log-probabilities
     logprobs: list[list] = field(default_factory=list)  # aligned with token_ids
+    prompt_logprobs: list[list | None] | None = None  # per prompt token, when the request asked for them
 
     @property
     def finish_reason(self) -> str:
@@ -101,14 +102,17 @@ def collect(events: Iterable[Event], on_first_delta: Callable[[DeltaEvent], None
     parts: list[str] = []
     ids: list[int] = []
     lps: list[list] = []
+    prompt_lps = None
     gen = stream_choice(events)
     while True:
         try:
             ev = next(gen)
         except StopIteration as stop:
-            return Answer("".join(parts), stop.value, ids, lps)
-        if on_first_delta is not None and not parts:
-            on_first_delta(ev)
+            return Answer("".join(parts), stop.value, ids, lps, prompt_lps)
+        if not parts:
+            prompt_lps = ev.prompt_lp  # with the first delta only
+            if on_first_delta is not None:
+                on_first_delta(ev)
         parts.append(ev.text)
         if ev.lp is not None:
             ids.extend(ev.ids)

@@ -227,7 +227,9 @@ class Submission:
         if left <= 0:  # everything was generated, only the done event was lost
             prometheus.MIGRATIONS.labels(outcome="finished").inc()
             return DoneEvent("length", Usage(len(orig.prompt_token_ids), k, 0), migrations=self.migrations)
-        sampling = SamplingParams.from_dict({**orig.sampling.to_dict(), "max_tokens": left})
+        # the prompt's log-probabilities come with the first token: computed again only if none reached the reader
+        sampling = SamplingParams.from_dict({**orig.sampling.to_dict(), "max_tokens": left,
+                                             "prompt_logprobs": orig.sampling.prompt_logprobs if k == 0 else None})
         req = GenerationRequest(migration_id(orig.request_id, self.migrations), orig.model,
                                 orig.prompt_token_ids + self._ids, sampling, reply_to=orig.reply_to,
                                 created=orig.created, lease_s=orig.lease_s, origin=orig.request_id,

@@ -567,14 +567,12 @@ def _prompt_text(prompt: Any, tokenizer, skip_special_tokens: bool = True) -> st
 def parse_completion(body: dict, tokenizer, max_model_len: int,
                      defaults: SamplingDefaults | None = None, chars_per_token: int = 0) -> ParsedRequest:
     """Validate a /v1/completions body (model already checked): its prompts, each as text or token ids (vLLM's
-    batch: up to MAX_CHOICES choices in all), and vLLM's `echo` (each choice starts with its prompt's text)."""
+    batch: up to MAX_CHOICES choices in all), and vLLM's `echo` (each choice starts with its prompt's text; with
+    `logprobs`, its log-probabilities start with the prompt's)."""
     reject_unknown_fields(body, CompletionRequest)
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
     echo = _type_check(body, "echo", (bool,), "a boolean") or False
-    if echo and body.get("logprobs") is not None:
-        raise bad_request("'logprobs' with 'echo' asks for the prompt's log-probabilities, which this server does not "
-                          "compute", "logprobs", "unsupported_value")
     best_of = _type_check(body, "best_of", (int,), "an integer")
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
@@ -592,6 +590,8 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     params, stream, include_usage, n = _common(body, len(prompts[longest].ids), max_model_len,
                                                "prompt" if len(raw) == 1 else f"prompt[{longest}]", defaults,
                                                kind="completion", vocab=len(tokenizer))
+    if echo and params.logprobs is not None:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
+        params = replace(params, prompt_logprobs=params.logprobs)
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"a request may ask for at most {MAX_CHOICES} choices (prompts times n), got "
                           f"{len(prompts)} x {n}", "n", "invalid_value")

@@ -189,8 +189,8 @@ class CompletionRequest(_Sampling):
         f"a string, a list of token ids, or a list of those (a batch: choice i*n+j is the j-th of prompt i; at "
         f"most {MAX_CHOICES} choices in all)"))
     echo: bool | None = Field(None, description=(
-        "each choice starts with its prompt's text (not with logprobs: the prompt's log-probabilities are not "
-        "computed)"))
+        "each choice starts with its prompt's text; with logprobs, its log-probabilities start with the prompt "
+        "tokens' (null for the first), as vLLM answers"))
     suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
     best_of: Literal[1] | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probabilities with this many alternatives")

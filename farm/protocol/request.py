@@ -128,6 +128,7 @@ _SAMPLING_CHECKS: dict[str, Any] = {
     "min_tokens": lambda v, b: _int(v, "sampling.min_tokens", 0, b.max_tokens),
     "stop_token_ids": lambda v, b: _token_ids(v, "sampling.stop_token_ids", MAX_STOP_TOKEN_IDS, b.vocab),
     "logprobs": lambda v, b: None if v is None else _int(v, "sampling.logprobs", 0, MAX_TOP_LOGPROBS),
+    "prompt_logprobs": lambda v, b: None if v is None else _int(v, "sampling.prompt_logprobs", 0, MAX_TOP_LOGPROBS),
     "logit_bias": lambda v, b: _logit_bias(v, b.vocab),
     "response_format": lambda v, b: _response_format(v),
     "skip_special_tokens": lambda v, b: _bool(v, "sampling.skip_special_tokens"),
@@ -153,6 +154,9 @@ class SamplingParams:
     min_tokens: int = 0  # no end of sequence (EOS, stop_token_ids, stop strings) before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # these end the completion (not shown)
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
+    # None: none; k: each prompt token's log-probability (after the first) and the k most likely there (vLLM's
+    # prompt_logprobs; the whole prompt is computed, no prefix-cache hit, and never on a separate prefill worker)
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
     response_format: dict[str, Any] | None = None  # json_object / json_schema: structured output (vLLM)
     skip_special_tokens: bool = True  # the completion's text leaves out special tokens (vLLM's default)

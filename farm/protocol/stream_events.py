@@ -98,13 +98,15 @@ class StartEvent(_Event):
 @dataclass(frozen=True, slots=True)
 class DeltaEvent(_Event):
     """New tokens: their text, count and ids, and (when asked for) `lp` = [[logprob, [[id, logprob], ...]], ...]
-    aligned with `ids`."""
+    aligned with `ids`; a request's first delta carries `prompt_lp` when it asks for the prompt's (one per prompt
+    token, null for the first)."""
 
     type: ClassVar[str] = "delta"
     text: str
     n: int
     ids: list[int]
     lp: list[list[Any]] | None = None
+    prompt_lp: list[list[Any] | None] | None = None
 
 
 @_named

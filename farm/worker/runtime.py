@@ -255,7 +255,9 @@ class WorkerRuntime:
                 espan.add_event("first_token")  # type: ignore[union-attr]
             if out.text or out.token_ids:  # a last token without text (a skipped special token) counts too
                 lp = [x.to_list() for x in out.logprobs] if out.logprobs else None
-                self.streams.emit(rid, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp))
+                plp = None if out.prompt_logprobs is None else \
+                    [None if x is None else x.to_list() for x in out.prompt_logprobs]
+                self.streams.emit(rid, DeltaEvent(out.text, len(out.token_ids), out.token_ids, lp, plp))
             if out.finished:
                 fields.run(_log_finished, self.role, out, time.monotonic() - t0)
                 token = None

@@ -116,6 +116,20 @@ def test_greedy_output_identical_to_vllm_serve(client, vllm_serve):
         assert ours.choices[0].text == theirs.choices[0].text
 
 
+def test_prompt_scoring_is_vllm_serves(client, vllm_serve):
+    """lm-eval's log-likelihood request (a batch of prompts, echo, logprobs 1, max_tokens 1): the farm's tokens and
+    log-probabilities, the prompt's included, are `vllm serve`'s."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "prompt": PROMPTS[:2], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    ours, theirs = client.completions.create(**kw), serve.completions.create(**kw)
+    for a, b in zip(ours.choices, theirs.choices, strict=True):
+        assert a.text == b.text and a.logprobs.tokens == b.logprobs.tokens
+        assert a.logprobs.token_logprobs[0] is None and b.logprobs.token_logprobs[0] is None
+        for x, y in zip(a.logprobs.token_logprobs[1:], b.logprobs.token_logprobs[1:], strict=True):
+            assert abs(x - y) < 1e-3
+        assert [set(t) for t in a.logprobs.top_logprobs[1:]] == [set(t) for t in b.logprobs.top_logprobs[1:]]
+
+
 def test_every_sampling_parameter_reaches_vllm_as_vllm_serve_takes_it(client, vllm_serve):
     """Penalties, top_k, min_p, min_tokens, stop_token_ids, logit_bias and logprobs: the farm's answer is
     `vllm serve`'s, token for token (greedy, or seeded)."""
