@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -21,6 +22,9 @@ from farm.models.tokenization import get_tokenizer
 from farm.telemetry.prometheus import FarmCollector
 
 REDIS_CONNECT_TIMEOUT_S = 5  # an unreachable Redis answers 503 in seconds instead of hanging a request
+# /metrics reads the farm-wide series from Redis while Prometheus waits (10 s by default): a hung Redis must end
+# the scrape with farm_redis_up 0 well before that, not time the scrape out with nothing recorded
+METRICS_REDIS_TIMEOUT_S = 2
 # Redis connections beyond one per open connection: the KV-event follower, metrics, warm-up
 REDIS_SPARE_CONNECTIONS = 64
 
@@ -36,7 +40,8 @@ class FarmContext:
                              socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
                              max_connections=cfg.api.worker_connections + REDIS_SPARE_CONNECTIONS)
         self.gateway = gateway or Gateway(cfg, self.redis)
-        self.farm_collector = FarmCollector(self.redis, cfg)
+        self.farm_collector = FarmCollector(connect(cfg.redis, timeout=METRICS_REDIS_TIMEOUT_S, max_connections=8), cfg)
+        atexit.register(self.farm_collector.release)
         self.started = int(time.time())
         self._lock = threading.Lock()
         self._tokenizers: dict[str, Any] = {}

@@ -135,6 +135,9 @@ def _check() -> None:
                            type="invalid_request_error", code="permission_denied")
         g.farm_owner = owner
         admit(owner)  # requests in progress per key: before the body is read (slow bodies, api/admission.py)
+    elif path == METRICS_PATH and not _is_loopback(request.remote_addr):  # allow_unauthenticated or not
+        raise unauthorized("/metrics serves only local clients here: scrape it with FARM_METRICS_TOKEN (or set "
+                           "api.metrics_public).")
     elif not auth.cfg.api.allow_unauthenticated and not _is_loopback(request.remote_addr):
         raise unauthorized("This farm has no API keys configured and serves only local clients: set "
                            "FARM_API_KEYS on the server (or api.allow_unauthenticated behind a proxy).")

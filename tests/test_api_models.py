@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 from flask import Flask
 
 from api.app import create_app
 from farm.cluster import registry
 from farm.config import load_config
+from farm.protocol.keys import METRICS_EXPORTER_KEY
 from tests.conftest import free_port, make_farm_env
 from tests.test_api_errors import assert_error, post
 
@@ -44,14 +47,21 @@ def test_health_counts_live_workers_by_role(app, redis_client):
     resp = c.get("/health")
     assert resp.status_code == 200
     h = resp.get_json()
-    assert h["status"] == "ok" and h["redis"] == "ok"
-    assert h["models"] == [m.name for m in cfg.models]
+    assert h["status"] == "degraded" and h["redis"] == "ok"  # nothing generates: still 200, the API serves
+    assert h["models"] == h["unserved"] == [m.name for m in cfg.models]
     assert h["workers"] == {m.name: {"prefill": 0, "decode": 0, "both": 0} for m in cfg.models}
-    for wid, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")):
+    registry.register(redis_client, registry.WorkerInfo("p1", "prefill", cfg.default_model, "h", 1,
+                                                        cfg.engine.block_size))
+    h = c.get("/health").get_json()  # a prefill worker alone answers nothing
+    assert h["status"] == "degraded" and cfg.default_model in h["unserved"]
+    for wid, role in (("d1", "decode"), ("d2", "decode")):
         registry.register(redis_client, registry.WorkerInfo(wid, role, cfg.default_model, "h", 1,
                                                             cfg.engine.block_size))
     redis_client.delete(registry.alive_key("d2"))  # a worker whose heartbeat expired is not counted
-    assert c.get("/health").get_json()["workers"][cfg.default_model] == {"prefill": 1, "decode": 1, "both": 0}
+    h = c.get("/health").get_json()
+    assert h["workers"][cfg.default_model] == {"prefill": 1, "decode": 1, "both": 0}
+    assert h["unserved"] == [m.name for m in cfg.models if m.name != cfg.default_model]
+    assert h["status"] == ("degraded" if h["unserved"] else "ok")
 
 
 def test_redis_down_is_503(tmp_path):
@@ -68,3 +78,40 @@ def test_redis_down_is_503(tmp_path):
         assert "Redis" in err["message"]
     finally:
         app.extensions["farm"].gateway.stop()
+
+
+def test_a_hung_redis_ends_the_scrape_in_time_and_says_so(tmp_path):
+    """The ops audit: with Redis stopped (not refusing: hung), /metrics waited 10 s on it, as long as Prometheus'
+    scrape timeout, so farm_redis_up 0 was never recorded, and the last farm-wide series (live workers) were
+    served on. It now answers within the metrics client's 2 s with farm_redis_up 0 and no farm-wide series; and
+    a process that exits gives the exporter's lease up, so its successor exports at once, not 60 s later."""
+    import os
+    import signal
+
+    from tests.conftest import start_redis
+
+    proc, url = start_redis(tmp_path / "redis")
+    try:
+        cfg = load_config(environ=make_farm_env(url, tmp_path))
+        app = create_app(cfg)
+        r = redis.Redis.from_url(url)
+        registry.register(r, registry.WorkerInfo("d1", "decode", cfg.default_model, "h", 1, cfg.engine.block_size))
+        registry.heartbeat(r, "d1", {"running": 0, "waiting": 0})
+        c = app.test_client()
+        assert "farm_workers{" in c.get("/metrics").get_data(as_text=True)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            text = c.get("/metrics").get_data(as_text=True)
+            assert time.monotonic() - t0 < 5
+            assert "farm_redis_up 0.0" in text and "farm_workers{" not in text
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        farm = app.extensions["farm"]
+        assert r.get(METRICS_EXPORTER_KEY) is not None
+        farm.farm_collector.release()
+        assert r.get(METRICS_EXPORTER_KEY) is None  # another replica's lease would have been left alone
+        farm.gateway.stop()
+    finally:
+        proc.kill()
+        proc.wait()

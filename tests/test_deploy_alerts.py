@@ -93,7 +93,8 @@ def catalog(text: str) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def scrapes():
-    """(sick before, sick after, healthy before, healthy after): the sick model has no worker, a growing backlog,
+    """(sick before, sick after, healthy before, healthy after): the sick model has no worker that generates (a
+    prefill worker only), a growing backlog,
     half its answers 503 and every first token after 10 s, and Redis goes down; the healthy farm has workers for
     both models, a steady backlog, Redis up and no traffic in between."""
     from farm.telemetry import prometheus as p
@@ -102,7 +103,7 @@ def scrapes():
         for status in ("200", "503"):
             p.REQUESTS.labels(model=model, status=status)
         p.TTFT_SECONDS.labels(model=model)
-    sick = [(OK, "both")]
+    sick = [(OK, "both"), (BAD, "prefill")]  # BAD's prefill worker lives on: nothing generates its answers
     s1 = Scrape.parse(scrape_text(sick, {(OK, "both"): 1, (BAD, "both"): 5}, True), 0.0)
     p.REQUESTS.labels(model=OK, status="200").inc(100)
     p.REQUESTS.labels(model=BAD, status="200").inc(50)

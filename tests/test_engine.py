@@ -180,6 +180,19 @@ def test_prompt_logprobs_are_the_models_own_over_chunks_and_a_warm_prefix_cache(
     assert run(eng, prompt, params).token_ids == got.token_ids == warm.token_ids[:3]
 
 
+def test_a_prompt_in_chunked_prefill_counts_as_running_not_waiting(tiny_model_dir):
+    """vllm:num_requests_running / _waiting as vLLM counts them (the ops audit: a prompt being computed was
+    exported as waiting for its whole prefill, and a prefill worker never showed running work). The engine is
+    stepped by hand here: no thread."""
+    eng = Engine(tiny_model_dir, EngineConfig(block_size=4, max_num_batched_tokens=16), max_model_len=512)
+    eng.submit("long", list(range(4000, 4100)), GREEDY, Collector())
+    eng.submit("next", list(range(5000, 5010)), GREEDY, Collector())
+    eng._drain_inbox()  # noqa: SLF001 - what the engine's loop does first
+    assert (eng.stats()["running"], eng.stats()["waiting"]) == (0, 2)
+    eng.step()  # the first 16 of 100 prompt tokens: admitted, computing; the budget is spent, the next waits
+    assert len(eng.scheduler.prefilling) == 1 and (eng.stats()["running"], eng.stats()["waiting"]) == (1, 1)
+
+
 def test_preemption_under_block_pressure_completes_all_and_frees_blocks(tiny_engine):
     eng = tiny_engine(blocks=24)  # 96 token slots for 4 requests needing ~50 each
     reference = tiny_engine()

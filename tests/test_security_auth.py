@@ -66,6 +66,9 @@ def test_no_keys_serves_loopback_only_unless_allowed(redis_url, tmp_path, redis_
         assert c.get("/health", environ_base=REMOTE).status_code == 200
     with farm_app(redis_url, tmp_path / "b", FARM_API__ALLOW_UNAUTHENTICATED="true") as app:
         assert app.test_client().get("/v1/models", environ_base=REMOTE).status_code == 200
+        # /metrics stays local (the ops audit: it was open to anyone here): its series count every request
+        assert_openai_error(app.test_client().get("/metrics", environ_base=REMOTE), 401, "invalid_api_key")
+        assert app.test_client().get("/metrics").status_code == 200
 
 
 def test_keys_are_held_hashed_and_config_may_hold_only_digests(redis_url, tmp_path, redis_client):

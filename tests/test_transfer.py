@@ -103,7 +103,9 @@ def test_blocks_its_decode_will_not_pull_are_freed_only_on_a_handle_of_ours(pref
     blocks are freed then, not when the handle expires (120 s). A handle signed with another key or naming
     another worker frees nothing."""
     eng, server = prefill_side
+    generated = eng.tokens_generated
     out = hold(eng, list(range(300, 318)))
+    assert eng.tokens_generated == generated + 1  # the first token, sampled here (vllm:generation_tokens_total)
     good = make_handle(eng, server, out)
     assert not server.release_unpulled(sign_handle(dict(good), b"attacker"))
     assert not server.release_unpulled(make_handle(eng, server, out, worker_id="w2"))

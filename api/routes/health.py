@@ -45,7 +45,10 @@ def ready() -> Response:
 
 @bp.get("/health")
 def health() -> Response:
-    """200 with live worker counts per model and role; 503 when Redis (the farm's backbone) is down."""
+    """200 with live worker counts per model and role; `status` "degraded" (still 200: the API serves, and
+    answers those models' requests with a clean 503) when a model has no worker that generates (decode or
+    aggregated: prefill workers alone answer nothing), named in `unserved`; 503 when Redis (the farm's
+    backbone) is down."""
     farm = current_app.extensions["farm"]
     try:
         workers = registry.live_workers(farm.redis)
@@ -54,5 +57,7 @@ def health() -> Response:
     by_model: dict[str, dict[str, int]] = {m.name: dict.fromkeys(ROLES, 0) for m in farm.cfg.models}
     for w in workers:
         by_model.setdefault(w.model, dict.fromkeys(ROLES, 0))[w.role] += 1
-    return jsonify({"status": "ok", "redis": "ok", "workers": by_model,
-                    "models": [m.name for m in farm.cfg.models], "router_mode": farm.cfg.router.mode})
+    unserved = [m.name for m in farm.cfg.models if not (by_model[m.name]["decode"] or by_model[m.name]["both"])]
+    return jsonify({"status": "degraded" if unserved else "ok", "redis": "ok", "workers": by_model,
+                    "unserved": unserved, "models": [m.name for m in farm.cfg.models],
+                    "router_mode": farm.cfg.router.mode})

@@ -170,8 +170,9 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         tokens = self.tokens.snapshot()
         return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + len(self.scheduler.prefilling),
+            # as vLLM counts them: a sequence in (chunked) prefill runs; waiting ones have no KV blocks yet
+            "running": len(self.scheduler.running) + len(self.scheduler.prefilling),
+            "waiting": len(self.scheduler.waiting),
             "held": len(self.held),
             "blocks_total": self.pool.num_blocks,
             "blocks_free": self.pool.num_free,
@@ -430,6 +431,7 @@ class Engine:
             seq.first_token_at = time.monotonic()
         self.timings.token(seq.request_id)
         self.timings.finished(seq.request_id)
+        self.tokens_generated += 1  # sampled here, sent in the handle: the decode worker does not count it again
         self.held[seq.request_id] = HeldBlocks(seq, time.monotonic() + self.handle_ttl_s)
         seq.on_output(RequestOutput(
             seq.request_id, finished=True, finish_reason="prefilled", prompt_tokens=len(seq.prompt_ids),

@@ -45,13 +45,13 @@ def record_usage(model: str, usage: dict[str, int], prefill_mode: str | None) ->
         PREFILL_MODE.labels(mode=prefill_mode).inc()
 
 TTFT_SECONDS = Histogram("farm_ttft_seconds", "Time to first token seen by the gateway", ["model"],
-                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512))  # to the 300 s wait
 ITL_SECONDS = Histogram("farm_itl_seconds", "Mean inter-token latency per request", ["model"],
                         buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1))
 
 
 E2E_SECONDS = Histogram("farm_e2e_latency_seconds", "Request latency from submit to the last token", ["model"],
-                        buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
+                        buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))  # max_request_s 1800
 
 
 def observe_latency(model: str, ttft_s: float | None, itl_s: float | None, e2e_s: float | None = None) -> None:
@@ -178,6 +178,10 @@ if cur and cur ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
 return 1
 """
+_EXPORTER_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class _FarmWide:
@@ -302,6 +306,15 @@ class FarmCollector:
         self.series = _farm_wide()
         self.identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lease = r.register_script(_EXPORTER_LEASE)
+        self._release = r.register_script(_EXPORTER_RELEASE)
+
+    def release(self) -> None:
+        """Give the exporter's lease up (the process exits): another replica, or this process's successor, exports
+        the farm-wide series at its next scrape instead of after the lease's 60 s."""
+        try:
+            self._release(keys=[METRICS_EXPORTER_KEY], args=[self.identity])
+        except Exception:  # noqa: BLE001 - Redis gone: the lease lapses by itself
+            pass
 
     def refresh(self) -> None:
         from farm.cluster import registry
@@ -323,8 +336,9 @@ class FarmCollector:
             for name in FARM_COUNTERS:
                 pipe.hgetall(stats_key(name))
             counter_values = pipe.execute()
-        except Exception:  # noqa: BLE001 - Redis down: keep the last values, the API reports 503 elsewhere
-            REDIS_UP.set(0)
+        except Exception:  # noqa: BLE001 - Redis down or slow (its client's short timeout): farm_redis_up 0, and no
+            REDIS_UP.set(0)  # farm-wide series rather than the last ones read, which would say workers live on
+            self.series.exporting = False
             return
         s = self.series
         s.counters = {name: {k.decode(): float(v) for k, v in raw.items()}
