@@ -272,6 +272,21 @@ def test_step_costs_come_from_vllms_iteration_details():
     assert snap["decode_step_ms"] + 50 * snap["decode_ms_per_block"] == pytest.approx(30.0)  # 50 blocks in use
 
 
+def test_waiting_counts_vllms_deferred_requests_as_vllm_exports_them():
+    """vllm:num_requests_waiting is vLLM's waiting plus its deferred (skipped) requests: a P/D decode request
+    waiting for its remote KV waits (the ops audit: the farm counted it as running)."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from farm.backends.vllm import VllmEngine
+
+    stats = SimpleNamespace(running=0, waiting=0, kv_usage=0.0, connector_hits=0, kv_transfers=0,
+                            kv_transfer_bytes=0, prefix_queries=0, prefix_hits=0, preemptions=0)
+    eng = SimpleNamespace(_stats=stats, _observe_step=lambda *_a: None)
+    logger = VllmEngine._stat_logger_factory(eng)()
+    logger.record(scheduler_stats=SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, num_skipped_waiting_reqs=3))
+    assert (stats.running, stats.waiting) == (2, 4)
+
+
 # -- vllm missing -----------------------------------------------------------------------------------
 def test_clear_error_when_vllm_is_missing(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:

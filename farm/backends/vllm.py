@@ -224,7 +224,10 @@ class VllmEngine:
                     stats.kv_transfers += len(transfers)
                     stats.kv_transfer_bytes += int(sum(transfers))
                 stats.running = int(getattr(scheduler_stats, "num_running_reqs", 0))
-                stats.waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+                # as vLLM exports vllm:num_requests_waiting: the deferred ones too (a P/D decode request waiting
+                # for its remote KV)
+                stats.waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0)) + \
+                    int(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0) or 0)
                 usage = getattr(scheduler_stats, "kv_cache_usage", None)
                 stats.kv_usage = float(usage if usage is not None else getattr(scheduler_stats, "gpu_cache_usage", 0.0))
                 pc = getattr(scheduler_stats, "prefix_cache_stats", None)
