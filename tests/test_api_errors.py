@@ -14,6 +14,7 @@ from flask import Flask
 from api.app import create_app
 from farm.config import get_config
 from farm.protocol.queues import direct_queue
+from farm.telemetry import prometheus
 from tests.conftest import make_farm_env
 from tests.ghosts import ghost_alive
 
@@ -309,9 +310,13 @@ def test_valid_request_is_queued_and_invalid_ones_are_not(app_client, with_worke
     assert redis_client.llen(q) == 0
     # a valid request is placed on the (never consuming) worker's queue, then times out as 504
     monkeypatch.setattr(cfg.api, "first_event_timeout_s", 1)
+    ttft = prometheus.TTFT_SECONDS.labels(model=cfg.default_model)
+    before = ttft._sum.get()  # noqa: SLF001
     resp = post(c, "/v1/chat/completions", chat(cfg, max_tokens=4))
     assert redis_client.llen(q) == 1
     assert_error(resp, 504, code="timeout")
+    # the TTFT objective sees the request that never got a first token, with the second it waited
+    assert ttft._sum.get() - before >= 1  # noqa: SLF001
     assert redis_client.keys("farm:cancel:*"), "a timed-out request is cancelled so no worker runs it later"
 
 

@@ -394,9 +394,14 @@ class Submission:
         pipe.execute()
 
     def close(self) -> None:
-        """The caller reads no more: drop the request's mailbox, liveness watch and load. Idempotent."""
+        """The caller reads no more: drop the request's mailbox, liveness watch and load; a request given up
+        before its first token counts in farm_ttft_seconds with the time it waited. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.ttft_s is None and not self.finished:
+                # given up before its first token (timed out, its client gone): it waited at least this long, and
+                # the TTFT objective must see it (only completed requests were observed: an overload looked better)
+                prometheus.TTFT_SECONDS.labels(model=self.req.model).observe(time.monotonic() - self._t0)
             self._close_attempt()
 
 __all__ = ["Placement", "Services", "Submission"]
