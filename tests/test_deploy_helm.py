@@ -1049,6 +1049,9 @@ def test_model_storage_variants():
     ({"redis": {"ha": {"enabled": True, "quorum": 4}}}, "quorum 4 is more than the 3"),
     ({"redis": {"ha": {"enabled": True, "dataNodes": 1}}}, "dataNodes"),
     ({"redis": {"ha": {"externalSentinels": ["s0:26379,s1:26379"]}}}, "externalSentinels"),
+    # the ops audit: gunicorn bound config.api.port while the Service and probes stayed on frontend.port
+    ({"config": {"api": {"port": 9000}}}, "config.api.port is set by the chart"),
+    ({"config": {"flower": {"host": "127.0.0.1"}}}, "config.flower.host is set by the chart"),
 ])
 def test_invalid_values_fail_the_render(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -1070,7 +1073,7 @@ def test_workers_take_connections_from_workers_only(case):
     policy selects every worker pod and lets in only this release's workers (its selector matches the worker
     Deployments' own pod labels); networkPolicy.enabled false leaves it out, workerIngressFrom adds peers."""
     objs = objects(case)
-    (policy,) = by_kind(objs, "NetworkPolicy").values()
+    policy = by_kind(objs, "NetworkPolicy")[f"{RELEASE}-inference-farm-workers"]
     sel = policy["spec"]["podSelector"]["matchLabels"]
     pods = [o["spec"]["template"]["metadata"]["labels"] for o, _ in pod_specs(objs)]
     worker_pods = [labels for labels in pods if labels.get("app.kubernetes.io/component") == "worker"]
@@ -1086,4 +1089,21 @@ def test_workers_take_connections_from_workers_only(case):
     more = render_mod.manifests(render_mod.render(
         {**VALUE_SETS[case], "networkPolicy": {"enabled": True, "workerIngressFrom": [extra]}},
         name=RELEASE, namespace=NAMESPACE))
-    assert next(iter(by_kind(more, "NetworkPolicy").values()))["spec"]["ingress"][0]["from"][1] == extra
+    assert by_kind(more, "NetworkPolicy")[f"{RELEASE}-inference-farm-workers"]["spec"]["ingress"][0]["from"][1] == extra
+
+
+def test_flower_takes_connections_from_its_namespace_only():
+    """The ops audit: Flower's /metrics answers without a login, and the chart's Flower was reachable from any
+    pod of the cluster. Its policy selects the Flower pod alone and lets in this namespace's pods, and the peers
+    flowerIngressFrom adds (Prometheus' namespace)."""
+    extra = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    objs = render_mod.manifests(render_mod.render({"flower": {"enabled": True},
+                                                   "networkPolicy": {"flowerIngressFrom": [extra]}},
+                                                  name=RELEASE, namespace=NAMESPACE))
+    policy = by_kind(objs, "NetworkPolicy")[f"{RELEASE}-inference-farm-flower"]
+    sel = policy["spec"]["podSelector"]["matchLabels"]
+    pods = [o["spec"]["template"]["metadata"]["labels"] for o, _ in pod_specs(objs)]
+    assert [labels["app.kubernetes.io/component"] for labels in pods if sel.items() <= labels.items()] == ["flower"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}, extra]}]
+    off = render_mod.manifests(render_mod.render({"flower": {"enabled": False}}, name=RELEASE, namespace=NAMESPACE))
+    assert f"{RELEASE}-inference-farm-flower" not in by_kind(off, "NetworkPolicy")

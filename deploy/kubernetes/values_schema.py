@@ -213,9 +213,9 @@ def chart_schema() -> dict[str, Any]:
                             "errorRatio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                             "waitingRequests": NONNEG})}),
         "podDisruptionBudget": obj({"enabled": BOOL, "maxUnavailable": {"type": ["integer", "string"]}}),
-        "networkPolicy": obj({"enabled": BOOL, "workerIngressFrom": {"type": "array", "items": obj({
+        "networkPolicy": obj({"enabled": BOOL, **{key: {"type": "array", "items": obj({
             "podSelector": {"type": "object"}, "namespaceSelector": {"type": "object"},
-            "ipBlock": {"type": "object"}})}}),
+            "ipBlock": {"type": "object"}})} for key in ("workerIngressFrom", "flowerIngressFrom")}}),
         "topologySpread": obj({"enabled": BOOL, "maxSkew": POS, "topologyKey": {"type": "string", "minLength": 1},
                                "whenUnsatisfiable": {"enum": ["ScheduleAnyway", "DoNotSchedule"]}}),
         "podSecurityContext": {"type": "object"},

@@ -513,6 +513,15 @@ rebinding); config.api.allowed_hosts replaces them (add an Ingress's host there)
 {{- fail (printf "model %s has prefill workers but no decode or both workers: prefill workers hand every request to a decode worker" $model) }}
 {{- end }}
 {{- end }}
+{{- /* the Services, probes and scrape annotations use frontend.port and flower.port: a config that moved the
+processes' own would leave every pod unready (the ops audit) */}}
+{{- range $section, $keys := dict "api" (list "host" "port") "flower" (list "host" "port") }}
+{{- range $keys }}
+{{- if hasKey (index ($.Values.config | default dict) $section | default dict) . }}
+{{- fail (printf "config.%s.%s is set by the chart (%s): set frontend.port / flower.port instead" $section . (ternary "every pod listens on 0.0.0.0" "the Services, probes and scrape annotations use it" (eq . "host"))) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if not (has .Values.frontend.routerMode (list "kv" "round-robin" "random")) }}
 {{- fail (printf "frontend.routerMode must be kv, round-robin or random, not %q" (toString .Values.frontend.routerMode)) }}
 {{- end }}
