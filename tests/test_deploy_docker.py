@@ -409,13 +409,18 @@ def test_entrypoint_fills_in_the_advertise_host():
     assert os.access(DOCKER / "entrypoint.sh", os.X_OK)
 
 
-def test_worker_healthcheck_follows_the_heartbeat(redis_url, tmp_path):
+@pytest.mark.parametrize("celery_title", [False, True])
+def test_worker_healthcheck_follows_the_heartbeat(redis_url, tmp_path, celery_title):
     """farm-healthcheck worker: healthy exactly while the worker's heartbeat key is in Redis. The
-    worker id comes from the running `python -m tasks.worker` process, as tasks/worker.py forms it."""
+    worker id comes from the running `python -m tasks.worker` process, as tasks/worker.py forms it, also once
+    Celery has rewritten its command line (setproctitle, which vLLM installs: the ops audit found the check
+    then asked for `both@<host>`, always unhealthy)."""
     fake = tmp_path / "tasks"
     fake.mkdir()
     (fake / "__init__.py").write_text("")
-    (fake / "worker.py").write_text("import time\ntime.sleep(60)\n")
+    title = ("import setproctitle\nsetproctitle.setproctitle('[celeryd: decode-7@h:MainProcess] -active- "
+             "(worker --pool threads --role decode --name decode-7)')\n") if celery_title else ""
+    (fake / "worker.py").write_text(title + "import time\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-m", "tasks.worker", "--role", "decode", "--name", "decode-7"],
                             cwd=tmp_path)
     try:

@@ -43,7 +43,9 @@ def check_api(path: str = "/health/live") -> int:
 
 def _worker_argv() -> list[str] | None:
     """The argv of this container's `python -m tasks.worker` process: PID 1 unless an init runs
-    (then the first such process), or the process $FARM_WORKER_PID names."""
+    (then the first such process), or the process $FARM_WORKER_PID names. With setproctitle installed (vLLM
+    brings it), Celery rewrites the command line as "[celeryd: <node>:MainProcess] -active- (<its argv>)": the
+    options are read from the parentheses."""
     pid = os.environ.get("FARM_WORKER_PID")
     procs = [Path("/proc") / pid] if pid else sorted(Path("/proc").glob("[0-9]*"), key=lambda p: int(p.name))
     for proc in procs:
@@ -54,6 +56,9 @@ def _worker_argv() -> list[str] | None:
         args = [a.decode(errors="replace") for a in argv if a]
         if "tasks.worker" in args:
             return args[args.index("tasks.worker") + 1:]
+        title = " ".join(args)
+        if title.startswith("[celeryd:") and "(" in title and "--role" in title:
+            return title[title.index("(") + 1:title.rindex(")") if title.endswith(")") else None].split()
     return None
 
 
