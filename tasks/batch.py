@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="Celery hostname (default: batch@<hostname>)")
     p.add_argument("--concurrency", type=int, default=None, help="batches driven at once (default: config)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve farm_batch_* metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics port listens on (0.0.0.0 in a pod, for Prometheus)")
     p.add_argument("--loglevel", default="INFO")
     args = p.parse_args(argv)
     try:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr="127.0.0.1")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
     from celery import signals
 
     driver = get_driver()

@@ -232,10 +232,13 @@ def test_grafana_needs_a_real_admin_password(tmp_path, password, starts):
 def test_prometheus_compose_targets_exist():
     jobs = _jobs(DEPLOY / "prometheus" / "prometheus.yml")
     services = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yml").read_text())["services"]
-    assert set(jobs) == {"farm-api", "farm-workers"}
+    assert set(jobs) == {"farm-api", "farm-workers", "farm-batch"}
+    # the batch drivers' own series (the ops audit: no launcher served them): every `batch` replica by DNS
+    assert jobs["farm-batch"]["dns_sd_configs"] == [{"names": ["batch"], "type": "A", "port": 9100}]
+    assert services["batch"]["command"][-4:] == ["--metrics-port", "9100", "--metrics-host", "0.0.0.0"]
     for job in jobs.values():
         assert job["metrics_path"] == "/metrics"
-        for sc in job["static_configs"]:
+        for sc in job.get("static_configs", []):
             for target in sc["targets"]:
                 host, port = target.split(":")
                 assert host in services, target
@@ -293,7 +296,10 @@ def test_prometheus_kubernetes_discovers_the_charts_pods(chart_pods):
                     labels[rule["target_label"]] = m.expand(repl)
             if keep:
                 kept.setdefault(name, []).append((pod["labels"]["app.kubernetes.io/component"], labels))
-    assert {k: [c for c, _ in v] for k, v in kept.items()} == {"farm-api": ["api"], "farm-workers": ["flower"]}
+    assert {k: [c for c, _ in v] for k, v in kept.items()} == {"farm-api": ["api"], "farm-workers": ["flower"],
+                                                               "farm-drivers": ["batch"]}
+    batch = kept["farm-drivers"][0][1]
+    assert (batch["__address__"], batch["__metrics_path__"]) == ("10.0.0.7:9100", "/metrics")
     api = kept["farm-api"][0][1]
     assert (api["__address__"], api["__metrics_path__"]) == ("10.0.0.7:8080", "/metrics")
     flower = kept["farm-workers"][0][1]

@@ -201,7 +201,7 @@ def chart_schema() -> dict[str, Any]:
                                                                                   "pattern": "^[^,]+$"}},
                         "metricsToken": STR, "existingSecret": STR}),
         "serviceAccount": obj({"create": BOOL, "name": STR, "annotations": string_map()}),
-        "metrics": obj({"podAnnotations": BOOL,
+        "metrics": obj({"podAnnotations": BOOL, "driverPort": PORT,
                         "serviceMonitor": obj({"enabled": BOOL, "interval": {"type": "string", "pattern": "^[0-9]+[smh]$"},
                                                "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+[smh]$"},
                                                "labels": string_map()}),

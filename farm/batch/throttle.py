@@ -11,9 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from prometheus_client import Gauge
 
 from farm.config.batch import BatchConfig
-from farm.telemetry import prometheus
+
+# A batch driver's own (its --metrics-port serves them): registered where a driver runs, not in the API, which
+# exported them as a constant 0
+BATCH_INFLIGHT = Gauge("farm_batch_inflight_lines", "Batch lines in flight in this batch-driver process")
+BATCH_WINDOW = Gauge("farm_batch_window_lines",
+                     "Batch lines a driver may have in flight now (small while interactive requests run)")
 
 
 class LoadWatch:
@@ -45,7 +51,7 @@ class LoadWatch:
                 if self.interactive >= self.bcfg.interactive_threshold:
                     self._busy_until = now + self.bcfg.interactive_hold_s
             size = self.bcfg.min_inflight if now < self._busy_until else self.bcfg.max_inflight
-        prometheus.BATCH_WINDOW.set(size)
+        BATCH_WINDOW.set(size)
         return size
 
 
@@ -63,10 +69,10 @@ class Slots:
             if self.inflight >= window:
                 return False
             self.inflight += 1
-            prometheus.BATCH_INFLIGHT.set(self.inflight)
+            BATCH_INFLIGHT.set(self.inflight)
             return True
 
     def release(self) -> None:
         with self._lock:
             self.inflight -= 1
-            prometheus.BATCH_INFLIGHT.set(self.inflight)
+            BATCH_INFLIGHT.set(self.inflight)

@@ -111,7 +111,7 @@ def _planner(cfg: FarmConfig, actuator: Any, pcfg: PlannerConfig, args: argparse
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr="127.0.0.1")  # farm_planner_* for Prometheus
+        start_http_server(args.metrics_port, addr=args.metrics_host)  # farm_planner_* for Prometheus
     return planner
 
 
@@ -163,7 +163,9 @@ def add_parser(sub) -> None:
     run.add_argument("--dry-run", action="store_true", help="log and publish decisions, change nothing")
     run.add_argument("--interval", type=float, metavar="S", help="seconds between steps")
     run.add_argument("--once", action="store_true", help="one step, print the decisions, exit")
-    run.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics on 127.0.0.1:P")
+    run.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics on P (of --metrics-host)")
+    run.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                     help="address the metrics port listens on (0.0.0.0 in a pod, for Prometheus)")
     run.add_argument("--prefill-workers", type=int, metavar="N")
     run.add_argument("--decode-workers", type=int, metavar="N")
     run.add_argument("--workers", type=int, metavar="N", help="aggregated workers")

@@ -81,9 +81,6 @@ SEMANTIC_SECONDS = Histogram("farm_semantic_layer_seconds", "Time in the semanti
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1))
 MIGRATIONS = Counter("farm_migrations_total", "Requests moved off a worker that died mid-request, by outcome "
                      "(migrated | finished | limit | no_worker)", ["outcome"])
-BATCH_INFLIGHT = Gauge("farm_batch_inflight_lines", "Batch lines in flight in this batch-driver process")
-BATCH_WINDOW = Gauge("farm_batch_window_lines",
-                     "Batch lines a driver may have in flight now (small while interactive requests run)")
 # Whether this API process reached Redis at its last scrape (1) or not (0): set by FarmCollector.refresh in every
 # replica (exporting the farm-wide series or not), so an alert sees Redis down from any replica's /metrics.
 REDIS_UP = Gauge("farm_redis_up", "1 when this API process reached Redis at its last /metrics scrape, else 0")
@@ -91,7 +88,6 @@ REDIS_UP = Gauge("farm_redis_up", "1 when this API process reached Redis at its 
 # per cancelled stream shows as a climbing count; counting greenlets themselves means walking the heap (~0.3 s).
 API_LOOP_WATCHERS = Gauge("farm_api_loop_watchers", "Active gevent event-loop watchers in this API process "
                           "(every waiting greenlet holds one); 0 without gevent")
-
 
 
 # Label values known up front exist (at 0) from the start, so a dashboard shows "none so far" rather than no
