@@ -116,7 +116,8 @@ OPERATIONS: tuple[Op, ...] = (
     Op("get", "/health/live", "Liveness: the process answers (never depends on Redis)", ok=m.Liveness, errors=(),
        tags=("operations",)),
     Op("get", "/health/ready", "Readiness: Redis answers", ok=m.Health, errors=(503,), tags=("operations",)),
-    Op("get", "/metrics", "Prometheus metrics (a key or FARM_METRICS_TOKEN unless api.metrics_public)",
+    Op("get", "/metrics", "Prometheus metrics (FARM_METRICS_TOKEN, or loopback without API keys, unless "
+       "api.metrics_public; an API key gets 403)",
        ok="text/plain", errors=(401,), tags=("operations",)),
     Op("get", "/openapi.json", "This document", ok="application/json", errors=(), tags=("operations",)),
 )

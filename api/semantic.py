@@ -100,30 +100,32 @@ def reasoning_template_kwargs(v: Verdict, tokenizer, client_kwargs: Any = None) 
 
 
 def answer_locally(kind: str, rid: str, v: Verdict, stream: bool, include_usage: bool,
-                   header_id: str | None = None) -> Response:
-    """A blocked request or a cache hit, answered by the API: one choice, the verdict's text; `rid` is the
+                   header_id: str | None = None, choices: int = 1) -> Response:
+    """A blocked request or a cache hit, answered by the API: the verdict's text as each of the `choices` the
+    request asked for (its prompts times n: a client pairs choice i*n+j with its own prompt); `rid` is the
     response's id, `header_id` its x-request-id (the client's own, when it sent one; else `rid`)."""
     prometheus.REQUESTS.labels(model=v.model, status="200").inc()  # blocks are counted by SEMANTIC_BLOCKS too
     headers = {"x-request-id": header_id or rid, **v.headers}
     if not stream:
-        resp = jsonify(full_response(kind, rid, v.model, [Choice(v.answer or "", v.finish_reason or "stop")],
-                                     NO_USAGE))
+        one = Choice(v.answer or "", v.finish_reason or "stop")
+        resp = jsonify(full_response(kind, rid, v.model, [one] * choices, NO_USAGE))
         resp.headers.update(headers)
         return resp
-    resp = Response(_chunks(kind, rid, v, include_usage), mimetype="text/event-stream", headers=headers)
+    resp = Response(_chunks(kind, rid, v, include_usage, choices), mimetype="text/event-stream", headers=headers)
     resp.headers["Cache-Control"] = "no-cache"
     resp.headers["X-Accel-Buffering"] = "no"
     return resp
 
 
-def _chunks(kind: str, rid: str, v: Verdict, include_usage: bool) -> Iterator[str]:
+def _chunks(kind: str, rid: str, v: Verdict, include_usage: bool, choices: int = 1) -> Iterator[str]:
     w = ChunkWriter(kind, rid, v.model)
-    first = w.role()
-    if first:
-        yield first
-    for piece in _word_pieces(v.answer or ""):
-        yield w.delta(piece)
-    yield w.finish(v.finish_reason or "stop")
+    for index in range(choices):
+        first = w.role(index)
+        if first:
+            yield first
+        for piece in _word_pieces(v.answer or ""):
+            yield w.delta(piece, index)
+        yield w.finish(v.finish_reason or "stop", index)
     if include_usage:
         yield w.usage(NO_USAGE)
     yield w.done()

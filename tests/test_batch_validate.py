@@ -88,7 +88,10 @@ def test_completions_endpoint_and_limits(env):
     assert not errors and lines[0].echo == "Once upon"  # each line's answer starts with its prompt
     two = json.dumps({"custom_id": "p", "method": "POST", "url": "/v1/completions",
                       "body": {"model": cfg.default_model, "prompt": ["Once upon", "a time"]}})
-    _, errors = run(two, "/v1/completions")  # one line, one prompt: a batch of prompts is refused with its line
+    def decide(model, messages):  # the review: the layer paid for every prompt of such a line, then refused it
+        raise AssertionError("a line with several prompts reached the semantic layer")
+
+    _, errors = run(two, "/v1/completions", decide=decide)  # one line, one prompt: refused before the layer
     assert [(e["code"], e["param"], e["line"]) for e in errors] == [("unsupported_value", "body.prompt", 1)]
     _, errors = run("\n".join([comp.replace('"c"', f'"c{i}"') for i in range(3)]), "/v1/completions", max_lines=2)
     assert errors[-1]["code"] == "too_many_requests" and errors[-1]["line"] == 3

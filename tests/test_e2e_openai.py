@@ -346,6 +346,11 @@ def test_continuous_usage_stats_give_every_chunk_its_running_usage(farm, client)
     assert {c.usage.prompt_tokens for c in deltas} == {final.usage.prompt_tokens}
     plain = list(client.completions.create(prompt="One, two,", stream_options={"include_usage": True}, **kw))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens > 1
+    # a batch: each choice's chunks count its own prompt
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+    batch = list(client.completions.create(prompt=prompts, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **kw))
+    assert {(c.choices[0].index, c.usage.prompt_tokens) for c in batch if c.choices} == {(0, 3), (1, 7)}
 
 
 def test_blocks_a_cancelled_decode_will_not_pull_are_freed_at_once(farm):

@@ -193,6 +193,18 @@ def test_a_prompt_in_chunked_prefill_counts_as_running_not_waiting(tiny_model_di
     assert len(eng.scheduler.prefilling) == 1 and (eng.stats()["running"], eng.stats()["waiting"]) == (1, 1)
 
 
+def test_prompts_scored_together_do_not_wait_for_each_others_blocks(tiny_model_dir):
+    """The review: a request for its prompt's log-probabilities computes every block itself, yet waited while
+    another request computed a block they share (lm-eval's contexts with several continuations)."""
+    eng = Engine(tiny_model_dir, EngineConfig(block_size=4, max_num_batched_tokens=256), max_model_len=512)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    for rid in ("a", "b"):
+        eng.submit(rid, list(range(6000, 6040)), params, Collector())
+    eng._drain_inbox()  # noqa: SLF001 - stepped by hand: no engine thread
+    eng.step()
+    assert not eng.scheduler.waiting and not eng.scheduler.prefilling  # both prompts in the one step
+
+
 def test_preemption_under_block_pressure_completes_all_and_frees_blocks(tiny_engine):
     eng = tiny_engine(blocks=24)  # 96 token slots for 4 requests needing ~50 each
     reference = tiny_engine()

@@ -54,7 +54,21 @@ def test_every_prompt_of_a_batched_completion_is_guarded(app):
             "max_tokens": 8}
     resp = app.test_client().post("/v1/completions", json=body)
     assert resp.status_code == 200 and resp.headers["x-vsr-pii-violation"] == "true"
-    assert resp.get_json()["choices"][0]["finish_reason"] == "content_filter"
+    choices = resp.get_json()["choices"]  # one per prompt: a client pairs choice i with prompt i
+    assert [(c["index"], c["finish_reason"]) for c in choices] == [(0, "content_filter"), (1, "content_filter")]
+
+
+def test_a_batch_over_the_limit_is_refused_before_the_layer_sees_it(app, monkeypatch):
+    """The review: 5,000 prompts were each embedded and scanned by the guards, then refused for their number."""
+    import api.routes.openai as routes
+
+    def decide(*_a, **_k):
+        raise AssertionError("the semantic layer saw a batch over the limit")
+
+    monkeypatch.setattr(routes, "decide", decide)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": ["Hi"] * 5000, "max_tokens": 1}
+    resp = app.test_client().post("/v1/completions", json=body)
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "prompt"
 
 
 def test_seed_jailbreak_request_is_refused_streamed_too(app):

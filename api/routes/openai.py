@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from api.auth import request_scope, reserve_tokens
+from api.auth import count_requests, request_scope, reserve_tokens
 from api.bodies import json_body
 from api.disconnect import client_gone_check
 from api.error_handlers import to_api_error
@@ -52,12 +52,13 @@ from farm.openai.parsing import (
     Prompt,
     chat_options,
     completion_messages,
+    local_params,
     parse_chat,
     parse_completion,
+    prompt_param,
     raw_prompts,
     refuse_oversized,
     require_model,
-    stream_flags,
     validate_chat,
 )
 from farm.openai.reasoning import Thought
@@ -215,6 +216,8 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     layer = farm.semantic()
     scope = request_scope(body.get("cache_salt"))
     messages = validate_chat(body) if kind == "chat" else None
+    prompts = 1 if messages is not None else len(raw_prompts(body))  # at most MAX_CHOICES, else a 400 here
+    count_requests(prompts - 1, "prompt")  # each prompt of a batch is a request against the key's rate limit
     _refuse_oversized_prompt(body, model, messages)
     if messages is not None:  # a cached answer is one sample without log-probabilities: not for n > 1 or logprobs
         no_cache = no_cache_requested() or _asks_for_more_than_text(body)
@@ -222,11 +225,13 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
                          fits=lambda v: answer_fits(v.answer or "", body, farm.tokenizer(v.model)))
     else:  # text completions: guards and selection on the prompt's text; no cache, no system prompt
         verdict = decide(layer, model, _completion_messages(body, model), scope=scope, no_cache=True, inject=False)
-    if verdict.action != "forward":
-        return answer_locally(kind, ids.response, verdict, *stream_flags(body, kind), header_id=ids.header)
+    if verdict.action != "forward":  # every choice asked for gets the layer's answer
+        _sampling, stream, include_usage, n = local_params(body, kind)
+        return answer_locally(kind, ids.response, verdict, stream, include_usage, header_id=ids.header,
+                              choices=prompts * n)
     answers: list[Answer] = []
     # the path by the body's own flag: both start with _start, which validates the whole body against the model's
-    # context (stream_flags would bound max_tokens by no context: a 400 naming a limit of 2**30 tokens)
+    # context (local_params would bound max_tokens by no context: a 400 naming a limit of 2**30 tokens)
     if body.get("stream") is True:  # the first token goes out at once: a failure may fall back until then
         st, tried, reason = _with_fallback(
             verdict, ids, lambda m, hop, last: _start(kind, body, verdict, m, hop, last=last))
@@ -239,7 +244,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     model, parsed, gen = st.model, st.parsed, st.gen
     if on_prompt is not None:
         on_prompt(st.prompt_tokens)
-    out = _Output(kind, st.tok, parsed.sampling.logprobs is not None)
+    out = _Output(kind, st.tok, parsed.sampling.logprobs is not None, parsed.sampling.prompt_logprobs is not None)
     if parsed.stream:
         resp = _stream_response(kind, ids, model, gen, st.streams, st.head, parsed, out,
                                 on_done=_cache_store(layer, verdict, st))
@@ -459,8 +464,9 @@ def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], s
 class _Output:
     """Log-probabilities in the response's shape, when the request asks for them (farm.openai.logprobs)."""
 
-    def __init__(self, kind: str, tokenizer: Any, wanted: bool):
+    def __init__(self, kind: str, tokenizer: Any, wanted: bool, prompt_wanted: bool = False):
         self.kind, self.tokenizer, self.wanted = kind, tokenizer, wanted
+        self.prompt_wanted = prompt_wanted  # an echoed prompt's too (parse_completion: echo with logprobs)
 
     def logprobs(self, ids: list[int], lps: list[list], offset: int = 0) -> dict[str, Any] | None:
         if not self.wanted:
@@ -499,7 +505,7 @@ def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[di
         return
     prompts = raw_prompts(body)
     for i, prompt in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        param = prompt_param(i, len(prompts))
         if isinstance(prompt, str):
             refuse_oversized(models, prompt, param, farm.cfg.api.max_chars_per_token)
         elif isinstance(prompt, list) and len(prompt) >= (context := max(n for _, n in models)):  # ids: one each
@@ -566,7 +572,7 @@ def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Ou
         return (yield from _stream_shaped_choice(w, index, events, shaper, echo, on_done))
     parts: list[str] = []
     pending = w.role(index)  # sent with the first delta: one write
-    echo_lps = bool(echo) and out.wanted and out.kind == "completion"  # the echo waits for the prompt's, in the first delta
+    echo_lps = bool(echo) and out.prompt_wanted  # the echo waits for the prompt's, in the first delta
     if echo and not echo_lps:
         pending += w.delta(echo, index)
     base = 0  # where the completion's token offsets start: after the echoed prompt's tokens

@@ -28,6 +28,7 @@ from farm.openai.parsing import (
     local_params,
     parse_chat,
     parse_completion,
+    raw_prompts,
     refuse_oversized,
     require_model,
     validate_chat,
@@ -140,6 +141,10 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
         try:
             model = require_model(body, models + (list(aliases or []) if decide else []))
             messages = None
+            if kind == "completion" and len(raw_prompts(body)) != 1:  # before the layer pays for each of them
+                errors.append(_err("unsupported_value", "a batch line holds one prompt; give each prompt a line of "
+                                   "its own", no, "body.prompt"))
+                continue
             if decide is not None:
                 if kind == "chat":
                     asked = validate_chat(body)
@@ -168,10 +173,6 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
         if parsed.n != 1:  # one line, one response body: the Batch API runs each line as one request
             errors.append(_err("unsupported_value", "'n' greater than 1 is not supported in a batch line; give each "
                                "sample a line of its own", no, "body.n"))
-            continue
-        if len(parsed.prompts) != 1:
-            errors.append(_err("unsupported_value", "a batch line holds one prompt; give each prompt a line of its "
-                               "own", no, "body.prompt"))
             continue
         lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict(),
                                   cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.prompt_of(0).echo,

@@ -150,7 +150,10 @@ class Scheduler:
     def _waits_for_inflight(self, seq: Sequence, inflight: set[int]) -> bool:
         """Whether the first block this sequence would compute is being computed by a sequence in prefill
         now: then it waits a step and reuses that block instead of computing it a second time (requests
-        that share a prefix and arrive together, e.g. a prefix-grouped batch)."""
+        that share a prefix and arrive together, e.g. a prefix-grouped batch). Not one that asks for its prompt's
+        log-probabilities: it computes every block itself."""
+        if seq.wants_prompt_logprobs:
+            return False
         hashes = self._planned(seq)
         cached = self.pool.cached_prefix(hashes)
         return len(cached) < len(hashes) and hashes[len(cached)] in inflight

@@ -143,16 +143,17 @@ class Placer:
     def _place(self, req: GenerationRequest, exclude: Lost) -> Placed:
         pools, layout = self._read(req.model, exclude)
         req.created = req.created or time.time()
+        # a prompt's log-probabilities are computed where the whole prompt is, cached or not: never on a separate
+        # prefill worker, and no worker is chosen, nor its prefill load counted lighter, for a prefix it holds
+        local = req.sampling.prompt_logprobs is not None
         t0 = time.perf_counter()
-        hashes = self.router.hashes(req.prompt_token_ids, req.model, req.cache_salt)
+        hashes = [] if local else self.router.hashes(req.prompt_token_ids, req.model, req.cache_salt)
         prometheus.ROUTING_STAGE_SECONDS.labels(stage="hash").observe(time.perf_counter() - t0)
         loads = self.router.loads.loads()
         n = len(req.prompt_token_ids)
         bs = self.cfg.block_size(req.model)
         dcfg = self.cfg.disaggregation
         remote = False
-        # a prompt's log-probabilities are computed where the whole prompt is: never on a separate prefill worker
-        local = req.sampling.prompt_logprobs is not None
         if layout == "disaggregated" and not local:
             d = self.router.choose(pools.decode, hashes, n, "decode", loads)
             p = self.router.choose(pools.prefill, hashes, n, "prefill", loads)

@@ -42,6 +42,7 @@ from farm.cluster.liveness import Process, process_of, processes_gone
 from farm.config.processes import ReliabilityConfig
 from farm.protocol import (
     EVENT_FIELD,
+    DeltaEvent,
     ErrorEvent,
     Event,
     ReplyBatch,
@@ -59,15 +60,20 @@ SEEN_WRITERS_MAX = 4096  # writer sequence numbers remembered (a writer is a wor
 
 
 class Mailbox:
-    """The events of one request attempt, put by the reader, taken by whoever reads the request."""
+    """The events of one request attempt, put by the reader, taken by whoever reads the request; `first_delta_at`
+    is when its first tokens arrived (monotonic), whenever they are read: a response reads its choices one after
+    another, and a choice's time to first token is not the time its turn came."""
 
-    __slots__ = ("_events", "_ready")
+    __slots__ = ("_events", "_ready", "first_delta_at")
 
     def __init__(self) -> None:
         self._events: deque[Event] = deque()
         self._ready = threading.Event()
+        self.first_delta_at: float | None = None
 
     def put(self, events: list[Event]) -> None:
+        if self.first_delta_at is None and any(isinstance(e, DeltaEvent) for e in events):
+            self.first_delta_at = time.monotonic()
         self._events.extend(events)
         self._ready.set()
 

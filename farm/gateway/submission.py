@@ -352,8 +352,8 @@ class Submission:
 
     def _observe_delta(self, n: int) -> None:
         now = time.monotonic()
-        if self.ttft_s is None:
-            self.ttft_s = now - self._t0
+        if self.ttft_s is None:  # when its first tokens arrived, not when its turn to be read came
+            self.ttft_s = (self._box.first_delta_at or now) - self._t0
         elif self._last_delta is not None:
             self._itl_sum += now - self._last_delta
             self._itl_n += n
@@ -398,9 +398,10 @@ class Submission:
         before its first token counts in farm_ttft_seconds with the time it waited. Idempotent."""
         if not self._closed:
             self._closed = True
-            if self.ttft_s is None and not self.finished:
-                # given up before its first token (timed out, its client gone): it waited at least this long, and
-                # the TTFT objective must see it (only completed requests were observed: an overload looked better)
+            if self.ttft_s is None and not self.finished and self._box.first_delta_at is None:
+                # given up before its first token arrived (timed out, its client gone): it waited at least this
+                # long, and the TTFT objective must see it (only completed requests were observed: an overload
+                # looked better). A choice whose tokens arrived but were never read is no such sample.
                 prometheus.TTFT_SECONDS.labels(model=self.req.model).observe(time.monotonic() - self._t0)
             self._close_attempt()
 

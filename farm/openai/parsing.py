@@ -485,11 +485,6 @@ def local_params(body: dict, kind: str = "chat") -> tuple[SamplingParams, bool, 
     return _common(body, 0, 1 << 30, "messages", kind=kind)
 
 
-def stream_flags(body: dict, kind: str = "chat") -> tuple[bool, bool]:
-    _, stream, include_usage, _ = local_params(body, kind)
-    return stream, include_usage
-
-
 def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, Any]] | None = None,
                defaults: SamplingDefaults | None = None, chars_per_token: int = 0,
                tool_parser: str | None = None, template_kwargs: dict[str, Any] | None = None,
@@ -535,12 +530,21 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
 
 
 def raw_prompts(body: dict) -> list[Any]:
-    """A completion body's prompts, unchecked: a string or a list of token ids, or a list of those (vLLM's
-    batched prompt); anything else is one malformed prompt (parse_completion's 400)."""
+    """A completion body's prompts, each unchecked: a string or a list of token ids, or a list of those (vLLM's
+    batched prompt); anything else is one malformed prompt (parse_completion's 400). More than MAX_CHOICES is a
+    400 here, before the guards and the classifier look at any of them (each costs them an embedding)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise bad_request(f"'prompt' may hold at most {MAX_CHOICES} prompts, got {len(prompt)}", "prompt",
+                              "invalid_value")
         return list(prompt)
     return [prompt]
+
+
+def prompt_param(index: int, count: int) -> str:
+    """How an error names a prompt: `prompt` alone, `prompt[i]` in a batch."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
 
 
 def _is_token_ids(prompt: Any) -> bool:
@@ -577,18 +581,14 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
     raw = raw_prompts(body)
-    if len(raw) > MAX_CHOICES:
-        raise bad_request(f"'prompt' may hold at most {MAX_CHOICES} prompts, got {len(raw)}", "prompt",
-                          "invalid_value")
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
     for i, prompt in enumerate(raw):
-        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
-        ids = _completion_ids(prompt, tokenizer, limit, max_model_len, param)
+        ids = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)))
         prompts.append(Prompt(ids, _prompt_text(prompt, tokenizer, skip_special_tokens=False) if echo else ""))
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i].ids))
     params, stream, include_usage, n = _common(body, len(prompts[longest].ids), max_model_len,
-                                               "prompt" if len(raw) == 1 else f"prompt[{longest}]", defaults,
+                                               prompt_param(longest, len(raw)), defaults,
                                                kind="completion", vocab=len(tokenizer))
     if echo and params.logprobs is not None:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
         params = replace(params, prompt_logprobs=params.logprobs)
@@ -612,7 +612,7 @@ def _completion_ids(prompt: Any, tokenizer, limit: int, max_model_len: int, para
             raise bad_request(f"'{param}' must not be empty", param)
         check_prompt_chars(len(prompt), limit, max_model_len, param)
         return text_prompt_ids(tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _is_token_ids(prompt):
         vocab = len(tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):
             raise bad_request(f"token ids in '{param}' must be in [0, {vocab})", param, "invalid_value")
