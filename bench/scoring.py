@@ -9,7 +9,12 @@ requests/s and scored tokens/s (the headline: prompt tokens scored per second, w
 request latency p50/p90, errors, and the largest difference between its log-probabilities and `vllm serve`'s
 on the same prompts (the farm's answers must be vLLM's).
 
+The model is `--model tiny` by default (bench/engine_speed's random 2-layer Llama with SmolLM2's tokenizer, made at
+run time: an engine step next to free, as on a GPU, so the farm's own path is what is measured) or `default`
+(SmolLM2-135M-Instruct: the engine's time dominates on a CPU).
+
     .venv/bin/python -m bench.scoring                 # 64 requests of 8 prompts x 96 tokens, 4 in flight, 2 rounds
+    .venv/bin/python -m bench.scoring --model default # the same on the real default model
     .venv/bin/python -m bench.scoring --smoke         # 8 requests, 1 round: proves it runs
 """
 
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="vLLM without torch.compile (both contenders alike; starts in seconds, not minutes)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--model", choices=("tiny", "default"), default="tiny")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="bench/out/scoring.json")
     args = ap.parse_args(argv)
@@ -99,10 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     from farm.models.tokenization import get_tokenizer
 
     base = load_config(environ={})
-    mdir = model_dir(base, base.model(base.default_model))
+    if args.model == "tiny":
+        from bench.engine_speed.model import make_tiny_model
+
+        mdir = make_tiny_model()
+    else:
+        mdir = model_dir(base, base.model(base.default_model))
     reqs = workload(get_tokenizer(base, base.default_model), args.requests, args.batch, args.tokens)
     logs = PEERS_DIR / "logs" / time.strftime("scoring-%Y%m%d-%H%M%S")
-    setup = c.Setup(mdir, logs, kv_bytes=args.kv_mb * 2**20, enforce_eager=args.eager)
+    setup = c.Setup(mdir, logs, kv_bytes=args.kv_mb * 2**20, enforce_eager=args.eager,
+                    max_model_len=2048)  # the tiny model's positions; plenty for the prompts here
     starts = {"vllm serve": lambda: c.vllm_serve(setup), "farm (vLLM worker)": lambda: c.farm(setup, "vllm", 1)}
     load0, runs = load_average(), []
     for rnd, name in alternating(list(starts), args.rounds):
@@ -128,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, len(mine), means[name]["failed_runs"], means[name]["req_per_s"],
                      means[name]["scored_tok_per_s"], means[name]["latency_p50_s"], means[name]["latency_p90_s"],
                      diff])
-    print(f"\n{args.requests} requests of {args.batch} prompts x {args.tokens} tokens, {args.concurrency} in flight; "
-          f"means over {args.rounds} round(s); load at start {load0}")
+    print(f"\n{args.model} model; {args.requests} requests of {args.batch} prompts x {args.tokens} tokens, "
+          f"{args.concurrency} in flight; means over {args.rounds} round(s); load at start {load0}")
     print(table(["contender", "runs", "failed", "req/s", "scored tok/s", "p50 s", "p90 s", "max |dlogprob|"], rows,
                 digits=3))
     farm_tps, vllm_tps = means["farm (vLLM worker)"]["scored_tok_per_s"], means["vllm serve"]["scored_tok_per_s"]

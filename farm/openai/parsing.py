@@ -561,7 +561,8 @@ def completion_messages(body: dict, tokenizer) -> list[dict[str, str]]:
 def _prompt_text(prompt: Any, tokenizer, skip_special_tokens: bool = True) -> str:
     if _is_token_ids(prompt):
         try:
-            return tokenizer.decode([t for t in prompt if 0 <= t < len(tokenizer)],
+            vocab = len(tokenizer)  # once: a tokenizer's len() is not cheap, and a prompt has thousands of ids
+            return tokenizer.decode([t for t in prompt if 0 <= t < vocab],
                                     skip_special_tokens=skip_special_tokens)
         except Exception:  # noqa: BLE001 - undecodable ids: parse_completion reports them
             return ""
