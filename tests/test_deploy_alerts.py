@@ -81,6 +81,12 @@ def scrape_text(workers: list[tuple[str, str]], waiting: dict[tuple[str, str], f
         prometheus.REDIS_UP.set(before)
 
 
+def up(answered: bool) -> str:
+    """Prometheus' own series for the API's scrape job (not in /metrics: Prometheus adds it to every target). In
+    the sick farm's last scrape one API replica did not answer."""
+    return f'up{{job="farm-api",instance="api-0"}} {int(answered)}\nup{{job="farm-api",instance="api-1"}} 1\n'
+
+
 def catalog(text: str) -> dict[str, set[str]]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -112,10 +118,10 @@ def scrapes():
         p.observe_latency(OK, 0.1, 0.01)
     for _ in range(50):
         p.observe_latency(BAD, 10.0, 0.01)
-    s2 = Scrape.parse(scrape_text(sick, {(OK, "both"): 1, (BAD, "both"): 40}, False), 600.0)
+    s2 = Scrape.parse(scrape_text(sick, {(OK, "both"): 1, (BAD, "both"): 40}, False) + up(False), 600.0)
     healthy = [(OK, "both"), (BAD, "both")]
-    h1 = Scrape.parse(scrape_text(healthy, {(OK, "both"): 3, (BAD, "both"): 12}, True), 1000.0)
-    h2 = Scrape.parse(scrape_text(healthy, {(OK, "both"): 3, (BAD, "both"): 12}, True), 1600.0)
+    h1 = Scrape.parse(scrape_text(healthy, {(OK, "both"): 3, (BAD, "both"): 12}, True) + up(True), 1000.0)
+    h2 = Scrape.parse(scrape_text(healthy, {(OK, "both"): 3, (BAD, "both"): 12}, True) + up(True), 1600.0)
     return s1, s2, h1, h2
 
 
@@ -127,7 +133,7 @@ def models(result) -> set[str | None]:
 def test_the_rules_file_is_well_formed():
     rs = file_rules()
     assert set(rs) == {"FarmModelHasNoLiveWorker", "FarmAPIErrorRate", "FarmTTFTBudgetFastBurn",
-                       "FarmTTFTBudgetSlowBurn", "FarmRedisDown", "FarmRequestsWaitingGrowing"}
+                       "FarmTTFTBudgetSlowBurn", "FarmRedisDown", "FarmRequestsWaitingGrowing", "FarmAPIDown"}
     for name, r in rs.items():
         assert set(r) == {"alert", "expr", "for", "labels", "annotations"}, name
         assert re.fullmatch(r"\d+[smh]", r["for"]) and r["labels"]["severity"] in ("warning", "critical"), name
@@ -139,10 +145,13 @@ def test_the_rules_file_is_well_formed():
     assert "../prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in compose["services"]["prometheus"]["volumes"]
     k8s = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus-kubernetes.yml").read_text())
     assert k8s["rule_files"] == ["alerts.yml"]
+    # FarmAPIDown reads Prometheus' `up` of the API's scrape job: the job is farm-api in both configurations
+    for doc in (prom, k8s):
+        assert "farm-api" in [job["job_name"] for job in doc["scrape_configs"]]
 
 
 def test_rules_read_only_series_the_farm_exports(scrapes):
-    cat = catalog(scrape_text([(OK, "both")], {(OK, "both"): 1}, True))
+    cat = catalog(scrape_text([(OK, "both")], {(OK, "both"): 1}, True) + up(True))
     assert "farm_redis_up" in cat and "farm_ttft_seconds_bucket" in cat and "farm_requests_waiting" in cat
     for name, r in file_rules().items():
         uses = metric_uses(r["expr"])
@@ -162,7 +171,8 @@ def test_each_alert_fires_for_the_sick_farm_only(scrapes):
     s1, s2, h1, h2 = scrapes
     sick, healthy = Evaluator(s1, s2), Evaluator(h1, h2)
     expected = {"FarmModelHasNoLiveWorker": {BAD}, "FarmAPIErrorRate": {BAD}, "FarmTTFTBudgetFastBurn": {BAD},
-                "FarmTTFTBudgetSlowBurn": {BAD}, "FarmRedisDown": {None}, "FarmRequestsWaitingGrowing": {BAD}}
+                "FarmTTFTBudgetSlowBurn": {BAD}, "FarmRedisDown": {None}, "FarmRequestsWaitingGrowing": {BAD},
+                "FarmAPIDown": {None}}
     for name, r in file_rules().items():
         fired = sick.eval(r["expr"])
         assert models(fired) == expected[name], (name, fired)
@@ -214,6 +224,10 @@ def test_the_chart_renders_the_same_rules_when_enabled(scrapes):
     ours = file_rules()
     assert set(rendered) == set(ours)
     for name in ours:
+        if name == "FarmAPIDown":  # the operator's job label: the ServiceMonitor's, the API Service's name
+            assert rendered[name]["expr"].split() == ['up{job="farm-inference-farm-api",', 'namespace="llm"}', "==",
+                                                      "0"]
+            continue
         assert _same(rendered[name], ours[name]), (name, rendered[name], ours[name])
 
 
