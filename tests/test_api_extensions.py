@@ -466,3 +466,25 @@ def test_engine_counts_a_disaggregated_request_once(tiny_model_dir):
     finally:
         src.stop()
         dst.stop()
+
+
+def test_a_batch_without_max_tokens_gives_each_prompt_its_own_room(app, tok):
+    """The review: with `max_tokens` left out, every prompt of a batch got the longest one's room (a short prompt
+    was cut shorter than sent alone); vLLM defaults each prompt to what its context leaves it. An explicit value,
+    a model's default and a quota's cap still hold for all."""
+    from dataclasses import replace
+
+    from api.routes.openai import _choice_requests
+    from farm.config import SamplingDefaults
+    from farm.openai.parsing import parse_completion
+
+    body = {"model": "m", "prompt": [[1, 2, 3], [5] * 100]}
+    parsed = parse_completion(body, tok, 512)
+    with app.test_request_context():  # the requests carry the caller's cache scope
+        reqs = _choice_requests("cmpl-x", "m", replace(parsed, n=1))
+        assert [r.sampling.max_tokens for r in reqs] == [509, 412]
+        assert [r.sampling.max_tokens for r in _choice_requests("cmpl-x", "m", parsed.capped(100))] == [100, 100]
+        assert {r.sampling.max_tokens for r in _choice_requests(
+            "cmpl-x", "m", parse_completion({**body, "max_tokens": 7}, tok, 512))} == {7}
+        assert [r.sampling.max_tokens for r in _choice_requests(
+            "cmpl-x", "m", parse_completion(body, tok, 512, SamplingDefaults(max_tokens=450)))] == [450, 412]

@@ -370,11 +370,12 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token)
     n_prompt, choices = parsed.prompt_tokens, parsed.choices
-    held = reserve_tokens(n_prompt + choices * parsed.sampling.max_tokens, n_prompt + choices)
+    most = n_prompt + sum(parsed.max_tokens_of(c) for c in range(choices))
+    held = reserve_tokens(most, n_prompt + choices)
     quota_headers = {}
-    if held.tokens < n_prompt + choices * parsed.sampling.max_tokens:  # what is left of the quota caps the answer
+    if held.tokens < most:  # what is left of the quota caps the answer
         capped = (held.tokens - n_prompt) // choices
-        parsed = replace(parsed, sampling=replace(parsed.sampling, max_tokens=capped))
+        parsed = parsed.capped(capped)
         quota_headers["x-farm-quota-max-tokens"] = str(capped)
     gen = _Generation(n_prompt, held)
     try:
@@ -418,6 +419,8 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
     reqs = []
     for i in range(parsed.choices):
         sampling, j = parsed.sampling, i % parsed.n
+        if parsed.max_tokens_of(i) != sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=parsed.max_tokens_of(i))
         if j and sampling.seed is not None:
             sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
         reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_of(i).ids, sampling,

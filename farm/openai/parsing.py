@@ -61,10 +61,12 @@ MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs as JSON: switches and 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a request: its token ids, and the text each of its choices starts with (vLLM's `echo`)."""
+    """One prompt of a request: its token ids, the text each of its choices starts with (vLLM's `echo`), and, in
+    a batch that leaves `max_tokens` out, its own default (the room its context leaves it, as vLLM gives each)."""
 
     ids: list[int]
     echo: str = ""
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -101,6 +103,16 @@ class ParsedRequest:
 
     def prompt_of(self, choice: int) -> Prompt:
         return self.prompts[choice // self.n]
+
+    def max_tokens_of(self, choice: int) -> int:
+        own = self.prompt_of(choice).max_tokens
+        return own if own is not None else self.sampling.max_tokens
+
+    def capped(self, max_tokens: int) -> ParsedRequest:
+        """Every choice held to at most `max_tokens` (what is left of a quota)."""
+        prompts = [p if p.max_tokens is None else replace(p, max_tokens=min(p.max_tokens, max_tokens))
+                   for p in self.prompts]
+        return replace(self, prompts=prompts, sampling=replace(self.sampling, max_tokens=max_tokens))
 
 
 @dataclass(frozen=True)
@@ -591,6 +603,10 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     params, stream, include_usage, n = _common(body, len(prompts[longest].ids), max_model_len,
                                                prompt_param(longest, len(raw)), defaults,
                                                kind="completion", vocab=len(tokenizer))
+    if len(prompts) > 1 and all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens")):
+        # each prompt's own room (the shared value is the longest prompt's), as vLLM defaults each prompt
+        cap = (defaults or SamplingDefaults()).max_tokens
+        prompts = [replace(p, max_tokens=min(max_model_len - len(p.ids), cap or max_model_len)) for p in prompts]
     if echo and params.logprobs is not None:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
         params = replace(params, prompt_logprobs=params.logprobs)
     if len(prompts) * n > MAX_CHOICES:
