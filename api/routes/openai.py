@@ -418,9 +418,9 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
     salt = request_scope(parsed.cache_salt)
     reqs = []
     for i in range(parsed.choices):
-        sampling, j = parsed.sampling, i % parsed.n
-        if parsed.max_tokens_of(i) != sampling.max_tokens:
-            sampling = replace(sampling, max_tokens=parsed.max_tokens_of(i))
+        sampling, j, most = parsed.sampling, i % parsed.n, parsed.max_tokens_of(i)
+        if most != sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=most)
         if j and sampling.seed is not None:
             sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
         reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_of(i).ids, sampling,

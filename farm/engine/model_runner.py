@@ -194,7 +194,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_positions(self, chunks: list[PrefillChunk]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """`prefill`, and the final hidden states [n_i, hidden] of every token of each chunk marked
+        """`prefill`, and the last layer's output [n_i, hidden] for every token of each chunk marked
         `every_position`, by chunk index: `logits` of a slice of them gives its positions' logits (a prompt's
         logits at once would be prompt x vocabulary floats: 400 MB for 2,000 tokens of a 49k vocabulary)."""
         ids, pos, slots, spans = [], [], [], []
@@ -236,13 +236,8 @@ class ModelRunner:
 
         last = torch.tensor([off + n - 1 for off, n, _ in spans], device=self.device)
         h = self._hidden(ids, pos, slots, attend, capture)
-        kept = {i: self.model.model.norm(h[off:off + n]) for i, (off, n, c) in enumerate(spans) if c.every_position}
-        return self._logits(h.index_select(0, last)), kept
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] (float32) of final hidden states `prefill_positions` kept."""
-        return self.model.lm_head(hidden).float()
+        kept = {i: h[off:off + n] for i, (off, n, c) in enumerate(spans) if c.every_position}
+        return self.logits(h.index_select(0, last)), kept
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
@@ -292,10 +287,10 @@ class ModelRunner:
                              self.scaling)
             return o.reshape(b, -1)
 
-        return self._logits(self._layers(input_ids, positions, slots, attend, None))
+        return self.logits(self._layers(input_ids, positions, slots, attend, None))
 
     def _forward(self, ids, pos, slots, attend, capture, last_idx) -> torch.Tensor:
-        return self._logits(self._hidden(ids, pos, slots, attend, capture).index_select(0, last_idx))
+        return self.logits(self._hidden(ids, pos, slots, attend, capture).index_select(0, last_idx))
 
     def _hidden(self, ids, pos, slots, attend, capture) -> torch.Tensor:
         dev = self.device
@@ -304,8 +299,9 @@ class ModelRunner:
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         return self._layers(input_ids, positions, slot_t, attend, capture)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of the rows of the last layer's output `h`."""
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of the rows of the last layer's output `h` (what `prefill_positions` keeps)."""
         return self.model.lm_head(self.model.model.norm(h)).float()
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_t: torch.Tensor,

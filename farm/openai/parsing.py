@@ -331,9 +331,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; your prompt has "
                           f"{prompt_len} tokens.", prompt_param, "context_length_exceeded")
     if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-        if defaults.max_tokens is not None:
-            max_tokens = min(max_tokens, defaults.max_tokens)
+        max_tokens = _default_max_tokens(prompt_len, max_model_len, defaults)
     elif prompt_len + max_tokens > max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; you requested "
                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
@@ -358,6 +356,14 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                             logit_bias=logit_bias, response_format=response_format,
                             skip_special_tokens=skip_special is not False, include_stop_str_in_output=include_stop)
     return params, stream, include_usage, n
+
+
+def _default_max_tokens(prompt_len: int, max_model_len: int, defaults: SamplingDefaults | None) -> int:
+    """`max_tokens` when a request leaves it out: the room its prompt leaves in the context, at most the model
+    entry's default."""
+    room = max_model_len - prompt_len
+    cap = defaults.max_tokens if defaults is not None else None
+    return room if cap is None else min(room, cap)
 
 
 def prompt_char_limit(tokenizer, max_model_len: int, chars_per_token: int = 0) -> int:
@@ -605,8 +611,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
                                                kind="completion", vocab=len(tokenizer))
     if len(prompts) > 1 and all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens")):
         # each prompt's own room (the shared value is the longest prompt's), as vLLM defaults each prompt
-        cap = (defaults or SamplingDefaults()).max_tokens
-        prompts = [replace(p, max_tokens=min(max_model_len - len(p.ids), cap or max_model_len)) for p in prompts]
+        prompts = [replace(p, max_tokens=_default_max_tokens(len(p.ids), max_model_len, defaults)) for p in prompts]
     if echo and params.logprobs is not None:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
         params = replace(params, prompt_logprobs=params.logprobs)
     if len(prompts) * n > MAX_CHOICES:
