@@ -59,9 +59,11 @@ def embedder():
 
 
 def _layer(tmp_path, embedder, remote: dict) -> SemanticLayer:
+    """A layer asking `remote`. These tests are about verdicts, not speed: a generative answer from vLLM on a busy
+    2-core CI machine can take longer than the 2 s default, so the wait is 30 s unless a test sets its own."""
     p = tmp_path / "remote.yaml"
     p.write_text(yaml.safe_dump({"semantic": {"cache": {"enabled": False}, "pii": {"enabled": False},
-                                              "jailbreak": {"remote": remote}}}))
+                                              "jailbreak": {"remote": {"timeout_s": 30, **remote}}}}))
     return SemanticLayer.from_config(load_config(p, environ={}), embedder=embedder)
 
 
