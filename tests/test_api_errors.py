@@ -172,6 +172,38 @@ def test_a_schema_structured_output_cannot_use_is_a_400_naming_it(app_client):
     assert "objectx" in err["message"]
 
 
+@pytest.mark.parametrize(("so", "param", "code"), [
+    ({"regex": "[0-9"}, "structured_outputs.regex", "invalid_value"),
+    ({"grammar": "this is no grammar"}, "structured_outputs.grammar", "invalid_value"),
+    ({"json": "{not json"}, "structured_outputs.json", "invalid_value"),
+    ({"json": {"type": "objectx"}}, "structured_outputs.json", "invalid_value"),
+    ({"choice": []}, "structured_outputs.choice", "invalid_value"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice[1]", "invalid_value"),
+    ({"choice": ["a"], "regex": "a"}, "structured_outputs", "invalid_value"),
+    ({}, "structured_outputs", "invalid_value"),
+    ({"choice": ["a"], "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern", "unsupported_parameter"),
+    ({"regex": "a", "guided_choice": ["a"]}, "structured_outputs.guided_choice", "unknown_parameter"),
+    ("a", "structured_outputs", "invalid_value"),
+])
+def test_vllms_structured_outputs_a_bad_one_is_a_400_naming_it(app_client, so, param, code):
+    """vLLM's `structured_outputs` is compiled when the request arrives, on both routes: a constraint the grammar
+    library refuses, or not exactly one, is the client's 400 naming where."""
+    c, cfg = app_client
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, structured_outputs=so)), 400, param, code)
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", "structured_outputs": so}),
+                 400, param, code)
+
+
+def test_structured_outputs_with_another_constraint_is_a_400(app_client):
+    c, cfg = app_client
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, structured_outputs={"choice": ["a"]},
+                                                      response_format={"type": "json_object"})),
+                 400, "structured_outputs", "invalid_value")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert_error(post(c, "/v1/chat/completions", chat(cfg, structured_outputs={"choice": ["a"]}, tools=[tool],
+                                                      tool_choice="required")), 400, "structured_outputs")
+
+
 def test_stream_options_need_stream(app_client):
     c, cfg = app_client
     opts = {"include_usage": True}

@@ -191,6 +191,78 @@ def test_completion_stream_without_usage(client, redis_client):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_return_token_ids_as_vllm_returns_them(client, redis_client):
+    """vLLM's `return_token_ids`: chat puts the prompt's ids on the response (streamed: on the role chunk), a text
+    completion on each choice (streamed: on its first chunk); every choice, and every streamed delta, its own ids,
+    a token whose text is still held (an empty delta) included."""
+    c, cfg = client
+    events = [both_start(), *deltas("Hel", "", "lo"), done()]
+    w = ScriptedWorker(redis_client, events)
+    body = post(c, "/v1/chat/completions", chat(cfg, return_token_ids=True)).get_json()
+    assert body["prompt_token_ids"] == w.request.prompt_token_ids
+    assert body["choices"][0]["token_ids"] == [100, 101, 102] and body["choices"][0]["message"]["content"] == "Hello"
+    w = ScriptedWorker(redis_client, events)
+    chunks = sse(post(c, "/v1/chat/completions", chat(cfg, return_token_ids=True, stream=True)))[:-1]
+    assert chunks[0]["prompt_token_ids"] == w.request.prompt_token_ids and "prompt_token_ids" not in chunks[1]
+    assert [i for ch in chunks for i in ch["choices"][0].get("token_ids", [])] == [100, 101, 102]
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == "Hello"
+    w = ScriptedWorker(redis_client, events)
+    body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [5, 6, 7],
+                                       "return_token_ids": True}).get_json()
+    assert "prompt_token_ids" not in body
+    assert (body["choices"][0]["prompt_token_ids"], body["choices"][0]["token_ids"]) == ([5, 6, 7], [100, 101, 102])
+    w = ScriptedWorker(redis_client, events)
+    chunks = sse(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [5, 6, 7], "stream": True,
+                                             "return_token_ids": True}))[:-1]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert all("prompt_token_ids" not in ch["choices"][0] for ch in chunks[1:])
+    assert [i for ch in chunks for i in ch["choices"][0].get("token_ids", [])] == [100, 101, 102]
+    w = ScriptedWorker(redis_client, events)  # not asked: OpenAI's shapes, no ids
+    body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [5, 6, 7]}).get_json()
+    assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+    w.join(10)
+
+
+def test_prompt_logprobs_as_vllm_shows_them(client, redis_client):
+    """vLLM's `prompt_logprobs`: a text completion's choice (a chat's response) holds null for the first prompt
+    token, then {id: {logprob, rank, decoded_token}}: the token's own first, then the k most likely; -inf is
+    -9999.0. Without `echo` they stay out of the choice's `logprobs`; with it, the echoed part keeps `logprobs`'
+    own k. The worker computes the larger k. Not streamed, and -1 (the whole vocabulary) is refused."""
+    c, cfg = client
+    prompt_lp = [None, [-2.5, [[7, -0.5], [8, -1.0], [9, -2.0]], 4], [-0.5, [[3, -0.5], [1, -1.5], [2, -3.0]], 1],
+                 [float("-inf"), [[4, -0.1], [5, -3.0], [6, -4.0]], 49000]]
+    first = {"type": "delta", "text": "x", "n": 1, "ids": [11], "lp": [[-0.3, [[11, -0.3], [12, -2.0]]]],
+             "prompt_lp": prompt_lp}
+    events = [both_start(), first, done()]
+    w = ScriptedWorker(redis_client, events)
+    body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 3, 3, 9], "prompt_logprobs": 2,
+                                       "logprobs": 1}).get_json()
+    assert w.request.sampling.prompt_logprobs == 2
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and list(got[1]) == ["3", "7", "8"]  # its own, then the best two
+    assert got[1]["3"]["rank"] == 4 and got[1]["7"] == {"logprob": -0.5, "rank": 1, "decoded_token": got[1]["7"][
+        "decoded_token"]} and isinstance(got[1]["7"]["decoded_token"], str)
+    assert list(got[2]) == ["3", "1"] and got[2]["3"]["rank"] == 1  # its own is the best: one entry, rank 1
+    assert got[3]["9"]["logprob"] == -9999.0 and got[3]["9"]["rank"] == 49000
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == 1  # no echo: the completion's own only
+    w = ScriptedWorker(redis_client, events)
+    body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 3, 3, 9], "prompt_logprobs": 0,
+                                       "logprobs": 2, "echo": True}).get_json()
+    assert w.request.sampling.prompt_logprobs == 2  # the larger of the two
+    choice = body["choices"][0]
+    assert [list(x) if x else x for x in choice["prompt_logprobs"]] == [None, ["3"], ["3"], ["9"]]
+    assert [len(t) if t else t for t in choice["logprobs"]["top_logprobs"]] == [None, 3, 2, 3, 2]
+    w = ScriptedWorker(redis_client, events)
+    body = post(c, "/v1/chat/completions", chat(cfg, prompt_logprobs=1)).get_json()
+    assert body["prompt_logprobs"][0] is None
+    assert list(body["prompt_logprobs"][1]) == [str(w.request.prompt_token_ids[1]), "7"]  # the templated prompt's
+    assert "prompt_logprobs" not in body["choices"][0]
+    for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": -1}, {"prompt_logprobs": 21},
+                {"prompt_logprobs": "2"}):
+        assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", **bad}), 400,
+                     "prompt_logprobs")
+
+
 def test_worker_error_is_json_500_before_the_stream_and_in_band_after(client, redis_client):
     c, cfg = client
     oom = {"type": "error", "message": "out of KV blocks", "code": "kv_exhausted"}

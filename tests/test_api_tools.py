@@ -70,6 +70,22 @@ def test_auto_tool_calls_streamed_as_openai_streams_them(client, redis_client):
     assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
+def test_a_streamed_call_with_token_ids_keeps_every_id_and_the_same_deltas(client, redis_client):
+    """vLLM's `return_token_ids` on a stream the tool parser shapes: each event's ids in a chunk of their own (an
+    empty delta, as vLLM sends ids whose text its parser holds), the content and call deltas as without them."""
+    c, cfg = client
+    ScriptedWorker(redis_client, [both_start(), *deltas(*CALL), done()])
+    plain = [e["choices"][0]["delta"] for e in sse(post(c, "/v1/chat/completions", ask(cfg, tools=[TOOL],
+                                                                                          stream=True)))[:-1]]
+    w = ScriptedWorker(redis_client, [both_start(), *deltas(*CALL), done()])
+    events = sse(post(c, "/v1/chat/completions", ask(cfg, tools=[TOOL], stream=True, return_token_ids=True)))[:-1]
+    assert events[0]["prompt_token_ids"] == w.request.prompt_token_ids
+    assert [i for e in events for i in e["choices"][0].get("token_ids", [])] == [100, 101, 102, 103]
+    shaped = [e["choices"][0]["delta"] for e in events if "token_ids" not in e["choices"][0]]
+    assert [{**d, "tool_calls": [{**tc, "id": None} for tc in d.get("tool_calls", [])]} for d in shaped] == \
+        [{**d, "tool_calls": [{**tc, "id": None} for tc in d.get("tool_calls", [])]} for d in plain]
+
+
 def test_text_that_only_looks_like_a_call_stays_text(client, redis_client):
     c, cfg = client
     ScriptedWorker(redis_client, [both_start(), *deltas("Use <tool", "_call> tags {not json", "</tool_call>"), done()])

@@ -384,6 +384,34 @@ def test_a_recorded_line_is_charged_once_to_the_batch_owners_token_quota(api, mo
     assert driver.results.limiter.used_tokens("anonymous") == 0
 
 
+def test_a_prompt_only_line_answers_its_prompt_alone(api, monkeypatch):
+    """A completion line with `echo` and `max_tokens` 0 (ParsedRequest.prompt_only): its answer is the prompt; the
+    one token generated is in its usage, not in its text, as vLLM answers. With `return_token_ids`, the ids."""
+    _, cfg, r = api
+    driver = BatchDriver(cfg, r=r)
+    store = BatchStore(r)
+    bid = store.create("file-x", "/v1/completions", "24h", 3600, None)["id"]
+    store.transition(bid, ("validating",), "in_progress", total=1)
+    recorded: dict = {}
+    monkeypatch.setattr(driver.results.store, "record", lambda _b, _c, rec, _ok, _u=None: recorded.update(rec) or 1)
+    for prompt_only, text in ((True, "Once upon"), (False, "Once upon a")):
+        line = PreparedLine(0, 1, "p", "completion", cfg.default_model, [1, 2], {"max_tokens": 1}, echo="Once upon",
+                            prompt_only=prompt_only)
+        driver.results.record_success(bid, line, "rid", Answer(" a", DoneEvent("length", Usage(2, 1, 0))))
+        body = recorded["out"]["response"]["body"]
+        assert (body["choices"][0]["text"], body["usage"]["completion_tokens"]) == (text, 1)
+    line = PreparedLine(0, 1, "p", "completion", cfg.default_model, [1, 2], {"max_tokens": 1}, return_token_ids=True)
+    driver.results.record_success(bid, line, "rid", Answer(" a", DoneEvent("length", Usage(2, 1, 0)), [264]))
+    choice = recorded["out"]["response"]["body"]["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == ([1, 2], [264])  # vLLM's return_token_ids
+    line = PreparedLine(0, 1, "p", "completion", cfg.default_model, [1, 2], {"max_tokens": 1}, prompt_logprobs=0)
+    driver.results.record_success(bid, line, "rid", Answer(" a", DoneEvent("length", Usage(2, 1, 0)), [264],
+                                                           prompt_logprobs=[None, [-1.5, [[9, -0.2]], 3]]))
+    choice = recorded["out"]["response"]["body"]["choices"][0]
+    assert choice["prompt_logprobs"][0] is None and choice["prompt_logprobs"][1]["2"]["rank"] == 3  # vLLM's
+    assert list(choice["prompt_logprobs"][1]) == ["2"] and choice["logprobs"] is None  # k 0: its own; no echo
+
+
 def test_farm_status_lists_active_batches(api):
     """`farm status` shows batches not yet final with their counts, and drops them once final."""
     from farm.batch.cli import progress_line

@@ -86,6 +86,11 @@ def test_completions_endpoint_and_limits(env):
                        "body": {"model": cfg.default_model, "prompt": "Once upon", "echo": True}})
     lines, errors = run(echo, "/v1/completions")
     assert not errors and lines[0].echo == "Once upon"  # each line's answer starts with its prompt
+    assert not lines[0].prompt_only
+    lines, errors = run(echo.replace('"echo": true', '"echo": true, "max_tokens": 0'), "/v1/completions")
+    assert not errors and lines[0].prompt_only and lines[0].sampling["max_tokens"] == 1  # the prompt alone, as vLLM
+    _, errors = run(comp.replace('"max_tokens": 3', '"max_tokens": 0'), "/v1/completions")
+    assert [(e["code"], e["param"]) for e in errors] == [("invalid_value", "body.max_tokens")]  # 0 needs echo
     two = json.dumps({"custom_id": "p", "method": "POST", "url": "/v1/completions",
                       "body": {"model": cfg.default_model, "prompt": ["Once upon", "a time"]}})
     def decide(model, messages):  # the review: the layer paid for every prompt of such a line, then refused it

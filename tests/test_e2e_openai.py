@@ -7,6 +7,7 @@ import json
 import threading
 import time
 
+import openai
 import pytest
 import redis
 import requests
@@ -328,6 +329,67 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(farm, client):
     first = next(iter(client.completions.create(prompt=prompts[1], echo=True, stream=True, **kw)))
     assert first.choices[0].text == tok.decode(prompts[1])
     assert first.choices[0].logprobs.token_logprobs == scored.choices[1].logprobs.token_logprobs[:-1]
+    # `max_tokens` 0, the legacy API's scoring form: the prompt alone; the token vLLM generates is counted
+    only = client.completions.create(prompt=prompts, echo=True, **{**kw, "max_tokens": 0})
+    for prompt, choice, full in zip(prompts, only.choices, scored.choices, strict=True):
+        assert choice.text == tok.decode(prompt) and choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == full.logprobs.token_logprobs[:-1]
+    assert only.usage.completion_tokens == len(prompts)
+    chunks = list(client.completions.create(prompt=prompts[1], echo=True, stream=True, **{**kw, "max_tokens": 0}))
+    assert "".join(c.choices[0].text for c in chunks) == tok.decode(prompts[1])
+    assert [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs] == \
+        scored.choices[1].logprobs.token_logprobs[:-1]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo, nothing to answer
+        client.completions.create(prompt=prompts[1], **{**kw, "max_tokens": 0})
+    # vLLM's `prompt_logprobs`, without echo: the same values, keyed by token id, with each token's rank
+    shown = client.completions.create(prompt=prompts[0], **{**kw, "extra_body": {"prompt_logprobs": 1}}).choices[0]
+    assert shown.prompt_logprobs[0] is None and shown.text == scored.choices[0].text[len(tok.decode(prompts[0])):]
+    for tid, pos, echoed in zip(prompts[0][1:], shown.prompt_logprobs[1:], scored.choices[0].logprobs.token_logprobs[1:],
+                                strict=False):
+        own = pos[str(tid)]
+        assert abs(own["logprob"] - echoed) < 1e-3 and own["rank"] >= 1 and own["decoded_token"] == tok.decode([tid])
+        assert sum(1 for e in pos.values() if e["rank"] == 1) == 1
+
+
+def test_vllms_structured_outputs_hold_the_real_models_answer(farm, client):
+    """vLLM's `structured_outputs` through the whole farm on the built-in engine: the real model's answer is one of
+    the choices, or matches the regex, streamed or not; without them it is prose."""
+    import re
+
+    m = farm.cfg.default_model
+    msgs = [{"role": "user", "content": "Is Paris the capital of France? Answer, then give the year it became so."}]
+    kw = {"model": m, "messages": msgs, "max_tokens": 24, "temperature": 0, "extra_headers": NO_CACHE}
+    free = client.chat.completions.create(**kw).choices[0].message.content
+    picked = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["Yes", "No"]}})
+    assert picked.choices[0].message.content in ("Yes", "No") and free not in ("Yes", "No")
+    regex = "(Yes|No), in [0-9]{3,4}\\."
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **kw, stream=True, extra_body={"structured_outputs": {"regex": regex}}) if c.choices)
+    assert re.fullmatch(regex, streamed), streamed
+
+
+def test_return_token_ids_are_the_real_models_tokens(farm, client):
+    """vLLM's `return_token_ids` with the real model: the prompt's ids are the tokenizer's, the generated ids
+    decode to the answer and are as many as the usage counts, streamed or not."""
+    from farm.models.tokenization import get_tokenizer
+
+    m = farm.cfg.default_model
+    tok = get_tokenizer(farm.cfg, m)
+    kw = {"model": m, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+          "extra_headers": NO_CACHE, "extra_body": {"return_token_ids": True}}
+    whole = client.completions.create(**kw)
+    choice = whole.choices[0]
+    assert choice.prompt_token_ids == tok.encode("The capital of France is")
+    assert tok.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    assert len(choice.token_ids) == whole.usage.completion_tokens
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert [i for c in chunks for i in (getattr(c.choices[0], "token_ids", None) or [])] == choice.token_ids
+    chat = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64,
+                                          temperature=0, extra_headers=NO_CACHE, extra_body={"return_token_ids": True})
+    assert tok.decode(chat.prompt_token_ids).endswith("assistant\n")  # the templated prompt, as the worker got it
+    assert len(chat.choices[0].token_ids) == chat.usage.completion_tokens  # an end of sequence included
+    assert chat.choices[0].finish_reason == "stop", chat  # ...which this short answer has
 
 
 def test_continuous_usage_stats_give_every_chunk_its_running_usage(farm, client):

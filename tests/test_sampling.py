@@ -92,6 +92,10 @@ def test_logprobs_are_the_raw_distributions_log_softmax_with_the_top_k():
     assert [i for i, _ in lp.top] == [0, 1] and abs(lp.top[0][1] - float(ref[0])) < 1e-6
     assert TokenLogprobs.from_list(lp.to_list()) == lp
     assert logprobs_of(logits, [3], [0])[0].top == []
+    assert lp.rank is None and len(lp.to_list()) == 2  # a generated token's: no rank on the wire
+    ranked = logprobs_of(torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.0, 1.0]]), [3, 2], [1, 1], ranks=True)
+    assert [r.rank for r in ranked] == [4, 1]  # a tie counts as not above, as vLLM counts it
+    assert TokenLogprobs.from_list(ranked[0].to_list()) == ranked[0] and ranked[0].to_list()[2] == 4
 
 
 def test_a_tiny_repetition_penalty_or_temperature_never_makes_a_nan_row():

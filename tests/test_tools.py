@@ -186,6 +186,25 @@ def test_the_builtin_engine_makes_any_json_object_and_forced_calls(engine, tok):
     assert calls and all(x.name in ("get_weather", "get_time") for x in calls)
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_builtin_engine_follows_vllms_regex_choice_and_grammar(engine, seed):
+    """vLLM's `structured_outputs` kinds that are no JSON schema: a random model's free answer matches none of
+    them, the constrained one matches each whole."""
+    import re
+
+    prompt = list(range(100, 140))
+    cases = [({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+             ({"type": "choice", "choice": ["alpha", "beta gamma"]}, lambda t: t in ("alpha", "beta gamma")),
+             ({"type": "grammar", "grammar": 'root ::= ("yes" | "no") " " [0-9]'},  # GBNF, as vLLM takes it
+              lambda t: re.fullmatch("(yes|no) [0-9]", t)),
+             ({"type": "grammar", "grammar": 'start: ("ab" | "cd")+ "!"'}, lambda t: re.fullmatch("(ab|cd)+!", t))]
+    for fmt, ok in cases:
+        c = run(engine, prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=seed, response_format=fmt))
+        assert c.last.finish_reason == "stop" and ok(c.text), (fmt, c.text)
+        free = run(engine, prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=seed))
+        assert not ok(free.text), free.text
+
+
 def test_a_schema_the_engine_refuses_ends_the_request_not_the_engine(engine):
     bad = {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}
     c = run(engine, [1, 2, 3], SamplingParams(max_tokens=5, response_format=bad))

@@ -314,6 +314,12 @@ def test_sampling_param_mapping():
     assert (kw["top_k"], kw["min_p"], kw["min_tokens"], kw["stop_token_ids"], kw["logprobs"]) == (5, 0.1, 3, [2], 4)
     assert kw["logit_bias"] == {7: -5.0} and kw["structured_outputs"] == ("structured", {"json": {}})
     assert sampling_kwargs(full, 10, 4096, prefill_only=True)["logprobs"] is None  # one token, for the KV only
+    for fmt, spec in (({"type": "regex", "regex": "a+"}, {"regex": "a+"}),
+                      ({"type": "choice", "choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+                      ({"type": "grammar", "grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+                      ({"type": "json_object", "disable_any_whitespace": True},
+                       {"json_object": True, "disable_any_whitespace": True})):  # vLLM's structured_outputs, as sent
+        assert sampling_kwargs(SamplingParams(response_format=fmt), 10, 4096)["structured_outputs"] == spec
     assert sampling_kwargs(SamplingParams(prompt_logprobs=1), 10, 4096)["prompt_logprobs"] == 1
     # the room left in max_model_len caps max_tokens (vLLM would reject the request instead)
     assert sampling_kwargs(p, prompt_len=4090, max_model_len=4096)["max_tokens"] == 6

@@ -242,9 +242,11 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
             verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, layer=layer, last=last))
     headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, st.model, reason) if tried else {})}
     model, parsed, gen = st.model, st.parsed, st.gen
+    if parsed.prompt_only:
+        answers = [a.prompt_only() for a in answers]
     if on_prompt is not None:
         on_prompt(st.prompt_tokens)
-    out = _Output(kind, st.tok, parsed.sampling.logprobs is not None, parsed.sampling.prompt_logprobs is not None)
+    out = _Output(kind, st.tok, parsed.sampling.logprobs, parsed.echo_logprobs)
     if parsed.stream:
         resp = _stream_response(kind, ids, model, gen, st.streams, st.head, parsed, out,
                                 on_done=_cache_store(layer, verdict, st))
@@ -254,16 +256,25 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     json_provider = current_app.json
 
     def body() -> str:
+        with_ids, chat = parsed.return_token_ids, kind == "chat"
         choices = [Choice.of(a.text, a.finish_reason, out.after_prompt(parsed.prompt_of(i), a.prompt_logprobs,
                                                                        a.token_ids, a.logprobs),
-                             parsed.tools, parsed.reasoning_parser, parsed.prompt_of(i).echo)
+                             parsed.tools, parsed.reasoning_parser, parsed.prompt_of(i).echo,
+                             token_ids=a.token_ids if with_ids else None,
+                             prompt_token_ids=parsed.prompt_of(i).ids if with_ids and not chat else None,
+                             prompt_logprobs=None if chat else out.prompt_logprobs(
+                                 parsed.prompt_of(i), a.prompt_logprobs, parsed.prompt_logprobs))
                    for i, a in enumerate(answers)]
         usage = total_usage((a.usage for a in answers), parsed.n).to_dict()
-        return json_provider.dumps(full_response(kind, ids.response, model, choices, usage, role=parsed.role)) + "\n"
+        return json_provider.dumps(full_response(
+            kind, ids.response, model, choices, usage, role=parsed.role,
+            prompt_token_ids=parsed.prompt_ids if with_ids and chat else None,
+            prompt_logprobs=out.prompt_logprobs(parsed.prompts[0], answers[0].prompt_logprobs,
+                                                parsed.prompt_logprobs) if chat else None)) + "\n"
 
     # A big answer (log-probabilities, or many tokens) is built and serialised off the hub: 16 choices of 4,000
     # tokens with 20 alternatives each make 115 MB of JSON, seconds in which no other request of the process moved.
-    big = out.wanted or sum(len(a.token_ids) for a in answers) > OFFLOAD_TOKENS
+    big = out.wanted or parsed.prompt_logprobs is not None or sum(len(a.token_ids) for a in answers) > OFFLOAD_TOKENS
     resp = current_app.response_class(offload(body) if big else body(), mimetype=json_provider.mimetype)
     resp.headers.update(_worker_headers(ids.header, gen.subs[0], st.head, answers[0].done))
     resp.headers.update(headers)
@@ -394,9 +405,9 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
 
 
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
-    """n > 1, log-probabilities, tools, vLLM's options that change the prompt or the answer's text (the
+    """n > 1, log-probabilities or token ids, tools, vLLM's options that change the prompt or the answer's text (the
     chat-template fields, special tokens shown, the stop string kept), or a constraint on the answer (stop
-    sequences or tokens, a response format, min_tokens, ignore_eos, logit_bias): what a cached answer (one free
+    sequences or tokens, a response format or structured outputs, min_tokens, ignore_eos, logit_bias): what a cached answer (one free
     sample of the plain prompt, text only) cannot give, and what must not be stored as one: an answer cut at one
     client's stop, or held to its schema, replayed to another request was wrong for it. (The body passed
     validate_chat.)"""
@@ -406,6 +417,8 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
             or body.get("include_stop_str_in_output") is True
             or bool(body.get("stop")) or bool(body.get("stop_token_ids"))
             or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
+            or body.get("structured_outputs") is not None or body.get("return_token_ids") is True
+            or body.get("prompt_logprobs") is not None
             or bool(body.get("min_tokens")) or body.get("ignore_eos") is True or bool(body.get("logit_bias")))
 
 
@@ -429,10 +442,11 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
 
 
 def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], shaper: AnswerStream,
-                          echo: str, on_done: Callable[[str, str], None] | None
+                          echo: str, on_done: Callable[[str, str], None] | None, prompt_ids: list[int] | None = None
                           ) -> Generator[str, None, DoneEvent]:
     """One choice of a request with tools or a reasoning model: reasoning and content as they come, calls as OpenAI
-    streams them, and the finish reason the calls make (tool_calls)."""
+    streams them, and the finish reason the calls make (tool_calls). With `prompt_ids` (vLLM's `return_token_ids`)
+    the role chunk carries them, and each event's token ids go in a chunk of their own before its pieces."""
     def chunk(p: str | Thought | CallDelta) -> str:
         if isinstance(p, str):
             content.append(p)
@@ -442,7 +456,7 @@ def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], s
     def chunks(pieces: Iterator[str | Thought | CallDelta]) -> str:
         return "".join(map(chunk, pieces))
 
-    pending = w.role(index) + (w.delta(echo, index) if echo else "")
+    pending = w.role(index, prompt_ids) + (w.delta(echo, index) if echo else "")
     deltas = stream_choice(events)
     content: list[str] = []
     while True:
@@ -457,19 +471,20 @@ def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], s
             yield pending + tail + w.finish(reason or "stop", index)
             return done
         w.generated(index, ev.n)
-        if ev.text:
-            piece = chunks(shaper.feed(ev.text))
-            if piece:
-                yield pending + piece
-                pending = ""
+        piece = (w.token_ids(ev.ids, index) if prompt_ids is not None and ev.ids else "") + \
+            (chunks(shaper.feed(ev.text)) if ev.text else "")
+        if piece:
+            yield pending + piece
+            pending = ""
 
 
 class _Output:
-    """Log-probabilities in the response's shape, when the request asks for them (farm.openai.logprobs)."""
+    """Log-probabilities in the response's shape, when the request asks for them (farm.openai.logprobs): `top`
+    alternatives per token (None: no log-probabilities)."""
 
-    def __init__(self, kind: str, tokenizer: Any, wanted: bool, prompt_wanted: bool = False):
-        self.kind, self.tokenizer, self.wanted = kind, tokenizer, wanted
-        self.prompt_wanted = prompt_wanted  # an echoed prompt's too (parse_completion: echo with logprobs)
+    def __init__(self, kind: str, tokenizer: Any, top: int | None, prompt_wanted: bool = False):
+        self.kind, self.tokenizer, self.top, self.wanted = kind, tokenizer, top, top is not None
+        self.prompt_wanted = prompt_wanted  # an echoed prompt's too (ParsedRequest.echo_logprobs)
 
     def logprobs(self, ids: list[int], lps: list[list], offset: int = 0) -> dict[str, Any] | None:
         if not self.wanted:
@@ -480,14 +495,23 @@ class _Output:
         """An echoed prompt's log-probabilities and where its tokens end (farm.openai.logprobs.echoed)."""
         if not self.wanted or prompt_lps is None:
             return None, 0
-        return logprobs.echoed(self.tokenizer, prompt.ids, prompt_lps)
+        return logprobs.echoed(self.tokenizer, prompt.ids, prompt_lps, self.top)
 
     def after_prompt(self, prompt: Prompt, prompt_lps: list[list | None] | None, ids: list[int],
                      lps: list[list]) -> dict[str, Any] | None:
-        """A whole choice's log-probabilities: its echoed prompt's first when it has them."""
+        """A whole choice's log-probabilities: its echoed prompt's first when it has them (the worker also sends a
+        prompt's for vLLM's `prompt_logprobs`, which are no echo)."""
         if not self.wanted:
             return None
-        return logprobs.for_answer(self.kind, self.tokenizer, ids, lps, prompt.ids, prompt_lps)
+        return logprobs.for_answer(self.kind, self.tokenizer, ids, lps, prompt.ids,
+                                   prompt_lps if self.prompt_wanted else None, self.top)
+
+    def prompt_logprobs(self, prompt: Prompt, prompt_lps: list[list | None] | None,
+                        k: int | None) -> list[Any] | None:
+        """vLLM's `prompt_logprobs` of a prompt, when the request asked for them (`k`)."""
+        if k is None or prompt_lps is None:
+            return None
+        return logprobs.prompt_logprobs(self.tokenizer, prompt.ids, prompt_lps, k)
 
 
 def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[dict[str, str]] | None) -> None:
@@ -549,7 +573,8 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
         for index, events in enumerate(streams):
             shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
                 if parsed.tools is not None or parsed.reasoning_parser else None
-            done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper)
+            done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper,
+                                             prompt_only=parsed.prompt_only, with_ids=parsed.return_token_ids)
             usages.append(done.usage)
         prometheus.REQUESTS.labels(model=model, status="200").inc()
         tail = w.usage(total_usage(usages, parsed.n).to_dict()) if parsed.include_usage else ""
@@ -566,18 +591,24 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
 
 def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,
                    on_done: Callable[[str, str], None] | None, prompt: Prompt,
-                   shaper: AnswerStream | None = None) -> Generator[str, None, DoneEvent]:
+                   shaper: AnswerStream | None = None, prompt_only: bool = False,
+                   with_ids: bool = False) -> Generator[str, None, DoneEvent]:
     """The chunks of one choice (after its role, the prompt's `echo` text as a delta of its own, as vLLM sends it,
     with the prompt's log-probabilities when asked); returns its done event (a worker error raises WorkerError).
-    With tools or a reasoning parser, `shaper` turns the text into reasoning, content and tool-call deltas."""
+    With tools or a reasoning parser, `shaper` turns the text into reasoning, content and tool-call deltas.
+    `prompt_only` (ParsedRequest.prompt_only): the echo is the whole choice, the generated token is not sent.
+    `with_ids` (vLLM's `return_token_ids`): each delta carries its token ids, and the choice's first chunk (chat:
+    its role chunk) the prompt's."""
     echo = prompt.echo
+    prompt_ids = prompt.ids if with_ids else None
     if shaper is not None:
-        return (yield from _stream_shaped_choice(w, index, events, shaper, echo, on_done))
+        return (yield from _stream_shaped_choice(w, index, events, shaper, echo, on_done, prompt_ids))
     parts: list[str] = []
-    pending = w.role(index)  # sent with the first delta: one write
+    pending = w.role(index, prompt_ids)  # sent with the first delta: one write
+    head_ids = prompt_ids if w.kind != "chat" else None  # a text completion's first chunk carries the prompt's ids
     echo_lps = bool(echo) and out.prompt_wanted  # the echo waits for the prompt's, in the first delta
     if echo and not echo_lps:
-        pending += w.delta(echo, index)
+        pending, head_ids = pending + w.delta(echo, index, prompt_token_ids=head_ids), None
     base = 0  # where the completion's token offsets start: after the echoed prompt's tokens
     deltas = stream_choice(events)
     while True:
@@ -588,16 +619,17 @@ def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Ou
             if on_done is not None and index == 0:
                 on_done("".join(parts), done.finish_reason)
             if echo_lps:  # no token came: the echo alone
-                pending += w.delta(echo, index)
+                pending += w.delta(echo, index, prompt_token_ids=head_ids)
             yield pending + w.finish(done.finish_reason, index)
             return done
         w.generated(index, ev.n)
         if echo_lps:
             head, base = out.prompt(prompt, ev.prompt_lp)
-            pending, echo_lps = pending + w.delta(echo, index, head), False
-        if not ev.text and ev.lp is None:
+            pending, echo_lps = pending + w.delta(echo, index, head, prompt_token_ids=head_ids), False
+            head_ids = None
+        if prompt_only or (not ev.text and ev.lp is None and not (with_ids and ev.ids)):
             continue
         lps = out.logprobs(ev.ids, ev.lp, base + sum(map(len, parts))) if ev.lp is not None else None
         parts.append(ev.text)
-        yield pending + w.delta(ev.text, index, lps)
-        pending = ""
+        yield pending + w.delta(ev.text, index, lps, ev.ids if with_ids else None, head_ids)
+        pending, head_ids = "", None

@@ -424,7 +424,7 @@ class VllmEngine:
                     lps = token_logprobs(tokens, comp.logprobs, k) if k is not None and comp else None
                     plps = None  # vLLM sends the prompt's with the first output
                     if kp is not None and getattr(ro, "prompt_logprobs", None):
-                        plps = [None, *token_logprobs(prompt_ids[1:], ro.prompt_logprobs[1:], kp)]
+                        plps = [None, *token_logprobs(prompt_ids[1:], ro.prompt_logprobs[1:], kp, ranks=True)]
                         kp = None
                     n_out += len(tokens)
                     self.tokens_generated += len(tokens)

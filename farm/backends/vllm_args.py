@@ -110,17 +110,27 @@ def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, p
         "logit_bias": dict(p.logit_bias) or None,
     }
     if p.response_format is not None:
-        fmt = p.response_format
-        spec = {"json_object": True} if fmt["type"] == "json_object" else {"json": fmt["json_schema"]["schema"]}
-        kw["structured_outputs"] = structured(**spec) if structured else spec
+        kw["structured_outputs"] = structured(**structured_spec(p.response_format)) if structured else \
+            structured_spec(p.response_format)
     if kv_transfer_params is not None:
         kw["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
     return kw
 
 
-def token_logprobs(token_ids: list[int], positions: Any, k: int) -> list[TokenLogprobs]:
+def structured_spec(fmt: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's StructuredOutputsParams fields for a task's `response_format` (farm.protocol.request.CONSTRAINTS)."""
+    kind = fmt["type"]
+    spec: dict[str, Any] = {"json_object": True} if kind == "json_object" else \
+        {"json": fmt["json_schema"]["schema"]} if kind == "json_schema" else {kind: fmt[kind]}
+    if fmt.get("disable_any_whitespace"):
+        spec["disable_any_whitespace"] = True
+    return spec
+
+
+def token_logprobs(token_ids: list[int], positions: Any, k: int, ranks: bool = False) -> list[TokenLogprobs]:
     """vLLM's per-token logprobs (one {token id: Logprob} per generated token, the sampled token always
-    among them) in the farm's form: the sampled token's and the `k` best ranked."""
+    among them) in the farm's form: the sampled token's and the `k` best ranked; with `ranks`, the token's own
+    rank (a prompt token's, as vLLM's `prompt_logprobs` show it)."""
     out = []
     for tok, entries in zip(token_ids, positions or [], strict=False):
         entries = entries or {}
@@ -128,7 +138,9 @@ def token_logprobs(token_ids: list[int], positions: Any, k: int) -> list[TokenLo
         top = sorted(((i, e) for i, e in entries.items() if e.rank is not None and e.rank <= k),
                      key=lambda ie: ie[1].rank)
         out.append(TokenLogprobs(float(chosen.logprob) if chosen is not None else float("nan"),
-                                 [(int(i), float(e.logprob)) for i, e in top]))
+                                 [(int(i), float(e.logprob)) for i, e in top],
+                                 int(chosen.rank) if ranks and chosen is not None and chosen.rank is not None
+                                 else None))
     return out
 
 

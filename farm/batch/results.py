@@ -19,7 +19,7 @@ from farm.batch.store import TERMINAL, BatchStore
 from farm.batch.validate import PreparedLine
 from farm.config import FarmConfig
 from farm.gateway.reading import Answer
-from farm.openai.logprobs import for_answer
+from farm.openai.logprobs import for_answer, prompt_logprobs
 from farm.openai.responses import Choice, full_response
 from farm.openai.tools import ToolRequest
 from farm.telemetry import prometheus
@@ -57,16 +57,28 @@ class Results:
         reservation `held` for it (farm.batch.line), or charged (a line the semantic layer answered); a repeat of a
         recorded line gives its reservation back."""
         usage = answer.usage.to_dict()
+        if line.prompt_only:
+            answer = answer.prompt_only()
         logprobs = None
+        tok = self.tokenizer(line.model)
         if line.sampling.get("logprobs") is not None:
-            logprobs = for_answer(line.kind, self.tokenizer(line.model), answer.token_ids, answer.logprobs,
-                                  line.prompt_ids, answer.prompt_logprobs)
+            logprobs = for_answer(line.kind, tok, answer.token_ids, answer.logprobs, line.prompt_ids,
+                                  answer.prompt_logprobs if line.echo_logprobs else None, line.sampling["logprobs"])
+        prompt_lps = None if line.prompt_logprobs is None or answer.prompt_logprobs is None else \
+            prompt_logprobs(tok, line.prompt_ids, answer.prompt_logprobs, line.prompt_logprobs)
         tools = ToolRequest.from_dict(line.tools) if line.tools is not None else None
         # a guard's refusal names the model asked (an alias, MoM): no engine wrote it, no reasoning to split
         parser = next((m.reasoning_parser for m in self.cfg.models if m.name == line.model), None) \
             if line.kind == "chat" else None
-        choice = Choice.of(answer.text, answer.finish_reason, logprobs, tools, parser, line.echo)
-        body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role)
+        ids = line.return_token_ids
+        chat = line.kind == "chat"
+        choice = Choice.of(answer.text, answer.finish_reason, logprobs, tools, parser, line.echo,
+                           token_ids=answer.token_ids if ids else None,
+                           prompt_token_ids=line.prompt_ids if ids and not chat else None,
+                           prompt_logprobs=None if chat else prompt_lps)
+        body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role,
+                             prompt_token_ids=line.prompt_ids if ids and chat else None,
+                             prompt_logprobs=prompt_lps if chat else None)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
         first = self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1

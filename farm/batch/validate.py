@@ -55,6 +55,10 @@ class PreparedLine:
     cache_salt: str | None = None  # the line's own `cache_salt` (vLLM's field), combined with its owner's
     role: str = "assistant"  # chat: the answer's role and the text it starts with (vLLM's echo; ParsedRequest)
     echo: str = ""
+    prompt_only: bool = False  # vLLM's echo with max_tokens 0 (ParsedRequest.prompt_only)
+    return_token_ids: bool = False  # vLLM's: the answer carries its prompt's and its own token ids
+    echo_logprobs: bool = False  # a completion's echo with logprobs (ParsedRequest.echo_logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for (ParsedRequest.prompt_logprobs)
     tools: dict[str, Any] | None = None  # chat: the line's tools (farm.openai.tools.ToolRequest.to_dict)
 
     def to_json(self) -> str:
@@ -176,6 +180,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             continue
         lines.append(PreparedLine(len(lines), no, cid, kind, model, parsed.prompt_ids, parsed.sampling.to_dict(),
                                   cache_salt=parsed.cache_salt, role=parsed.role, echo=parsed.prompt_of(0).echo,
+                                  prompt_only=parsed.prompt_only, return_token_ids=parsed.return_token_ids,
+                                  echo_logprobs=parsed.echo_logprobs, prompt_logprobs=parsed.prompt_logprobs,
                                   tools=parsed.tools.to_dict() if parsed.tools is not None else None))
     if not errors and not lines:
         errors.append(_err("empty_file", "The input file holds no requests.", None, "input_file_id"))

@@ -365,7 +365,7 @@ class Engine:
         for lo in range(start, end, PROMPT_LOGPROB_ROWS):
             hi = min(lo + PROMPT_LOGPROB_ROWS, end)
             rows = self.runner.logits(hidden[lo - start:hi - start])
-            found = logprobs_of(rows, prompt[lo + 1:hi + 1], [k] * (hi - lo))
+            found = logprobs_of(rows, prompt[lo + 1:hi + 1], [k] * (hi - lo), ranks=True)
             seq.prompt_logprobs[lo + 1:hi + 1] = found
 
     def _decode_tokens(self, seqs: list[Sequence], idx: list[int]) -> dict[int, int | None]:

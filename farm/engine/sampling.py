@@ -18,18 +18,23 @@ from farm.protocol import SamplingParams
 
 @dataclass
 class TokenLogprobs:
-    """The sampled token's log-probability and the `k` most likely tokens' (id, log-probability)."""
+    """The sampled (or prompt) token's log-probability, the `k` most likely tokens' (id, log-probability), and, for
+    a prompt token, its rank among the whole vocabulary (1: the most likely; vLLM's `prompt_logprobs` show it)."""
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
     def to_list(self) -> list:
-        """The stream event's form: [logprob, [[id, logprob], ...]]."""
-        return [self.logprob, [[i, lp] for i, lp in self.top]]
+        """The stream event's form: [logprob, [[id, logprob], ...]], and the rank third when there is one."""
+        out = [self.logprob, [[i, lp] for i, lp in self.top]]
+        return out if self.rank is None else [*out, self.rank]
 
     @classmethod
     def from_list(cls, v: list | None) -> TokenLogprobs | None:
-        return None if v is None else cls(float(v[0]), [(int(i), float(lp)) for i, lp in v[1]])
+        if v is None:
+            return None
+        return cls(float(v[0]), [(int(i), float(lp)) for i, lp in v[1]], int(v[2]) if len(v) > 2 else None)
 
 
 @dataclass
@@ -122,13 +127,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return out
 
 
-def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int], ranks: bool = False) -> list[TokenLogprobs]:
     """Each row's sampled token's log-probability and its `k` most likely tokens, from the model's raw
-    logits (before penalties and temperature, as vLLM reports them by default)."""
+    logits (before penalties and temperature, as vLLM reports them by default); with `ranks`, each token's rank
+    (1 + how many tokens are more likely, as vLLM counts it)."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    if len(tokens) != len(ks):
+        raise ValueError(f"{len(tokens)} tokens but {len(ks)} counts of alternatives")
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    above = (logp > chosen[:, None]).sum(dim=-1).tolist() if ranks else None
     out = []
-    for i, (tok, k) in enumerate(zip(tokens, ks, strict=True)):
+    for i, k in enumerate(ks):
         top = logp[i].topk(k) if k else None
-        out.append(TokenLogprobs(float(logp[i, tok]), [] if top is None else
-                                 [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)]))
+        out.append(TokenLogprobs(float(chosen[i]), [] if top is None else
+                                 [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)],
+                                 None if above is None else above[i] + 1))
     return out

@@ -1,5 +1,5 @@
 """Structured output for the built-in engine: a request's `response_format` (a JSON object, or one matching a JSON
-schema; tool calls forced by `tool_choice` arrive as one) becomes a grammar whose matcher masks every step's logits
+schema; tool calls forced by `tool_choice` arrive as one; or vLLM's regex, choice or grammar) becomes a grammar whose matcher masks every step's logits
 to the tokens that keep the output valid, with the library vLLM's `guidance` backend uses (llguidance: a small Rust
 wheel without dependencies).
 
@@ -16,17 +16,11 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from farm.protocol.constraints import grammar_of
+
 
 class InvalidFormat(ValueError):
-    """A response format whose schema the grammar library refuses."""
-
-
-def grammar_of(response_format: dict[str, Any]) -> str:
-    """The grammar of a response format: any JSON object, or the schema's (compact: unbounded whitespace lets a
-    small model loop on blanks until max_tokens)."""
-    schema = {"type": "object"} if response_format["type"] == "json_object" else \
-        response_format["json_schema"]["schema"]
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    """A response format the grammar library refuses."""
 
 
 class Grammars:

@@ -16,7 +16,7 @@ them to HTTP statuses in api/error_handlers.py; the batch driver records them).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from farm.gateway.failures import WorkerError
 from farm.protocol import DeltaEvent, DoneEvent, ErrorEvent, Event, StartEvent, Usage
@@ -28,8 +28,8 @@ class Answer:
 
     text: str
     done: DoneEvent
-    token_ids: list[int] = field(default_factory=list)  # only when the worker sent log-probabilities
-    logprobs: list[list] = field(default_factory=list)  # aligned with token_ids
+    token_ids: list[int] = field(default_factory=list)  # every generated token's id
+    logprobs: list[list] = field(default_factory=list)  # aligned with token_ids, when the request asked for them
     prompt_logprobs: list[list | None] | None = None  # per prompt token, when the request asked for them
 
     @property
@@ -39,6 +39,11 @@ class Answer:
     @property
     def usage(self) -> Usage:
         return self.done.usage
+
+    def prompt_only(self) -> Answer:
+        """The choice of vLLM's `echo` with `max_tokens` 0: the one token generated is counted in the usage but
+        not answered; the echoed prompt (and its log-probabilities) is the whole choice."""
+        return replace(self, text="", token_ids=[], logprobs=[])
 
 
 def _ended() -> WorkerError:
@@ -97,7 +102,7 @@ def stream_choice(events: Iterable[Event]) -> Generator[DeltaEvent, None, DoneEv
 
 
 def collect(events: Iterable[Event], on_first_delta: Callable[[DeltaEvent], None] | None = None) -> Answer:
-    """A whole choice: its text, its done event and, when the worker sent them, token ids and log-probabilities
+    """A whole choice: its text, its done event, its token ids and, when the worker sent them, log-probabilities
     (`on_first_delta` is told when the first tokens arrive: the prompt is prefilled)."""
     parts: list[str] = []
     ids: list[int] = []
@@ -114,8 +119,8 @@ def collect(events: Iterable[Event], on_first_delta: Callable[[DeltaEvent], None
             if on_first_delta is not None:
                 on_first_delta(ev)
         parts.append(ev.text)
+        ids.extend(ev.ids)
         if ev.lp is not None:
-            ids.extend(ev.ids)
             lps.extend(ev.lp)
 
 

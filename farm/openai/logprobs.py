@@ -49,7 +49,7 @@ def completion_logprobs(tokenizer: Any, ids: list[int], lps: list[list | None], 
     for tid, entry in zip(ids, lps, strict=False):
         text = _token(tokenizer, tid)
         tokens.append(text)
-        lp, top = entry if entry is not None else (None, None)
+        lp, top = (entry[0], entry[1]) if entry is not None else (None, None)  # a prompt token's has its rank third
         token_lps.append(lp)
         tops.append(None if top is None else {**{_token(tokenizer, i): v for i, v in top}, text: lp})
         offsets.append(offset)
@@ -70,17 +70,44 @@ def for_kind(kind: str, tokenizer: Any, ids: list[int], lps: list[list], offset:
     return chat_logprobs(tokenizer, ids, lps) if kind == "chat" else completion_logprobs(tokenizer, ids, lps, offset)
 
 
-def echoed(tokenizer: Any, prompt_ids: list[int], prompt_lps: list[list | None]) -> tuple[dict[str, Any], int]:
-    """An echoed prompt's log-probabilities (a text completion's `echo` with `logprobs`, as vLLM answers them) and
+def echoed(tokenizer: Any, prompt_ids: list[int], prompt_lps: list[list | None],
+           k: int | None = None) -> tuple[dict[str, Any], int]:
+    """An echoed prompt's log-probabilities (a text completion's `echo` with `logprobs`, as vLLM answers them, with
+    at most `k` alternatives: the worker computed as many as the larger of `logprobs` and `prompt_logprobs`) and
     the character offset its tokens end at, where the completion's token offsets go on."""
+    if k is not None:
+        prompt_lps = [None if e is None else [e[0], e[1][:k]] for e in prompt_lps]
     head = completion_logprobs(tokenizer, prompt_ids, prompt_lps)
     return head, (head["text_offset"][-1] + len(head["tokens"][-1])) if head["tokens"] else 0
 
 
 def for_answer(kind: str, tokenizer: Any, ids: list[int], lps: list[list], prompt_ids: Sequence[int] = (),
-               prompt_lps: list[list | None] | None = None) -> dict[str, Any]:
-    """A whole choice's log-probabilities: its echoed prompt's first when the worker sent them."""
+               prompt_lps: list[list | None] | None = None, k: int | None = None) -> dict[str, Any]:
+    """A whole choice's log-probabilities: its echoed prompt's first (at most `k` alternatives each) when the
+    worker sent them."""
     if prompt_lps is None:
         return for_kind(kind, tokenizer, ids, lps)
-    head, end = echoed(tokenizer, list(prompt_ids), prompt_lps)
+    head, end = echoed(tokenizer, list(prompt_ids), prompt_lps, k)
     return merge(kind, [head, for_kind(kind, tokenizer, ids, lps, end)]) or head
+
+
+def prompt_logprobs(tokenizer: Any, prompt_ids: Sequence[int], prompt_lps: list[list | None],
+                    k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice (a text completion's) or a response (a chat's): null for the first
+    token, then for each prompt token {token id: {logprob, rank, decoded_token}}, the token's own first, then the
+    `k` most likely (ranked 1..k; one of them may be the token itself). A log-probability of -inf is -9999.0, as
+    vLLM clamps it (JSON has no infinity)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, entry in zip(prompt_ids, prompt_lps, strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        found = {str(tid): _entry(tokenizer, tid, entry[0], entry[2] if len(entry) > 2 else None)}
+        for rank, (i, v) in enumerate(entry[1][:k], start=1):
+            found[str(i)] = _entry(tokenizer, i, v, rank)
+        out.append(found)
+    return out
+
+
+def _entry(tokenizer: Any, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": _token(tokenizer, token_id)}

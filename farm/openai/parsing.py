@@ -25,12 +25,14 @@ from farm.openai.schemas import (
     MAX_MESSAGES,
     ChatCompletionRequest,
     CompletionRequest,
+    StructuredOutputsOf,
     check_hints,
     field_bounds,
     reject_unknown_fields,
 )
-from farm.openai.structured import check_schema
+from farm.openai.structured import check_constraint, check_schema
 from farm.openai.tools import ToolRequest, parse_tools, template_inputs
+from farm.openai.validation import validated
 from farm.protocol import (
     MAX_LOGIT_BIAS,
     MAX_RESPONSE_FORMAT_CHARS,
@@ -87,6 +89,10 @@ class ParsedRequest:
     reasoning_parser: str | None = None  # chat: the model's (farm.openai.reasoning): reasoning split from content
     role: str = "assistant"  # chat: the response message's role (the last message's without a generation prompt)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
+    prompt_only: bool = False  # vLLM's `echo` with `max_tokens` 0: each choice is its prompt alone (Answer.prompt_only)
+    return_token_ids: bool = False  # vLLM's: the answer carries prompt and generated token ids
+    echo_logprobs: bool = False  # a text completion's `echo` with `logprobs`: its logprobs start with the prompt's
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` asked for (k alternatives), not streamed
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -220,6 +226,70 @@ def _response_format(body: dict) -> dict[str, Any] | None:
     return {"type": "json_object"}
 
 
+def _constraint(body: dict) -> dict[str, Any] | None:
+    """What the answer is held to: OpenAI's `response_format`, or vLLM's `structured_outputs` (one of a JSON
+    schema, a regex, a choice of strings, a grammar or any JSON object), as the task's `response_format`
+    (farm.protocol.request.CONSTRAINTS); each compiled once here, so a bad one is the client's 400."""
+    fmt = _response_format(body)
+    if body.get("structured_outputs") is None:
+        return fmt
+    if fmt is not None:
+        raise bad_request("'structured_outputs' cannot be combined with a 'response_format'", "structured_outputs",
+                          "invalid_value")
+    so = validated(StructuredOutputsOf, {"structured_outputs": body["structured_outputs"]}).structured_outputs
+    for name in ("whitespace_pattern", "structural_tag"):
+        if getattr(so, name) not in (None, "", False):
+            raise bad_request(f"'structured_outputs.{name}' is not supported by this server",
+                              f"structured_outputs.{name}", "unsupported_parameter")
+    given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                               ("grammar", so.grammar), ("json_object", so.json_object)) if v is not None}
+    if len(given) != 1:
+        raise bad_request("'structured_outputs' must hold exactly one of json, regex, choice, grammar or "
+                          f"json_object (got {len(given)})", "structured_outputs", "invalid_value")
+    (kind, value), = given.items()
+    param = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        fmt = {"type": "json_object"}
+    elif kind == "json":
+        schema = _json_schema(value, param)
+        if so.disable_additional_properties:
+            schema = closed_objects(schema)
+        check_schema(schema, param)
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    else:
+        fmt = {"type": kind, kind: value}
+        check_constraint(fmt, param, {"regex": "a regex", "choice": "a choice", "grammar": "a grammar"}[kind])
+    if so.disable_any_whitespace and kind in ("json", "json_object"):
+        fmt["disable_any_whitespace"] = True
+    return format_within_bound(fmt, "structured_outputs")
+
+
+def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request(f"'{param}' must be a JSON schema: an object, or its JSON text", param,
+                              "invalid_value") from None
+    if not isinstance(value, dict):
+        raise bad_request(f"'{param}' must be a JSON schema object", param, "invalid_value")
+    return value
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that names properties and leaves it unset
+    (vLLM's `disable_additional_properties`); a copy."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def format_within_bound(fmt: dict[str, Any], param: str) -> dict[str, Any]:
     """`fmt`, or a 400 naming `param` when it is past what a worker takes (MAX_RESPONSE_FORMAT_CHARS as JSON): the
     worker refused it as an invalid task, which reached the client as a 500."""
@@ -301,7 +371,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     min_p = _number(body, "min_p", defaults.min_p)
     stop_token_ids = _token_ids(body, "stop_token_ids", vocab, int(field_bounds(ChatCompletionRequest, "stop_token_ids")[1]))
     logit_bias = _logit_bias(body, vocab)
-    response_format = _response_format(body)
+    response_format = _constraint(body)
     logprobs = _logprobs(body, kind)
     seed = _type_check(body, "seed", (int,), "an integer")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -538,13 +608,15 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
                                                vocab=len(tokenizer))
     if tools is not None and (forced := tools.response_format()) is not None:
         params = replace(params, response_format=format_within_bound(forced, "tools"))
+    params, prompt_k = _prompt_logprobs(body, params, stream)
     role = "assistant" if opts.add_generation_prompt else messages[-1]["role"]
     echo = messages[-1]["content"] if opts.echo and messages[-1]["role"] == role else ""
     return ParsedRequest(body["model"], [Prompt(ids, echo)], params, stream, include_usage, {"messages": messages},
                          n, cache_salt=_cache_salt(body),
                          tools=tools if tools is not None and tools.active else None,
                          reasoning_parser=reasoning_parser, role=role,
-                         continuous_usage=_continuous_usage(body, include_usage))
+                         continuous_usage=_continuous_usage(body, include_usage),
+                         return_token_ids=_return_token_ids(body), prompt_logprobs=prompt_k)
 
 
 def raw_prompts(body: dict) -> list[Any]:
@@ -591,7 +663,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
                      defaults: SamplingDefaults | None = None, chars_per_token: int = 0) -> ParsedRequest:
     """Validate a /v1/completions body (model already checked): its prompts, each as text or token ids (vLLM's
     batch: up to MAX_CHOICES choices in all), and vLLM's `echo` (each choice starts with its prompt's text; with
-    `logprobs`, its log-probabilities start with the prompt's)."""
+    `logprobs`, its log-probabilities start with the prompt's; with `max_tokens` 0, the prompt is all it holds)."""
     reject_unknown_fields(body, CompletionRequest)
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
@@ -599,6 +671,9 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     best_of = _type_check(body, "best_of", (int,), "an integer")
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
+    prompt_only = echo and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
+    if prompt_only:  # vLLM's scoring form: one token is generated (and counted), only the prompt is answered
+        body = {**body, "max_tokens": 1}
     raw = raw_prompts(body)
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
@@ -612,13 +687,35 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if len(prompts) > 1 and all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens")):
         # each prompt's own room (the shared value is the longest prompt's), as vLLM defaults each prompt
         prompts = [replace(p, max_tokens=_default_max_tokens(len(p.ids), max_model_len, defaults)) for p in prompts]
-    if echo and params.logprobs is not None:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
+    echo_logprobs = echo and params.logprobs is not None
+    if echo_logprobs:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
         params = replace(params, prompt_logprobs=params.logprobs)
+    params, prompt_k = _prompt_logprobs(body, params, stream)
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"a request may ask for at most {MAX_CHOICES} choices (prompts times n), got "
                           f"{len(prompts)} x {n}", "n", "invalid_value")
     return ParsedRequest(body["model"], prompts, params, stream, include_usage, n=n, cache_salt=_cache_salt(body),
-                         continuous_usage=_continuous_usage(body, include_usage))
+                         continuous_usage=_continuous_usage(body, include_usage), prompt_only=prompt_only,
+                         return_token_ids=_return_token_ids(body), echo_logprobs=echo_logprobs,
+                         prompt_logprobs=prompt_k)
+
+
+def _prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> tuple[SamplingParams, int | None]:
+    """vLLM's `prompt_logprobs` (0-20: each prompt token's log-probability, rank and that many alternatives;
+    vLLM's -1, the whole vocabulary, is refused) and the sampling that computes them: as many alternatives as
+    this or an echo's `logprobs` asks, whichever is more. Not with `stream`, as vLLM."""
+    if body.get("prompt_logprobs") is None:
+        return params, None
+    k = _integer(body, "prompt_logprobs", 0)
+    if stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs",
+                          "invalid_value")
+    return replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0)), k
+
+
+def _return_token_ids(body: dict) -> bool:
+    """vLLM's `return_token_ids` (the ids an RL trainer learns from, without a tokenizer round trip)."""
+    return _type_check(body, "return_token_ids", (bool,), "a boolean") or False
 
 
 def _continuous_usage(body: dict, include_usage: bool) -> bool:

@@ -39,30 +39,54 @@ class Choice:
     logprobs: dict[str, Any] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str | None = None
+    token_ids: list[int] | None = None  # vLLM's `return_token_ids`: the generated ids
+    prompt_token_ids: list[int] | None = None  # ... and, on a text completion's choice, its prompt's
+    prompt_logprobs: list[Any] | None = None  # vLLM's `prompt_logprobs`, on a text completion's choice
 
     @classmethod
     def of(cls, text: str, reason: str | None, logprobs: dict[str, Any] | None = None,
-           tools: ToolRequest | None = None, reasoning_parser: str | None = None, echo: str = "") -> Choice:
+           tools: ToolRequest | None = None, reasoning_parser: str | None = None, echo: str = "",
+           token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
+           prompt_logprobs: list[Any] | None = None) -> Choice:
         """A generated answer's choice: its reasoning and its calls read out of its text (farm.openai.answer)."""
         if tools is None and reasoning_parser is None:
-            return cls(echo + text, reason, logprobs)
+            return cls(echo + text, reason, logprobs, token_ids=token_ids, prompt_token_ids=prompt_token_ids,
+                       prompt_logprobs=prompt_logprobs)
         a = read_answer(text, reason, tools, reasoning_parser, echo)
-        return cls(a.content, a.finish_reason, logprobs, a.tool_calls, a.reasoning)
+        return cls(a.content, a.finish_reason, logprobs, a.tool_calls, a.reasoning, token_ids, prompt_token_ids,
+                   prompt_logprobs)
 
 
 def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dict[str, int],
-                  role: str = "assistant") -> dict[str, Any]:
-    """The non-streamed `chat.completion` (kind "chat", its messages' `role`) or `text_completion` object."""
+                  role: str = "assistant", prompt_token_ids: list[int] | None = None,
+                  prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """The non-streamed `chat.completion` (kind "chat", its messages' `role`; the prompt's `prompt_token_ids` and
+    `prompt_logprobs` on the response, as vLLM puts them) or `text_completion` object."""
     created = int(time.time())
     if kind == "chat":
-        out = [{"index": i, "message": _message(role, c), "logprobs": c.logprobs,
-                "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(choices)]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-                "usage": usage(u)}
-    out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": finish_reason(c.finish_reason)}
-           for i, c in enumerate(choices)]
+        out = [_vllm_fields({"index": i, "message": _message(role, c), "logprobs": c.logprobs,
+                             "finish_reason": finish_reason(c.finish_reason)}, c) for i, c in enumerate(choices)]
+        whole = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+                 "usage": usage(u)}
+        if prompt_logprobs is not None:
+            whole["prompt_logprobs"] = prompt_logprobs
+        return whole if prompt_token_ids is None else {**whole, "prompt_token_ids": prompt_token_ids}
+    out = [_vllm_fields({"index": i, "text": c.text, "logprobs": c.logprobs,
+                         "finish_reason": finish_reason(c.finish_reason)}, c) for i, c in enumerate(choices)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage(u)}
+
+
+def _vllm_fields(choice: dict[str, Any], c: Choice) -> dict[str, Any]:
+    """A choice's fields of vLLM's extensions, when the request asked for them: `return_token_ids`' ids and (a text
+    completion's) `prompt_logprobs`."""
+    if c.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = c.prompt_logprobs
+    if c.prompt_token_ids is not None:
+        choice["prompt_token_ids"] = c.prompt_token_ids
+    if c.token_ids is not None:
+        choice["token_ids"] = c.token_ids
+    return choice
 
 
 def _message(role: str, c: Choice) -> dict[str, Any]:
@@ -112,19 +136,35 @@ class ChunkWriter:
         """Choice `index` has `tokens` more tokens (what its next chunks' running usage counts)."""
         self._generated[index] = self._generated.get(index, 0) + tokens
 
-    def role(self, index: int = 0) -> str:
+    def role(self, index: int = 0, prompt_token_ids: list[int] | None = None) -> str:
+        """A chat choice's first chunk (with `prompt_token_ids` on it, as vLLM's `return_token_ids` sends them)."""
         if self.kind != "chat":
             return ""
+        extra = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
         return self._chunk([{"index": index, "delta": {"role": self.message_role, "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+                             "finish_reason": None}], **extra)
 
-    def delta(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
-        if logprobs is None and self._prompt_tokens is None:
+    def delta(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None,
+              token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """A text delta; with vLLM's `return_token_ids`, its tokens' ids (`token_ids`) and, on a text completion's
+        first chunk of a choice, its prompt's."""
+        if logprobs is None and self._prompt_tokens is None and token_ids is None and prompt_token_ids is None:
             return f"{self._head}{index}{self._text_key}{encode_basestring_ascii(text)}{self._text_end}"
         if self.kind == "chat":
-            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
-                                 "finish_reason": None}])
-        return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
+            choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+            if prompt_token_ids is not None:
+                choice["prompt_token_ids"] = prompt_token_ids
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self._chunk([choice])
+
+    def token_ids(self, ids: list[int], index: int = 0) -> str:
+        """A chunk of token ids alone (an empty delta): the ids of tokens whose text a tool or reasoning parser
+        holds or sends as other deltas, as vLLM sends them with `return_token_ids`."""
+        delta: dict[str, Any] = {"index": index, "delta": {}} if self.kind == "chat" else {"index": index, "text": ""}
+        return self._chunk([{**delta, "logprobs": None, "finish_reason": None, "token_ids": ids}])
 
     def thought(self, text: str, index: int = 0) -> str:
         """A streamed piece of reasoning, under both of its names (as the whole message carries it)."""

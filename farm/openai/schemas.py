@@ -82,6 +82,30 @@ class StreamOptions(_Loose):
         "vLLM extension: with include_usage, every chunk carries its choice's usage so far"))
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint on the answer (its StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json", description=(
+        "a JSON schema (an object, or one as a string)"))
+    regex: StrictStr | None = Field(None, min_length=1, description="a regular expression the whole answer matches")
+    choice: list[StrictStr] | None = Field(None, min_length=1, description="the answer is one of these strings")
+    grammar: StrictStr | None = Field(None, min_length=1, description=(
+        "a context-free grammar, in Lark's syntax or GBNF (as vLLM's guidance backend takes it)"))
+    json_object: Literal[True] | None = Field(None, description="any JSON object")
+    disable_any_whitespace: StrictBool = Field(False, description=(
+        "JSON without free whitespace (the built-in engine's JSON is always compact; vLLM workers honour it)"))
+    disable_additional_properties: StrictBool = Field(False, description=(
+        "objects of the schema take no property it does not name (additionalProperties: false where unset)"))
+    whitespace_pattern: Any = Field(None, description=UNSUPPORTED_NOTE)
+    structural_tag: Any = Field(None, description=UNSUPPORTED_NOTE)
+
+
+class StructuredOutputsOf(_Request):
+    """A request's `structured_outputs` alone, so a problem is named with its path (`structured_outputs.choice`)."""
+
+    structured_outputs: StructuredOutputs
+
+
 class _Sampling(_Request):
     model: str = Field(description="a configured model (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens must fit max_model_len")
@@ -109,6 +133,15 @@ class _Sampling(_Request):
                                                                "text (default true)")
     include_stop_str_in_output: bool | None = Field(None, description=(
         "vLLM extension: keep the stop string (or the stop token's text) that ended the completion (default false)"))
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "vLLM extension: each prompt token's log-probability, rank and this many alternatives (chat: on the "
+        "response; a text completion: on each choice); not with stream"))
+    return_token_ids: bool | None = Field(None, description=(
+        "vLLM extension: each choice carries its generated `token_ids` and the prompt's `prompt_token_ids` (chat: on "
+        "the response; streamed: on a choice's first chunk, and each chunk its own ids)"))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "vLLM extension: the answer held to a JSON schema, a regex, a choice of strings or a grammar (not with "
+        "response_format, nor with a forced tool_choice)"))
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
         "vLLM extension: prefix-cache reuse only among requests with this salt, within the caller's own API key's "
         "scope (which every request has anyway); no '@', '/', '\\' or NUL"))
@@ -188,6 +221,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str | list[int]] = Field(description=(
         f"a string, a list of token ids, or a list of those (a batch: choice i*n+j is the j-th of prompt i; at "
         f"most {MAX_CHOICES} choices in all)"))
+    max_tokens: int | None = Field(None, ge=0, description=(
+        "prompt + max_tokens must fit max_model_len; 0 only with echo: the choice is the prompt alone (one token "
+        "is generated and counted, as vLLM does)"))
     echo: bool | None = Field(None, description=(
         "each choice starts with its prompt's text; with logprobs, its log-probabilities start with the prompt "
         "tokens' (null for the first), as vLLM answers"))

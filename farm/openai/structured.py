@@ -1,5 +1,6 @@
-"""Structured output's JSON schemas, checked when a request arrives: a schema the engines' grammar compiler
-(llguidance in the built-in engine; vLLM's own) cannot take is the client's 400, not a worker's error later."""
+"""Structured output's constraints, checked when a request arrives: a JSON schema, regex or grammar the engines'
+grammar compiler (llguidance in the built-in engine; vLLM's own) cannot take is the client's 400, not a worker's
+error later."""
 
 from __future__ import annotations
 
@@ -7,23 +8,19 @@ from typing import Any
 
 from farm.infra.cooperative import offload
 from farm.openai.api_error import bad_request
+from farm.protocol.constraints import grammar_error
 
 
 def check_schema(schema: dict[str, Any], param: str) -> None:
-    """A 400 naming `param` when `schema` cannot become a grammar. The compiler runs off the API's gevent hub (it
-    lets go of the GIL): a request's megabytes of tool schemas took seconds in which no other request moved."""
-    error = offload(_grammar_error, schema)
+    """A 400 naming `param` when the JSON schema `schema` cannot become a grammar."""
+    check_constraint({"type": "json_schema", "json_schema": {"schema": schema}}, param, "a JSON schema")
+
+
+def check_constraint(fmt: dict[str, Any], param: str, what: str) -> None:
+    """A 400 naming `param` when the constraint `fmt` (farm.protocol.request.CONSTRAINTS), `what` to the client,
+    cannot become a grammar. The compiler runs off the API's gevent hub (it lets go of the GIL): a request's
+    megabytes of tool schemas took seconds in which no other request moved."""
+    error = offload(grammar_error, fmt)
     if error:
-        raise bad_request(f"'{param}' holds a JSON schema structured output cannot use: {error[:300]}", param,
+        raise bad_request(f"'{param}' holds {what} structured output cannot use: {error[:300]}", param,
                           "invalid_value")
-
-
-def _grammar_error(schema: dict[str, Any]) -> str:
-    """What the grammar compiler finds wrong with `schema` ("" when nothing)."""
-    import llguidance
-
-    try:
-        return llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
-    except (ValueError, TypeError) as e:
-        return str(e)

@@ -180,6 +180,9 @@ def parse_tools(body: dict[str, Any], parser: str | None, model: str = "") -> To
     if choice in ("required", "function") and body.get("response_format") not in (None, {"type": "text"}):
         raise bad_request("'response_format' cannot be combined with tool_choice 'required' or a named function",
                           "response_format", "invalid_value")
+    if choice in ("required", "function") and body.get("structured_outputs") is not None:
+        raise bad_request("'structured_outputs' cannot be combined with tool_choice 'required' or a named function",
+                          "structured_outputs", "invalid_value")
     return ToolRequest(checked, str(choice), function, parallel is not False, parser)
 
 

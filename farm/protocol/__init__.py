@@ -37,6 +37,7 @@ from farm.protocol.queues import (
     queues_for_role,
 )
 from farm.protocol.request import (
+    CONSTRAINTS,
     GREEDY_BELOW_TEMPERATURE,
     MAX_ID_CHARS,
     MAX_LOGIT_BIAS,
@@ -71,7 +72,7 @@ from farm.protocol.stream_events import (
 __all__ = [
     "BATCH_QUEUE", "CANCEL_TTL_S", "EVENT_FIELD", "FINISH_REASONS", "GREEDY_BELOW_TEMPERATURE", "MAX_ID_CHARS", "MAX_LOGIT_BIAS",
     "MAX_RESPONSE_FORMAT_CHARS", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE",
-    "MAX_TOP_LOGPROBS", "OBS_STREAM", "PRIORITY_SEP", "RESPONSE_FORMATS", "ROLES", "SEED_RANGE", "STREAM_TTL_S",
+    "CONSTRAINTS", "MAX_TOP_LOGPROBS", "OBS_STREAM", "PRIORITY_SEP", "RESPONSE_FORMATS", "ROLES", "SEED_RANGE", "STREAM_TTL_S",
     "TASK_BATCH_DRIVE", "TASK_DECODE", "TASK_GENERATE", "TASK_PING", "TASK_PREFILL", "TASK_RELEASE_KV", "DeltaEvent", "DoneEvent",
     "ErrorEvent", "Event", "GenerationRequest", "InvalidTask", "ReplyBatch", "Role", "SamplingParams", "StartEvent",
     "Usage", "cancel_key", "claim_key", "decode_reply", "direct_queue", "encode_reply", "fallback_id",

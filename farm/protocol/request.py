@@ -32,7 +32,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's limit of logit_bias entries
 MAX_STOP_TOKEN_IDS = 64
 MAX_RESPONSE_FORMAT_CHARS = 65536
-RESPONSE_FORMATS = frozenset({"json_object", "json_schema"})
+RESPONSE_FORMATS = frozenset({"json_object", "json_schema"})  # OpenAI's response_format types (besides text)
+# what a task's `response_format` may hold: OpenAI's, and vLLM's `structured_outputs` kinds that are no JSON schema
+# ({"type": "regex", "regex": str}, {"type": "choice", "choice": [str, ...]}, {"type": "grammar", "grammar": str})
+CONSTRAINTS = RESPONSE_FORMATS | {"regex", "choice", "grammar"}
 
 
 def is_request_id(v: Any) -> bool:
@@ -92,13 +95,20 @@ def _logit_bias(v: Any, vocab: int) -> dict[int, float]:
 
 
 def _response_format(v: Any) -> dict[str, Any] | None:
-    """None, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}, ...}}."""
+    """None, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": {...}, ...}}, or one of
+    vLLM's other structured outputs (CONSTRAINTS)."""
     if v is None:
         return None
-    if not isinstance(v, dict) or not one_of(v.get("type"), RESPONSE_FORMATS):
-        raise InvalidTask(f"sampling.response_format must be an object with type in {sorted(RESPONSE_FORMATS)}")
-    if v["type"] == "json_schema" and not isinstance((v.get("json_schema") or {}).get("schema"), dict):
+    if not isinstance(v, dict) or not one_of(v.get("type"), CONSTRAINTS):
+        raise InvalidTask(f"sampling.response_format must be an object with type in {sorted(CONSTRAINTS)}")
+    kind = v["type"]
+    if kind == "json_schema" and not isinstance((v.get("json_schema") or {}).get("schema"), dict):
         raise InvalidTask("sampling.response_format.json_schema.schema must be an object")
+    if kind in ("regex", "grammar") and not isinstance(v.get(kind), str):
+        raise InvalidTask(f"sampling.response_format.{kind} must be a string")
+    if kind == "choice" and not (isinstance(v.get("choice"), list) and v["choice"]
+                                 and all(isinstance(c, str) for c in v["choice"])):
+        raise InvalidTask("sampling.response_format.choice must be a non-empty list of strings")
     if len(json.dumps(v)) > MAX_RESPONSE_FORMAT_CHARS:
         raise InvalidTask(f"sampling.response_format is larger than {MAX_RESPONSE_FORMAT_CHARS} characters")
     return v

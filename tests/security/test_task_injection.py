@@ -74,6 +74,10 @@ def good_message(**kw) -> dict:
     {"sampling": {"temperature": 10**400}},
     {"sampling": {"response_format": {"type": ["json_object"]}}},  # unhashable: once a TypeError, not refused
     {"sampling": {"response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}}},
+    {"sampling": {"response_format": {"type": "regex", "regex": ["a"]}}},
+    {"sampling": {"response_format": {"type": "grammar"}}},
+    {"sampling": {"response_format": {"type": "choice", "choice": []}}},
+    {"sampling": {"response_format": {"type": "choice", "choice": ["a", 2]}}},
 ])
 def test_bad_task_messages_are_refused(change):
     with pytest.raises(InvalidTask):

@@ -128,6 +128,20 @@ def test_prompt_scoring_is_vllm_serves(client, vllm_serve):
         for x, y in zip(a.logprobs.token_logprobs[1:], b.logprobs.token_logprobs[1:], strict=True):
             assert abs(x - y) < 1e-3
         assert [set(t) for t in a.logprobs.top_logprobs[1:]] == [set(t) for t in b.logprobs.top_logprobs[1:]]
+    # `max_tokens` 0 (the scoring form of OpenAI's legacy API): the prompt alone, its usage and finish as vLLM's
+    kw["max_tokens"] = 0
+    ours, theirs = client.completions.create(**kw), serve.completions.create(**kw)
+    assert (ours.usage.prompt_tokens, ours.usage.completion_tokens) == (theirs.usage.prompt_tokens,
+                                                                      theirs.usage.completion_tokens)
+    for a, b in zip(ours.choices, theirs.choices, strict=True):
+        assert (a.text, a.finish_reason, a.logprobs.tokens) == (b.text, b.finish_reason, b.logprobs.tokens)
+        assert all(abs(x - y) < 1e-3 for x, y in zip(a.logprobs.token_logprobs[1:], b.logprobs.token_logprobs[1:],
+                                                     strict=True))
+    streamed = ["", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in theirs.choices]
 
 
 def test_every_sampling_parameter_reaches_vllm_as_vllm_serve_takes_it(client, vllm_serve):
@@ -176,6 +190,66 @@ def test_structured_output_through_vllm(client):
     assert text.startswith("{")  # a JSON object (40 tokens may end it before its closing brace)
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_vllms_structured_outputs_answer_as_vllm_serve(client, vllm_serve):
+    """vLLM's `structured_outputs` (a choice, a regex, a GBNF grammar, a JSON schema as text), on chat and text
+    completions: the farm's greedy answer is `vllm serve`'s, and within the constraint."""
+    import re
+
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "Is the sky blue? Then give a date."}]
+    cases = [({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+             ({"regex": "(yes|no), [0-9]{4}-[0-9]{2}-[0-9]{2}"},
+              lambda t: re.fullmatch("(yes|no), [0-9]{4}-[0-9]{2}-[0-9]{2}", t)),
+             ({"grammar": 'root ::= answer ". " colour\nanswer ::= "Yes" | "No"\ncolour ::= "Blue" | "Grey"'},
+              lambda t: re.fullmatch(r"(Yes|No)\. (Blue|Grey)", t)),
+             ({"json": json.dumps({"type": "object", "properties": {"blue": {"type": "boolean"}}, "required": ["blue"]}),
+               "disable_additional_properties": True}, lambda t: set(json.loads(t)) == {"blue"})]
+    for so, ok in cases:
+        kw = {"model": MODEL, "max_tokens": 40, "temperature": 0, "extra_body": {"structured_outputs": so}}
+        ours = client.chat.completions.create(messages=msgs, **kw).choices[0]
+        theirs = serve.chat.completions.create(messages=msgs, **kw).choices[0]
+        assert ours.message.content == theirs.message.content and ok(ours.message.content), (so, ours, theirs)
+        assert ours.finish_reason == theirs.finish_reason == "stop"
+    kw = {"model": MODEL, "prompt": "The sky is", "max_tokens": 8, "temperature": 0,
+          "extra_body": {"structured_outputs": {"choice": [" blue", " green"]}}}
+    assert client.completions.create(**kw).choices[0].text == serve.completions.create(**kw).choices[0].text
+
+
+def test_prompt_logprobs_are_vllm_serves(client, vllm_serve):
+    """vLLM's `prompt_logprobs` through a farm of vLLM workers: `vllm serve`'s tokens, ranks and decoded tokens,
+    on a text completion's choice and a chat's response."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "max_tokens": 1, "temperature": 0, "extra_body": {"prompt_logprobs": 2}}
+    ours, theirs = client.completions.create(prompt=PROMPTS[0], **kw), serve.completions.create(prompt=PROMPTS[0], **kw)
+    msgs = [{"role": "user", "content": "Say hello."}]
+    chat_ours, chat_theirs = (client.chat.completions.create(messages=msgs, **kw),
+                              serve.chat.completions.create(messages=msgs, **kw))
+    for a, b in ((ours.choices[0].prompt_logprobs, theirs.choices[0].prompt_logprobs),
+                 (chat_ours.prompt_logprobs, chat_theirs.prompt_logprobs)):
+        assert a[0] is None and b[0] is None and len(a) == len(b) > 3
+        for x, y in zip(a[1:], b[1:], strict=True):
+            assert list(x) == list(y)  # the same token ids, in the same order
+            assert all(x[t]["rank"] == y[t]["rank"] and x[t]["decoded_token"] == y[t]["decoded_token"]
+                       and abs(x[t]["logprob"] - y[t]["logprob"]) < 1e-3 for t in x)
+
+
+def test_return_token_ids_are_vllm_serves(client, vllm_serve):
+    """vLLM's `return_token_ids`: the farm's prompt and generated ids are `vllm serve`'s, chat and text, streamed
+    or not (the end-of-sequence token among them, as vLLM counts it)."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "max_tokens": 16, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    msgs = [{"role": "user", "content": "Say hello in French."}]
+    ours, theirs = client.chat.completions.create(messages=msgs, **kw), serve.chat.completions.create(messages=msgs, **kw)
+    assert ours.prompt_token_ids == theirs.prompt_token_ids
+    assert ours.choices[0].token_ids == theirs.choices[0].token_ids
+    ours, theirs = client.completions.create(prompt=PROMPTS[0], **kw), serve.completions.create(prompt=PROMPTS[0], **kw)
+    assert (ours.choices[0].prompt_token_ids, ours.choices[0].token_ids) == \
+        (theirs.choices[0].prompt_token_ids, theirs.choices[0].token_ids)
+    streamed = [i for c in client.chat.completions.create(messages=msgs, stream=True, **kw) if c.choices
+                for i in (getattr(c.choices[0], "token_ids", None) or [])]
+    assert streamed == serve.chat.completions.create(messages=msgs, **kw).choices[0].token_ids
 
 
 def test_tool_calls_through_vllm(client):
