@@ -94,7 +94,7 @@ def test_logprobs_are_the_raw_distributions_log_softmax_with_the_top_k():
     assert logprobs_of(logits, [3], [0])[0].top == []
     assert lp.rank is None and len(lp.to_list()) == 2  # a generated token's: no rank on the wire
     ranked = logprobs_of(torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.0, 1.0]]), [3, 2], [1, 1], ranks=True)
-    assert [r.rank for r in ranked] == [4, 1]  # a tie counts as not above, as vLLM counts it
+    assert [r.rank for r in ranked] == [4, 2]  # a tie ranks it after the other, as vLLM counts (x >= value)
     assert TokenLogprobs.from_list(ranked[0].to_list()) == ranked[0] and ranked[0].to_list()[2] == 4
 
 

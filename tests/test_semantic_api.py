@@ -97,6 +97,10 @@ def test_public_figures_and_addresses_are_not_refused(app, redis_client, model, 
 def test_bad_parameters_are_still_400_on_a_blocked_request(app):
     resp = chat(app, "My SSN is 123-45-6789", temperature=7)
     assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "temperature"
+    # vLLM's scoring form (echo, max_tokens 0) is no bad parameter: the guard answers it (the review: a 400)
+    blocked = app.test_client().post("/v1/completions", json={"model": "MoM", "prompt": "My SSN is 123-45-6789",
+                                                              "echo": True, "max_tokens": 0})
+    assert blocked.status_code == 200 and blocked.headers["x-vsr-pii-violation"] == "true"
 
 
 def test_cache_hit_is_served_without_a_worker_and_no_cache_skips_it(app, redis_client):
@@ -131,7 +135,9 @@ def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redi
     assert fits.status_code == 200 and fits.get_json()["choices"][0]["message"]["content"] == answer
     for extra in ({"max_tokens": n_tokens - 1}, {"max_completion_tokens": 3}, {"stop": "gas"},
                   {"stop": ["Saturn"]}, {"stop_token_ids": [2]}, {"response_format": {"type": "json_object"}},
-                  {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {"5": 1.0}}):
+                  {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {"5": 1.0}},
+                  {"structured_outputs": {"choice": ["Jupiter", "Saturn"]}}, {"return_token_ids": True},
+                  {"prompt_logprobs": 0}):  # vLLM's: a constraint, or more than a cached text holds
         resp = chat(app, question, **extra)
         assert resp.status_code == 503 and "x-vsr-cache-hit" not in resp.headers, extra
     for extra in ({"stop": []}, {"response_format": {"type": "text"}}, {"min_tokens": 0}, {"logit_bias": {}}):

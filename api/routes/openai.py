@@ -64,7 +64,7 @@ from farm.openai.parsing import (
 from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.openai.tool_stream import CallDelta
-from farm.protocol import DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
+from farm.protocol import DeltaEvent, DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
 from farm.semantic.layer import Verdict
 from farm.telemetry import prometheus
 from farm.tenancy.quota import Reservation
@@ -242,6 +242,9 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
             verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, layer=layer, last=last))
     headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, st.model, reason) if tried else {})}
     model, parsed, gen = st.model, st.parsed, st.gen
+    if parsed.n > 1 and parsed.sampling.prompt_logprobs is not None:  # asked of each prompt's first choice only
+        answers = [a if i % parsed.n == 0 else replace(a, prompt_logprobs=answers[i - i % parsed.n].prompt_logprobs)
+                   for i, a in enumerate(answers)]
     if parsed.prompt_only:
         answers = [a.prompt_only() for a in answers]
     if on_prompt is not None:
@@ -426,7 +429,8 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
     """One request per choice: the first under the request's internal id (RequestIds), the others `<id>-<i>`. The
     j-th choice of a prompt has its own seed (seed + j), so seeded choices differ and each prompt's reproduce
     wherever it stands in a batch. A prompt's choices share it, so the router places them where its KV is and the
-    worker computes it once. Each carries the caller's cache salt: prefix-cache reuse only within its tenant (and
+    worker computes it once; its log-probabilities (vLLM's `prompt_logprobs`, an echo's) are asked of its first choice
+    only, as vLLM computes them once. Each carries the caller's cache salt: prefix-cache reuse only within its tenant (and
     the client's own `cache_salt`, if given)."""
     salt = request_scope(parsed.cache_salt)
     reqs = []
@@ -436,6 +440,8 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
             sampling = replace(sampling, max_tokens=most)
         if j and sampling.seed is not None:
             sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
+        if j and sampling.prompt_logprobs is not None:  # one prompt's, computed by its first choice: the others
+            sampling = replace(sampling, prompt_logprobs=None)  # take the prefix cache and share them (_shared_prompt)
         reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_of(i).ids, sampling,
                                       created=time.time(), cache_salt=salt))
     return reqs
@@ -569,8 +575,11 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
     running = (lambda i: len(parsed.prompt_of(i).ids)) if parsed.continuous_usage else None
     w = ChunkWriter(kind, ids.response, model, parsed.role, prompt_tokens=running)
     usages: list[Usage] = []
+    shared: dict[int, Any] = {}  # a prompt's log-probabilities, from its first choice (_choice_requests)
     try:
         for index, events in enumerate(streams):
+            if parsed.n > 1 and parsed.sampling.prompt_logprobs is not None:
+                events = _shared_prompt(events, shared, index // parsed.n, first=index % parsed.n == 0)
             shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
                 if parsed.tools is not None or parsed.reasoning_parser else None
             done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper,
@@ -587,6 +596,21 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
         yield w.error(err.message, err.code or "server_error") + w.done()
     finally:
         gen.end()  # client went away (GeneratorExit) or the stream broke: stop the workers, settle the quota
+
+
+def _shared_prompt(events: Iterator[Event], shared: dict[int, Any], prompt: int, first: bool) -> Iterator[Event]:
+    """A choice's events with its prompt's log-probabilities on its first delta: the prompt's first choice (which
+    computed them, _choice_requests) leaves them in `shared`, which a later choice of that prompt reads (the
+    choices stream one after the other)."""
+    seen = False
+    for ev in events:
+        if isinstance(ev, DeltaEvent) and not seen:
+            seen = True
+            if first:
+                shared[prompt] = ev.prompt_lp
+            elif ev.prompt_lp is None:
+                ev = replace(ev, prompt_lp=shared.get(prompt))
+        yield ev
 
 
 def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,

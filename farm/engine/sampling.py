@@ -130,16 +130,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int], ranks: bool = False) -> list[TokenLogprobs]:
     """Each row's sampled token's log-probability and its `k` most likely tokens, from the model's raw
     logits (before penalties and temperature, as vLLM reports them by default); with `ranks`, each token's rank
-    (1 + how many tokens are more likely, as vLLM counts it)."""
+    (how many tokens are at least as likely, itself included: a tie ranks it after the others, as vLLM counts)."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     if len(tokens) != len(ks):
         raise ValueError(f"{len(tokens)} tokens but {len(ks)} counts of alternatives")
     chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
-    above = (logp > chosen[:, None]).sum(dim=-1).tolist() if ranks else None
+    at_least = (logp >= chosen[:, None]).sum(dim=-1).tolist() if ranks else None
     out = []
     for i, k in enumerate(ks):
         top = logp[i].topk(k) if k else None
         out.append(TokenLogprobs(float(chosen[i]), [] if top is None else
                                  [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)],
-                                 None if above is None else above[i] + 1))
+                                 None if at_least is None else at_least[i]))
     return out

@@ -42,8 +42,9 @@ from farm.protocol import (
     SEED_RANGE,
     SamplingParams,
 )
-from farm.protocol.jsonsafe import one_of
+from farm.protocol.jsonsafe import MAX_JSON_DEPTH, loads_bounded, one_of
 
+MAX_GRAMMAR_CHARS = 16384  # a regex or grammar (GBNF's translation to Lark is quadratic Python, on every worker too)
 CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}  # developer is sent to the template as system
 UNSUPPORTED = {"functions": "deprecated function calling: use 'tools'",
                "function_call": "deprecated function calling: use 'tool_choice'"}
@@ -220,9 +221,10 @@ def _response_format(body: dict) -> dict[str, Any] | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               "response_format")
-        check_schema(spec["schema"], "response_format")
-        return format_within_bound({"type": "json_schema", "json_schema": {
+        fmt = format_within_bound({"type": "json_schema", "json_schema": {
             k: spec[k] for k in ("name", "schema", "strict") if k in spec}}, "response_format")
+        check_schema(spec["schema"], "response_format")  # after the bound: the compiler never sees a larger one
+        return fmt
     return {"type": "json_object"}
 
 
@@ -254,24 +256,28 @@ def _constraint(body: dict) -> dict[str, Any] | None:
         schema = _json_schema(value, param)
         if so.disable_additional_properties:
             schema = closed_objects(schema)
-        check_schema(schema, param)
         fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
     else:
         fmt = {"type": kind, kind: value}
-        check_constraint(fmt, param, {"regex": "a regex", "choice": "a choice", "grammar": "a grammar"}[kind])
+        if kind != "choice" and len(value) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"'{param}' may be at most {MAX_GRAMMAR_CHARS} characters", param, "invalid_value")
     if so.disable_any_whitespace and kind in ("json", "json_object"):
         fmt["disable_any_whitespace"] = True
-    return format_within_bound(fmt, "structured_outputs")
+    format_within_bound(fmt, "structured_outputs")  # before the compiler sees it
+    if kind != "json_object":
+        check_constraint(fmt, param, {"json": "a JSON schema", "regex": "a regex", "choice": "a choice",
+                                      "grammar": "a grammar"}[kind])
+    return fmt
 
 
 def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise bad_request(f"'{param}' must be a JSON schema: an object, or its JSON text", param,
-                              "invalid_value") from None
+        try:  # bounded as the body was: JSON inside a string is a client's too
+            value = loads_bounded(value, MAX_JSON_DEPTH)
+        except ValueError:  # JSONTooDeep among them
+            raise bad_request(f"'{param}' must be a JSON schema: an object, or its JSON text (nested at most "
+                              f"{MAX_JSON_DEPTH} deep)", param, "invalid_value") from None
     if not isinstance(value, dict):
         raise bad_request(f"'{param}' must be a JSON schema object", param, "invalid_value")
     return value
@@ -570,7 +576,17 @@ def local_params(body: dict, kind: str = "chat") -> tuple[SamplingParams, bool, 
     """(sampling, stream, include_usage, n) of a request answered without a model (semantic block or cache
     hit), after the same checks of every parameter as a generated answer gets. `max_tokens` is only
     bounded when the body sets it (there is no prompt length to bound it by)."""
+    if kind == "completion":
+        body, _prompt_only = _echo_only(body)
     return _common(body, 0, 1 << 30, "messages", kind=kind)
+
+
+def _echo_only(body: dict) -> tuple[dict, bool]:
+    """vLLM's scoring form of a text completion, `echo` with `max_tokens` 0: the body as the engine runs it (one
+    token, generated and counted, not answered) and whether it is that form."""
+    if body.get("echo") is True and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int:
+        return {**body, "max_tokens": 1}, True
+    return body, False
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[str, Any]] | None = None,
@@ -671,9 +687,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     best_of = _type_check(body, "best_of", (int,), "an integer")
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
-    prompt_only = echo and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
-    if prompt_only:  # vLLM's scoring form: one token is generated (and counted), only the prompt is answered
-        body = {**body, "max_tokens": 1}
+    body, prompt_only = _echo_only(body)
     raw = raw_prompts(body)
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
@@ -691,6 +705,8 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if echo_logprobs:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
         params = replace(params, prompt_logprobs=params.logprobs)
     params, prompt_k = _prompt_logprobs(body, params, stream)
+    if echo_logprobs and prompt_k is None and not stream:  # vLLM's choice shows the echo's as prompt_logprobs too
+        prompt_k = params.logprobs
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(f"a request may ask for at most {MAX_CHOICES} choices (prompts times n), got "
                           f"{len(prompts)} x {n}", "n", "invalid_value")
@@ -707,9 +723,11 @@ def _prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> tuple[
     if body.get("prompt_logprobs") is None:
         return params, None
     k = _integer(body, "prompt_logprobs", 0)
-    if stream:
-        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs",
-                          "invalid_value")
+    if stream:  # 0 is accepted and shows nothing, as vLLM
+        if k:
+            raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs",
+                              "invalid_value")
+        return params, None
     return replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0)), k
 
 

@@ -8,14 +8,23 @@ builds them (llguidance.grammar_from); vLLM workers get the constraint itself (f
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 
 def grammar_of(response_format: dict[str, Any]) -> str:
     """The grammar of a checked `response_format` (farm.protocol.request.CONSTRAINTS). JSON is compact: unbounded
-    whitespace lets a small model loop on blanks until max_tokens."""
+    whitespace lets a small model loop on blanks until max_tokens. Kept for the formats seen last: every choice
+    of a request, and every turn of an agent's forced tools, asks again, and GBNF's translation is Python."""
+    return _grammar(json.dumps(response_format, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(key: str) -> str:
     import llguidance  # a Rust wheel: loaded where a constraint is first compiled, not by every importer
 
+    response_format = json.loads(key)
     kind = response_format["type"]
     if kind in ("json_object", "json_schema"):
         schema = {"type": "object"} if kind == "json_object" else response_format["json_schema"]["schema"]

@@ -128,6 +128,9 @@ def test_prompt_scoring_is_vllm_serves(client, vllm_serve):
         for x, y in zip(a.logprobs.token_logprobs[1:], b.logprobs.token_logprobs[1:], strict=True):
             assert abs(x - y) < 1e-3
         assert [set(t) for t in a.logprobs.top_logprobs[1:]] == [set(t) for t in b.logprobs.top_logprobs[1:]]
+        # vLLM's choice shows them as `prompt_logprobs` too: the same ids, in the same order, the same ranks
+        assert [x and [(k, v["rank"]) for k, v in x.items()] for x in a.prompt_logprobs] == \
+            [y and [(k, v["rank"]) for k, v in y.items()] for y in b.prompt_logprobs]
     # `max_tokens` 0 (the scoring form of OpenAI's legacy API): the prompt alone, its usage and finish as vLLM's
     kw["max_tokens"] = 0
     ours, theirs = client.completions.create(**kw), serve.completions.create(**kw)
