@@ -34,8 +34,10 @@ SESSION_TAG = "INFERENCE_FARM_TEST_SESSION"  # not FARM_*: tests drop those from
 os.environ[SESSION_TAG] = uuid.uuid4().hex
 # processes told to stop during the last teardowns get this long to exit (a test of the check itself shortens it)
 LEFTOVER_GRACE_S = float(os.environ.get("FARM_TEST_LEFTOVER_GRACE_S", "15"))
-# Helpers of this very process that end with it (multiprocessing's resource tracker and fork server).
-_OWN_HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import")
+# Helpers of this very process that end with it (multiprocessing's resource tracker and fork server, and the
+# grammar checker's sandbox, farm.infra.sandbox, which exits when its parent's pipe closes).
+_OWN_HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import",
+                "-m farm.infra.sandbox")
 
 
 def session_processes(tag: str | None = None) -> list[psutil.Process]:

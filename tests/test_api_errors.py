@@ -194,6 +194,12 @@ def test_vllms_structured_outputs_a_bad_one_is_a_400_naming_it(app_client, so, p
                  400, param, code)
 
 
+def test_allowed_token_ids_are_checked_against_the_vocabulary(app_client):
+    c, cfg = app_client
+    for bad in ([], [-1], [10**9], ["5"], 5):
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, allowed_token_ids=bad)), 400, "allowed_token_ids")
+
+
 def test_structured_outputs_with_another_constraint_is_a_400(app_client):
     c, cfg = app_client
     assert_error(post(c, "/v1/chat/completions", chat(cfg, structured_outputs={"choice": ["a"]},

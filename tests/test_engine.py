@@ -184,6 +184,19 @@ def test_prompt_logprobs_are_the_models_own_over_chunks_and_a_warm_prefix_cache(
     assert run(eng, prompt, params).token_ids == got.token_ids == warm.token_ids[:3]
 
 
+def test_allowed_token_ids_hold_every_token_greedy_or_sampled(tiny_engine):
+    """vLLM's allowed_token_ids through the engine (prefill's first token and the batched decode): every token is
+    one of them, where the free answer's are not."""
+    eng = tiny_engine()
+    allowed = [101, 202, 303]
+    prompt = list(range(700, 720))
+    for params in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, allowed_token_ids=allowed),
+                   SamplingParams(max_tokens=8, temperature=1.0, seed=2, ignore_eos=True, allowed_token_ids=allowed)):
+        assert set(run(eng, prompt, params).token_ids) <= set(allowed)
+    assert not set(run(eng, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).token_ids) <= \
+        set(allowed)
+
+
 def test_a_prompt_in_chunked_prefill_counts_as_running_not_waiting(tiny_model_dir):
     """vllm:num_requests_running / _waiting as vLLM counts them (the ops audit: a prompt being computed was
     exported as waiting for its whole prefill, and a prefill worker never showed running work). The engine is

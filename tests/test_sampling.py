@@ -148,3 +148,17 @@ def test_the_held_back_tail_is_the_longest_beginning_of_a_stop(whole):
         stops = ["".join(rng.choice(alpha) for _ in range(rng.randrange(0, 8))) for _ in range(rng.randrange(1, 4))]
         assert partial_stop(text, stops, whole) == every_length(text, stops), (text, stops)
     assert partial_stop("the end is nig", ["nigh", "xx"]) == 3 and partial_stop("it was nigh", ["nigh"], True) == 4
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    """vLLM's allowed_token_ids: greedy or sampled, only those tokens; the most likely of them when greedy, even
+    under a bias that favours another."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[2, 4])
+    assert sample(logits, [greedy], [None]) == [2]
+    biased = SamplingParams(temperature=0, allowed_token_ids=[2, 4], logit_bias={4: 10.0, 0: 50.0})
+    assert sample(logits, [biased], [None]) == [4]
+    warm = SamplingParams(temperature=1.5, seed=3, allowed_token_ids=[1, 3])
+    g = make_generator(warm)
+    assert {sample(logits, [warm], [g])[0] for _ in range(200)} == {1, 3}
+

@@ -137,7 +137,7 @@ def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redi
                   {"stop": ["Saturn"]}, {"stop_token_ids": [2]}, {"response_format": {"type": "json_object"}},
                   {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {"5": 1.0}},
                   {"structured_outputs": {"choice": ["Jupiter", "Saturn"]}}, {"return_token_ids": True},
-                  {"prompt_logprobs": 0}):  # vLLM's: a constraint, or more than a cached text holds
+                  {"prompt_logprobs": 0}, {"allowed_token_ids": [5]}):  # vLLM's: a constraint, or more
         resp = chat(app, question, **extra)
         assert resp.status_code == 503 and "x-vsr-cache-hit" not in resp.headers, extra
     for extra in ({"stop": []}, {"response_format": {"type": "text"}}, {"min_tokens": 0}, {"logit_bias": {}}):

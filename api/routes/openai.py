@@ -421,7 +421,7 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
             or bool(body.get("stop")) or bool(body.get("stop_token_ids"))
             or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
             or body.get("structured_outputs") is not None or body.get("return_token_ids") is True
-            or body.get("prompt_logprobs") is not None
+            or body.get("prompt_logprobs") is not None or bool(body.get("allowed_token_ids"))
             or bool(body.get("min_tokens")) or body.get("ignore_eos") is True or bool(body.get("logit_bias")))
 
 

@@ -1,4 +1,4 @@
-"""Token sampling with vLLM's semantics: logit bias, suppressed tokens (min_tokens), repetition,
+"""Token sampling with vLLM's semantics: allowed tokens, logit bias, suppressed tokens (min_tokens), repetition,
 frequency and presence penalties, then greedy or temperature, min_p, top_k and nucleus (top_p) sampling,
 reproducible per request with a seed; and the log-probabilities a request asks for.
 
@@ -67,13 +67,18 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(p: SamplingParams, suppress: Sequence[int]) -> bool:
-    return not (p.penalized or p.logit_bias or p.top_k or p.min_p or suppress)
+    return not (p.penalized or p.logit_bias or p.top_k or p.min_p or suppress or p.allowed_token_ids)
 
 
 def process_logits(row: torch.Tensor, p: SamplingParams, history: History | None,
                    suppress: Sequence[int] = ()) -> torch.Tensor:
-    """Bias, suppression and penalties applied to one row of logits (float32, a new tensor)."""
-    row = row.clone()
+    """Allowed tokens, bias, suppression and penalties applied to one row of logits (float32, a new tensor)."""
+    if p.allowed_token_ids:  # vLLM's: every other token out, before the rest (as its logits processor)
+        ids = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+        kept, row = row[ids], torch.full_like(row, -torch.inf)
+        row[ids] = kept
+    else:
+        row = row.clone()
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)

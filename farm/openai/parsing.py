@@ -34,6 +34,7 @@ from farm.openai.structured import check_constraint, check_schema
 from farm.openai.tools import ToolRequest, parse_tools, template_inputs
 from farm.openai.validation import validated
 from farm.protocol import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_RESPONSE_FORMAT_CHARS,
     MAX_STOP_CHARS,
@@ -377,6 +378,9 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     min_p = _number(body, "min_p", defaults.min_p)
     stop_token_ids = _token_ids(body, "stop_token_ids", vocab, int(field_bounds(ChatCompletionRequest, "stop_token_ids")[1]))
     logit_bias = _logit_bias(body, vocab)
+    allowed = _token_ids(body, "allowed_token_ids", vocab, MAX_ALLOWED_TOKEN_IDS)
+    if body.get("allowed_token_ids") is not None and not allowed:
+        raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids", "invalid_value")
     response_format = _constraint(body)
     logprobs = _logprobs(body, kind)
     seed = _type_check(body, "seed", (int,), "an integer")
@@ -429,7 +433,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                             frequency_penalty=frequency, repetition_penalty=repetition,
                             top_k=max(0, min(top_k, vocab) if vocab else top_k),  # past the vocabulary: all, as vLLM
                             min_p=min_p, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                            logit_bias=logit_bias, response_format=response_format,
+                            logit_bias=logit_bias, allowed_token_ids=allowed, response_format=response_format,
                             skip_special_tokens=skip_special is not False, include_stop_str_in_output=include_stop)
     return params, stream, include_usage, n
 

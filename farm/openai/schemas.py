@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, String
 
 from farm.openai.api_error import bad_request
 from farm.openai.validation import validated
-from farm.protocol import MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
+from farm.protocol import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 Role = Literal["system", "user", "assistant", "developer"]
 MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
@@ -133,6 +133,8 @@ class _Sampling(_Request):
                                                                "text (default true)")
     include_stop_str_in_output: bool | None = Field(None, description=(
         "vLLM extension: keep the stop string (or the stop token's text) that ended the completion (default false)"))
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description=(
+        "vLLM extension: only these tokens may be sampled"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "vLLM extension: each prompt token's log-probability, rank and this many alternatives (chat: on the "
         "response; a text completion: on each choice); not with stream"))

@@ -31,6 +31,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM's _SAMPLING_EPS
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's limit of logit_bias entries
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 65536  # vLLM's allowed_token_ids: at most the whole of a large vocabulary
 MAX_RESPONSE_FORMAT_CHARS = 65536
 RESPONSE_FORMATS = frozenset({"json_object", "json_schema"})  # OpenAI's response_format types (besides text)
 # what a task's `response_format` may hold: OpenAI's, and vLLM's `structured_outputs` kinds that are no JSON schema
@@ -140,6 +141,7 @@ _SAMPLING_CHECKS: dict[str, Any] = {
     "logprobs": lambda v, b: None if v is None else _int(v, "sampling.logprobs", 0, MAX_TOP_LOGPROBS),
     "prompt_logprobs": lambda v, b: None if v is None else _int(v, "sampling.prompt_logprobs", 0, MAX_TOP_LOGPROBS),
     "logit_bias": lambda v, b: _logit_bias(v, b.vocab),
+    "allowed_token_ids": lambda v, b: _token_ids(v, "sampling.allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, b.vocab),
     "response_format": lambda v, b: _response_format(v),
     "skip_special_tokens": lambda v, b: _bool(v, "sampling.skip_special_tokens"),
     "include_stop_str_in_output": lambda v, b: _bool(v, "sampling.include_stop_str_in_output"),
@@ -168,6 +170,7 @@ class SamplingParams:
     # prompt_logprobs; the whole prompt is computed, no prefix-cache hit, and never on a separate prefill worker)
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
+    allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: only these may be sampled (empty: all)
     response_format: dict[str, Any] | None = None  # json_object / json_schema: structured output (vLLM)
     skip_special_tokens: bool = True  # the completion's text leaves out special tokens (vLLM's default)
     # the stop string (or the text of the stop token: EOS, stop_token_ids) that ended the completion is kept
@@ -187,6 +190,7 @@ class SamplingParams:
         rest of a request's message put together)."""
         d = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         d["stop"], d["stop_token_ids"], d["logit_bias"] = list(self.stop), list(self.stop_token_ids), dict(self.logit_bias)
+        d["allowed_token_ids"] = list(self.allowed_token_ids)
         return d
 
     @classmethod

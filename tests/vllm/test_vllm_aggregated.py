@@ -158,6 +158,7 @@ def test_every_sampling_parameter_reaches_vllm_as_vllm_serve_takes_it(client, vl
         {"temperature": 0, "logit_bias": {"28": -100, "216": 5}},
         {"temperature": 0.8, "seed": 11, "extra_body": {"top_k": 5, "min_p": 0.05}},
         {"temperature": 0, "extra_body": {"stop_token_ids": [30]}},
+        {"temperature": 0, "extra_body": {"allowed_token_ids": [28, 216, 253, 314, 359, 2]}},
     ]
     for kw in cases:
         ours = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, **kw)
