@@ -259,21 +259,18 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     json_provider = current_app.json
 
     def body() -> str:
-        with_ids, chat = parsed.return_token_ids, kind == "chat"
+        with_ids = parsed.return_token_ids
+        shown = [out.prompt_logprobs(p, answers[i * parsed.n].prompt_logprobs, parsed.prompt_logprobs)
+                 for i, p in enumerate(parsed.prompts)]  # once per prompt: its choices share them
         choices = [Choice.of(a.text, a.finish_reason, out.after_prompt(parsed.prompt_of(i), a.prompt_logprobs,
                                                                        a.token_ids, a.logprobs),
                              parsed.tools, parsed.reasoning_parser, parsed.prompt_of(i).echo,
                              token_ids=a.token_ids if with_ids else None,
-                             prompt_token_ids=parsed.prompt_of(i).ids if with_ids and not chat else None,
-                             prompt_logprobs=None if chat else out.prompt_logprobs(
-                                 parsed.prompt_of(i), a.prompt_logprobs, parsed.prompt_logprobs))
+                             prompt_token_ids=parsed.prompt_of(i).ids if with_ids else None,
+                             prompt_logprobs=shown[i // parsed.n])
                    for i, a in enumerate(answers)]
         usage = total_usage((a.usage for a in answers), parsed.n).to_dict()
-        return json_provider.dumps(full_response(
-            kind, ids.response, model, choices, usage, role=parsed.role,
-            prompt_token_ids=parsed.prompt_ids if with_ids and chat else None,
-            prompt_logprobs=out.prompt_logprobs(parsed.prompts[0], answers[0].prompt_logprobs,
-                                                parsed.prompt_logprobs) if chat else None)) + "\n"
+        return json_provider.dumps(full_response(kind, ids.response, model, choices, usage, role=parsed.role)) + "\n"
 
     # A big answer (log-probabilities, or many tokens) is built and serialised off the hub: 16 choices of 4,000
     # tokens with 20 alternatives each make 115 MB of JSON, seconds in which no other request of the process moved.

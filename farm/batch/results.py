@@ -71,14 +71,10 @@ class Results:
         parser = next((m.reasoning_parser for m in self.cfg.models if m.name == line.model), None) \
             if line.kind == "chat" else None
         ids = line.return_token_ids
-        chat = line.kind == "chat"
         choice = Choice.of(answer.text, answer.finish_reason, logprobs, tools, parser, line.echo,
                            token_ids=answer.token_ids if ids else None,
-                           prompt_token_ids=line.prompt_ids if ids and not chat else None,
-                           prompt_logprobs=None if chat else prompt_lps)
-        body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role,
-                             prompt_token_ids=line.prompt_ids if ids and chat else None,
-                             prompt_logprobs=prompt_lps if chat else None)
+                           prompt_token_ids=line.prompt_ids if ids else None, prompt_logprobs=prompt_lps)
+        body = full_response(line.kind, rid, line.model, [choice], usage, role=line.role)
         out = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
         first = self.store.record(bid, line.custom_id, {"line": line.line, "ok": True, "out": out}, True, usage) == 1

@@ -40,8 +40,8 @@ class Choice:
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str | None = None
     token_ids: list[int] | None = None  # vLLM's `return_token_ids`: the generated ids
-    prompt_token_ids: list[int] | None = None  # ... and, on a text completion's choice, its prompt's
-    prompt_logprobs: list[Any] | None = None  # vLLM's `prompt_logprobs`, on a text completion's choice
+    prompt_token_ids: list[int] | None = None  # ... and its prompt's (full_response puts them where vLLM does)
+    prompt_logprobs: list[Any] | None = None  # vLLM's `prompt_logprobs` of its prompt (likewise)
 
     @classmethod
     def of(cls, text: str, reason: str | None, logprobs: dict[str, Any] | None = None,
@@ -58,35 +58,34 @@ class Choice:
 
 
 def full_response(kind: str, rid: str, model: str, choices: list[Choice], u: dict[str, int],
-                  role: str = "assistant", prompt_token_ids: list[int] | None = None,
-                  prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
-    """The non-streamed `chat.completion` (kind "chat", its messages' `role`; the prompt's `prompt_token_ids` and
-    `prompt_logprobs` on the response, as vLLM puts them) or `text_completion` object."""
+                  role: str = "assistant") -> dict[str, Any]:
+    """The non-streamed `chat.completion` (kind "chat", its messages' `role`) or `text_completion` object. The
+    prompt's fields of vLLM's extensions (`prompt_token_ids`, `prompt_logprobs`) are where vLLM puts them: on a
+    text completion's choices, on a chat's response (its one prompt's, from the first choice)."""
     created = int(time.time())
     if kind == "chat":
         out = [_vllm_fields({"index": i, "message": _message(role, c), "logprobs": c.logprobs,
-                             "finish_reason": finish_reason(c.finish_reason)}, c) for i, c in enumerate(choices)]
+                             "finish_reason": finish_reason(c.finish_reason)}, c, prompt=False)
+               for i, c in enumerate(choices)]
         whole = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
                  "usage": usage(u)}
-        if prompt_logprobs is not None:
-            whole["prompt_logprobs"] = prompt_logprobs
-        return whole if prompt_token_ids is None else {**whole, "prompt_token_ids": prompt_token_ids}
+        return _vllm_fields(whole, choices[0], generated=False) if choices else whole
     out = [_vllm_fields({"index": i, "text": c.text, "logprobs": c.logprobs,
                          "finish_reason": finish_reason(c.finish_reason)}, c) for i, c in enumerate(choices)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage(u)}
 
 
-def _vllm_fields(choice: dict[str, Any], c: Choice) -> dict[str, Any]:
-    """A choice's fields of vLLM's extensions, when the request asked for them: `return_token_ids`' ids and (a text
-    completion's) `prompt_logprobs`."""
-    if c.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = c.prompt_logprobs
-    if c.prompt_token_ids is not None:
-        choice["prompt_token_ids"] = c.prompt_token_ids
-    if c.token_ids is not None:
-        choice["token_ids"] = c.token_ids
-    return choice
+def _vllm_fields(obj: dict[str, Any], c: Choice, prompt: bool = True, generated: bool = True) -> dict[str, Any]:
+    """`obj` with the fields of vLLM's extensions the request asked for: the prompt's (`prompt_logprobs`,
+    `prompt_token_ids`) and the choice's own generated `token_ids`."""
+    if prompt and c.prompt_logprobs is not None:
+        obj["prompt_logprobs"] = c.prompt_logprobs
+    if prompt and c.prompt_token_ids is not None:
+        obj["prompt_token_ids"] = c.prompt_token_ids
+    if generated and c.token_ids is not None:
+        obj["token_ids"] = c.token_ids
+    return obj
 
 
 def _message(role: str, c: Choice) -> dict[str, Any]:
