@@ -69,6 +69,8 @@ def test_request_becomes_the_chat_body():
     one = r.parse_request({"model": "m", "input": "Hi", "text": {"format": {"type": "json_object"}}})
     assert r.to_chat_body(one, []) == {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
                                        "response_format": {"type": "json_object"}}
+    auto = r.parse_request({"model": "m", "input": "Hi", "truncation": "auto"})  # as vLLM: drop the earliest tokens
+    assert r.to_chat_body(auto, [])["truncate_prompt_tokens"] == -1
 
 
 @pytest.mark.parametrize("body,where", [
@@ -80,7 +82,7 @@ def test_request_becomes_the_chat_body():
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]: 'web_search' tools are not supported"),
     ({"input": "x", "background": True}, "'background' is not supported"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "'include' is not supported"),
-    ({"input": "x", "truncation": "auto"}, "truncation: Input should be 'disabled'"),
+    ({"input": "x", "truncation": "middle"}, "truncation: Input should be 'disabled' or 'auto'"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens: Input should be greater than or equal to 1"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role: Input should be"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments: Field required"),
@@ -226,6 +228,19 @@ def test_text_response(app, ghost, redis_client):
     s = w.request.sampling
     assert (s.max_tokens, s.temperature) == (20, 0.0)
     assert "Be terse." in prompt_of(app, ghost, w)
+
+
+def test_truncation_auto_keeps_the_end_of_a_conversation_too_long(app, ghost, redis_client):
+    """`truncation: auto`, as vLLM serves it: a conversation past the context loses its earliest tokens instead of a
+    400, and the response says which truncation it ran under."""
+    max_len = ghost.model(ghost.default_model).max_model_len
+    long = fresh("".join(f"w{i} " for i in range(max_len)))
+    with pytest.raises(openai.BadRequestError):
+        sdk(app).responses.create(model=ghost.default_model, input=long, max_output_tokens=8)
+    w = ScriptedWorker(redis_client, [both_start(), *deltas("ok"), done("stop")])
+    resp = sdk(app).responses.create(model=ghost.default_model, input=long, max_output_tokens=8, truncation="auto")
+    assert resp.truncation == "auto" and resp.output_text == "ok"
+    assert len(w.request.prompt_token_ids) == max_len - 8
 
 
 def test_stream_events_in_order_and_the_text_is_the_deltas(app, ghost, redis_client):

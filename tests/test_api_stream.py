@@ -13,13 +13,14 @@ import contextlib
 import json
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 from flask import Flask
 
+from farm.models.tokenization import chat_prompt_ids
 from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, encode_reply, reply_stream_key
 from farm.protocol.queues import direct_queue
 from tests.ghosts import ghost_alive
@@ -56,7 +57,7 @@ class ScriptedWorker(threading.Thread):
     On a connection of its own: the API can read the last event and the test end before this thread has read
     the reply to its XADD, and the test's client, closed at teardown, would cut that read."""
 
-    def __init__(self, r: redis.Redis, events: list[dict[str, Any]]):
+    def __init__(self, r: redis.Redis, events: list[dict[str, Any]] | Callable[[GenerationRequest], list[dict[str, Any]]]):
         super().__init__(daemon=True)
         pool = r.connection_pool
         self.r = redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
@@ -72,7 +73,8 @@ class ScriptedWorker(threading.Thread):
             args = json.loads(base64.b64decode(msg["body"]))[0]
             self.request = GenerationRequest.from_dict(args[0])
             writer = "scripted-" + uuid.uuid4().hex  # a reader skips sequence numbers it has seen from a writer
-            for seq, ev in enumerate(self.events, start=1):
+            events = self.events(self.request) if callable(self.events) else self.events
+            for seq, ev in enumerate(events, start=1):
                 batch = encode_reply(writer, seq, {self.request.request_id: [ev]})
                 self.r.xadd(reply_stream_key(self.request.reply_to), {EVENT_FIELD: batch})
         finally:
@@ -257,10 +259,82 @@ def test_prompt_logprobs_as_vllm_shows_them(client, redis_client):
     assert body["prompt_logprobs"][0] is None
     assert list(body["prompt_logprobs"][1]) == [str(w.request.prompt_token_ids[1]), "7"]  # the templated prompt's
     assert "prompt_logprobs" not in body["choices"][0]
+    # n > 1: the prompt's first choice computes them (a worker sends them only when asked), every choice shows them
+    def computed_if_asked(req: GenerationRequest) -> list[dict[str, Any]]:
+        return [both_start(), first if req.sampling.prompt_logprobs is not None else {**first, "prompt_lp": None},
+                done()]
+    workers = [ScriptedWorker(redis_client, computed_if_asked) for _ in range(2)]
+    body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 3, 3, 9], "prompt_logprobs": 1,
+                                       "n": 2}).get_json()
+    assert sorted(w.request.sampling.prompt_logprobs is None for w in workers) == [False, True]
+    assert [list(ch["prompt_logprobs"][1]) for ch in body["choices"]] == [["3", "7"], ["3", "7"]]
+    workers = [ScriptedWorker(redis_client, computed_if_asked) for _ in range(2)]
+    chunks = sse(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [1, 3, 3, 9], "echo": True,
+                                             "logprobs": 1, "n": 2, "stream": True}))[:-1]  # streamed: an echo's
+    assert sorted(w.request.sampling.prompt_logprobs is None for w in workers) == [False, True]
+    echoed: dict[int, list] = {}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            echoed.setdefault(choice["index"], []).extend((choice.get("logprobs") or {}).get("token_logprobs", []))
+    assert echoed[0] == echoed[1] == [None, -2.5, -0.5, -9999.0, -0.3]
+    # a token a mask ruled out has -inf, which JSON cannot hold: -9999.0, as vLLM clamps it, streamed or not
+    ruled_out = {**first, "lp": [[-0.3, [[11, -0.3], [12, float("-inf")]]]], "prompt_lp": None}
+    for stream in (False, True):
+        ScriptedWorker(redis_client, [both_start(), ruled_out, done()])
+        resp = post(c, "/v1/chat/completions", chat(cfg, logprobs=True, top_logprobs=2, stream=stream))
+        assert "Infinity" not in resp.get_data(as_text=True)
+        assert [-0.3, -9999.0] == [t["logprob"] for t in ([ch for ch in sse(resp)[:-1] if ch["choices"]][1]["choices"]
+                                                          if stream else resp.get_json()["choices"])[0]["logprobs"][
+            "content"][0]["top_logprobs"]]
     for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": -1}, {"prompt_logprobs": 21},
                 {"prompt_logprobs": "2"}):
         assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", **bad}), 400,
                      "prompt_logprobs")
+
+
+def test_truncate_prompt_tokens_keeps_what_vllm_keeps(app, client, redis_client, monkeypatch):
+    """vLLM's `truncate_prompt_tokens`: the worker gets the prompt's last k tokens ('left', vLLM's default for
+    generation) or its first ('right'); -1 keeps what the context leaves beside max_tokens. A prompt past the
+    context, even past its character limit, is cut instead of refused; an echo is the prompt the model read."""
+    c, cfg = client
+    tok = app.extensions["farm"].tokenizer(cfg.default_model)
+    max_len = cfg.model(cfg.default_model).max_model_len
+    events = [both_start(), *deltas("x"), done()]
+    ids = list(range(10, 30))
+    for extra, kept in (({}, ids[-5:]), ({"truncation_side": "right"}, ids[:5])):
+        w = ScriptedWorker(redis_client, events)
+        body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": ids, "truncate_prompt_tokens": 5,
+                                           "return_token_ids": True, **extra}).get_json()
+        assert w.request.prompt_token_ids == kept == body["choices"][0]["prompt_token_ids"]
+    w = ScriptedWorker(redis_client, events)  # past the context: cut to what max_tokens leaves
+    post(c, "/v1/completions", {"model": cfg.default_model, "prompt": [7] * (max_len + 50) + [8, 9],
+                                "truncate_prompt_tokens": -1, "max_tokens": 4})
+    assert len(w.request.prompt_token_ids) == max_len - 4 and w.request.prompt_token_ids[-2:] == [8, 9]
+    text = "".join(f"w{i} " for i in range(max_len * 25))  # past the character limit: without truncation a 400
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": text}), 400, "prompt",
+                 "context_length_exceeded")
+    w = ScriptedWorker(redis_client, events)
+    body = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": text, "truncate_prompt_tokens": 12,
+                                       "echo": True, "max_tokens": 1}).get_json()
+    assert w.request.prompt_token_ids == tok.encode(text[-2000:], add_special_tokens=False)[-12:]
+    assert body["choices"][0]["text"] == tok.decode(w.request.prompt_token_ids) + "x"
+    layer = app.extensions["farm"].semantic()  # the semantic layer reads what a model may read, not the whole text
+    seen, before = [], layer.before
+    monkeypatch.setattr(layer, "before", lambda model, messages, **kw: seen.append(messages) or before(
+        model, messages, **kw))
+    w = ScriptedWorker(redis_client, events)  # a chat: the templated conversation's last tokens
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    assert post(c, "/v1/chat/completions", chat(cfg, messages=messages, truncate_prompt_tokens=16)).status_code == 200
+    assert [m["role"] for m in seen[0]] == ["user"] and text.endswith(seen[0][0]["content"])
+    assert len(seen[0][0]["content"]) < 1000
+    whole = chat_prompt_ids(tok, [{"role": "user", "content": text[-3000:]}])
+    assert w.request.prompt_token_ids == whole[-16:]
+    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": "5"},
+                {"truncate_prompt_tokens": True}, {"truncate_prompt_tokens": max_len, "max_tokens": 1},
+                {"truncate_prompt_tokens": 5, "truncation_side": "middle"}):
+        param = "truncation_side" if "truncation_side" in bad else "truncate_prompt_tokens"
+        assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": ids, **bad}), 400, param)
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, **bad)), 400, param)
 
 
 def test_worker_error_is_json_500_before_the_stream_and_in_band_after(client, redis_client):

@@ -12,6 +12,7 @@ from farm.batch.validate import PreparedLine, validate_input
 from farm.config import load_config
 from farm.models.tokenization import get_tokenizer
 from farm.protocol.hashing import block_hashes
+from farm.semantic.layer import SemanticLayer
 
 CHAT = "/v1/chat/completions"
 
@@ -126,6 +127,24 @@ def test_a_line_past_the_context_is_refused_before_the_semantic_layer(env):
     assert [(e["line"], e["code"], e["param"]) for e in errors] == [
         (1, "context_length_exceeded", "body.messages"), (2, "context_length_exceeded", "body.messages")]
     assert not asked
+
+
+def test_a_truncated_line_is_cut_before_the_semantic_layer_reads_it(env):
+    """vLLM's truncate_prompt_tokens in a batch line: the line past the context is kept, cut to its last tokens,
+    and the semantic layer reads only the part of the text a model may read."""
+    cfg, run = env
+    max_len = cfg.model(cfg.default_model).max_model_len
+    seen = []
+
+    def decide(model, messages):
+        seen.append(sum(len(m["content"]) for m in messages))
+        return SemanticLayer.passthrough(model, messages)
+
+    text = "".join(f"w{i} " for i in range(max_len * 25))
+    lines, errors = run(line(cfg, "long", text, truncate_prompt_tokens=32, max_tokens=4), decide=decide)
+    assert errors == [] and len(lines[0].prompt_ids) == 32 and seen and seen[0] < 2000
+    lines, errors = run(line(cfg, "long", text, max_tokens=4), decide=decide)
+    assert [e["code"] for e in errors] == ["context_length_exceeded"] and len(seen) == 1
 
 
 def _pl(i, ids, model="m"):

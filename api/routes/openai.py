@@ -55,10 +55,13 @@ from farm.openai.parsing import (
     local_params,
     parse_chat,
     parse_completion,
+    pretrimmed,
+    prompt_char_limit,
     prompt_param,
     raw_prompts,
     refuse_oversized,
     require_model,
+    truncation,
     validate_chat,
 )
 from farm.openai.reasoning import Thought
@@ -218,7 +221,8 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     messages = validate_chat(body) if kind == "chat" else None
     prompts = 1 if messages is not None else len(raw_prompts(body))  # at most MAX_CHOICES, else a 400 here
     count_requests(prompts - 1, "prompt")  # each prompt of a batch is a request against the key's rate limit
-    _refuse_oversized_prompt(body, model, messages)
+    if (bounded := _bounded_prompt(kind, body, model, messages)) is not body:  # cut by vLLM's truncation
+        body, messages = bounded, validate_chat(bounded) if messages is not None else None
     if messages is not None:  # a cached answer is one sample without log-probabilities: not for n > 1 or logprobs
         no_cache = no_cache_requested() or _asks_for_more_than_text(body)
         verdict = decide(layer, model, messages, scope=scope, no_cache=no_cache,
@@ -242,9 +246,6 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
             verdict, ids, lambda m, hop, last: _whole(kind, body, verdict, m, hop, layer=layer, last=last))
     headers = {**verdict.headers, **st.quota_headers, **(fallback_headers(tried, st.model, reason) if tried else {})}
     model, parsed, gen = st.model, st.parsed, st.gen
-    if parsed.n > 1 and parsed.sampling.prompt_logprobs is not None:  # asked of each prompt's first choice only
-        answers = [a if i % parsed.n == 0 else replace(a, prompt_logprobs=answers[i - i % parsed.n].prompt_logprobs)
-                   for i, a in enumerate(answers)]
     if parsed.prompt_only:
         answers = [a.prompt_only() for a in answers]
     if on_prompt is not None:
@@ -401,12 +402,12 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
         gen.end(charge=False)
         raise
     streams[0] = replay(buffered, streams[0])
-    return _Started(model, tok, parsed, n_prompt, gen, streams, head, quota_headers)
+    return _Started(model, tok, parsed, n_prompt, gen, _sharing_prompt_logprobs(streams, parsed), head, quota_headers)
 
 
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
     """n > 1, log-probabilities or token ids, tools, vLLM's options that change the prompt or the answer's text (the
-    chat-template fields, special tokens shown, the stop string kept), or a constraint on the answer (stop
+    chat-template fields, a truncation, special tokens shown, the stop string kept), or a constraint on the answer (stop
     sequences or tokens, a response format or structured outputs, min_tokens, ignore_eos, logit_bias): what a cached answer (one free
     sample of the plain prompt, text only) cannot give, and what must not be stored as one: an answer cut at one
     client's stop, or held to its schema, replayed to another request was wrong for it. (The body passed
@@ -419,6 +420,7 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
             or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
             or body.get("structured_outputs") is not None or body.get("return_token_ids") is True
             or body.get("prompt_logprobs") is not None or bool(body.get("allowed_token_ids"))
+            or body.get("truncate_prompt_tokens") is not None
             or bool(body.get("min_tokens")) or body.get("ignore_eos") is True or bool(body.get("logit_bias")))
 
 
@@ -438,10 +440,32 @@ def _choice_requests(rid: str, model: str, parsed: ParsedRequest) -> list[Genera
         if j and sampling.seed is not None:
             sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
         if j and sampling.prompt_logprobs is not None:  # one prompt's, computed by its first choice: the others
-            sampling = replace(sampling, prompt_logprobs=None)  # take the prefix cache and share them (_shared_prompt)
+            sampling = replace(sampling, prompt_logprobs=None)  # take the prefix cache and share them (_sharing_prompt_logprobs)
         reqs.append(GenerationRequest(rid if i == 0 else f"{rid}-{i}", model, parsed.prompt_of(i).ids, sampling,
                                       created=time.time(), cache_salt=salt))
     return reqs
+
+
+def _sharing_prompt_logprobs(streams: list[Iterator[Event]], parsed: ParsedRequest) -> list[Iterator[Event]]:
+    """The choices' event streams, each later choice of a prompt given the log-probabilities its first choice computed
+    (_choice_requests asks them of that one only) on its first delta. The choices are read one after the other,
+    streamed or whole, so the first has left them when a later one needs them."""
+    if parsed.n == 1 or parsed.sampling.prompt_logprobs is None:
+        return streams
+    shared: dict[int, Any] = {}
+
+    def sharing(events: Iterator[Event], prompt: int, first: bool) -> Iterator[Event]:
+        seen = False
+        for ev in events:
+            if isinstance(ev, DeltaEvent) and not seen:
+                seen = True
+                if first:
+                    shared[prompt] = ev.prompt_lp
+                elif ev.prompt_lp is None:
+                    ev = replace(ev, prompt_lp=shared.get(prompt))
+            yield ev
+
+    return [sharing(events, i // parsed.n, i % parsed.n == 0) for i, events in enumerate(streams)]
 
 
 def _stream_shaped_choice(w: ChunkWriter, index: int, events: Iterator[Event], shaper: AnswerStream,
@@ -517,9 +541,12 @@ class _Output:
         return logprobs.prompt_logprobs(self.tokenizer, prompt.ids, prompt_lps, k)
 
 
-def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[dict[str, str]] | None) -> None:
-    """context_length_exceeded before the semantic layer or the template sees a prompt that cannot fit
-    (farm.openai.parsing.refuse_oversized; for an alias, only when no model could take it)."""
+def _bounded_prompt(kind: str, body: dict[str, Any], model: str, messages: list[dict[str, str]] | None
+                    ) -> dict[str, Any]:
+    """The body, once its prompt is known to fit: context_length_exceeded before the semantic layer or the template
+    sees a prompt that cannot (farm.openai.parsing.refuse_oversized; for an alias, only when no model could take
+    it); or, when the request asks for vLLM's truncation, a body whose prompt is cut to what its models could keep
+    (farm.openai.parsing.pretrimmed)."""
     farm = _farm()
     names = [m.name for m in farm.cfg.models] if model in _aliases() else [model]
     models = []
@@ -529,7 +556,17 @@ def _refuse_oversized_prompt(body: dict[str, Any], model: str, messages: list[di
         except ModelNotFoundError:  # not prepared here: the layer will not choose it either
             continue
     if not models:
-        return
+        return body
+    if truncation(body)[0] is not None:
+        return pretrimmed(body, kind, [(tok, n, prompt_char_limit(tok, n, farm.cfg.api.max_chars_per_token))
+                                       for tok, n in models])
+    _refuse_oversized(body, models, messages)
+    return body
+
+
+def _refuse_oversized(body: dict[str, Any], models: list[tuple[Any, int]],
+                      messages: list[dict[str, str]] | None) -> None:
+    farm = _farm()
     if messages is not None:
         refuse_oversized(models, messages, "messages", farm.cfg.api.max_chars_per_token)
         return
@@ -572,11 +609,8 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
     running = (lambda i: len(parsed.prompt_of(i).ids)) if parsed.continuous_usage else None
     w = ChunkWriter(kind, ids.response, model, parsed.role, prompt_tokens=running)
     usages: list[Usage] = []
-    shared: dict[int, Any] = {}  # a prompt's log-probabilities, from its first choice (_choice_requests)
     try:
         for index, events in enumerate(streams):
-            if parsed.n > 1 and parsed.sampling.prompt_logprobs is not None:
-                events = _shared_prompt(events, shared, index // parsed.n, first=index % parsed.n == 0)
             shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
                 if parsed.tools is not None or parsed.reasoning_parser else None
             done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper,
@@ -593,21 +627,6 @@ def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: l
         yield w.error(err.message, err.code or "server_error") + w.done()
     finally:
         gen.end()  # client went away (GeneratorExit) or the stream broke: stop the workers, settle the quota
-
-
-def _shared_prompt(events: Iterator[Event], shared: dict[int, Any], prompt: int, first: bool) -> Iterator[Event]:
-    """A choice's events with its prompt's log-probabilities on its first delta: the prompt's first choice (which
-    computed them, _choice_requests) leaves them in `shared`, which a later choice of that prompt reads (the
-    choices stream one after the other)."""
-    seen = False
-    for ev in events:
-        if isinstance(ev, DeltaEvent) and not seen:
-            seen = True
-            if first:
-                shared[prompt] = ev.prompt_lp
-            elif ev.prompt_lp is None:
-                ev = replace(ev, prompt_lp=shared.get(prompt))
-        yield ev
 
 
 def _stream_choice(w: ChunkWriter, index: int, events: Iterator[Event], out: _Output,

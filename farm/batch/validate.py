@@ -28,9 +28,12 @@ from farm.openai.parsing import (
     local_params,
     parse_chat,
     parse_completion,
+    pretrimmed,
+    prompt_char_limit,
     raw_prompts,
     refuse_oversized,
     require_model,
+    truncation,
     validate_chat,
 )
 from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
@@ -155,8 +158,12 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                 else:
                     asked = completion_messages(body, tokenizer_for(model))  # an alias: the default model's
                 names = models if model in (aliases or []) else [model]  # before the layer pays for a huge line
-                refuse_oversized([(tokenizer_for(m), max_model_len(m)) for m in names], asked,
-                                 "messages" if kind == "chat" else "prompt")
+                bounds = [(tokenizer_for(m), max_model_len(m)) for m in names]
+                if truncation(body)[0] is not None:  # vLLM's truncation: cut to what a model could keep
+                    body = pretrimmed(body, kind, [(t, n, prompt_char_limit(t, n)) for t, n in bounds])
+                    asked = validate_chat(body) if kind == "chat" else completion_messages(body, tokenizer_for(model))
+                else:
+                    refuse_oversized(bounds, asked, "messages" if kind == "chat" else "prompt")
                 v = decide(model, asked)
                 if v.action == "block":
                     local_params(body, kind)  # its parameters are still checked like the API's

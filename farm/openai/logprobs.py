@@ -29,14 +29,20 @@ def _token(tokenizer: Any, token_id: int) -> str:
     return text
 
 
+def _shown(logprob: float) -> float:
+    """A log-probability as vLLM's server shows it: -inf (a token a mask or a constraint ruled out) is -9999.0, since
+    JSON has no infinity (Python writes `-Infinity`, which JavaScript's JSON.parse and most strict parsers refuse)."""
+    return max(logprob, -9999.0)
+
+
 def chat_logprobs(tokenizer: Any, ids: list[int], lps: list[list]) -> dict[str, Any]:
     """`choices[].logprobs` of a chat completion (or of one streamed chunk)."""
     content = []
     for tid, (lp, top) in zip(ids, lps, strict=False):
         text = _token(tokenizer, tid)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": v, "bytes": list(t.encode())}
-                                         for i, v in top]})
+        content.append({"token": text, "logprob": _shown(lp), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": _shown(v),
+                                          "bytes": list(t.encode())} for i, v in top]})
     return {"content": content}
 
 
@@ -49,9 +55,9 @@ def completion_logprobs(tokenizer: Any, ids: list[int], lps: list[list | None], 
     for tid, entry in zip(ids, lps, strict=False):
         text = _token(tokenizer, tid)
         tokens.append(text)
-        lp, top = (entry[0], entry[1]) if entry is not None else (None, None)  # a prompt token's has its rank third
+        lp, top = (_shown(entry[0]), entry[1]) if entry is not None else (None, None)  # a prompt token's: rank third
         token_lps.append(lp)
-        tops.append(None if top is None else {**{_token(tokenizer, i): v for i, v in top}, text: lp})
+        tops.append(None if top is None else {**{_token(tokenizer, i): _shown(v) for i, v in top}, text: lp})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -110,4 +116,4 @@ def prompt_logprobs(tokenizer: Any, prompt_ids: Sequence[int], prompt_lps: list[
 
 
 def _entry(tokenizer: Any, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
-    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": _token(tokenizer, token_id)}
+    return {"logprob": _shown(logprob), "rank": rank, "decoded_token": _token(tokenizer, token_id)}

@@ -61,6 +61,9 @@ TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message")  # request
 SPECIAL_TOKEN_NAMES = frozenset({"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                                  "mask_token", "additional_special_tokens"})
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs as JSON: switches and short texts, not prompts
+TRUNCATION_SIDES = ("left", "right")  # vLLM's truncation_side
+TRUNCATION_CHARS_PER_TOKEN = 4  # a truncated prompt's first cut, in characters a token kept (_shortest_cut)
+TRUNCATION_MARGIN = 16  # tokens a cut holds beyond those kept: its edge never changes how they tokenize
 
 
 @dataclass(frozen=True)
@@ -612,6 +615,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
     if tools is not None and tools.active and body.get("stream") is True and body.get("logprobs"):
         raise bad_request("'logprobs' cannot be streamed together with tool calls", "logprobs", "unsupported_value")
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
+    if (keep := _kept_tokens(body, max_model_len)) is not None and keep >= 1:
+        messages = _shortest_cut(messages, truncation(body)[1], [(tokenizer, keep, limit)])
     check_prompt_chars(messages_chars(messages), limit, max_model_len, "messages")
     rendered, tool_list = template_inputs(messages, tools, tokenizer, tool_parser)
     try:  # with template variables or tools, the rendered prompt's size is checked again before it is tokenized
@@ -624,6 +629,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
         raise
     except Exception as e:  # a template that rejects the conversation (e.g. role order, nothing to continue)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
+    ids = _truncated(ids, body, max_model_len)
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
                                                vocab=len(tokenizer))
     if tools is not None and (forced := tools.response_format()) is not None:
@@ -695,9 +701,15 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     raw = raw_prompts(body)
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
-    for i, prompt in enumerate(raw):
-        ids = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)))
-        prompts.append(Prompt(ids, _prompt_text(prompt, tokenizer, skip_special_tokens=False) if echo else ""))
+    single = pretrimmed(body, "completion", [(tokenizer, max_model_len, limit)])
+    for i, prompt in enumerate(raw_prompts(single) if single is not body else raw):
+        whole = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)))
+        ids = _truncated(whole, body, max_model_len)
+        shown = ""
+        if echo:  # the prompt the model read
+            shown = tokenizer.decode(ids, skip_special_tokens=False) if len(ids) < len(whole) else \
+                _prompt_text(prompt, tokenizer, skip_special_tokens=False)
+        prompts.append(Prompt(ids, shown))
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i].ids))
     params, stream, include_usage, n = _common(body, len(prompts[longest].ids), max_model_len,
                                                prompt_param(longest, len(raw)), defaults,
@@ -733,6 +745,114 @@ def _prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> tuple[
                               "invalid_value")
         return params, None
     return replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0)), k
+
+
+def truncation(body: dict) -> tuple[int | None, str]:
+    """vLLM's `truncate_prompt_tokens` (how many of the prompt's tokens to keep, -1: all the context leaves room
+    for; None: no truncation, a prompt too long is a 400) and `truncation_side` ('left', vLLM's default for
+    generation, keeps the last tokens; 'right' the first). 0 would leave no prompt to generate from: a 400."""
+    k = _type_check(body, "truncate_prompt_tokens", (int,), "an integer")
+    side = _type_check(body, "truncation_side", (str,), "a string") or "left"
+    if side not in TRUNCATION_SIDES:
+        raise bad_request(f"'truncation_side' must be 'left' or 'right', got {side!r}", "truncation_side",
+                          "invalid_value")
+    if k is not None and k < 1 and k != -1:
+        raise bad_request(f"'truncate_prompt_tokens' must be -1 or at least 1, got {k}", "truncate_prompt_tokens",
+                          "invalid_value")
+    return k, side
+
+
+def _cut(seq: Any, keep: int, side: str) -> Any:
+    """`seq` (a text or token ids) cut to its last `keep` items ('left' truncation) or its first."""
+    if len(seq) <= keep:
+        return seq
+    return seq[len(seq) - keep:] if side == "left" else seq[:keep]
+
+
+def _kept_tokens(body: dict, max_model_len: int) -> int | None:
+    """How many prompt tokens vLLM's truncation keeps for this model (None: no truncation; < 1: no room for any,
+    _common's context_length_exceeded): at most what the context leaves beside the answer's `max_tokens` (one
+    token when the body leaves it out), else a 400 as vLLM's."""
+    k, _side = truncation(body)
+    if k is None:
+        return None
+    asked = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens")) if type(v) is int and v >= 1]
+    answer = asked[-1] if asked else 1  # the newer name wins, as in _common
+    room = max_model_len - answer
+    if k > room >= 1:
+        raise bad_request(f"'truncate_prompt_tokens' ({k}) cannot be greater than the model's context less the "
+                          f"answer's tokens ({max_model_len} - {answer} = {room})", "truncate_prompt_tokens",
+                          "invalid_value")
+    return room if k == -1 else k
+
+
+def _truncated(ids: list[int], body: dict, max_model_len: int) -> list[int]:
+    """The prompt's ids as vLLM's `truncate_prompt_tokens` and `truncation_side` keep them."""
+    keep = _kept_tokens(body, max_model_len)
+    return ids if keep is None or keep < 1 else _cut(ids, keep, truncation(body)[1])
+
+
+def _cut_messages(messages: list[dict[str, Any]], size: int, side: str) -> list[dict[str, Any]]:
+    """A conversation cut to `size` characters (messages_chars) on `side`: the messages on that side dropped, the
+    one across the cut keeping the part of its content nearest the rest."""
+    if messages_chars(messages) <= size:
+        return messages
+    order = range(len(messages) - 1, -1, -1) if side == "left" else range(len(messages))
+    kept: dict[int, dict[str, Any]] = {}
+    room = size
+    for i in order:
+        m, n = messages[i], messages_chars([messages[i]])
+        if n <= room:
+            kept[i], room = m, room - n
+            continue
+        kept[i] = {**m, "content": _cut(m["content"], max(room - (n - len(m["content"])), 0), side)}
+        break
+    return [kept[i] for i in sorted(kept)]
+
+
+def _message_tokens(tokenizer, messages: list[dict[str, Any]]) -> int:
+    """The tokens of a conversation's texts, without its template's (which only adds to them)."""
+    return sum(len(text_prompt_ids(tokenizer, m["content"], False)) for m in messages)
+
+
+def _shortest_cut(prompt: Any, side: str, models: list[tuple[Any, int, int]]) -> Any:
+    """The prompt (a text, or a chat's messages) cut to the fewest characters that still hold, for each model
+    (tokenizer, tokens to keep, its character limit), TRUNCATION_MARGIN tokens more than it keeps: the token
+    truncation of the cut keeps what it would keep of the whole prompt, and nothing reads (the semantic layer, the
+    template, the tokenizer) what no model would. From TRUNCATION_CHARS_PER_TOKEN characters a token, doubled
+    while too few; never past the character limit, which holds a whole context (prompt_char_limit)."""
+    is_text = isinstance(prompt, str)
+    total = len(prompt) if is_text else messages_chars(prompt)
+    longest = 0
+    for tok, keep, limit in models:
+        need, size = keep + TRUNCATION_MARGIN, (keep + TRUNCATION_MARGIN) * TRUNCATION_CHARS_PER_TOKEN
+        while size < min(total, limit):
+            piece = _cut(prompt, size, side) if is_text else _cut_messages(prompt, size, side)
+            if (len(text_prompt_ids(tok, piece, False)) if is_text else _message_tokens(tok, piece)) >= need:
+                break
+            size *= 2
+        longest = max(longest, min(size, total, limit))
+    return _cut(prompt, longest, side) if is_text else _cut_messages(prompt, longest, side)
+
+
+def pretrimmed(body: dict, kind: str, models: list[tuple[Any, int, int]]) -> dict:
+    """The body as vLLM's truncation reads it, for any of `models` ((tokenizer, max_model_len, character limit):
+    one, or every model an alias may pick): each text prompt or the chat's messages (normalized) cut to what
+    their token truncation keeps (_shortest_cut), a token-id prompt to the most ids any keeps; the body itself when
+    it asks for no truncation. The semantic layer then reads what a model may read, no more."""
+    k, side = truncation(body)
+    if k is None:
+        return body
+    keeps = [(tok, keep, limit) for tok, context, limit in models if (keep := _kept_tokens(body, context) or 0) >= 1]
+    if not keeps:
+        return body  # no model has room: its context_length_exceeded comes from parsing
+    if kind == "chat":
+        return {**body, "messages": _shortest_cut(validate_chat(body), side, keeps)}
+    raw = raw_prompts(body)
+    most = max(keep for _, keep, _ in keeps)
+    cut = [_shortest_cut(p, side, keeps) if isinstance(p, str) and p else _cut(p, most, side) if _is_token_ids(p)
+           else p for p in raw]
+    return {**body, "prompt": cut[0] if len(raw) == 1 and raw[0] is body.get("prompt") else cut}
 
 
 def _return_token_ids(body: dict) -> bool:

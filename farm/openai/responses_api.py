@@ -187,7 +187,9 @@ class ResponsesRequest(ServingHints):
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | None = None
     parallel_tool_calls: StrictBool | None = None
     reasoning: ResponsesReasoning | None = Field(None, description="accepted and not applied")
-    truncation: Literal["disabled"] | None = Field(None, description="only disabled: a prompt too long is a 400")
+    truncation: Literal["disabled", "auto"] | None = Field(None, description=(
+        "disabled (the default): a prompt too long is a 400; auto: its earliest tokens are dropped to fit the "
+        "context, as vLLM does (the chat path's truncate_prompt_tokens -1)"))
     background: StrictBool | None = Field(None, description="not supported: only false")
     include: list[StrictStr] | None = Field(None, description="not supported: only empty")
     stream_options: dict[str, Any] | None = Field(None, description="accepted and ignored")
@@ -317,6 +319,8 @@ def to_chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[s
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
+    if req.truncation == "auto":
+        body["truncate_prompt_tokens"] = -1
     for name in ("temperature", "top_p", "user"):
         if (value := getattr(req, name)) is not None:
             body[name] = value

@@ -128,7 +128,7 @@ class ResponseContext:
             "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel)
                             else req.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "top_p": req.top_p,
-            "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {},
+            "truncation": req.truncation or "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {},
         }
         if status == "completed":
             obj["completed_at"] = int(time.time())

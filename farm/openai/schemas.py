@@ -141,6 +141,12 @@ class _Sampling(_Request):
     return_token_ids: bool | None = Field(None, description=(
         "vLLM extension: each choice carries its generated `token_ids` and the prompt's `prompt_token_ids` (chat: on "
         "the response; streamed: on a choice's first chunk, and each chunk its own ids)"))
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description=(
+        "vLLM extension: keep this many of the prompt's tokens (-1: as many as leave room for max_tokens, or for one "
+        "token without it) instead of refusing a prompt too long for the context"))
+    truncation_side: Literal["left", "right"] | None = Field(None, description=(
+        "vLLM extension: with truncate_prompt_tokens, 'left' (the default, as vLLM's for generation) keeps the "
+        "prompt's last tokens, 'right' its first"))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "vLLM extension: the answer held to a JSON schema, a regex, a choice of strings or a grammar (not with "
         "response_format, nor with a forced tool_choice)"))

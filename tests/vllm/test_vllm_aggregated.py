@@ -239,6 +239,28 @@ def test_prompt_logprobs_are_vllm_serves(client, vllm_serve):
                        and abs(x[t]["logprob"] - y[t]["logprob"]) < 1e-3 for t in x)
 
 
+def test_truncate_prompt_tokens_keeps_what_vllm_serve_keeps(client, vllm_serve):
+    """vLLM's `truncate_prompt_tokens` and `truncation_side` through a farm of vLLM workers: `vllm serve`'s prompt
+    ids, greedy answer and echo, on a text completion and a chat."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[2]}]
+    for side in ("left", "right"):
+        extra = {"truncate_prompt_tokens": 12, "truncation_side": side, "return_token_ids": True}
+        ours, theirs = (c.completions.create(prompt=SYSTEM, **kw, extra_body=extra) for c in (client, serve))
+        assert ours.choices[0].prompt_token_ids == theirs.choices[0].prompt_token_ids
+        assert len(ours.choices[0].prompt_token_ids) == 12 and ours.choices[0].text == theirs.choices[0].text
+        ours, theirs = (c.chat.completions.create(messages=msgs, **kw, extra_body=extra) for c in (client, serve))
+        assert ours.prompt_token_ids == theirs.prompt_token_ids and len(ours.prompt_token_ids) == 12
+        assert ours.choices[0].message.content == theirs.choices[0].message.content
+    # the same answer after the same 9 tokens; the farm's echo is those 9 tokens' text, vLLM's the whole prompt sent
+    echo = {"echo": True, "extra_body": {"truncate_prompt_tokens": 9}}
+    ours, theirs = (c.completions.create(prompt=SYSTEM, **kw, **echo) for c in (client, serve))
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens == 9
+    assert theirs.choices[0].text.startswith(SYSTEM) and theirs.choices[0].text.endswith(ours.choices[0].text)
+    assert SYSTEM.endswith(ours.choices[0].text[:-len(theirs.choices[0].text[len(SYSTEM):]) or None])
+
+
 def test_return_token_ids_are_vllm_serves(client, vllm_serve):
     """vLLM's `return_token_ids`: the farm's prompt and generated ids are `vllm serve`'s, chat and text, streamed
     or not (the end-of-sequence token among them, as vLLM counts it)."""
