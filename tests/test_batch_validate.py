@@ -12,7 +12,7 @@ from farm.batch.validate import PreparedLine, validate_input
 from farm.config import load_config
 from farm.models.tokenization import get_tokenizer
 from farm.protocol.hashing import block_hashes
-from farm.semantic.layer import SemanticLayer
+from farm.semantic.layer import H_INJECTED, SemanticLayer
 
 CHAT = "/v1/chat/completions"
 
@@ -145,6 +145,23 @@ def test_a_truncated_line_is_cut_before_the_semantic_layer_reads_it(env):
     assert errors == [] and len(lines[0].prompt_ids) == 32 and seen and seen[0] < 2000
     lines, errors = run(line(cfg, "long", text, max_tokens=4), decide=decide)
     assert [e["code"] for e in errors] == ["context_length_exceeded"] and len(seen) == 1
+
+
+def test_a_line_showing_the_prompt_the_layer_added_is_refused(env):
+    """semantic.reveal_injected_prompt: a batch line asking for its prompt's tokens after the layer added a
+    category's system prompt is a line error unless the operator allows it."""
+    cfg, run = env
+
+    def decide(model, messages):  # the layer's verdict when it adds a category's system prompt
+        v = SemanticLayer.passthrough(model, [{"role": "system", "content": "Be a math tutor."}, *messages])
+        v.headers[H_INJECTED] = "true"
+        return v
+
+    text = line(cfg, "ids", "What is 2+2?", return_token_ids=True)
+    _, errors = run(text, decide=decide, aliases=["MoM"])
+    assert [(e["code"], e["param"]) for e in errors] == [("invalid_value", "body.return_token_ids")]
+    lines, errors = run(text, decide=decide, aliases=["MoM"], reveal_injected_prompt=True)
+    assert errors == [] and lines[0].return_token_ids
 
 
 def _pl(i, ids, model="m"):

@@ -159,6 +159,21 @@ def test_an_answer_to_a_constrained_request_is_not_stored(app, redis_client, mon
     assert seen == [True, True, False]
 
 
+def test_the_system_prompt_the_layer_adds_is_not_shown_by_prompt_fields(app, monkeypatch):
+    """A category's system prompt is the operator's: an answer that would show the prompt's tokens (vLLM's
+    return_token_ids, prompt_logprobs) is a 400 once the layer added one, unless the operator allows it; without an
+    added prompt (a model named) the request goes on (to the gateway: no worker here, a 503)."""
+    question = "Solve for x: 3x + 7 = 22. Show your work."
+    for field in ({"return_token_ids": True}, {"prompt_logprobs": 1}):
+        resp = chat(app, question, max_tokens=4, **field)
+        assert resp.status_code == 400 and resp.get_json()["error"]["param"] == next(iter(field))
+        assert "semantic.reveal_injected_prompt" in resp.get_json()["error"]["message"]
+        assert chat(app, question, model="SmolLM2-135M-Instruct", max_tokens=4, **field).status_code == 503
+    assert chat(app, question, max_tokens=4, return_token_ids=False).status_code == 503
+    monkeypatch.setattr(app.extensions["farm"].cfg.semantic, "reveal_injected_prompt", True)
+    assert chat(app, question, max_tokens=4, return_token_ids=True).status_code == 503
+
+
 def test_mom_is_listed_and_unknown_models_are_404(app):
     c = app.test_client()
     ids = [m["id"] for m in c.get("/v1/models").get_json()["data"]]

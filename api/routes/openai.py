@@ -60,6 +60,7 @@ from farm.openai.parsing import (
     prompt_param,
     raw_prompts,
     refuse_oversized,
+    refuse_showing_added_prompt,
     require_model,
     truncation,
     validate_chat,
@@ -68,7 +69,7 @@ from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.openai.tool_stream import CallDelta
 from farm.protocol import DeltaEvent, DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
-from farm.semantic.layer import Verdict
+from farm.semantic.layer import H_INJECTED, Verdict
 from farm.telemetry import prometheus
 from farm.tenancy.quota import Reservation
 
@@ -229,6 +230,8 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
                          fits=lambda v: answer_fits(v.answer or "", body, farm.tokenizer(v.model)))
     else:  # text completions: guards and selection on the prompt's text; no cache, no system prompt
         verdict = decide(layer, model, _completion_messages(body, model), scope=scope, no_cache=True, inject=False)
+    if verdict.action == "forward" and verdict.headers.get(H_INJECTED) and not farm.cfg.semantic.reveal_injected_prompt:
+        refuse_showing_added_prompt(body)
     if verdict.action != "forward":  # every choice asked for gets the layer's answer
         _sampling, stream, include_usage, n = local_params(body, kind)
         return answer_locally(kind, ids.response, verdict, stream, include_usage, header_id=ids.header,

@@ -83,7 +83,8 @@ class Preparation:
                                   self.bcfg.max_reported_errors, lambda m: self.cfg.model(m).defaults,
                                   self._decide(str(b.get("owner") or "")) if semantic else None,
                                   self.cfg.semantic.aliases,
-                                  lambda m: self.cfg.model(m).tool_call_parser)
+                                  lambda m: self.cfg.model(m).tool_call_parser,
+                                  self.cfg.semantic.reveal_injected_prompt)
         except redis.RedisError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. the model's tokenizer is missing on this host

@@ -32,11 +32,13 @@ from farm.openai.parsing import (
     prompt_char_limit,
     raw_prompts,
     refuse_oversized,
+    refuse_showing_added_prompt,
     require_model,
     truncation,
     validate_chat,
 )
 from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
+from farm.semantic.layer import H_INJECTED
 
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # A line is {custom_id, method, url, body}: one level above a request body (farm.protocol.jsonsafe.MAX_JSON_DEPTH, 32).
@@ -81,11 +83,13 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                    max_errors: int = 100, defaults_for: Callable[[str], Any] | None = None,
                    decide: Callable[[str, list[dict]], Any] | None = None, aliases: list[str] | None = None,
                    tool_parser_for: Callable[[str], str | None] | None = None,
+                   reveal_injected_prompt: bool = False,
                    ) -> tuple[list[PreparedLine], list[dict[str, Any]]]:
     """(prepared lines, errors); the batch may run only when `errors` is empty. `decide(model, messages)`
     is the semantic layer's verdict (farm.semantic.layer.Verdict) without the cache; `aliases` are the
     model names it resolves (MoM, auto); `tool_parser_for(model)` is the model's tool-call parser (what
-    `tool_choice: auto` needs)."""
+    `tool_choice: auto` needs); `reveal_injected_prompt` (semantic.reveal_injected_prompt) lets a line show
+    its prompt's tokens after the layer added a category's system prompt."""
     kind = ENDPOINT_KINDS.get(endpoint)
     if kind is None:
         return [], [_err("invalid_endpoint", f"unsupported endpoint {endpoint!r}", None, "endpoint")]
@@ -170,6 +174,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                     lines.append(PreparedLine(len(lines), no, cid, kind, v.model, [], {}, v.answer or "",
                                               v.finish_reason or "content_filter"))
                     continue
+                if v.headers.get(H_INJECTED) and not reveal_injected_prompt:
+                    refuse_showing_added_prompt(body)
                 model = v.model
                 messages = v.messages if kind == "chat" else None
             defaults = defaults_for(model) if defaults_for else None

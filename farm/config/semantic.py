@@ -308,6 +308,9 @@ class SemanticConfig(Section):
     max_embed_tokens: int = Field(128, ge=8, le=256)  # longer prompts are embedded truncated (cache: exact match)
     system_prompt_mode: Literal["replace", "prepend"] = "prepend"
     inject_system_prompt: bool = True
+    # a request whose answer shows its prompt's tokens (return_token_ids, prompt_logprobs) after a category's system
+    # prompt was added: false = a 400 (the operator's prompt is not shown to clients), true = shown
+    reveal_injected_prompt: bool = False
     # MoM: how many of a category's models may be passed over for the next one, at selection (no live worker)
     # and after it (failed before its first token); x-vsr-fallback names them. Past that, at selection the
     # default model answers; after it, the last model's error does

@@ -855,6 +855,17 @@ def pretrimmed(body: dict, kind: str, models: list[tuple[Any, int, int]]) -> dic
     return {**body, "prompt": cut[0] if len(raw) == 1 and raw[0] is body.get("prompt") else cut}
 
 
+def refuse_showing_added_prompt(body: dict) -> None:
+    """A 400 for a request whose answer would show its prompt's tokens (vLLM's `return_token_ids`, `prompt_logprobs`)
+    when the semantic layer added a category's system prompt to it: that prompt is the operator's, not the
+    client's (`semantic.reveal_injected_prompt` lets it be shown). Callers ask only when the layer added one."""
+    for name in ("return_token_ids", "prompt_logprobs"):
+        if body.get(name) not in (None, False):
+            raise bad_request(f"'{name}' would show the system prompt the semantic layer added for this request's "
+                              "category; ask for a model by name, or the operator may allow it "
+                              "(semantic.reveal_injected_prompt)", name, "invalid_value")
+
+
 def _return_token_ids(body: dict) -> bool:
     """vLLM's `return_token_ids` (the ids an RL trainer learns from, without a tokenizer round trip)."""
     return _type_check(body, "return_token_ids", (bool,), "a boolean") or False
