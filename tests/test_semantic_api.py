@@ -137,9 +137,10 @@ def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redi
                   {"stop": ["Saturn"]}, {"stop_token_ids": [2]}, {"response_format": {"type": "json_object"}},
                   {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {"5": 1.0}},
                   {"structured_outputs": {"choice": ["Jupiter", "Saturn"]}}, {"return_token_ids": True},
-                  {"prompt_logprobs": 0}, {"allowed_token_ids": [5]}):  # vLLM's: a constraint, or more
+                  {"prompt_logprobs": 0}, {"allowed_token_ids": [5]}, {"truncate_prompt_tokens": 8}):  # vLLM's
         resp = chat(app, question, **extra)
-        assert resp.status_code == 503 and "x-vsr-cache-hit" not in resp.headers, extra
+        shows_prompt = "return_token_ids" in extra or "prompt_logprobs" in extra  # with the layer's system prompt
+        assert resp.status_code == (400 if shows_prompt else 503) and "x-vsr-cache-hit" not in resp.headers, extra
     for extra in ({"stop": []}, {"response_format": {"type": "text"}}, {"min_tokens": 0}, {"logit_bias": {}}):
         assert chat(app, question, **extra).headers.get("x-vsr-cache-hit") == "true", extra  # no constraint
     assert chat(app, question, max_tokens=0).status_code == 400  # still validated on the cache path
@@ -164,7 +165,7 @@ def test_the_system_prompt_the_layer_adds_is_not_shown_by_prompt_fields(app, mon
     return_token_ids, prompt_logprobs) is a 400 once the layer added one, unless the operator allows it; without an
     added prompt (a model named) the request goes on (to the gateway: no worker here, a 503)."""
     question = "Solve for x: 3x + 7 = 22. Show your work."
-    for field in ({"return_token_ids": True}, {"prompt_logprobs": 1}):
+    for field in ({"return_token_ids": True}, {"prompt_logprobs": 1}, {"prompt_logprobs": 0}):
         resp = chat(app, question, max_tokens=4, **field)
         assert resp.status_code == 400 and resp.get_json()["error"]["param"] == next(iter(field))
         assert "semantic.reveal_injected_prompt" in resp.get_json()["error"]["message"]

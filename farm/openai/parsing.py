@@ -860,7 +860,7 @@ def refuse_showing_added_prompt(body: dict) -> None:
     when the semantic layer added a category's system prompt to it: that prompt is the operator's, not the
     client's (`semantic.reveal_injected_prompt` lets it be shown). Callers ask only when the layer added one."""
     for name in ("return_token_ids", "prompt_logprobs"):
-        if body.get(name) not in (None, False):
+        if body.get(name) is not None and body.get(name) is not False:  # prompt_logprobs 0 shows them too
             raise bad_request(f"'{name}' would show the system prompt the semantic layer added for this request's "
                               "category; ask for a model by name, or the operator may allow it "
                               "(semantic.reveal_injected_prompt)", name, "invalid_value")
