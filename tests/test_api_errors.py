@@ -200,6 +200,16 @@ def test_allowed_token_ids_are_checked_against_the_vocabulary(app_client):
         assert_error(post(c, "/v1/chat/completions", chat(cfg, allowed_token_ids=bad)), 400, "allowed_token_ids")
 
 
+def test_bad_words_are_checked_as_vllm_checks_them(app_client):
+    """vLLM's bad_words: a list of non-empty strings of at most 256 characters, at most 128 token sequences once
+    tokenized (100 words make about 200: each alone and after a space); else a 400 naming the field."""
+    c, cfg = app_client
+    for bad in ("Paris", [""], [5], ["x" * 257], ["w"] * 129, [f"word{i}" for i in range(100)]):
+        for path, body in (("/v1/chat/completions", chat(cfg, bad_words=bad)),
+                           ("/v1/completions", {"model": cfg.default_model, "prompt": "Hi", "bad_words": bad})):
+            assert_error(post(c, path, body), 400, "bad_words")
+
+
 def test_structured_outputs_with_another_constraint_is_a_400(app_client):
     c, cfg = app_client
     assert_error(post(c, "/v1/chat/completions", chat(cfg, structured_outputs={"choice": ["a"]},

@@ -12,7 +12,7 @@ from farm.config import EngineConfig
 from farm.engine.contract import RequestOutput
 from farm.engine.engine import Engine
 from farm.engine.scheduler import KVImport
-from farm.models.tokenization import chat_prompt_ids
+from farm.models.tokenization import bad_words_token_ids, chat_prompt_ids
 from farm.protocol import SamplingParams
 
 
@@ -195,6 +195,30 @@ def test_allowed_token_ids_hold_every_token_greedy_or_sampled(tiny_engine):
         assert set(run(eng, prompt, params).token_ids) <= set(allowed)
     assert not set(run(eng, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).token_ids) <= \
         set(allowed)
+
+
+def test_bad_words_are_never_completed(tiny_engine):
+    """vLLM's bad_words through the engine: a word of one token never appears; a word of two tokens never has its
+    second after its first; the answer is the free one up to where the word would have begun."""
+    eng = tiny_engine()
+    tok = eng.tokenizer
+    prompt = list(range(700, 720))
+    free = run(eng, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)).token_ids
+
+    def word(ids: list[int]) -> str | None:  # a text that tokenizes back to exactly these ids
+        text = tok.decode(ids)
+        return text if bad_words_token_ids(tok, [text])[0] == ids else None
+
+    i = next(i for i in range(1, len(free)) if word([free[i]]))
+    j = next(j for j in range(1, len(free) - 1) if word(free[j:j + 2]) and free[j] != free[j + 1])
+    for at, ids in ((i, [free[i]]), (j, free[j:j + 2])):
+        banned = bad_words_token_ids(tok, [word(ids)])
+        got = run(eng, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                              bad_words=[word(ids)])).token_ids
+        first = min(k for k in range(len(free)) if any(free[k:k + len(b)] == b for b in banned))
+        assert got[:first + len(ids) - 1] == free[:first + len(ids) - 1] and got != free
+        assert not any(got[k:k + len(b)] == b for b in banned for k in range(len(got)))
+        assert first <= at
 
 
 def test_a_prompt_in_chunked_prefill_counts_as_running_not_waiting(tiny_model_dir):

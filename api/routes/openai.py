@@ -411,7 +411,7 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
     """n > 1, log-probabilities or token ids, tools, vLLM's options that change the prompt or the answer's text (the
     chat-template fields, a truncation, special tokens shown, the stop string kept), or a constraint on the answer (stop
-    sequences or tokens, a response format or structured outputs, min_tokens, ignore_eos, logit_bias): what a cached answer (one free
+    sequences or tokens, a response format or structured outputs, min_tokens, ignore_eos, logit_bias, bad_words): what a cached answer (one free
     sample of the plain prompt, text only) cannot give, and what must not be stored as one: an answer cut at one
     client's stop, or held to its schema, replayed to another request was wrong for it. (The body passed
     validate_chat.)"""
@@ -423,7 +423,7 @@ def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
             or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
             or body.get("structured_outputs") is not None or body.get("return_token_ids") is True
             or body.get("prompt_logprobs") is not None or bool(body.get("allowed_token_ids"))
-            or body.get("truncate_prompt_tokens") is not None
+            or body.get("truncate_prompt_tokens") is not None or bool(body.get("bad_words"))
             or bool(body.get("min_tokens")) or body.get("ignore_eos") is True or bool(body.get("logit_bias")))
 
 

@@ -109,6 +109,7 @@ def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, p
         "prompt_logprobs": None if prefill_only else p.prompt_logprobs,
         "logit_bias": dict(p.logit_bias) or None,
         "allowed_token_ids": list(p.allowed_token_ids) or None,
+        "bad_words": list(p.bad_words) or None,
     }
     if p.response_format is not None:
         kw["structured_outputs"] = structured(**structured_spec(p.response_format)) if structured else \

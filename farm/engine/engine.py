@@ -41,7 +41,7 @@ from farm.engine.step_costs import StepCosts
 from farm.engine.structured import Grammars, InvalidFormat, mask_logits
 from farm.engine.timings import RequestTimings, RequestTokens
 from farm.kvcache.tiers import TieredKV
-from farm.models.tokenization import IncrementalDetokenizer, eos_token_ids, partial_stop
+from farm.models.tokenization import IncrementalDetokenizer, bad_words_token_ids, eos_token_ids, partial_stop
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import salt_root
 from farm.protocol.kv_events import KVEventHook
@@ -127,6 +127,12 @@ class Engine:
             on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
             return
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        if params.bad_words:
+            try:
+                seq.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            except ValueError as e:
+                on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
+                return
         if params.response_format is not None:
             try:
                 seq.grammar = self.grammars().matcher(params.response_format)
@@ -396,11 +402,15 @@ class Engine:
         return tokens
 
     def _suppressed(self, seq: Sequence) -> list[int]:
-        """Tokens that would end the sequence, while it is shorter than its min_tokens."""
-        p = seq.params
-        if len(seq.output_ids) >= p.min_tokens:
-            return []
-        return sorted(set(self.eos_ids) | set(p.stop_token_ids))
+        """Tokens that may not come next: those that would end the sequence while it is shorter than its min_tokens,
+        and the last token of a bad word whose other tokens the completion ends with (vLLM's bad_words, matched
+        against the generated tokens only, as vLLM's)."""
+        p, out = seq.params, seq.output_ids
+        banned = set(self.eos_ids) | set(p.stop_token_ids) if len(out) < p.min_tokens else set()
+        for word in seq.bad_words:
+            if len(word) == 1 or (len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]):
+                banned.add(word[-1])
+        return sorted(banned)
 
     def _isolated(self, seqs: list[Sequence], run: Callable[[list[int]], dict[int, int | None]]
                   ) -> dict[int, int | None]:

@@ -65,6 +65,7 @@ class Sequence:
     # the prompt's TokenLogprobs by position (None at 0), filled as its chunks are computed, when it asks for them
     prompt_logprobs: list[Any] | None = None
     grammar: Any = None  # structured output: the sequence's grammar matcher (farm.engine.structured)
+    bad_words: list[list[int]] = field(default_factory=list)  # vLLM's bad_words as token sequences
 
     @property
     def wants_prompt_logprobs(self) -> bool:

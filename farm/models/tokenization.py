@@ -142,6 +142,23 @@ def text_prompt_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> 
     return [int(t) for t in tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's `bad_words` as token sequences, as vLLM tokenizes them (SamplingParams.update_from_tokenizer): each word
+    without and with a leading space (a word at the start of the text and one in the middle), the second kept when
+    it is another word token of the same length. ValueError for a word that makes no token."""
+    out: list[list[int]] = []
+    for word in dict.fromkeys(words):  # repeated words once, as vLLM
+        for space in ("", " "):
+            ids = text_prompt_ids(tokenizer, space + word.lstrip(), False)
+            if not ids:
+                if not space:
+                    raise ValueError(f"{word!r} makes no token")
+                continue
+            if not space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return out
+
+
 def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
     """End-of-sequence ids: the tokenizer's plus the generation config's (which may be a list)."""
     ids: set[int] = set()

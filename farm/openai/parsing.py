@@ -11,6 +11,7 @@ from typing import Any
 from farm.config import SamplingDefaults
 from farm.models.tokenization import (
     PromptTooLong,
+    bad_words_token_ids,
     chat_prompt_ids,
     chat_turns,
     max_token_chars,
@@ -35,6 +36,8 @@ from farm.openai.tools import ToolRequest, parse_tools, template_inputs
 from farm.openai.validation import validated
 from farm.protocol import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_RESPONSE_FORMAT_CHARS,
     MAX_STOP_CHARS,
@@ -189,6 +192,30 @@ def _token_ids(body: dict, name: str, vocab: int | None, most: int) -> list[int]
     if any(t < 0 or (vocab is not None and t >= vocab) for t in v):
         raise bad_request(f"token ids in '{name}' must be in [0, {vocab})", name, "invalid_value")
     return list(v)
+
+
+def _bad_words(body: dict) -> list[str]:
+    """vLLM's `bad_words`: at most MAX_BAD_WORDS non-empty strings (each model's tokenizer checks them again:
+    check_bad_words)."""
+    words = _type_check(body, "bad_words", (list,), "a list of strings") or []
+    if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and 0 < len(w) <= MAX_BAD_WORD_CHARS for w in words):
+        raise bad_request(f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-empty strings of at most "
+                          f"{MAX_BAD_WORD_CHARS} characters", "bad_words", "invalid_value")
+    return words
+
+
+def check_bad_words(params: SamplingParams, tokenizer) -> None:
+    """A 400 for `bad_words` the model's tokenizer cannot take as vLLM would: a word that makes no token, or more
+    than MAX_BAD_WORDS token sequences in all (farm.models.tokenization.bad_words_token_ids)."""
+    if not params.bad_words:
+        return
+    try:
+        n = len(bad_words_token_ids(tokenizer, params.bad_words))
+    except ValueError as e:
+        raise bad_request(f"'bad_words': {e}", "bad_words", "invalid_value") from None
+    if n > MAX_BAD_WORDS:
+        raise bad_request(f"'bad_words' make {n} token sequences, more than {MAX_BAD_WORDS}", "bad_words",
+                          "invalid_value")
 
 
 def _logit_bias(body: dict, vocab: int | None) -> dict[int, float]:
@@ -384,6 +411,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     allowed = _token_ids(body, "allowed_token_ids", vocab, MAX_ALLOWED_TOKEN_IDS)
     if body.get("allowed_token_ids") is not None and not allowed:
         raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids", "invalid_value")
+    bad_words = _bad_words(body)
     response_format = _constraint(body)
     logprobs = _logprobs(body, kind)
     seed = _type_check(body, "seed", (int,), "an integer")
@@ -436,7 +464,8 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                             frequency_penalty=frequency, repetition_penalty=repetition,
                             top_k=max(0, min(top_k, vocab) if vocab else top_k),  # past the vocabulary: all, as vLLM
                             min_p=min_p, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                            logit_bias=logit_bias, allowed_token_ids=allowed, response_format=response_format,
+                            logit_bias=logit_bias, allowed_token_ids=allowed, bad_words=bad_words,
+                            response_format=response_format,
                             skip_special_tokens=skip_special is not False, include_stop_str_in_output=include_stop)
     return params, stream, include_usage, n
 
@@ -632,6 +661,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
     ids = _truncated(ids, body, max_model_len)
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
                                                vocab=len(tokenizer))
+    check_bad_words(params, tokenizer)
     if tools is not None and (forced := tools.response_format()) is not None:
         params = replace(params, response_format=format_within_bound(forced, "tools"))
     params, prompt_k = _prompt_logprobs(body, params, stream)
@@ -714,6 +744,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     params, stream, include_usage, n = _common(body, len(prompts[longest].ids), max_model_len,
                                                prompt_param(longest, len(raw)), defaults,
                                                kind="completion", vocab=len(tokenizer))
+    check_bad_words(params, tokenizer)
     if len(prompts) > 1 and all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens")):
         # each prompt's own room (the shared value is the longest prompt's), as vLLM defaults each prompt
         prompts = [replace(p, max_tokens=_default_max_tokens(len(p.ids), max_model_len, defaults)) for p in prompts]

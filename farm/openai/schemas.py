@@ -17,7 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, String
 
 from farm.openai.api_error import bad_request
 from farm.openai.validation import validated
-from farm.protocol import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
+from farm.protocol import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+)
 
 Role = Literal["system", "user", "assistant", "developer"]
 MAX_N = 16  # choices per request (each is a request of its own on the workers, sharing the prompt's KV)
@@ -135,6 +142,10 @@ class _Sampling(_Request):
         "vLLM extension: keep the stop string (or the stop token's text) that ended the completion (default false)"))
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description=(
         "vLLM extension: only these tokens may be sampled"))
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description=(
+            "vLLM extension: words the answer may not contain (the token that would complete one is never sampled; "
+            "each word with and without a leading space, as vLLM tokenizes them)"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "vLLM extension: each prompt token's log-probability, rank and this many alternatives (chat: on the "
         "response; a text completion: on each choice); not with stream"))

@@ -32,6 +32,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's limit of logit_bias entries
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 65536  # vLLM's allowed_token_ids: at most the whole of a large vocabulary
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS: token sequences after tokenization (a word gives one or two)
+MAX_BAD_WORD_CHARS = 256  # a word or short phrase; each is checked against the generated tokens after every step
 MAX_RESPONSE_FORMAT_CHARS = 65536
 RESPONSE_FORMATS = frozenset({"json_object", "json_schema"})  # OpenAI's response_format types (besides text)
 # what a task's `response_format` may hold: OpenAI's, and vLLM's `structured_outputs` kinds that are no JSON schema
@@ -69,6 +71,14 @@ def _stops(v: Any) -> list[str]:
             or not all(isinstance(x, str) and len(x) <= MAX_STOP_CHARS for x in v):
         raise InvalidTask(f"sampling.stop must be a list of at most {MAX_STOP_SEQUENCES} strings of at most "
                           f"{MAX_STOP_CHARS} characters")
+    return list(v)
+
+
+def _bad_words(v: Any) -> list[str]:
+    if not isinstance(v, list) or len(v) > MAX_BAD_WORDS \
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_BAD_WORD_CHARS for x in v):
+        raise InvalidTask(f"sampling.bad_words must be a list of at most {MAX_BAD_WORDS} non-empty strings of at most "
+                          f"{MAX_BAD_WORD_CHARS} characters")
     return list(v)
 
 
@@ -142,6 +152,7 @@ _SAMPLING_CHECKS: dict[str, Any] = {
     "prompt_logprobs": lambda v, b: None if v is None else _int(v, "sampling.prompt_logprobs", 0, MAX_TOP_LOGPROBS),
     "logit_bias": lambda v, b: _logit_bias(v, b.vocab),
     "allowed_token_ids": lambda v, b: _token_ids(v, "sampling.allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, b.vocab),
+    "bad_words": lambda v, b: _bad_words(v),
     "response_format": lambda v, b: _response_format(v),
     "skip_special_tokens": lambda v, b: _bool(v, "sampling.skip_special_tokens"),
     "include_stop_str_in_output": lambda v, b: _bool(v, "sampling.include_stop_str_in_output"),
@@ -171,6 +182,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: only these may be sampled (empty: all)
+    # vLLM's: words whose last token may not complete them (each engine tokenizes them as vLLM does:
+    # farm.models.tokenization.bad_words_token_ids)
+    bad_words: list[str] = field(default_factory=list)
     response_format: dict[str, Any] | None = None  # json_object / json_schema: structured output (vLLM)
     skip_special_tokens: bool = True  # the completion's text leaves out special tokens (vLLM's default)
     # the stop string (or the text of the stop token: EOS, stop_token_ids) that ended the completion is kept
@@ -190,7 +204,7 @@ class SamplingParams:
         rest of a request's message put together)."""
         d = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         d["stop"], d["stop_token_ids"], d["logit_bias"] = list(self.stop), list(self.stop_token_ids), dict(self.logit_bias)
-        d["allowed_token_ids"] = list(self.allowed_token_ids)
+        d["allowed_token_ids"], d["bad_words"] = list(self.allowed_token_ids), list(self.bad_words)
         return d
 
     @classmethod

@@ -19,7 +19,7 @@ import requests
 
 from farm.cluster import registry
 from farm.gateway import Gateway
-from farm.models.tokenization import chat_prompt_ids, get_tokenizer
+from farm.models.tokenization import bad_words_token_ids, chat_prompt_ids, get_tokenizer
 from farm.protocol import GenerationRequest, SamplingParams
 from farm.supervisor import Farm
 from tests import tool_loops
@@ -259,6 +259,33 @@ def test_truncate_prompt_tokens_keeps_what_vllm_serve_keeps(client, vllm_serve):
     assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens == 9
     assert theirs.choices[0].text.startswith(SYSTEM) and theirs.choices[0].text.endswith(ours.choices[0].text)
     assert SYSTEM.endswith(ours.choices[0].text[:-len(theirs.choices[0].text[len(SYSTEM):]) or None])
+
+
+def test_bad_words_are_tokenized_as_vllm_tokenizes_them(real_model_dir):
+    """The built-in engine's bad words are vLLM's token sequences (SamplingParams.update_from_tokenizer): a word
+    alone and after a space, a phrase, a word with a leading space, punctuation."""
+    from transformers import AutoTokenizer
+    from vllm.sampling_params import SamplingParams as VllmParams
+    from vllm.tokenizers import get_tokenizer as vllm_tokenizer
+
+    words = ["Paris", " hello", "of the", "!", "unbelievable", "Paris"]
+    theirs = VllmParams(bad_words=words)
+    theirs.update_from_tokenizer(vllm_tokenizer(str(real_model_dir)))
+    assert bad_words_token_ids(AutoTokenizer.from_pretrained(real_model_dir), words) == theirs.bad_words_token_ids
+
+
+def test_bad_words_answer_as_vllm_serve_answers(client, vllm_serve):
+    """vLLM's bad_words through a farm of vLLM workers: `vllm serve`'s greedy answer, chat and text."""
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    free = client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+    banned = {"extra_body": {"bad_words": ["Paris", "capital"]}}
+    ours, theirs = (c.chat.completions.create(messages=msgs, **kw, **banned) for c in (client, serve))
+    assert ours.choices[0].message.content == theirs.choices[0].message.content != free
+    assert "Paris" not in ours.choices[0].message.content
+    ours, theirs = (c.completions.create(prompt="The capital of France is", **kw, **banned) for c in (client, serve))
+    assert ours.choices[0].text == theirs.choices[0].text and "Paris" not in ours.choices[0].text
 
 
 def test_return_token_ids_are_vllm_serves(client, vllm_serve):
