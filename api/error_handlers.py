@@ -93,13 +93,15 @@ def error_response(err: APIError) -> Response:
         status, body = anthropic.from_api_error(err)
     else:
         status, body = err.status, err.body()
+    rid = request_id_of_error() if has_request_context() else None
+    if anthropic_route and rid is not None:  # Anthropic's error body names its request too
+        body = {**body, "request_id": anthropic.request_id(rid)}
     resp = jsonify(body)
     resp.status_code = status
-    if has_request_context():
-        rid = request_id_of_error()
+    if rid is not None:
         resp.headers["x-request-id"] = rid
         if anthropic_route:
-            resp.headers["request-id"] = rid
+            resp.headers["request-id"] = anthropic.request_id(rid)
     if status == 409:
         resp.headers["x-should-retry"] = "false"
     for k, v in err.headers.items():

@@ -300,7 +300,12 @@ def test_an_error_names_its_request(app_client):
     bad = c.get("/v1/nope", headers={"X-Request-Id": "no spaces please"})
     assert bad.headers["x-request-id"].startswith("req_")
     anth = c.post("/v1/messages", json={"model": cfg.default_model, "messages": []})
-    assert anth.status_code == 400 and anth.headers["request-id"] == anth.headers["x-request-id"]
+    assert anth.status_code == 400 and anth.headers["request-id"] == anth.headers["x-request-id"]  # both req_<hex>
+    assert anth.get_json()["request_id"] == anth.headers["request-id"]  # Anthropic's error body names it too
+    anth = c.post("/v1/messages", json={"model": cfg.default_model, "max_tokens": 3,
+                                        "messages": [{"role": "user", "content": "hi"}]})  # 503 once in generate
+    assert anth.status_code == 503 and anth.headers["x-request-id"].startswith("chatcmpl-")
+    assert anth.headers["request-id"] == "req_" + anth.headers["x-request-id"].removeprefix("chatcmpl-")
     placed = post(c, "/v1/chat/completions", chat(cfg))  # 503, no worker: after the request got its own id
     assert placed.status_code == 503 and placed.headers["x-request-id"].startswith("chatcmpl-")
 

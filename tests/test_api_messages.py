@@ -31,7 +31,7 @@ def test_request_becomes_the_chat_body():
         "stop_sequences": ["END", ""], "temperature": 0, "top_p": 0.5, "top_k": 3, "stream": True,
         "metadata": {"user_id": "u-1"}})
     assert a.to_chat_body(req) == {
-        "model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        "model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi \nthere"},
                                    {"role": "assistant", "content": "Hello"}],
         "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3, "stop": ["END"],
         "include_stop_str_in_output": True, "add_generation_prompt": False, "continue_final_message": True,
@@ -69,7 +69,8 @@ def test_answer_and_stop_sequence_back():
     msg = a.from_chat_completion(chat, ["X", "END"])
     assert msg == {"id": "msg_xyz", "type": "message", "role": "assistant", "model": "m",
                    "content": [{"type": "text", "text": "one two"}], "stop_reason": "stop_sequence",
-                   "stop_sequence": "END", "usage": {"input_tokens": 5, "output_tokens": 3}}
+                   "stop_sequence": "END", "usage": {"input_tokens": 5, "output_tokens": 3,
+                                                     "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
     chat["choices"][0]["finish_reason"] = "length"
     assert a.from_chat_completion(chat, ["END"])["stop_reason"] == "max_tokens"
     assert a.from_chat_completion(chat, [])["content"][0]["text"] == "one twoEND"
@@ -95,7 +96,8 @@ def test_stream_holds_back_what_may_begin_a_stop_sequence():
     texts = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
     assert texts == ["a ", "<b> c "]  # "<", then "</x>" held back until they were (not) the stop sequence
     assert events[-2] == {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "</x>"},
-                          "usage": {"input_tokens": 4, "output_tokens": 6}}
+                          "usage": {"input_tokens": 4, "output_tokens": 6, "cache_read_input_tokens": 0,
+                                    "cache_creation_input_tokens": 0}}
 
 
 def test_tool_use_translates_both_ways():
@@ -145,6 +147,76 @@ def test_calls_stream_as_tool_use_blocks():
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_a_forced_tools_call_stops_for_tool_use_json_or_streamed():
+    """`tool_choice: {type: tool}`: the chat path ends a forced call with "stop" (as OpenAI does); Anthropic's
+    answer holding a tool_use block says "tool_use", where an agent's loop goes on (it stopped on "end_turn")."""
+    call = {"id": "call_3", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    chat = {"id": "chatcmpl-3", "model": "m", "usage": {"prompt_tokens": 5, "completion_tokens": 3}, "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": None,
+                                                          "tool_calls": [call]}}]}
+    assert a.from_chat_completion(chat, [])["stop_reason"] == "tool_use"
+    chunks = [_chunk(choices=[{"index": 0, "delta": {"tool_calls": [{**call, "index": 0}]}}]),
+              _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]), "data: [DONE]\n\n"]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in "".join(a.translate_stream(chunks, [])).split("\n\n") if b]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    chat["choices"][0]["message"] = {"role": "assistant", "content": "Sunny."}  # no call: the turn ended
+    assert a.from_chat_completion(chat, [])["stop_reason"] == "end_turn"
+
+
+def test_thinking_both_ways():
+    """A reasoning model's thought as Anthropic's thinking block (JSON: first; streamed: thinking_delta, then its
+    signature_delta as the block closes), `thinking` as the reasoning template's enable_thinking, an earlier
+    answer's thinking blocks accepted back and left out of the prompt, `display: omitted` sending no text."""
+    chat = {"id": "chatcmpl-4", "model": "m", "usage": {"prompt_tokens": 5, "completion_tokens": 9}, "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "4",
+                                                          "reasoning": "2 and 2 make 4."}}]}
+    msg = a.from_chat_completion(chat, [])
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text"]
+    assert msg["content"][0]["thinking"] == "2 and 2 make 4." and msg["content"][0]["signature"]
+    assert a.from_chat_completion(chat, [], show_thinking=False)["content"][0]["thinking"] == ""
+    chunks = [_chunk(choices=[{"index": 0, "delta": {"reasoning": "2 and 2"}}]),
+              _chunk(choices=[{"index": 0, "delta": {"reasoning": " make 4."}}]),
+              _chunk(choices=[{"index": 0, "delta": {"content": "4"}}]),
+              _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]), "data: [DONE]\n\n"]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in "".join(a.translate_stream(chunks, [])).split("\n\n") if b]
+    deltas_ = [(e["index"], e["delta"]["type"]) for e in events if e["type"] == "content_block_delta"]
+    assert deltas_ == [(0, "thinking_delta"), (0, "thinking_delta"), (0, "signature_delta"), (1, "text_delta")]
+    assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == ["thinking", "text"]
+    history = [{"role": "user", "content": "2+2?"},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "easy", "signature": "s"},
+                                                 {"type": "redacted_thinking", "data": "opaque"},
+                                                 {"type": "text", "text": "4", "citations": None}]},
+               {"role": "user", "content": "And 3+3?"}]
+    for thinking, flag in (({"type": "enabled", "budget_tokens": 2048}, True), ({"type": "adaptive"}, True),
+                           ({"type": "disabled"}, False)):
+        body = a.to_chat_body(a.parse_request({"model": "m", "max_tokens": 4096, "messages": history,
+                                               "thinking": thinking}))
+        assert body["chat_template_kwargs"] == {"enable_thinking": flag}
+        assert body["messages"][1] == {"role": "assistant", "content": "4"}
+    with pytest.raises(APIError):  # reasoning is the assistant's
+        a.parse_request({"model": "m", "max_tokens": 9, "messages": [
+            {"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": "s"}]}]})
+
+
+def test_output_config_strict_tools_and_consecutive_turns():
+    """`output_config.format` is the chat path's json_schema format, a tool's `strict` its function's; turns of one
+    role in a row are one turn, as Anthropic combines them (a template that wants them to alternate refused them)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = a.to_chat_body(a.parse_request({
+        "model": "m", "max_tokens": 9, "output_config": {"format": {"type": "json_schema", "schema": schema},
+                                                         "effort": "low"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "strict": True}],
+        "messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"},
+                     {"role": "assistant", "content": "a"}, {"role": "assistant", "content": [
+                         {"type": "text", "text": "b"}, {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}))
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert body["tools"][0]["function"]["strict"] is True
+    assert [(m["role"], m["content"]) for m in body["messages"]] == [("user", "one\n\ntwo"), ("assistant", "a\n\nb"),
+                                                                   ("tool", "ok")]
+    assert body["messages"][1]["tool_calls"][0]["id"] == "t1"
+
+
 def test_a_failure_mid_stream_is_an_error_event():
     chat = [_chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": "hi"}}]),
             'data: {"error": {"message": "boom", "type": "server_error", "param": null, "code": "no_workers"}}\n\n',
@@ -190,7 +262,8 @@ def assert_anthropic_error(resp: httpx.Response, status: int, kind: str) -> str:
     assert resp.status_code == status, resp.text
     assert resp.headers["content-type"].startswith("application/json")
     body = resp.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error"
+    assert set(body) == {"type", "error", "request_id"} and body["type"] == "error"
+    assert body["request_id"] == resp.headers["request-id"] and body["request_id"].startswith("req_")
     assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == kind and body["error"]["message"]
     assert "Traceback" not in resp.text
     return body["error"]["message"]
@@ -217,8 +290,11 @@ def test_message_with_x_api_key(app, ghost, redis_client):
     assert msg.model == ghost.default_model
     assert [(b.type, b.text) for b in msg.content] == [("text", "Hello")]
     assert (msg.stop_reason, msg.stop_sequence) == ("end_turn", None)
-    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (USAGE["prompt_tokens"], USAGE["completion_tokens"])
-    assert raw_resp.headers["x-farm-decode-worker"] == GHOST and raw_resp.headers["request-id"]
+    # the prompt's tokens read from the prefix cache apart, as Anthropic and vLLM count them
+    assert (msg.usage.input_tokens, msg.usage.cache_read_input_tokens, msg.usage.output_tokens) == (
+        USAGE["prompt_tokens"] - USAGE["cached_tokens"], USAGE["cached_tokens"], USAGE["completion_tokens"])
+    assert raw_resp.headers["x-farm-decode-worker"] == GHOST
+    assert raw_resp.headers["request-id"] == "req_" + raw_resp.headers["x-request-id"].removeprefix("chatcmpl-")
     s = w.request.sampling
     assert (s.max_tokens, s.temperature, s.top_k, s.stop) == (5, 0.0, 3, [])
 
@@ -235,8 +311,8 @@ def test_stream_events_in_order_and_stop_sequence(app, ghost, redis_client):
     assert set(raw_kinds[2:-3]) == {"content_block_delta"}
     assert final.content[0].text == "Hello world "
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (USAGE["prompt_tokens"],
-                                                                     USAGE["completion_tokens"])
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens, final.usage.output_tokens) == (
+        USAGE["prompt_tokens"] - USAGE["cached_tokens"], USAGE["cached_tokens"], USAGE["completion_tokens"])
     s = w.request.sampling
     assert s.stop == ["END"] and s.include_stop_str_in_output
 
@@ -269,7 +345,8 @@ def test_system_prompt_reaches_the_template(app, ghost, redis_client):
         sdk(app).messages.create(model=ghost.default_model, max_tokens=3, messages=user("Hi"), system=system)
         prompts.append(w.request.prompt_token_ids)
     assert "Be terse." in tok.decode(prompts[0])
-    assert "Be terse. Answer every question in one plain word, never more." in tok.decode(prompts[1])
+    # blocks on lines of their own, as vLLM joins a message's text blocks
+    assert "Be terse. \nAnswer every question in one plain word, never more." in tok.decode(prompts[1])
     assert len(prompts[1]) > len(prompts[0]) + 8
 
 

@@ -30,12 +30,13 @@ def create_message() -> Response:
     prompt_tokens: list[int] = []
     resp = generate("chat", anthropic.to_chat_body(req), on_prompt=prompt_tokens.append)
     if resp.headers.get("x-request-id"):
-        resp.headers["request-id"] = resp.headers["x-request-id"]  # where Anthropic's SDKs read the request's id
+        resp.headers["request-id"] = anthropic.request_id(resp.headers["x-request-id"])  # where its SDKs read it
+    shown = anthropic.shows_thinking(req)
     if resp.mimetype == "text/event-stream":
         resp.response = anthropic.translate_stream(resp.response, stops,
-                                                   lambda: prompt_tokens[0] if prompt_tokens else 0)
+                                                   lambda: prompt_tokens[0] if prompt_tokens else 0, shown)
         return resp
-    resp.set_data(jsonify(anthropic.from_chat_completion(resp.get_json(), stops)).get_data())
+    resp.set_data(jsonify(anthropic.from_chat_completion(resp.get_json(), stops, shown)).get_data())
     return resp
 
 

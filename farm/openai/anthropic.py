@@ -4,9 +4,11 @@ body the farm's own chat path validates, templates and generates, and the chat a
 -> Anthropic's message (JSON, or its event stream: message_start, content_block_start, ping, content_block_delta
 ..., content_block_stop, message_delta, message_stop), and errors in Anthropic's shape.
 
-Text and tool use (farm.openai.anthropic_tools: `tools`, `tool_choice`, `tool_use` and `tool_result` blocks onto the
-chat path's tool calling; calls stream as `tool_use` blocks with `input_json_delta`s); image, document and thinking
-blocks and `thinking` are refused with an invalid_request_error. Stop sequences are asked of the chat path
+Text, tool use (farm.openai.anthropic_tools: `tools`, `tool_choice`, `tool_use` and `tool_result` blocks onto the
+chat path's tool calling; calls stream as `tool_use` blocks with `input_json_delta`s) and thinking (a model's
+reasoning, from its reasoning parser, as `thinking` blocks; `thinking` switches a reasoning template's
+`enable_thinking`); `output_config.format` is the chat path's json_schema response format; consecutive turns of one
+role are one turn, as Anthropic combines them; image and document blocks are refused with an invalid_request_error. Stop sequences are asked of the chat path
 with `include_stop_str_in_output`, so the answer shows which one ended it (`stop_reason` "stop_sequence",
 `stop_sequence` set); the translation takes the sequence off the text again, and in a stream holds back a tail
 that may begin one until it knows.
@@ -14,6 +16,7 @@ that may begin one until it knows.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -35,6 +38,7 @@ from farm.openai.anthropic_tools import (
     chat_messages,
     chat_tool_fields,
     check_blocks,
+    join_text,
     tool_use_blocks,
     tool_use_id,
 )
@@ -44,8 +48,9 @@ from farm.openai.schemas import MAX_TOP_K, _Loose, _Request  # the OpenAI schema
 from farm.openai.validation import validated
 from farm.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
-TEXT_ONLY = "this server accepts text and tool use only (no images or documents)"
-BLOCK_TYPES = ("text", "tool_use", "tool_result")
+TEXT_ONLY = "this server accepts text, tool use and thinking only (no images or documents)"
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+THINKING_FLAG = "enable_thinking"  # the reasoning templates' variable (Qwen3's), as the semantic layer sets it
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -58,6 +63,25 @@ class AnthropicMessageParam(_Request):
 
 class AnthropicMetadata(_Request):
     user_id: StrictStr | None = Field(None, max_length=256, description="accepted and ignored")
+
+
+class AnthropicThinkingConfig(_Request):
+    type: Literal["enabled", "adaptive", "disabled"] = Field(description=(
+        "enabled / adaptive: the model's reasoning template thinks (enable_thinking), disabled: it does not"))
+    budget_tokens: StrictInt | None = Field(None, ge=1024, description=(
+        "accepted; the thinking is bounded by max_tokens alone"))
+    display: Literal["summarized", "omitted"] | None = Field(None, description=(
+        "omitted: thinking blocks carry no text"))
+
+
+class AnthropicJsonFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema", description="the answer's JSON schema")
+
+
+class AnthropicOutputConfig(_Request):
+    format: AnthropicJsonFormat | None = Field(None, description="the chat path's json_schema response format")
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(None, description="accepted and ignored")
 
 
 class AnthropicMessagesRequest(_Request):
@@ -81,7 +105,8 @@ class AnthropicMessagesRequest(_Request):
     tools: list[AnthropicToolParam] | None = Field(None, max_length=128, description="client tools (custom)")
     tool_choice: AnthropicToolChoice | None = Field(None, description=(
         "auto (the model's tool_call_parser reads its calls), any, tool (forced by structured output), none"))
-    thinking: dict[str, Any] | None = Field(None, description="not supported: accepted only as {type: disabled}")
+    thinking: AnthropicThinkingConfig | None = None
+    output_config: AnthropicOutputConfig | None = None
 
 
 class AnthropicCountTokensRequest(_Request):
@@ -92,7 +117,8 @@ class AnthropicCountTokensRequest(_Request):
     system: StrictStr | list[AnthropicTextBlockParam] | None = None
     tools: list[AnthropicToolParam] | None = Field(None, max_length=128)
     tool_choice: AnthropicToolChoice | None = None
-    thinking: dict[str, Any] | None = Field(None, description="accepted only as {type: disabled}")
+    thinking: AnthropicThinkingConfig | None = None
+    output_config: AnthropicOutputConfig | None = None
 
 
 class AnthropicTokenCount(_Loose):
@@ -112,9 +138,17 @@ class AnthropicToolUseBlock(_Loose):
     input: dict[str, Any]
 
 
+class AnthropicThinkingBlock(_Loose):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = Field(description="opaque; a block sent back is not put in the prompt again")
+
+
 class AnthropicUsage(_Loose):
-    input_tokens: int
+    input_tokens: int = Field(description="the prompt's tokens not read from the prefix cache")
     output_tokens: int
+    cache_read_input_tokens: int = Field(0, description="the prompt's tokens read from the prefix cache")
+    cache_creation_input_tokens: int = 0
 
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "refusal", "tool_use"]
@@ -125,7 +159,7 @@ class AnthropicMessage(_Loose):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
+    content: list[AnthropicThinkingBlock | AnthropicTextBlock | AnthropicToolUseBlock]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: AnthropicUsage
@@ -140,6 +174,7 @@ class AnthropicErrorDetail(_Loose):
 class AnthropicErrorResponse(_Loose):
     type: Literal["error"] = "error"
     error: AnthropicErrorDetail
+    request_id: str | None = Field(None, description="the request's `req_...` id, as its request-id header")
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (AnthropicMessagesRequest, AnthropicCountTokensRequest)
@@ -162,9 +197,6 @@ def _refuse_non_text(body: dict[str, Any]) -> None:
         if isinstance(kind, str) and kind not in (BLOCK_TYPES if where.startswith("messages") else ("text",)):
             raise bad_request(f"{where}: '{kind}' content blocks are not supported; {TEXT_ONLY}", where,
                               "unsupported_content")
-    if body.get("thinking") not in (None, {"type": "disabled"}):
-        raise bad_request("'thinking' is not supported by this server (only {\"type\": \"disabled\"})", "thinking",
-                          "unsupported_parameter")
 
 
 def _known_fields(body: Any, model: type[BaseModel]) -> dict[str, Any]:
@@ -195,12 +227,13 @@ def parse_request(body: Any) -> AnthropicMessagesRequest:
     return req
 
 
-def _text(content: str | list[AnthropicTextBlockParam]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
-
-
 def stop_sequences(req: AnthropicMessagesRequest) -> list[str]:
     return [s for s in req.stop_sequences or () if s]
+
+
+def shows_thinking(req: AnthropicMessagesRequest) -> bool:
+    """Whether thinking blocks carry their text (`thinking.display` omitted: only the signature)."""
+    return req.thinking is None or req.thinking.display != "omitted"
 
 
 def to_chat_body(req: AnthropicMessagesRequest) -> dict[str, Any]:
@@ -209,13 +242,18 @@ def to_chat_body(req: AnthropicMessagesRequest) -> dict[str, Any]:
     is continued (vLLM's `continue_final_message`); with stop sequences the matched one is kept in the text
     (`include_stop_str_in_output`) so that `split_stop` can tell which ended the answer; a stream reports usage."""
     messages: list[dict[str, Any]] = []
-    system = _text(req.system) if req.system is not None else ""
+    system = join_text(req.system)
     if system:
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         messages += chat_messages(i, m.role, m.content)
-    body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens,
+    body: dict[str, Any] = {"model": req.model, "messages": _combined(messages), "max_tokens": req.max_tokens,
                             **chat_tool_fields(req.tools, req.tool_choice)}
+    if req.thinking is not None:
+        body["chat_template_kwargs"] = {THINKING_FLAG: req.thinking.type != "disabled"}
+    if req.output_config is not None and req.output_config.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": req.output_config.format.schema_}}
     for name in ("temperature", "top_p", "top_k"):
         if (value := getattr(req, name)) is not None:
             body[name] = value
@@ -230,7 +268,30 @@ def to_chat_body(req: AnthropicMessagesRequest) -> dict[str, Any]:
     return body
 
 
+def _combined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user turns, or assistant turns, as one (Anthropic combines them; a template that wants turns to
+    alternate would refuse them): their texts joined by a blank line, an assistant's calls kept in order."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        prev = out[-1] if out else None
+        if prev is not None and m["role"] == prev["role"] and m["role"] in ("user", "assistant") \
+                and not prev.get("tool_calls"):
+            merged = {**prev, "content": "\n\n".join(t for t in (prev["content"], m["content"]) if t)}
+            if m.get("tool_calls"):
+                merged["tool_calls"] = m["tool_calls"]
+            out[-1] = merged
+        else:
+            out.append(m)
+    return out
+
+
 # -- chat answer -> message ------------------------------------------------------------------------
+def request_id(rid: str) -> str:
+    """Anthropic's `request-id` (`req_<id>`, in its header and error bodies) for the farm's request id (the chat
+    path's `chatcmpl-<id>`, the error path's `req_<id>`, or the client's own X-Request-Id)."""
+    return "req_" + rid.removeprefix("chatcmpl-").removeprefix("req_")
+
+
 def message_id(chat_id: str) -> str:
     """`msg_<id>` from the chat response's `chatcmpl-<id>` (the client's X-Request-Id, when it sent one)."""
     return "msg_" + chat_id.removeprefix("chatcmpl-")
@@ -247,28 +308,47 @@ def split_stop(text: str, finish_reason: str | None, stops: list[str]) -> tuple[
     return text, None
 
 
-def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> StopReason:
+def stop_reason(finish_reason: str | None, stop_sequence: str | None, called: bool = False) -> StopReason:
+    """Anthropic's stop reason; `called`: the answer holds a tool_use block (a forced tool's call ends as "stop" on
+    the chat path, as OpenAI's does, and is "tool_use" here: an agent loop runs while it reads "tool_use")."""
     if stop_sequence is not None:
         return "stop_sequence"
     if finish_reason == "length":
         return "max_tokens"
-    if finish_reason == "tool_calls":
+    if finish_reason == "tool_calls" or called and finish_reason == "stop":
         return "tool_use"
     return "refusal" if finish_reason == "content_filter" else "end_turn"
 
 
-def from_chat_completion(chat: dict[str, Any], stops: list[str]) -> dict[str, Any]:
-    """Anthropic's message from a non-streamed `chat.completion` (one choice)."""
+def usage_of(usage: dict[str, Any], prompt_tokens: int = 0) -> dict[str, int]:
+    """Anthropic's usage from the chat path's: the prompt's tokens read from the prefix cache apart from the rest,
+    as Anthropic and vLLM count them (`prompt_tokens` when the chat usage has none yet)."""
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    prompt = int(usage.get("prompt_tokens", prompt_tokens))
+    return AnthropicUsage(input_tokens=prompt - cached, output_tokens=int(usage.get("completion_tokens", 0)),
+                          cache_read_input_tokens=cached).model_dump()
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: opaque to the client, which sends it back with the block (the farm verifies
+    nothing: earlier reasoning is not put in the prompt again)."""
+    return "farm-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def from_chat_completion(chat: dict[str, Any], stops: list[str], show_thinking: bool = True) -> dict[str, Any]:
+    """Anthropic's message from a non-streamed `chat.completion` (one choice); the model's reasoning as a thinking
+    block first (without its text unless `show_thinking`: `thinking.display` omitted)."""
     choice = chat["choices"][0]
     text, seq = split_stop(choice["message"].get("content") or "", choice.get("finish_reason"), stops)
-    usage = chat.get("usage") or {}
     uses = [AnthropicToolUseBlock(**b) for b in tool_use_blocks(choice["message"].get("tool_calls"))]
-    blocks: list[AnthropicTextBlock | AnthropicToolUseBlock] = [AnthropicTextBlock(text=text)] if text or not uses \
-        else []
+    blocks: list[AnthropicThinkingBlock | AnthropicTextBlock | AnthropicToolUseBlock] = []
+    if reasoning := choice["message"].get("reasoning"):
+        blocks.append(AnthropicThinkingBlock(thinking=reasoning if show_thinking else "", signature=signature(reasoning)))
+    if text or not uses:
+        blocks.append(AnthropicTextBlock(text=text))
     msg = AnthropicMessage(id=message_id(chat["id"]), model=chat["model"], content=blocks + uses,
-                           stop_reason=stop_reason(choice.get("finish_reason"), seq), stop_sequence=seq,
-                           usage=AnthropicUsage(input_tokens=int(usage.get("prompt_tokens", 0)),
-                                                output_tokens=int(usage.get("completion_tokens", 0))))
+                           stop_reason=stop_reason(choice.get("finish_reason"), seq, bool(uses)), stop_sequence=seq,
+                           usage=AnthropicUsage(**usage_of(chat.get("usage") or {})))
     return msg.model_dump()
 
 
@@ -286,13 +366,16 @@ class StreamTranslator(ChunkTranslator):
     numbered in order. `input_tokens()` is the prompt's token count for message_start (known once the prompt was
     templated; the final message_delta carries the usage the workers reported)."""
 
-    def __init__(self, stops: list[str], input_tokens: Callable[[], int] = lambda: 0):
+    def __init__(self, stops: list[str], input_tokens: Callable[[], int] = lambda: 0, show_thinking: bool = True):
         self.stops = [s for s in stops if s]
         self.input_tokens = input_tokens
+        self.show_thinking = show_thinking
         self.started = self.closed = False
-        self.block: str | None = None  # the open block's type (text, tool_use)
+        self.block: str | None = None  # the open block's type (thinking, text, tool_use)
         self.blocks = 0  # blocks opened so far (the next one's index)
         self.held = ""
+        self.thought = ""  # the open thinking block's text (its signature is sent when it closes)
+        self.called = False  # a tool_use block was opened (stop_reason)
         self.finish: str | None = None
         self.stop_sequence: str | None = None
         self.usage: dict[str, Any] = {}
@@ -301,7 +384,7 @@ class StreamTranslator(ChunkTranslator):
         self.started = True
         message = {"id": message_id(str(chunk.get("id", ""))), "type": "message", "role": "assistant",
                    "model": chunk.get("model", ""), "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.input_tokens(), "output_tokens": 0}}
+                   "usage": usage_of({}, self.input_tokens())}
         return event("message_start", {"type": "message_start", "message": message})
 
     def _open(self, block: dict[str, Any]) -> str:
@@ -314,6 +397,11 @@ class StreamTranslator(ChunkTranslator):
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})
+
+    def _reasoning(self, text: str) -> str:
+        out = "" if self.block == "thinking" else self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.thought += text
+        return out + (self._delta({"type": "thinking_delta", "thinking": text}) if self.show_thinking else "")
 
     def _text_delta(self, text: str) -> str:
         return self._delta({"type": "text_delta", "text": text}) if text else ""
@@ -333,6 +421,7 @@ class StreamTranslator(ChunkTranslator):
         if call.get("id"):
             out += self._open({"type": "tool_use", "id": tool_use_id(call["id"]), "name": fn.get("name", ""),
                                "input": {}})
+            self.called = True
         if fn.get("arguments") and self.block == "tool_use":
             out += self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
         return out
@@ -345,6 +434,9 @@ class StreamTranslator(ChunkTranslator):
             rest, self.stop_sequence = split_stop(self.held, self.finish, self.stops)
             self.held = ""
             out = self._text_delta(rest)
+        elif self.block == "thinking":  # Anthropic's thinking block ends with its signature
+            out = self._delta({"type": "signature_delta", "signature": signature(self.thought)})
+            self.thought = ""
         self.block = None
         return out + event("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
 
@@ -371,22 +463,21 @@ class StreamTranslator(ChunkTranslator):
         if self.closed:
             return ""
         self.closed = True
-        out = self._open({"type": "text", "text": ""}) if self.blocks == 0 else ""
+        out = self._open({"type": "text", "text": ""}) if self.blocks == 0 or self.block == "thinking" and \
+            not self.called else ""  # content besides the thinking, as Anthropic's message always has
         out += self._stop_block()
-        usage = {"input_tokens": int(self.usage.get("prompt_tokens", self.input_tokens())),
-                 "output_tokens": int(self.usage.get("completion_tokens", 0))}
+        reason = stop_reason(self.finish, self.stop_sequence, self.called)
         out += event("message_delta", {"type": "message_delta",
-                                       "delta": {"stop_reason": stop_reason(self.finish, self.stop_sequence),
-                                                 "stop_sequence": self.stop_sequence},
-                                       "usage": usage})
+                                       "delta": {"stop_reason": reason, "stop_sequence": self.stop_sequence},
+                                       "usage": usage_of(self.usage, self.input_tokens())})
         return out + event("message_stop", {"type": "message_stop"})
 
 
 def translate_stream(chunks: Iterable[str | bytes], stops: list[str],
-                     input_tokens: Callable[[], int] = lambda: 0) -> Iterator[str]:
+                     input_tokens: Callable[[], int] = lambda: 0, show_thinking: bool = True) -> Iterator[str]:
     """Anthropic's event stream from the chat path's SSE text (`data: ...` blocks, whatever way they are cut into
     writes). Closing this generator closes `chunks` (the chat stream ends its generation)."""
-    t = StreamTranslator(stops, input_tokens)
+    t = StreamTranslator(stops, input_tokens, show_thinking)
     return translate(chunks, t)
 
 

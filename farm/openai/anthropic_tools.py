@@ -23,6 +23,23 @@ class AnthropicTextBlockParam(_Request):
     text: StrictStr
     cache_control: dict[str, Any] | None = Field(None, description=(
         "accepted and ignored: the farm's prefix cache needs no breakpoints"))
+    citations: list[dict[str, Any]] | None = Field(None, description=(
+        "accepted and ignored (an earlier answer's citations, sent back with it)"))
+
+
+class AnthropicThinkingBlockParam(_Request):
+    """An assistant's earlier reasoning, sent back as it came: not put in the prompt again (reasoning templates
+    leave earlier turns' reasoning out; vLLM's Qwen3 and DeepSeek-R1 templates do)."""
+
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicRedactedThinkingBlockParam(_Request):
+    type: Literal["redacted_thinking"]
+    data: StrictStr
 
 
 class AnthropicToolUseBlockParam(_Request):
@@ -51,6 +68,7 @@ class AnthropicToolParam(_Request):
     input_schema: dict[str, Any] = Field(description="a JSON schema of the tool's input")
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
+    strict: StrictBool | None = Field(None, description="the chat path's function `strict`")
 
 
 class AnthropicToolChoice(_Request):
@@ -65,20 +83,23 @@ class AnthropicToolChoice(_Request):
         return self
 
 
-Block = AnthropicTextBlockParam | AnthropicToolUseBlockParam | AnthropicToolResultBlockParam
+Block = (AnthropicTextBlockParam | AnthropicToolUseBlockParam | AnthropicToolResultBlockParam
+         | AnthropicThinkingBlockParam | AnthropicRedactedThinkingBlockParam)
+_ASSISTANTS = (AnthropicToolUseBlockParam, AnthropicThinkingBlockParam, AnthropicRedactedThinkingBlockParam)
+TEXT_JOIN = "\n"  # between a message's text blocks, as vLLM joins them (Anthropic keeps them apart)
 
 
-def _text(blocks: list[AnthropicTextBlockParam] | str | None) -> str:
+def join_text(blocks: list[AnthropicTextBlockParam] | str | None) -> str:
     if blocks is None:
         return ""
-    return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
+    return blocks if isinstance(blocks, str) else TEXT_JOIN.join(b.text for b in blocks)
 
 
 def check_blocks(i: int, role: str, content: str | list[Block]) -> None:
-    """A 400 for a call in a user message or a tool's result in an assistant's."""
+    """A 400 for a call or reasoning in a user message, or a tool's result in an assistant's."""
     for b in content if isinstance(content, list) else ():
         if isinstance(b, AnthropicToolResultBlockParam) and role == "assistant" or \
-                isinstance(b, AnthropicToolUseBlockParam) and role == "user":
+                isinstance(b, _ASSISTANTS) and role == "user":
             where = "user" if b.type == "tool_result" else "assistant"
             raise bad_request(f"messages[{i}]: '{b.type}' blocks belong in {where} messages", f"messages[{i}].content")
 
@@ -89,7 +110,7 @@ def chat_messages(i: int, role: str, content: str | list[Block]) -> list[dict[st
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     check_blocks(i, role, content)
-    text = "".join(b.text for b in content if isinstance(b, AnthropicTextBlockParam))
+    text = join_text([b for b in content if isinstance(b, AnthropicTextBlockParam)])
     uses = [b for b in content if isinstance(b, AnthropicToolUseBlockParam)]
     results = [b for b in content if isinstance(b, AnthropicToolResultBlockParam)]
     if role == "assistant":
@@ -99,7 +120,7 @@ def chat_messages(i: int, role: str, content: str | list[Block]) -> list[dict[st
                 "name": u.name, "arguments": json.dumps(u.input, ensure_ascii=False)}} for u in uses]
         return [msg]
     out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": r.tool_use_id,
-                                  "content": ("Error: " if r.is_error else "") + _text(r.content)} for r in results]
+                                  "content": ("Error: " if r.is_error else "") + join_text(r.content)} for r in results]
     if text or not results:
         out.append({"role": "user", "content": text})
     return out
@@ -110,8 +131,8 @@ def chat_tool_fields(tools: list[AnthropicToolParam] | None, choice: AnthropicTo
     out: dict[str, Any] = {}
     if tools:
         out["tools"] = [{"type": "function", "function": {k: v for k, v in (
-            ("name", t.name), ("description", t.description), ("parameters", t.input_schema)) if v is not None}}
-            for t in tools]
+            ("name", t.name), ("description", t.description), ("parameters", t.input_schema), ("strict", t.strict))
+            if v is not None}} for t in tools]
     if choice is not None:
         if choice.type == "tool":
             out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}

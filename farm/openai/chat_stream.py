@@ -39,10 +39,13 @@ class ChunkTranslator:
         raise NotImplementedError
 
     def choices(self, chunk: dict[str, Any]) -> str:
-        """A chunk's choices handed to this protocol's `_text`, `_tool_call` and `_finished`, in order."""
+        """A chunk's choices handed to this protocol's `_reasoning`, `_text`, `_tool_call` and `_finished`, in
+        order."""
         out = ""
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                out += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -50,6 +53,11 @@ class ChunkTranslator:
             if choice.get("finish_reason") is not None:
                 out += self._finished(choice["finish_reason"])
         return out
+
+    def _reasoning(self, text: str) -> str:
+        """A piece of the model's reasoning (a model with a reasoning parser); a protocol without a place for it
+        leaves it out."""
+        return ""
 
     def _text(self, text: str) -> str:
         raise NotImplementedError
