@@ -82,15 +82,16 @@ def test_anthropic_messages_answer_as_chat_completions_do(farm, client):
     ask["extra_body"] = {"temperature": 0}  # this SDK no longer declares the sampling fields
     msg = ac.messages.create(**ask)
     assert msg.content[0].text == chat.choices[0].message.content and msg.content[0].text
-    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (chat.usage.prompt_tokens,
-                                                                 chat.usage.completion_tokens)
+    # the prompt's tokens read from the prefix cache (the chat request's blocks) counted apart, as Anthropic does
+    assert (msg.usage.input_tokens + msg.usage.cache_read_input_tokens, msg.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert msg.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
     with ac.messages.stream(**ask) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == final.content[0].text == msg.content[0].text
-    assert (final.usage.input_tokens, final.usage.output_tokens, final.stop_reason) == (
-        msg.usage.input_tokens, msg.usage.output_tokens, msg.stop_reason)
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens, final.usage.output_tokens,
+            final.stop_reason) == (chat.usage.prompt_tokens, msg.usage.output_tokens, msg.stop_reason)
 
 
 def test_mom_chooses_a_model_and_a_repeat_is_served_from_the_semantic_cache(farm, client):
