@@ -76,7 +76,7 @@ def test_request_becomes_the_chat_body():
 @pytest.mark.parametrize("body,where", [
     ({"input": "x", "frequency_penalty": 1}, "Unknown parameter: 'frequency_penalty'"),
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input[0]: 'input_image' items are not supported"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' items are not supported"),
+    ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "'item_reference' items are not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0]: 'input_file' content is not supported"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]: 'web_search' tools are not supported"),
@@ -96,6 +96,42 @@ def test_bad_requests_are_refused_naming_the_problem(body, where):
     with pytest.raises(APIError) as e:
         r.parse_request({"model": "m", **body})
     assert e.value.status == 400 and where in e.value.message, e.value.message
+
+
+def test_a_reasoning_models_thought_is_a_reasoning_item_both_ways():
+    """A reasoning model's thought (the chat path's `reasoning`) as a reasoning item before the message, JSON or
+    streamed (response.reasoning_text.delta / .done, as vLLM streams it); sent back in `input`, it is kept among
+    the input items and left out of the prompt."""
+    ctx = ro.ResponseContext(r.parse_request({"model": "m", "input": "2+2?"}))
+    chat = {"id": "chatcmpl-1", "model": "m", "usage": {"prompt_tokens": 5, "completion_tokens": 9},
+            "choices": [{"message": {"role": "assistant", "content": "4", "reasoning": "2 and 2 make 4."},
+                         "finish_reason": "stop"}]}
+    obj, turn = ro.from_chat_completion(chat, ctx)
+    assert [i["type"] for i in obj["output"]] == ["reasoning", "message"]
+    assert obj["output"][0]["content"] == [{"type": "reasoning_text", "text": "2 and 2 make 4."}]
+    assert turn.chat_message() == {"role": "assistant", "content": "4"}
+
+    def chunk(**kw) -> str:
+        return "data: " + json.dumps({"id": "chatcmpl-1", "model": "m", **kw}) + "\n\n"
+
+    finals = []
+    stream = [chunk(choices=[{"index": 0, "delta": {"reasoning": "2 and 2"}}]),
+              chunk(choices=[{"index": 0, "delta": {"reasoning": " make 4."}}]),
+              chunk(choices=[{"index": 0, "delta": {"content": "4"}}]),
+              chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]), "data: [DONE]\n\n"]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in
+              "".join(ro.translate_stream(stream, ctx, lambda f, t: finals.append(f))).split("\n\n") if b]
+    kinds = [e["type"] for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+                          "response.reasoning_text.done"]
+    assert events[5]["text"] == "2 and 2 make 4." and events[6]["item"]["type"] == "reasoning"
+    assert [i["type"] for i in finals[0]["output"]] == ["reasoning", "message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    back = r.parse_request({"model": "m", "input": [
+        {"role": "user", "content": "2+2?"}, obj["output"][0], {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"}]})
+    assert [m["role"] for m in r.to_chat_body(back, [])["messages"]] == ["user", "assistant", "user"]
+    assert [i["type"] for i in r.input_items(back)] == ["message", "reasoning", "message", "message"]
 
 
 def test_a_chat_error_names_this_apis_parameter():

@@ -42,7 +42,7 @@ from farm.openai.validation import validated
 from farm.protocol import MAX_TEMPERATURE
 
 MEMBERS = ("Responses",)  # the prefix of this protocol's model names: union members left out of error locations
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")
 # a chat-path error's param under the name this API gives it
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
@@ -113,8 +113,26 @@ class ResponsesFunctionCallOutput(_Request):
     status: ItemStatus | None = None
 
 
+class ResponsesReasoningText(_Request):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
+class ResponsesReasoningItem(_Request):
+    """An earlier answer's reasoning, passed back as it came (the agents SDKs send it with the answer): kept among
+    the input items, not put in the prompt again (reasoning templates leave earlier turns' reasoning out)."""
+
+    type: Literal["reasoning"]
+    id: StrictStr | None = Field(None, max_length=MAX_ID_CHARS)
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ResponsesReasoningText] | None = None
+    encrypted_content: StrictStr | None = None
+    status: ItemStatus | None = None
+
+
 ResponsesInputItem = _one_of({"message": ResponsesInputMessage, "function_call": ResponsesFunctionCall,
-                              "function_call_output": ResponsesFunctionCallOutput}, default="message")
+                              "function_call_output": ResponsesFunctionCallOutput,
+                              "reasoning": ResponsesReasoningItem}, default="message")
 
 
 class ResponsesFunctionTool(_Request):
@@ -212,7 +230,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         if isinstance(kind, str) and kind not in ITEM_TYPES:
             raise bad_request(f"input[{i}]: '{kind}' items are not supported; this server takes "
                               f"{', '.join(ITEM_TYPES)} items", f"input[{i}].type", "unsupported_value")
-        parts = item.get("content") if isinstance(item, dict) else None
+        parts = item.get("content") if isinstance(item, dict) and kind != "reasoning" else None
         for j, part in enumerate(parts if isinstance(parts, list) else ()):
             ptype = part.get("type") if isinstance(part, dict) else None
             if isinstance(ptype, str) and ptype not in PART_TYPES:
@@ -249,6 +267,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [{"role": "user", "content": req.input}]
     out: list[dict[str, Any]] = []
     for item in req.input:
+        if isinstance(item, ResponsesReasoningItem):
+            continue
         if isinstance(item, ResponsesInputMessage):
             out.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, ResponsesFunctionCall):
@@ -279,7 +299,7 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
             out.append({"id": item.id or new_id("msg"), "type": "message", "role": item.role,
                         "status": item.status or "completed", "content": content})
         else:
-            prefix = "fc" if isinstance(item, ResponsesFunctionCall) else "fco"
+            prefix = {ResponsesFunctionCall: "fc", ResponsesReasoningItem: "rs"}.get(type(item), "fco")
             out.append({**item.model_dump(exclude_none=True), "id": item.id or new_id(prefix),
                         "status": item.status or "completed"})
     return out

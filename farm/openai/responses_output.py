@@ -3,8 +3,9 @@ the chat answer, JSON or its SSE chunks, as the response object or the Responses
 response.in_progress, response.output_item.added, response.content_part.added, response.output_text.delta ...,
 response.output_text.done, response.content_part.done, response.output_item.done, and
 response.completed | response.incomplete | response.failed; a chat tool call streams as a function_call item with
-response.function_call_arguments.delta / .done), every event with its `sequence_number`; and the response models
-of `/openapi.json`."""
+response.function_call_arguments.delta / .done, a reasoning model's thought as a reasoning item with
+response.reasoning_text.delta / .done, as vLLM streams it), every event with its `sequence_number`; and the
+response models of `/openapi.json`."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ class ResponseFunctionCall(_Loose):
     status: ItemStatus
 
 
+class ResponseReasoningText(_Loose):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseReasoningItem(_Loose):
+    id: str
+    type: Literal["reasoning"]
+    summary: list[Any]
+    content: list[ResponseReasoningText]
+    status: ItemStatus
+
+
 class ResponseUsage(_Loose):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -60,7 +74,7 @@ class ResponseObject(_Loose):
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     model: str
-    output: list[ResponseOutputMessage | ResponseFunctionCall]
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall]
     usage: ResponseUsage | None
     previous_response_id: str | None
     store: bool
@@ -92,6 +106,7 @@ class Turn:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    reasoning: str = ""  # a reasoning model's thought (not carried into a later response's prompt)
 
     def chat_message(self) -> dict[str, Any]:
         """The answer as the assistant message a later response's conversation holds."""
@@ -162,6 +177,13 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
             "content": [] if text is None else [_part(text)]}
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning model's thought as a reasoning item (its raw text as `reasoning_text` content, as vLLM gives it;
+    no summary); `text` None: not begun."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+
 def function_call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
     """An output function call from a chat tool call (`{id, type, function: {name, arguments}}`)."""
     fn = call.get("function") or {}
@@ -174,10 +196,11 @@ def from_chat_completion(chat: dict[str, Any], ctx: ResponseContext) -> tuple[di
     choice = chat["choices"][0]
     message = choice.get("message") or {}
     turn = Turn(message.get("content") or "", list(message.get("tool_calls") or ()), choice.get("finish_reason"),
-                chat.get("usage") or {})
+                chat.get("usage") or {}, message.get("reasoning") or "")
     status, incomplete = outcome(turn.finish_reason)
     item_status = "incomplete" if status == "incomplete" else "completed"
-    output = [message_item(new_id("msg"), turn.text, item_status)] if turn.text or not turn.tool_calls else []
+    output = [reasoning_item(new_id("rs"), turn.reasoning, "completed")] if turn.reasoning else []
+    output += [message_item(new_id("msg"), turn.text, item_status)] if turn.text or not turn.tool_calls else []
     output += [function_call_item(new_id("fc"), call, "completed") for call in turn.tool_calls]
     return ctx.response(chat.get("model") or ctx.req.model, status, output, usage(turn.usage), incomplete), turn
 
@@ -229,6 +252,15 @@ class StreamTranslator(ChunkTranslator):
         return out + self._event("response.output_text.delta", **self._where(), content_index=0, delta=delta,
                                  logprobs=[])
 
+    def _reasoning(self, delta: str) -> str:
+        out = ""
+        if self.item is None or self.item["type"] != "reasoning":
+            out = self._close("completed") + self._open(reasoning_item(new_id("rs"), None, "in_progress"))
+            self.item_text = ""
+        self.item_text += delta
+        self.turn.reasoning += delta
+        return out + self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=delta)
+
     def _tool_call(self, delta: dict[str, Any]) -> str:
         """A piece of a chat tool call: its first (id, name) opens a function call item, arguments stream."""
         index = delta.get("index", 0)
@@ -257,6 +289,9 @@ class StreamTranslator(ChunkTranslator):
             out = (self._event("response.output_text.done", **where, content_index=0, text=self.item_text,
                                logprobs=[])
                    + self._event("response.content_part.done", **where, content_index=0, part=_part(self.item_text)))
+        elif self.item["type"] == "reasoning":  # its thought is whole: completed, whatever ends the answer
+            done = reasoning_item(self.item["id"], self.item_text, "completed")
+            out = self._event("response.reasoning_text.done", **where, content_index=0, text=self.item_text)
         else:
             assert self.call is not None
             done = function_call_item(self.item["id"], self.call, status)
@@ -293,8 +328,8 @@ class StreamTranslator(ChunkTranslator):
         status, incomplete = ("failed", None) if error else outcome(self.turn.finish_reason)
         item_status = "completed" if status == "completed" else "incomplete"
         out = ""
-        if not error and not self.output and self.item is None:  # no text at all: an empty message, as JSON has
-            out += self._open_message()
+        if not error and not self.turn.text and not self.turn.tool_calls:  # no answer: an empty message, as JSON has
+            out += self._open_message() if self.item is None or self.item["type"] != "message" else ""
         out += self._close(item_status)
         final = self.ctx.response(self.model, status, self.output, usage(self.turn.usage) if not error else None,
                                   incomplete, error)
