@@ -139,3 +139,35 @@ def test_forced_calls_reach_the_worker_as_structured_output(client, redis_client
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop"  # a named call ends as the engine says (vLLM's)
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_reasoning_through_the_messages_and_responses_apis(client, redis_client):
+    """The same qwen3 answer through Anthropic's Messages API (a thinking block, then the text; streamed as
+    thinking_delta, signature_delta, text_delta) and OpenAI's Responses API (a reasoning item, then the message);
+    before, both dropped the thinking while usage still counted its tokens. A forced tool's call there stops
+    for tool_use."""
+    c, cfg = client
+    text = ["<think>", "The user asks", " about 2+2.</think>", "\n\nIt is 4."]
+    nocache = {"Cache-Control": "no-cache"}
+    ask_a = {"model": cfg.default_model, "max_tokens": 50, "messages": [{"role": "user", "content": "2+2?"}]}
+    ScriptedWorker(redis_client, [both_start(), *deltas(*text), done()])
+    msg = post(c, "/v1/messages", ask_a, headers=nocache).get_json()
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text"]
+    assert msg["content"][0]["thinking"] == "The user asks about 2+2." and msg["content"][1]["text"] == "\n\nIt is 4."
+    ScriptedWorker(redis_client, [both_start(), *deltas(*text), done()])
+    resp = post(c, "/v1/messages", {**ask_a, "stream": True}, headers=nocache)
+    events = [json.loads(b.split("data: ", 1)[1]) for b in resp.get_data(as_text=True).split("\n\n") if b]
+    kinds = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert kinds[0] == "thinking_delta" and "signature_delta" in kinds and kinds[-1] == "text_delta"
+    assert "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta") == \
+        "The user asks about 2+2."
+    ScriptedWorker(redis_client, [both_start(), *deltas(*text), done()])
+    out = post(c, "/v1/responses", {"model": cfg.default_model, "input": "2+2?", "store": False},
+               headers=nocache).get_json()["output"]
+    assert [i["type"] for i in out] == ["reasoning", "message"]
+    assert out[0]["content"][0]["text"] == "The user asks about 2+2."
+    ScriptedWorker(redis_client, [both_start(), *deltas('{"city": ', '"Oslo"}'), done()])
+    tools = [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]
+    forced = post(c, "/v1/messages", {**ask_a, "tools": tools, "tool_choice": {"type": "tool", "name": "get_weather"}},
+                  headers=nocache).get_json()
+    assert forced["stop_reason"] == "tool_use" and forced["content"][-1]["input"] == {"city": "Oslo"}
