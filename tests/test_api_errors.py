@@ -200,6 +200,20 @@ def test_allowed_token_ids_are_checked_against_the_vocabulary(app_client):
         assert_error(post(c, "/v1/chat/completions", chat(cfg, allowed_token_ids=bad)), 400, "allowed_token_ids")
 
 
+def test_logprob_token_ids_are_checked_as_vllm_checks_them(app_client):
+    """vLLM's logprob_token_ids: at most 128 ids of the vocabulary, only with logprobs asked, and not with echo and
+    max_tokens 0 (no token is answered); each a 400 naming the field."""
+    c, cfg = app_client
+    for extra in ({"logprob_token_ids": [5]}, {"logprob_token_ids": [-1], "logprobs": True},
+                  {"logprob_token_ids": [10**9], "logprobs": True}, {"logprob_token_ids": [1] * 129, "logprobs": True},
+                  {"logprob_token_ids": ["5"], "logprobs": True}):
+        assert_error(post(c, "/v1/chat/completions", chat(cfg, **extra)), 400, "logprob_token_ids")
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "Hi", "logprob_token_ids": [5]}),
+                 400, "logprob_token_ids")
+    assert_error(post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "Hi", "logprob_token_ids": [5],
+                                             "logprobs": 0, "echo": True, "max_tokens": 0}), 400, "logprob_token_ids")
+
+
 def test_bad_words_are_checked_as_vllm_checks_them(app_client):
     """vLLM's bad_words: a list of non-empty strings of at most 256 characters, at most 128 token sequences once
     tokenized (100 words make about 200: each alone and after a space); else a 400 naming the field."""

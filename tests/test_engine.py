@@ -221,6 +221,24 @@ def test_bad_words_are_never_completed(tiny_engine):
         assert first <= at
 
 
+def test_logprob_token_ids_give_those_tokens_at_every_position(tiny_engine):
+    """vLLM's logprob_token_ids: at each generated position the sampled token's log-probability, then the asked
+    tokens' in the asked order (the sampled one once), the same values the 20 most likely show where they
+    overlap; prefill's first token and the batched decode alike."""
+    eng = tiny_engine()
+    prompt = list(range(700, 720))
+    wide = run(eng, prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=20))
+    lps = [lp for o in wide.outs for lp in (o.logprobs or [])]
+    asked = [lps[0].top[5][0], lps[0].top[2][0], wide.token_ids[1]]  # two of the first position's best, and a later token
+    got = run(eng, prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0,
+                                          logprob_token_ids=asked))
+    assert got.token_ids == wide.token_ids
+    for tok, lp, ref in zip(got.token_ids, [lp for o in got.outs for lp in (o.logprobs or [])], lps, strict=True):
+        assert [t for t, _ in lp.top] == list(dict.fromkeys([tok, *asked]))
+        known = dict(ref.top)
+        assert all(abs(v - known[t]) < 1e-5 for t, v in lp.top if t in known) and lp.logprob == lp.top[0][1]
+
+
 def test_a_prompt_in_chunked_prefill_counts_as_running_not_waiting(tiny_model_dir):
     """vllm:num_requests_running / _waiting as vLLM counts them (the ops audit: a prompt being computed was
     exported as waiting for its whole prefill, and a prefill worker never showed running work). The engine is

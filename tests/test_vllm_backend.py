@@ -307,8 +307,8 @@ def test_sampling_param_mapping():
                   "ignore_eos": True, "skip_special_tokens": True, "include_stop_str_in_output": False,
                   "presence_penalty": 0.0, "frequency_penalty": 0.0,
                   "repetition_penalty": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": None,
-                  "logprobs": None, "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None,
-                  "bad_words": None}
+                  "logprobs": None, "logprob_token_ids": None, "prompt_logprobs": None, "logit_bias": None,
+                  "allowed_token_ids": None, "bad_words": None}
     full = SamplingParams(max_tokens=9, top_k=5, min_p=0.1, min_tokens=3, stop_token_ids=[2], logprobs=4,
                           logit_bias={7: -5.0}, response_format={"type": "json_schema", "json_schema": {"schema": {}}})
     kw = sampling_kwargs(full, 10, 4096, structured=lambda **k: ("structured", k))
@@ -323,6 +323,8 @@ def test_sampling_param_mapping():
         assert sampling_kwargs(SamplingParams(response_format=fmt), 10, 4096)["structured_outputs"] == spec
     assert sampling_kwargs(SamplingParams(prompt_logprobs=1), 10, 4096)["prompt_logprobs"] == 1
     assert sampling_kwargs(SamplingParams(bad_words=["Paris"]), 10, 4096)["bad_words"] == ["Paris"]
+    ids = sampling_kwargs(SamplingParams(logprobs=0, logprob_token_ids=[7, 3]), 10, 4096)  # the ids, not a top-k
+    assert (ids["logprobs"], ids["logprob_token_ids"]) == (None, [7, 3])
     assert sampling_kwargs(SamplingParams(allowed_token_ids=[5, 9]), 10, 4096)["allowed_token_ids"] == [5, 9]
     # the room left in max_model_len caps max_tokens (vLLM would reject the request instead)
     assert sampling_kwargs(p, prompt_len=4090, max_model_len=4096)["max_tokens"] == 6

@@ -386,7 +386,8 @@ class VllmEngine:
         """`imported`: the prompt's KV comes through the connector (a remote prefill counted the prompt)."""
         n_out, cached, first = 0, 0, None
         done = False
-        k, kp = sp.logprobs, getattr(sp, "prompt_logprobs", None)
+        asked = getattr(sp, "logprob_token_ids", None)  # vLLM's: these tokens' log-probabilities instead of the k best
+        k, kp = (len(asked) if asked else sp.logprobs), getattr(sp, "prompt_logprobs", None)
 
         def finish(reason: str, text: str = "", tokens: list[int] | None = None, params: Any = None,
                    logprobs: list[TokenLogprobs] | None = None,
@@ -421,7 +422,8 @@ class VllmEngine:
                     comp = ro.outputs[0] if ro.outputs else None
                     tokens = [int(t) for t in (comp.token_ids if comp else [])]
                     text = comp.text if comp else ""
-                    lps = token_logprobs(tokens, comp.logprobs, k) if k is not None and comp else None
+                    lps = token_logprobs(tokens, comp.logprobs, k, exact=bool(asked)) if k is not None and comp \
+                        else None
                     plps = None  # vLLM sends the prompt's with the first output
                     if kp is not None and getattr(ro, "prompt_logprobs", None):
                         plps = [None, *token_logprobs(prompt_ids[1:], ro.prompt_logprobs[1:], kp, ranks=True)]

@@ -105,7 +105,8 @@ def sampling_kwargs(p: SamplingParams, prompt_len: int, max_model_len: int, *, p
         "min_p": float(p.min_p),
         "min_tokens": 0 if prefill_only else min(int(p.min_tokens), room),
         "stop_token_ids": list(p.stop_token_ids) or None,
-        "logprobs": None if prefill_only else p.logprobs,
+        "logprobs": None if prefill_only or p.logprob_token_ids else p.logprobs,  # the ids instead, as vLLM's server
+        "logprob_token_ids": None if prefill_only else list(p.logprob_token_ids) or None,
         "prompt_logprobs": None if prefill_only else p.prompt_logprobs,
         "logit_bias": dict(p.logit_bias) or None,
         "allowed_token_ids": list(p.allowed_token_ids) or None,
@@ -129,16 +130,18 @@ def structured_spec(fmt: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def token_logprobs(token_ids: list[int], positions: Any, k: int, ranks: bool = False) -> list[TokenLogprobs]:
+def token_logprobs(token_ids: list[int], positions: Any, k: int, ranks: bool = False,
+                   exact: bool = False) -> list[TokenLogprobs]:
     """vLLM's per-token logprobs (one {token id: Logprob} per generated token, the sampled token always
-    among them) in the farm's form: the sampled token's and the `k` best ranked; with `ranks`, the token's own
-    rank (a prompt token's, as vLLM's `prompt_logprobs` show it)."""
+    among them) in the farm's form: the sampled token's and the `k` best ranked, or with `exact` (vLLM's
+    logprob_token_ids) every entry in vLLM's order (the sampled token, then the asked ones); with `ranks`, the
+    token's own rank (a prompt token's, as vLLM's `prompt_logprobs` show it)."""
     out = []
     for tok, entries in zip(token_ids, positions or [], strict=False):
         entries = entries or {}
         chosen = entries.get(tok)
-        top = sorted(((i, e) for i, e in entries.items() if e.rank is not None and e.rank <= k),
-                     key=lambda ie: ie[1].rank)
+        top = list(entries.items()) if exact else sorted(
+            ((i, e) for i, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda ie: ie[1].rank)
         out.append(TokenLogprobs(float(chosen.logprob) if chosen is not None else float("nan"),
                                  [(int(i), float(e.logprob)) for i, e in top],
                                  int(chosen.rank) if ranks and chosen is not None and chosen.rank is not None

@@ -396,7 +396,8 @@ class Engine:
         asks = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asks:
             rows = logits[torch.tensor(asks, device=logits.device)]
-            found = logprobs_of(rows, [tokens[i] for i in asks], [int(params[i].logprobs) for i in asks])
+            found = logprobs_of(rows, [tokens[i] for i in asks],
+                                [list(params[i].logprob_token_ids) or int(params[i].logprobs) for i in asks])
             for i, lp in zip(asks, found, strict=True):
                 seqs[i].last_logprobs = lp
         return tokens

@@ -132,10 +132,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return out
 
 
-def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int], ranks: bool = False) -> list[TokenLogprobs]:
+def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int | list[int]],
+                ranks: bool = False) -> list[TokenLogprobs]:
     """Each row's sampled token's log-probability and its `k` most likely tokens, from the model's raw
-    logits (before penalties and temperature, as vLLM reports them by default); with `ranks`, each token's rank
-    (how many tokens are at least as likely, itself included: a tie ranks it after the others, as vLLM counts)."""
+    logits (before penalties and temperature, as vLLM reports them by default), or, where `k` is a list of token
+    ids (vLLM's logprob_token_ids), the sampled token's then those tokens', in that order, each once (vLLM's order);
+    with `ranks`, each token's rank (how many tokens are at least as likely, itself included: a tie ranks it after
+    the others, as vLLM counts)."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     if len(tokens) != len(ks):
         raise ValueError(f"{len(tokens)} tokens but {len(ks)} counts of alternatives")
@@ -143,8 +146,12 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int], ranks: b
     at_least = (logp >= chosen[:, None]).sum(dim=-1).tolist() if ranks else None
     out = []
     for i, k in enumerate(ks):
-        top = logp[i].topk(k) if k else None
-        out.append(TokenLogprobs(float(chosen[i]), [] if top is None else
-                                 [(int(t), float(v)) for v, t in zip(top.values, top.indices, strict=True)],
-                                 None if at_least is None else at_least[i]))
+        if isinstance(k, list):
+            ids = list(dict.fromkeys([tokens[i], *k]))
+            top = [(t, float(v)) for t, v in zip(ids, logp[i, torch.tensor(ids, dtype=torch.long)].tolist(),
+                                                 strict=True)]
+        else:
+            best = logp[i].topk(k) if k else None
+            top = [] if best is None else [(int(t), float(v)) for v, t in zip(best.values, best.indices, strict=True)]
+        out.append(TokenLogprobs(float(chosen[i]), top, None if at_least is None else at_least[i]))
     return out

@@ -39,6 +39,7 @@ from farm.protocol import (
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_RESPONSE_FORMAT_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
@@ -414,6 +415,11 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     bad_words = _bad_words(body)
     response_format = _constraint(body)
     logprobs = _logprobs(body, kind)
+    logprob_ids = _token_ids(body, "logprob_token_ids", vocab, MAX_LOGPROB_TOKEN_IDS)
+    if logprob_ids and logprobs is None:  # as vLLM: the ids say which log-probabilities, `logprobs` asks for them
+        raise bad_request("when using 'logprob_token_ids', " + ("'logprobs' must be true" if kind == "chat" else
+                                                                "'logprobs' must be set"), "logprob_token_ids",
+                          "invalid_value")
     seed = _type_check(body, "seed", (int,), "an integer")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise bad_request(f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]", "seed", "invalid_value")
@@ -464,6 +470,7 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
                             frequency_penalty=frequency, repetition_penalty=repetition,
                             top_k=max(0, min(top_k, vocab) if vocab else top_k),  # past the vocabulary: all, as vLLM
                             min_p=min_p, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                            logprob_token_ids=logprob_ids,
                             logit_bias=logit_bias, allowed_token_ids=allowed, bad_words=bad_words,
                             response_format=response_format,
                             skip_special_tokens=skip_special is not False, include_stop_str_in_output=include_stop)
@@ -748,6 +755,9 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if len(prompts) > 1 and all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens")):
         # each prompt's own room (the shared value is the longest prompt's), as vLLM defaults each prompt
         prompts = [replace(p, max_tokens=_default_max_tokens(len(p.ids), max_model_len, defaults)) for p in prompts]
+    if prompt_only and params.logprob_token_ids:
+        raise bad_request("'logprob_token_ids' is not supported with 'echo' and 'max_tokens' 0: no token is answered",
+                          "logprob_token_ids", "invalid_value")
     echo_logprobs = echo and params.logprobs is not None
     if echo_logprobs:  # the echoed prompt's too, as vLLM (lm-eval's log-likelihoods)
         params = replace(params, prompt_logprobs=params.logprobs)

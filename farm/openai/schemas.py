@@ -21,6 +21,7 @@ from farm.protocol import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
@@ -146,6 +147,9 @@ class _Sampling(_Request):
         None, max_length=MAX_BAD_WORDS, description=(
             "vLLM extension: words the answer may not contain (the token that would complete one is never sampled; "
             "each word with and without a leading space, as vLLM tokenizes them)"))
+    logprob_token_ids: list[int] | None = Field(None, max_length=MAX_LOGPROB_TOKEN_IDS, description=(
+        "vLLM extension: with logprobs, each generated token's log-probability and these tokens' (after the "
+        "sampled one, in this order) instead of the most likely ones: a label set's scores at every position"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "vLLM extension: each prompt token's log-probability, rank and this many alternatives (chat: on the "
         "response; a text completion: on each choice); not with stream"))

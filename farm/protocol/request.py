@@ -32,6 +32,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's limit of logit_bias entries
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 65536  # vLLM's allowed_token_ids: at most the whole of a large vocabulary
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS: token sequences after tokenization (a word gives one or two)
 MAX_BAD_WORD_CHARS = 256  # a word or short phrase; each is checked against the generated tokens after every step
 MAX_RESPONSE_FORMAT_CHARS = 65536
@@ -153,6 +154,7 @@ _SAMPLING_CHECKS: dict[str, Any] = {
     "logit_bias": lambda v, b: _logit_bias(v, b.vocab),
     "allowed_token_ids": lambda v, b: _token_ids(v, "sampling.allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, b.vocab),
     "bad_words": lambda v, b: _bad_words(v),
+    "logprob_token_ids": lambda v, b: _token_ids(v, "sampling.logprob_token_ids", MAX_LOGPROB_TOKEN_IDS, b.vocab),
     "response_format": lambda v, b: _response_format(v),
     "skip_special_tokens": lambda v, b: _bool(v, "sampling.skip_special_tokens"),
     "include_stop_str_in_output": lambda v, b: _bool(v, "sampling.include_stop_str_in_output"),
@@ -180,6 +182,9 @@ class SamplingParams:
     # None: none; k: each prompt token's log-probability (after the first) and the k most likely there (vLLM's
     # prompt_logprobs; the whole prompt is computed, no prefix-cache hit, and never on a separate prefill worker)
     prompt_logprobs: int | None = None
+    # vLLM's: with logprobs, each generated token's log-probability and these tokens' (in this order) instead of
+    # the k most likely
+    logprob_token_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
     allowed_token_ids: list[int] = field(default_factory=list)  # vLLM's: only these may be sampled (empty: all)
     # vLLM's: words whose last token may not complete them (each engine tokenizes them as vLLM does:
@@ -205,6 +210,7 @@ class SamplingParams:
         d = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         d["stop"], d["stop_token_ids"], d["logit_bias"] = list(self.stop), list(self.stop_token_ids), dict(self.logit_bias)
         d["allowed_token_ids"], d["bad_words"] = list(self.allowed_token_ids), list(self.bad_words)
+        d["logprob_token_ids"] = list(self.logprob_token_ids)
         return d
 
     @classmethod

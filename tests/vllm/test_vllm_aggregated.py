@@ -288,6 +288,27 @@ def test_bad_words_answer_as_vllm_serve_answers(client, vllm_serve):
     assert ours.choices[0].text == theirs.choices[0].text and "Paris" not in ours.choices[0].text
 
 
+def test_logprob_token_ids_are_vllm_serves(client, vllm_serve, real_model_dir):
+    """vLLM's logprob_token_ids through a farm of vLLM workers: `vllm serve`'s tokens and values at every position,
+    chat and text (a label set scored: " Yes" / " No"; the built-in engine's are tests/test_engine.py's)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    labels = [tok.encode(w, add_special_tokens=False)[0] for w in (" Yes", " No", "Yes")]
+    serve = openai.OpenAI(base_url=vllm_serve.url, api_key="unused", max_retries=0)
+    kw = {"model": MODEL, "max_tokens": 3, "temperature": 0, "extra_body": {"logprob_token_ids": labels}}
+    msgs = [{"role": "user", "content": "Is the sky blue? Answer Yes or No."}]
+    ours, theirs = (c.chat.completions.create(messages=msgs, logprobs=True, **kw) for c in (client, serve))
+    a, b = ours.choices[0].logprobs.content, theirs.choices[0].logprobs.content
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b, strict=True):
+        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs] and len(x.top_logprobs) >= 3
+        assert all(abs(p.logprob - q.logprob) < 1e-3 for p, q in zip(x.top_logprobs, y.top_logprobs, strict=True))
+    ours, theirs = (c.completions.create(prompt="Is the sky blue? Answer:", logprobs=0, **kw) for c in (client, serve))
+    a, b = ours.choices[0].logprobs, theirs.choices[0].logprobs
+    assert a.tokens == b.tokens and [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+
+
 def test_return_token_ids_are_vllm_serves(client, vllm_serve):
     """vLLM's `return_token_ids`: the farm's prompt and generated ids are `vllm serve`'s, chat and text, streamed
     or not (the end-of-sequence token among them, as vLLM counts it)."""
