@@ -402,6 +402,37 @@ def test_return_token_ids_are_the_real_models_tokens(farm, client):
     assert chat.choices[0].finish_reason == "stop", chat  # ...which this short answer has
 
 
+def test_vllms_bad_words_truncation_and_label_logprobs_on_the_real_model(farm, client):
+    """vLLM's bad_words, truncate_prompt_tokens and logprob_token_ids through the whole farm on the built-in engine
+    (the prefill worker samples the first token, the decode worker the rest): the real model's greedy answer loses a
+    word it said once that word is banned; a prompt past the context is cut to its last tokens; every position
+    shows the label tokens' log-probabilities after the sampled one's."""
+    from farm.models.tokenization import bad_words_token_ids, get_tokenizer
+
+    m = farm.cfg.default_model
+    tok = get_tokenizer(farm.cfg, m)
+    kw = {"model": m, "max_tokens": 12, "temperature": 0, "extra_headers": NO_CACHE}
+    msgs = [{"role": "user", "content": "Name the largest planet of the solar system."}]
+    free = client.chat.completions.create(messages=msgs, **kw, extra_body={"return_token_ids": True}).choices[0]
+    word = next(w.strip(".,!?") for w in free.message.content.split() if len(w.strip(".,!?")) > 3)
+    banned = client.chat.completions.create(messages=msgs, **kw, extra_body={"return_token_ids": True,
+                                                                            "bad_words": [word]}).choices[0]
+    seqs = bad_words_token_ids(tok, [word])
+    assert banned.message.content != free.message.content
+    assert not any(banned.token_ids[k:k + len(b)] == b for b in seqs for k in range(len(banned.token_ids)))
+    long = "".join(f"w{i} " for i in range(farm.cfg.model(m).max_model_len)) + "The capital of France is"
+    cut = client.completions.create(prompt=long, **kw, extra_body={"truncate_prompt_tokens": 24,
+                                                                   "return_token_ids": True}).choices[0]
+    assert cut.prompt_token_ids == tok.encode(long)[-24:]
+    labels = [tok.encode(w, add_special_tokens=False)[0] for w in (" Yes", " No")]
+    scored = client.chat.completions.create(messages=msgs, logprobs=True, **kw,
+                                            extra_body={"logprob_token_ids": labels}).choices[0]
+    for entry in scored.logprobs.content:
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i in dict.fromkeys(
+            [tok.encode(entry.token, add_special_tokens=False)[0], *labels])]
+        assert entry.top_logprobs[0].logprob == entry.logprob
+
+
 def test_continuous_usage_stats_give_every_chunk_its_running_usage(farm, client):
     """vLLM's `stream_options.continuous_usage_stats`: each chunk of a choice carries the prompt's tokens and the
     tokens generated so far (it was accepted and ignored); the last one agrees with the final usage chunk."""
