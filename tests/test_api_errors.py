@@ -216,9 +216,12 @@ def test_logprob_token_ids_are_checked_as_vllm_checks_them(app_client):
 
 def test_bad_words_are_checked_as_vllm_checks_them(app_client):
     """vLLM's bad_words: a list of non-empty strings of at most 256 characters, at most 128 token sequences once
-    tokenized (100 words make about 200: each alone and after a space); else a 400 naming the field."""
+    tokenized (100 words make about 200: each alone and after a space) and 1,024 tokens in all (vLLM's model runner
+    checks that where its failure ends the engine core: four 256-character words of CJK and emoji make 4,000);
+    else a 400 naming the field."""
     c, cfg = app_client
-    for bad in ("Paris", [""], [5], ["x" * 257], ["w"] * 129, [f"word{i}" for i in range(100)]):
+    huge = ["".join(chr(0x4E00 + 97 * i + j) + "\U0001F600" for j in range(128)) for i in range(4)]  # 4,000+ tokens
+    for bad in ("Paris", [""], [5], ["x" * 257], ["w"] * 129, [f"word{i}" for i in range(100)], huge):
         for path, body in (("/v1/chat/completions", chat(cfg, bad_words=bad)),
                            ("/v1/completions", {"model": cfg.default_model, "prompt": "Hi", "bad_words": bad})):
             assert_error(post(c, path, body), 400, "bad_words")

@@ -193,6 +193,11 @@ def test_thinking_both_ways():
                                                "thinking": thinking}))
         assert body["chat_template_kwargs"] == {"enable_thinking": flag}
         assert body["messages"][1] == {"role": "assistant", "content": "4"}
+    only = [_chunk(choices=[{"index": 0, "delta": {"reasoning": "Still thinking"}}]),  # cut off by max_tokens
+            _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "length"}]), "data: [DONE]\n\n"]
+    events = [json.loads(b.split("data: ", 1)[1]) for b in "".join(a.translate_stream(only, [])).split("\n\n") if b]
+    assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == ["thinking", "text"]
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"  # the JSON answer's blocks and stop, streamed
     with pytest.raises(APIError):  # reasoning is the assistant's
         a.parse_request({"model": "m", "max_tokens": 9, "messages": [
             {"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": "s"}]}]})

@@ -145,6 +145,9 @@ def test_a_truncated_line_is_cut_before_the_semantic_layer_reads_it(env):
     assert errors == [] and len(lines[0].prompt_ids) == 32 and seen and seen[0] < 2000
     lines, errors = run(line(cfg, "long", text, max_tokens=4), decide=decide)
     assert [e["code"] for e in errors] == ["context_length_exceeded"] and len(seen) == 1
+    # no room for any prompt token beside max_tokens: refused by its size, the layer never reads it
+    lines, errors = run(line(cfg, "long", text, max_tokens=max_len, truncate_prompt_tokens=-1), decide=decide)
+    assert [e["code"] for e in errors] == ["context_length_exceeded"] and len(seen) == 1
 
 
 def test_a_line_showing_the_prompt_the_layer_added_is_refused(env):
@@ -162,6 +165,24 @@ def test_a_line_showing_the_prompt_the_layer_added_is_refused(env):
     assert [(e["code"], e["param"]) for e in errors] == [("invalid_value", "body.return_token_ids")]
     lines, errors = run(text, decide=decide, aliases=["MoM"], reveal_injected_prompt=True)
     assert errors == [] and lines[0].return_token_ids
+
+
+def test_an_alias_truncates_for_the_models_that_have_room(env):
+    """Under an alias, the models whose context cannot keep `truncate_prompt_tokens` are left out of the cut, not
+    a 400 for all (the review: the smallest model's context refused what a larger one could serve); when none can,
+    the first refusal is the answer."""
+    from farm.openai.api_error import APIError
+    from farm.openai.parsing import pretrimmed
+
+    cfg, _ = env
+    tok = get_tokenizer(cfg, cfg.default_model)
+    body = {"model": "MoM", "prompt": "".join(f"w{i} " for i in range(20_000)), "truncate_prompt_tokens": 8000,
+            "max_tokens": 16}
+    cut = pretrimmed(body, "completion", [(tok, 4096, 4096 * 81), (tok, 32768, 32768 * 81)])
+    assert cut is not None and len(tok.encode(cut["prompt"])) >= 8000 and body["prompt"].endswith(cut["prompt"])
+    with pytest.raises(APIError) as e:
+        pretrimmed(body, "completion", [(tok, 4096, 4096 * 81)])
+    assert e.value.param == "truncate_prompt_tokens"
 
 
 def _pl(i, ids, model="m"):

@@ -221,6 +221,22 @@ def test_bad_words_are_never_completed(tiny_engine):
         assert first <= at
 
 
+def test_a_bad_word_begun_before_a_migration_is_not_completed_after_it(tiny_engine):
+    """A migrated request carries the tokens it generated as prompt tokens (`generated`): a two-token bad word whose
+    first token came out on the lost worker may not be completed on this one."""
+    eng = tiny_engine()
+    tok = eng.tokenizer
+    prompt = list(range(700, 720))
+    free = run(eng, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)).token_ids
+    j = next(j for j in range(len(free) - 1) if bad_words_token_ids(tok, [tok.decode(free[j:j + 2])])[0] == free[j:j + 2]
+             and free[j] != free[j + 1])
+    word = tok.decode(free[j:j + 2])
+    resumed = prompt + free[:j + 1]  # the first token of the word came out before the migration
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, bad_words=[word])
+    assert run(eng, resumed, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).token_ids[0] == free[j + 1]
+    assert run(eng, resumed, params, generated=j + 1).token_ids[0] != free[j + 1]
+
+
 def test_logprob_token_ids_give_those_tokens_at_every_position(tiny_engine):
     """vLLM's logprob_token_ids: at each generated position the sampled token's log-probability, then the asked
     tokens' in the asked order (the sampled one once), the same values the 20 most likely show where they

@@ -137,7 +137,7 @@ def test_a_cached_answer_that_breaks_the_requests_limits_is_not_served(app, redi
                   {"stop": ["Saturn"]}, {"stop_token_ids": [2]}, {"response_format": {"type": "json_object"}},
                   {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {"5": 1.0}},
                   {"structured_outputs": {"choice": ["Jupiter", "Saturn"]}}, {"return_token_ids": True},
-                  {"prompt_logprobs": 0}, {"allowed_token_ids": [5]}, {"truncate_prompt_tokens": 8}):  # vLLM's
+                  {"prompt_logprobs": 0}, {"allowed_token_ids": [5]}, {"truncate_prompt_tokens": 4000}):  # vLLM's
         resp = chat(app, question, **extra)
         shows_prompt = "return_token_ids" in extra or "prompt_logprobs" in extra  # with the layer's system prompt
         assert resp.status_code == (400 if shows_prompt else 503) and "x-vsr-cache-hit" not in resp.headers, extra
@@ -162,8 +162,9 @@ def test_an_answer_to_a_constrained_request_is_not_stored(app, redis_client, mon
 
 def test_the_system_prompt_the_layer_adds_is_not_shown_by_prompt_fields(app, monkeypatch):
     """A category's system prompt is the operator's: an answer that would show the prompt's tokens (vLLM's
-    return_token_ids, prompt_logprobs) is a 400 once the layer added one, unless the operator allows it; without an
-    added prompt (a model named) the request goes on (to the gateway: no worker here, a 503)."""
+    return_token_ids, prompt_logprobs, an echo of a system message) is a 400 once the layer added one, unless the
+    operator allows it, and a truncation may not cut it off; without an added prompt (a model named) the request
+    goes on (to the gateway: no worker here, a 503)."""
     question = "Solve for x: 3x + 7 = 22. Show your work."
     for field in ({"return_token_ids": True}, {"prompt_logprobs": 1}, {"prompt_logprobs": 0}):
         resp = chat(app, question, max_tokens=4, **field)
@@ -171,8 +172,34 @@ def test_the_system_prompt_the_layer_adds_is_not_shown_by_prompt_fields(app, mon
         assert "semantic.reveal_injected_prompt" in resp.get_json()["error"]["message"]
         assert chat(app, question, model="SmolLM2-135M-Instruct", max_tokens=4, **field).status_code == 503
     assert chat(app, question, max_tokens=4, return_token_ids=False).status_code == 503
+    # an echo of a last system message shows it too: the added prompt replaced it or begins it
+    echoed = app.test_client().post("/v1/chat/completions", json={
+        "model": "MoM", "max_tokens": 4, "echo": True, "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": question}, {"role": "system", "content": "Be brief."}]})
+    assert echoed.status_code == 400 and echoed.get_json()["error"]["param"] == "echo"
+    # a truncation that would cut it off (it comes first) is refused, one that keeps the whole prompt goes on
+    cut = chat(app, question + " " + "Then check it. " * 40, max_tokens=4, truncate_prompt_tokens=24)
+    assert cut.status_code == 400 and cut.get_json()["error"]["param"] == "truncate_prompt_tokens"
+    assert chat(app, question, max_tokens=4, truncate_prompt_tokens=4000).status_code == 503
     monkeypatch.setattr(app.extensions["farm"].cfg.semantic, "reveal_injected_prompt", True)
     assert chat(app, question, max_tokens=4, return_token_ids=True).status_code == 503
+    assert chat(app, question + " " + "Then check it. " * 40, max_tokens=4,
+                truncate_prompt_tokens=24).status_code == 400  # the operator's instructions are never cut
+
+
+def test_a_truncation_no_model_has_room_for_is_refused_by_size_before_the_layer(app, monkeypatch):
+    """truncate_prompt_tokens -1 with max_tokens the whole context leaves no model room for any prompt token: the
+    prompt is then refused by its size before the semantic layer reads it, as without truncation (the review: a
+    3.9 MB message cost the layer 94 s before its 400)."""
+    layer = app.extensions["farm"].semantic()
+    seen, before = [], layer.before
+    monkeypatch.setattr(layer, "before", lambda *a, **kw: seen.append(a) or before(*a, **kw))
+    context = app.extensions["farm"].cfg.model(app.extensions["farm"].cfg.default_model).max_model_len
+    huge = "word " * 200_000
+    for model in ("SmolLM2-135M-Instruct", "MoM"):
+        resp = chat(app, huge, model=model, max_tokens=context, truncate_prompt_tokens=-1)
+        assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "context_length_exceeded"
+    assert not seen
 
 
 def test_mom_is_listed_and_unknown_models_are_404(app):

@@ -59,6 +59,7 @@ from farm.openai.parsing import (
     prompt_char_limit,
     prompt_param,
     raw_prompts,
+    refuse_cutting_added_prompt,
     refuse_oversized,
     refuse_showing_added_prompt,
     require_model,
@@ -384,6 +385,8 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
                                                verdict, tok, body.get("chat_template_kwargs")))
     else:
         parsed = parse_completion(body, tok, mcfg.max_model_len, mcfg.defaults, per_token)
+    if verdict.headers.get(H_INJECTED):
+        refuse_cutting_added_prompt(parsed)
     n_prompt, choices = parsed.prompt_tokens, parsed.choices
     most = n_prompt + sum(parsed.max_tokens_of(c) for c in range(choices))
     held = reserve_tokens(most, n_prompt + choices)
@@ -561,9 +564,11 @@ def _bounded_prompt(kind: str, body: dict[str, Any], model: str, messages: list[
     if not models:
         return body
     if truncation(body)[0] is not None:
-        return pretrimmed(body, kind, [(tok, n, prompt_char_limit(tok, n, farm.cfg.api.max_chars_per_token))
-                                       for tok, n in models])
-    _refuse_oversized(body, models, messages)
+        cut = pretrimmed(body, kind, [(tok, n, prompt_char_limit(tok, n, farm.cfg.api.max_chars_per_token))
+                                      for tok, n in models])
+        if cut is not None:
+            return cut
+    _refuse_oversized(body, models, messages)  # also when no model has room for the truncated prompt
     return body
 
 

@@ -49,6 +49,7 @@ from farm.engine.contract import RequestOutput
 from farm.engine.sampling import TokenLogprobs
 from farm.engine.step_costs import StepCosts
 from farm.engine.timings import RequestTokens, from_prometheus
+from farm.models.tokenization import bad_words_problem
 from farm.protocol import SamplingParams
 from farm.protocol.hashing import block_hashes, salt_root
 from farm.protocol.kv_events import KVEventHook
@@ -133,6 +134,8 @@ class VllmEngine:
         self.events = VllmKVEventSubscriber(self.translator)
         known = {f.name for f in dataclasses.fields(self.vllm.AsyncEngineArgs)} \
             if dataclasses.is_dataclass(self.vllm.AsyncEngineArgs) else None
+        self.model_dir = model_dir
+        self._tokenizer: Any = None  # the model's, for the checks vLLM makes where a failure is fatal to it
         self.engine_args = build_engine_args(cfg, model, model_dir, self.events.endpoint,
                                              self.events.replay_endpoint, known, self.vllm, self.device, role)
         self._stats = _Stats()
@@ -311,6 +314,11 @@ class VllmEngine:
             on_output(RequestOutput(request_id, finished=True, finish_reason="error:structured output cannot resume "
                                     "on a vLLM worker after its first worker was lost"))
             return
+        if params.bad_words and (problem := bad_words_problem(self.tokenizer(), params.bad_words)):
+            # vLLM's model runner would raise when scheduling it, which ends its engine core: refused here
+            on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: bad_words: "
+                                    f"{problem}"))
+            return
         imported = kv_import.kv_transfer_params if isinstance(kv_import, ConnectorImport) else None
         kv_params = connector_params(self.connector, cache_salt, prefill_only=prefill_only, imported=imported)
         if kv_import is not None and not isinstance(kv_import, ConnectorImport):
@@ -328,6 +336,14 @@ class VllmEngine:
                               cache_salt, imported=isinstance(kv_import, ConnectorImport))
         with self._tasks_lock:  # the task removes itself under the same lock, even if it ends at once
             self._tasks[request_id] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded at its first use (from the worker's model directory)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's task: vLLM's generate aborts it in the engine on cancellation."""

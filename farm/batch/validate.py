@@ -31,6 +31,7 @@ from farm.openai.parsing import (
     pretrimmed,
     prompt_char_limit,
     raw_prompts,
+    refuse_cutting_added_prompt,
     refuse_oversized,
     refuse_showing_added_prompt,
     require_model,
@@ -151,7 +152,7 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             continue
         try:
             model = require_model(body, models + (list(aliases or []) if decide else []))
-            messages = None
+            messages, injected = None, False
             if kind == "completion" and len(raw_prompts(body)) != 1:  # before the layer pays for each of them
                 errors.append(_err("unsupported_value", "a batch line holds one prompt; give each prompt a line of "
                                    "its own", no, "body.prompt"))
@@ -163,8 +164,10 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                     asked = completion_messages(body, tokenizer_for(model))  # an alias: the default model's
                 names = models if model in (aliases or []) else [model]  # before the layer pays for a huge line
                 bounds = [(tokenizer_for(m), max_model_len(m)) for m in names]
-                if truncation(body)[0] is not None:  # vLLM's truncation: cut to what a model could keep
-                    body = pretrimmed(body, kind, [(t, n, prompt_char_limit(t, n)) for t, n in bounds])
+                cut = pretrimmed(body, kind, [(t, n, prompt_char_limit(t, n)) for t, n in bounds]) \
+                    if truncation(body)[0] is not None else None
+                if cut is not None:  # vLLM's truncation: cut to what a model could keep
+                    body = cut
                     asked = validate_chat(body) if kind == "chat" else completion_messages(body, tokenizer_for(model))
                 else:
                     refuse_oversized(bounds, asked, "messages" if kind == "chat" else "prompt")
@@ -174,7 +177,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                     lines.append(PreparedLine(len(lines), no, cid, kind, v.model, [], {}, v.answer or "",
                                               v.finish_reason or "content_filter"))
                     continue
-                if v.headers.get(H_INJECTED) and not reveal_injected_prompt:
+                injected = bool(v.headers.get(H_INJECTED))
+                if injected and not reveal_injected_prompt:
                     refuse_showing_added_prompt(body)
                 model = v.model
                 messages = v.messages if kind == "chat" else None
@@ -184,6 +188,8 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
                                     tool_parser=tool_parser_for(model) if tool_parser_for else None)
             else:
                 parsed = parse_completion(body, tokenizer_for(model), max_model_len(model), defaults)
+            if injected:
+                refuse_cutting_added_prompt(parsed)
         except APIError as e:
             errors.append(_err(e.code or "invalid_request", e.message, no, f"body.{e.param}" if e.param else "body"))
             continue

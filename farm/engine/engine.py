@@ -133,6 +133,9 @@ class Engine:
             except ValueError as e:
                 on_output(RequestOutput(request_id, finished=True, finish_reason=f"error:invalid request: {e}"))
                 return
+            longest = max(map(len, seq.bad_words))  # a word begun before a migration is not completed after it
+            seq.carried = list(prompt_ids[len(prompt_ids) - generated:])[-(longest - 1):] if generated and longest > 1 \
+                else []
         if params.response_format is not None:
             try:
                 seq.grammar = self.grammars().matcher(params.response_format)
@@ -408,6 +411,8 @@ class Engine:
         against the generated tokens only, as vLLM's)."""
         p, out = seq.params, seq.output_ids
         banned = set(self.eos_ids) | set(p.stop_token_ids) if len(out) < p.min_tokens else set()
+        if len(out) < len(seq.carried):  # the tokens generated before a migration come before these
+            out = seq.carried + out
         for word in seq.bad_words:
             if len(word) == 1 or (len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]):
                 banned.add(word[-1])

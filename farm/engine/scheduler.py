@@ -66,6 +66,7 @@ class Sequence:
     prompt_logprobs: list[Any] | None = None
     grammar: Any = None  # structured output: the sequence's grammar matcher (farm.engine.structured)
     bad_words: list[list[int]] = field(default_factory=list)  # vLLM's bad_words as token sequences
+    carried: list[int] = field(default_factory=list)  # a migrated request's generated tokens before it came here
 
     @property
     def wants_prompt_logprobs(self) -> bool:

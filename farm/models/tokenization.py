@@ -10,6 +10,7 @@ from typing import Any
 
 from farm.config import FarmConfig
 from farm.models.directories import require_model_dir
+from farm.protocol import MAX_BAD_WORDS, MAX_BAD_WORDS_TOTAL_TOKENS
 
 # One process-wide lock around first-time `transformers` loads (tokenizers here, the semantic layer's
 # embedder): transformers resolves its classes through lazy submodule imports that are not safe to run
@@ -157,6 +158,20 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
             if not space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
                 out.append(ids)
     return out
+
+
+def bad_words_problem(tokenizer, words: list[str]) -> str | None:
+    """What vLLM would refuse in these `bad_words` (None: nothing): a word that makes no token, more than
+    MAX_BAD_WORDS token sequences, or more than MAX_BAD_WORDS_TOTAL_TOKENS tokens in all."""
+    try:
+        seqs = bad_words_token_ids(tokenizer, words)
+    except ValueError as e:
+        return str(e)
+    if len(seqs) > MAX_BAD_WORDS:
+        return f"they make {len(seqs)} token sequences, more than {MAX_BAD_WORDS}"
+    if (total := sum(map(len, seqs))) > MAX_BAD_WORDS_TOTAL_TOKENS:
+        return f"they make {total} tokens in all, more than {MAX_BAD_WORDS_TOTAL_TOKENS}"
+    return None
 
 
 def eos_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:

@@ -376,6 +376,7 @@ class StreamTranslator(ChunkTranslator):
         self.held = ""
         self.thought = ""  # the open thinking block's text (its signature is sent when it closes)
         self.called = False  # a tool_use block was opened (stop_reason)
+        self.texted = False  # a text block was opened
         self.finish: str | None = None
         self.stop_sequence: str | None = None
         self.usage: dict[str, Any] = {}
@@ -408,6 +409,7 @@ class StreamTranslator(ChunkTranslator):
 
     def _text(self, text: str) -> str:
         out = "" if self.block == "text" else self._open({"type": "text", "text": ""})
+        self.texted = True
         if not self.stops:
             return out + self._text_delta(text)
         buf = self.held + text
@@ -463,8 +465,8 @@ class StreamTranslator(ChunkTranslator):
         if self.closed:
             return ""
         self.closed = True
-        out = self._open({"type": "text", "text": ""}) if self.blocks == 0 or self.block == "thinking" and \
-            not self.called else ""  # content besides the thinking, as Anthropic's message always has
+        # a text block when the answer has neither text nor a call (as the JSON answer has one, thinking or not)
+        out = self._open({"type": "text", "text": ""}) if not (self.texted or self.called) else ""
         out += self._stop_block()
         reason = stop_reason(self.finish, self.stop_sequence, self.called)
         out += event("message_delta", {"type": "message_delta",

@@ -11,7 +11,7 @@ from typing import Any
 from farm.config import SamplingDefaults
 from farm.models.tokenization import (
     PromptTooLong,
-    bad_words_token_ids,
+    bad_words_problem,
     chat_prompt_ids,
     chat_turns,
     max_token_chars,
@@ -102,6 +102,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # vLLM's: the answer carries prompt and generated token ids
     echo_logprobs: bool = False  # a text completion's `echo` with `logprobs`: its logprobs start with the prompt's
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` asked for (k alternatives), not streamed
+    truncated: bool = False  # vLLM's truncate_prompt_tokens dropped some of the prompt's tokens
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -206,17 +207,10 @@ def _bad_words(body: dict) -> list[str]:
 
 
 def check_bad_words(params: SamplingParams, tokenizer) -> None:
-    """A 400 for `bad_words` the model's tokenizer cannot take as vLLM would: a word that makes no token, or more
-    than MAX_BAD_WORDS token sequences in all (farm.models.tokenization.bad_words_token_ids)."""
-    if not params.bad_words:
-        return
-    try:
-        n = len(bad_words_token_ids(tokenizer, params.bad_words))
-    except ValueError as e:
-        raise bad_request(f"'bad_words': {e}", "bad_words", "invalid_value") from None
-    if n > MAX_BAD_WORDS:
-        raise bad_request(f"'bad_words' make {n} token sequences, more than {MAX_BAD_WORDS}", "bad_words",
-                          "invalid_value")
+    """A 400 for `bad_words` the model's tokenizer cannot take as vLLM would (farm.models.tokenization
+    .bad_words_problem)."""
+    if params.bad_words and (problem := bad_words_problem(tokenizer, params.bad_words)):
+        raise bad_request(f"'bad_words': {problem}", "bad_words", "invalid_value")
 
 
 def _logit_bias(body: dict, vocab: int | None) -> dict[int, float]:
@@ -665,6 +659,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
         raise
     except Exception as e:  # a template that rejects the conversation (e.g. role order, nothing to continue)
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages") from None
+    whole = len(ids)
     ids = _truncated(ids, body, max_model_len)
     params, stream, include_usage, n = _common(body, len(ids), max_model_len, "messages", defaults, kind="chat",
                                                vocab=len(tokenizer))
@@ -679,7 +674,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
                          tools=tools if tools is not None and tools.active else None,
                          reasoning_parser=reasoning_parser, role=role,
                          continuous_usage=_continuous_usage(body, include_usage),
-                         return_token_ids=_return_token_ids(body), prompt_logprobs=prompt_k)
+                         return_token_ids=_return_token_ids(body), prompt_logprobs=prompt_k,
+                         truncated=len(ids) < whole)
 
 
 def raw_prompts(body: dict) -> list[Any]:
@@ -739,7 +735,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
     single = pretrimmed(body, "completion", [(tokenizer, max_model_len, limit)])
-    for i, prompt in enumerate(raw_prompts(single) if single is not body else raw):
+    for i, prompt in enumerate(raw_prompts(single) if single is not None and single is not body else raw):
         whole = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)))
         ids = _truncated(whole, body, max_model_len)
         shown = ""
@@ -834,21 +830,31 @@ def _truncated(ids: list[int], body: dict, max_model_len: int) -> list[int]:
 
 
 def _cut_messages(messages: list[dict[str, Any]], size: int, side: str) -> list[dict[str, Any]]:
-    """A conversation cut to `size` characters (messages_chars) on `side`: the messages on that side dropped, the
-    one across the cut keeping the part of its content nearest the rest."""
+    """A conversation cut to `size` characters (messages_chars) on `side`: the messages on that side emptied (their
+    turns kept, so that a template checking the order of roles renders it as it would the whole; the token
+    truncation drops them), the one across the cut keeping the part of its content nearest the rest."""
     if messages_chars(messages) <= size:
         return messages
     order = range(len(messages) - 1, -1, -1) if side == "left" else range(len(messages))
-    kept: dict[int, dict[str, Any]] = {}
+    out = list(messages)
     room = size
     for i in order:
         m, n = messages[i], messages_chars([messages[i]])
         if n <= room:
-            kept[i], room = m, room - n
-            continue
-        kept[i] = {**m, "content": _cut(m["content"], max(room - (n - len(m["content"])), 0), side)}
-        break
-    return [kept[i] for i in sorted(kept)]
+            room -= n
+        elif room > n - len(m["content"]):  # its calls fit: its content cut to the room left
+            out[i], room = {**m, "content": _cut(m["content"], room - (n - len(m["content"])), side)}, 0
+        else:
+            out[i] = _emptied(m)
+    return out
+
+
+def _emptied(m: dict[str, Any]) -> dict[str, Any]:
+    """A message past a truncation's cut: its turn, without its text (nor its calls' arguments)."""
+    out = {**m, "content": ""}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": ""}} for c in m["tool_calls"]]
+    return out
 
 
 def _message_tokens(tokenizer, messages: list[dict[str, Any]]) -> int:
@@ -876,17 +882,29 @@ def _shortest_cut(prompt: Any, side: str, models: list[tuple[Any, int, int]]) ->
     return _cut(prompt, longest, side) if is_text else _cut_messages(prompt, longest, side)
 
 
-def pretrimmed(body: dict, kind: str, models: list[tuple[Any, int, int]]) -> dict:
+def pretrimmed(body: dict, kind: str, models: list[tuple[Any, int, int]]) -> dict | None:
     """The body as vLLM's truncation reads it, for any of `models` ((tokenizer, max_model_len, character limit):
     one, or every model an alias may pick): each text prompt or the chat's messages (normalized) cut to what
     their token truncation keeps (_shortest_cut), a token-id prompt to the most ids any keeps; the body itself when
-    it asks for no truncation. The semantic layer then reads what a model may read, no more."""
+    it asks for no truncation; None when no model has room for any prompt token beside `max_tokens` (the caller then
+    refuses the prompt by its size, as without truncation). The semantic layer then reads what a model may read, no
+    more."""
     k, side = truncation(body)
     if k is None:
         return body
-    keeps = [(tok, keep, limit) for tok, context, limit in models if (keep := _kept_tokens(body, context) or 0) >= 1]
+    keeps, refusals = [], []
+    for tok, context, limit in models:  # an alias: what the models with room keep (a smaller one refuses alone)
+        try:
+            keep = _kept_tokens(body, context) or 0
+        except APIError as e:
+            refusals.append(e)
+            continue
+        if keep >= 1:
+            keeps.append((tok, keep, limit))
     if not keeps:
-        return body  # no model has room: its context_length_exceeded comes from parsing
+        if refusals:
+            raise refusals[0]
+        return None  # no model has room beside max_tokens: the prompt is checked whole (refuse_oversized)
     if kind == "chat":
         return {**body, "messages": _shortest_cut(validate_chat(body), side, keeps)}
     raw = raw_prompts(body)
@@ -897,14 +915,30 @@ def pretrimmed(body: dict, kind: str, models: list[tuple[Any, int, int]]) -> dic
 
 
 def refuse_showing_added_prompt(body: dict) -> None:
-    """A 400 for a request whose answer would show its prompt's tokens (vLLM's `return_token_ids`, `prompt_logprobs`)
-    when the semantic layer added a category's system prompt to it: that prompt is the operator's, not the
-    client's (`semantic.reveal_injected_prompt` lets it be shown). Callers ask only when the layer added one."""
-    for name in ("return_token_ids", "prompt_logprobs"):
-        if body.get(name) is not None and body.get(name) is not False:  # prompt_logprobs 0 shows them too
-            raise bad_request(f"'{name}' would show the system prompt the semantic layer added for this request's "
-                              "category; ask for a model by name, or the operator may allow it "
-                              "(semantic.reveal_injected_prompt)", name, "invalid_value")
+    """A 400 for a request whose answer would show the system prompt the semantic layer added for its category:
+    its prompt's tokens (vLLM's `return_token_ids`, `prompt_logprobs`), or an `echo` of a last system message (which
+    the added prompt replaced or begins). That prompt is the operator's, not the client's
+    (`semantic.reveal_injected_prompt` lets it be shown). Callers ask only when the layer added one."""
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages and isinstance(messages[-1], dict) else {}
+    shown = [name for name in ("return_token_ids", "prompt_logprobs")
+             if body.get(name) is not None and body.get(name) is not False]  # prompt_logprobs 0 shows them too
+    if body.get("echo") is True and last.get("role") in ("system", "developer"):
+        shown.append("echo")
+    if shown:
+        raise bad_request(f"'{shown[0]}' would show the system prompt the semantic layer added for this request's "
+                          "category; ask for a model by name, or the operator may allow it "
+                          "(semantic.reveal_injected_prompt)", shown[0], "invalid_value")
+
+
+def refuse_cutting_added_prompt(parsed: ParsedRequest) -> None:
+    """A 400 for a request whose truncation (vLLM's truncate_prompt_tokens) dropped part of a prompt that begins with
+    the system prompt the semantic layer added: a client does not cut the operator's instructions off. Callers ask
+    only when the layer added one."""
+    if parsed.truncated:
+        raise bad_request("'truncate_prompt_tokens' would cut the system prompt the semantic layer added for this "
+                          "request's category; ask for a model by name, or send a shorter prompt",
+                          "truncate_prompt_tokens", "invalid_value")
 
 
 def _return_token_ids(body: dict) -> bool:

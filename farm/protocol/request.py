@@ -34,6 +34,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 65536  # vLLM's allowed_token_ids: at most the whole of a large vocabulary
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS: token sequences after tokenization (a word gives one or two)
+# vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS: its model runner checks it when the request is scheduled, where a
+# ValueError kills the engine core (every request of the worker), so it is checked before
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024
 MAX_BAD_WORD_CHARS = 256  # a word or short phrase; each is checked against the generated tokens after every step
 MAX_RESPONSE_FORMAT_CHARS = 65536
 RESPONSE_FORMATS = frozenset({"json_object", "json_schema"})  # OpenAI's response_format types (besides text)

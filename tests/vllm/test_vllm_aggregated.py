@@ -309,6 +309,26 @@ def test_logprob_token_ids_are_vllm_serves(client, vllm_serve, real_model_dir):
     assert a.tokens == b.tokens and [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
 
 
+def test_bad_words_past_vllms_token_bound_are_refused_by_the_worker(farm, gateway):
+    """bad_words of more than 1,024 tokens in all, sent past the API's checks (anything holding the Redis password
+    can send a task): vLLM's model runner raises when it schedules such a request, which ends its engine core and
+    every request of the worker with it (the review, from vLLM's source). The worker refuses the request alone, as
+    a client's error, and answers the next one."""
+    from farm.gateway.failures import WorkerError
+
+    huge = ["".join(chr(0x4E00 + 97 * i + j) + "\U0001F600" for j in range(128)) for i in range(4)]
+    try:
+        events = list(gateway.submit(request(farm, "Say hi.", bad_words=huge)).events(first_timeout_s=120,
+                                                                                      idle_timeout_s=120))
+        failure = next((e.message for e in events if e.type == "error"), None)
+    except WorkerError as e:
+        failure = str(e)
+    assert failure is not None and "bad_words" in failure and "1024" in failure
+    after = list(gateway.submit(request(farm, "Say hi.", max_tokens=4)).events(first_timeout_s=120,
+                                                                                idle_timeout_s=120))
+    assert after[-1].type == "done"
+
+
 def test_return_token_ids_are_vllm_serves(client, vllm_serve):
     """vLLM's `return_token_ids`: the farm's prompt and generated ids are `vllm serve`'s, chat and text, streamed
     or not (the end-of-sequence token among them, as vLLM counts it)."""
