@@ -17,6 +17,7 @@ from flask import Response, jsonify, request
 from api.auth import request_tenant
 from farm.models.tokenization import template_reads
 from farm.openai.parsing import local_params
+from farm.openai.reasoning import THINKING_FLAG
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.semantic.layer import (
     H_FALLBACK,
@@ -33,7 +34,6 @@ from farm.telemetry import prometheus
 
 log = logging.getLogger(__name__)
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # nothing was generated
-THINKING_FLAG = "enable_thinking"  # the chat-template variable of reasoning models (Qwen3, ...)
 
 
 def no_cache_requested() -> bool:

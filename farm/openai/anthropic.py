@@ -44,13 +44,13 @@ from farm.openai.anthropic_tools import (
 )
 from farm.openai.api_error import APIError, bad_request
 from farm.openai.chat_stream import ChunkTranslator, named_event, streamed_with_usage, translate
+from farm.openai.reasoning import THINKING_FLAG
 from farm.openai.schemas import MAX_TOP_K, _Loose, _Request  # the OpenAI schemas' bases and bound, shared
 from farm.openai.validation import validated
 from farm.protocol import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 TEXT_ONLY = "this server accepts text, tool use and thinking only (no images or documents)"
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-THINKING_FLAG = "enable_thinking"  # the reasoning templates' variable (Qwen3's), as the semantic layer sets it
 
 
 # -- requests ------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from farm.models.tokenization import partial_stop
 
+THINKING_FLAG = "enable_thinking"  # the chat-template variable that switches a reasoning model's thinking (Qwen3, ...)
+
 START, END = "<think>", "</think>"
 
 
