@@ -256,3 +256,47 @@ def pipeline_fails_once(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(Pipeline, "execute", execute)
     return calls
+
+
+# -- what a failed test's farm logged ------------------------------------------------------------------------
+# CI shows the end of a failed run only: a farm test that fails for a reason its processes logged (a worker lost,
+# restarted, an engine that died) gets those lines printed there, beside the durations, instead of in log files
+# that end with the CI machine.
+_NOTABLE = ("Traceback", "Error", "ERROR", "CRITICAL", "lost", "restart", "exited", "died", "killed", "Killed")
+_FARM_LOG_LINES = 12  # per process log, the last notable lines
+_FARM_LOG_TESTS = 4  # failed tests whose farm logs are shown
+_farm_log_reports: list[str] = []
+
+
+def _notable_tail(path: Path, n: int) -> list[str]:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 2_000_000))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    return [line[:300] for line in lines if any(w in line for w in _NOTABLE)][-n:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or len(_farm_log_reports) >= _FARM_LOG_TESTS:
+        return
+    farm = getattr(item, "funcargs", {}).get("farm")
+    log_dir = getattr(farm, "log_dir", None)
+    if not isinstance(log_dir, Path) or not log_dir.is_dir():
+        return
+    parts = [f"{item.nodeid} ({rep.when}): notable lines of its farm's logs, {log_dir}"]
+    for path in sorted(log_dir.glob("*.log")):
+        if lines := _notable_tail(path, _FARM_LOG_LINES):
+            parts += [f"  {path.name}:"] + [f"    {line}" for line in lines]
+    _farm_log_reports.append("\n".join(parts))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _farm_log_reports:
+        terminalreporter.section("farm logs of failed tests")
+        for text in _farm_log_reports:
+            terminalreporter.write_line(text)

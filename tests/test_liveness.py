@@ -127,3 +127,32 @@ def test_a_reader_that_lost_redis_waits_a_heartbeat_s_lifetime_before_judging_by
         reader.stop()
         proc.kill()
         proc.wait()
+
+
+def test_a_clock_step_makes_no_live_process_another(redis_client, monkeypatch):
+    """psutil's create_time is the start on the wall clock, worked out again at each read: a clock step (NTP, a
+    resumed virtual machine) moves it. Told apart by the start since boot, a live worker stays alive and a record of
+    another start is still gone; the supervisor's and the vLLM reaper's checks read the same."""
+    import dataclasses
+    import os
+    import time
+
+    import psutil
+
+    from farm.cluster.liveness import _process_gone
+    from farm.infra.process_identity import same_process, started_since_boot
+    from farm.supervisor.procs import _pid_alive
+
+    me = os.getpid()
+    since = started_since_boot(me)
+    live = registry.WorkerInfo("w-1", "both", "m", socket.gethostname(), me, 16, started_at=time.time() - 5,
+                               since_boot=since)
+    wall = psutil.Process(me).create_time()
+    real_boot = psutil._pslinux.boot_time
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real_boot() + 90.0)  # the clock stepped 90 s on
+    assert psutil.Process(me).create_time() > wall + 60  # psutil's start moved with the step
+    assert same_process(me, since) and _pid_alive(me, since)
+    registry.register(redis_client, live)
+    assert not worker_gone(redis_client, "w-1", live) and not _process_gone(live)
+    assert _process_gone(dataclasses.replace(live, since_boot=since - 10))  # a reused pid: another start
+    assert not same_process(me, since - 10) and not _pid_alive(me, since - 10)

@@ -5,14 +5,15 @@ killed (kill -9, the OOM killer), nothing tells them: measured, both stayed aliv
 gigabytes after their worker was gone. A tiny reaper process watches the worker instead: it holds the
 read end of a pipe whose write end only the worker has, so end-of-file means the worker is gone, for any
 reason (processes forked by the worker inherit that end too, so the worker's pid is watched as well).
-Meanwhile it keeps a list of the worker's descendants (each known by pid and start time, so a
-reused pid is never hit); at the worker's end it stops those still running (SIGTERM, then SIGKILL).
+Meanwhile it keeps a list of the worker's descendants (each known by pid and start since boot, so a
+reused pid is never hit, and a clock step does not disarm it: farm.infra.process_identity); at the worker's end it stops those still running (SIGTERM, then SIGKILL).
 
     python -m farm.backends.reaper PID    # started by `start_reaper()`, stdin = the pipe
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ import sys
 import threading
 
 import psutil
+
+from farm.infra.process_identity import same_process, started_since_boot
 
 SNAPSHOT_S = 1.0  # how often the worker's descendants are listed
 GRACE_S = 3.0  # between SIGTERM and SIGKILL
@@ -34,21 +37,23 @@ def start_reaper() -> subprocess.Popen:
 
 def _descendants(pid: int) -> dict[int, float]:
     try:
-        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True) if p.pid != os.getpid()}
+        children = [p.pid for p in psutil.Process(pid).children(recursive=True) if p.pid != os.getpid()]
     except psutil.Error:
         return {}
+    out = {}
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            out[child] = started_since_boot(child)
+    return out
 
 
 def reap(known: dict[int, float], grace_s: float = GRACE_S) -> list[int]:
-    """Stop the processes of `known` (pid -> start time) that still run; returns the pids signalled."""
+    """Stop the processes of `known` (pid -> start since boot) that still run; returns the pids signalled."""
     procs = []
-    for pid, created in known.items():
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - created) < 0.01:
-                procs.append(p)
-        except psutil.Error:
-            continue
+    for pid, since_boot in known.items():
+        if same_process(pid, since_boot):
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
@@ -63,17 +68,10 @@ def reap(known: dict[int, float], grace_s: float = GRACE_S) -> list[int]:
     return [p.pid for p in procs]
 
 
-def _alive(pid: int, created: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - created) < 0.01
-    except psutil.Error:
-        return False
-
-
 def main(argv: list[str]) -> int:
     pid = int(argv[0])
     try:
-        created = psutil.Process(pid).create_time()
+        started = started_since_boot(pid)
     except psutil.Error:
         return 0
     known: dict[int, float] = {}
@@ -86,9 +84,9 @@ def main(argv: list[str]) -> int:
         gone.set()
 
     threading.Thread(target=watch_pipe, daemon=True).start()
-    while not gone.wait(SNAPSHOT_S) and _alive(pid, created):
+    while not gone.wait(SNAPSHOT_S) and same_process(pid, started):
         known.update(_descendants(pid))
-        known = {p: t for p, t in known.items() if _alive(p, t)}
+        known = {p: t for p, t in known.items() if same_process(p, t)}
     reap(known)
     return 0
 

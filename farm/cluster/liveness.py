@@ -14,6 +14,7 @@ import psutil
 import redis
 
 from farm.cluster import registry
+from farm.infra.process_identity import same_process
 from farm.protocol.keys import WORKERS_KEY, alive_key
 
 _HOST = socket.gethostname()
@@ -58,8 +59,10 @@ def _process_gone(info: registry.WorkerInfo | None) -> bool:
     """On this host, whether the worker's process no longer runs (or its pid now belongs to another process)."""
     if info is None or info.hostname != _HOST or info.pid <= 0:
         return False
-    try:
-        return psutil.Process(info.pid).create_time() > info.started_at + 1.0  # a reused pid
+    if info.since_boot:
+        return not same_process(info.pid, info.since_boot)
+    try:  # a record without its start since boot: a process started after the record was made is another one
+        return psutil.Process(info.pid).create_time() > info.started_at + 1.0
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:

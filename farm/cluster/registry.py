@@ -42,6 +42,7 @@ class WorkerInfo:
     started_at: float = field(default_factory=time.time)
     device: str = "cpu"
     num_blocks: int = 0
+    since_boot: float = 0.0  # the process's start after its host's boot (farm.infra.process_identity); 0: unknown
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

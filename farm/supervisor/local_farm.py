@@ -52,7 +52,7 @@ from farm.supervisor.procs import (
     FarmError,
     FarmStartError,
     Proc,
-    _create_time,
+    _since_boot,
 )
 from farm.supervisor.redis_nodes import ManagedRedis
 from farm.supervisor.scaling import Scaling
@@ -225,7 +225,7 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
         return self._env
 
     def write_state(self) -> None:
-        sup = {"pid": os.getpid(), "create_time": _create_time(os.getpid())} if self.supervisor else None
+        sup = {"pid": os.getpid(), "since_boot": _since_boot(os.getpid())} if self.supervisor else None
         self._owns_state = True
         _write_json_atomic(self.state_path, {
             "version": 1,
@@ -274,7 +274,7 @@ class Farm(ManagedRedis, HealthChecks, ServeLoop, Scaling):
             )
         proc.pid = proc.popen.pid
         proc.started_at = time.time()
-        proc.create_time = _create_time(proc.pid)
+        proc.since_boot = _since_boot(proc.pid)
         if proc not in self.procs:
             self.procs.append(proc)
         return proc

@@ -15,6 +15,8 @@ from typing import Any
 
 import psutil
 
+from farm.infra.process_identity import same_process, started_since_boot
+
 WORKER_ROLES = ("prefill", "decode", "both")
 API_GRACE_S = 40.0  # gunicorn --graceful-timeout 30, plus margin
 FLOWER_GRACE_S = 10.0
@@ -75,7 +77,7 @@ class Proc:
     model: str | None = None
     worker_id: str | None = None
     pid: int = 0
-    create_time: float = 0.0
+    since_boot: float = 0.0  # its start after the host's boot (farm.infra.process_identity): pid reuse told apart
     popen: subprocess.Popen | None = field(default=None, repr=False)
     log_offset: int = field(default=0, repr=False)
     restarts: int = 0
@@ -86,7 +88,7 @@ class Proc:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name, "role": self.role, "model": self.model, "worker_id": self.worker_id,
-            "pid": self.pid, "create_time": self.create_time, "command": self.command, "log": self.log,
+            "pid": self.pid, "since_boot": self.since_boot, "command": self.command, "log": self.log,
             "restarts": self.restarts, "started_at": self.started_at,
         }
 
@@ -94,13 +96,13 @@ class Proc:
     def from_json(cls, d: dict[str, Any]) -> Proc:
         return cls(name=d["name"], role=d["role"], command=list(d.get("command", [])), log=d.get("log", ""),
                    model=d.get("model"), worker_id=d.get("worker_id"), pid=int(d.get("pid") or 0),
-                   create_time=float(d.get("create_time") or 0.0), restarts=int(d.get("restarts") or 0),
+                   since_boot=float(d.get("since_boot") or 0.0), restarts=int(d.get("restarts") or 0),
                    started_at=float(d.get("started_at") or 0.0))
 
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return _pid_alive(self.pid, self.create_time)
+        return _pid_alive(self.pid, self.since_boot)
 
     @property
     def returncode(self) -> int | None:
@@ -130,22 +132,20 @@ class Proc:
         return tail(self.log, lines, self.log_offset)
 
 
-def _pid_alive(pid: int, create_time: float = 0.0) -> bool:
-    """Whether `pid` runs and is the same process as recorded (not a reused pid, not a zombie)."""
-    if pid <= 0:
+def _pid_alive(pid: int, since_boot: float = 0.0) -> bool:
+    """Whether `pid` runs and is the process recorded as started `since_boot` (0: any), not a reused pid nor a
+    zombie."""
+    if pid <= 0 or (since_boot and not same_process(pid, since_boot)):
         return False
     try:
-        p = psutil.Process(pid)
-        if create_time and abs(p.create_time() - create_time) > 1.0:
-            return False
-        return p.status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def _create_time(pid: int) -> float:
+def _since_boot(pid: int) -> float:
     try:
-        return psutil.Process(pid).create_time()
+        return started_since_boot(pid)
     except psutil.Error:
         return 0.0
 

@@ -58,7 +58,7 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 def _supervisor_alive(state: dict[str, Any]) -> int | None:
     sup = state.get("supervisor") or {}
     pid = int(sup.get("pid") or 0)
-    if pid and pid != os.getpid() and _pid_alive(pid, float(sup.get("create_time") or 0.0)):
+    if pid and pid != os.getpid() and _pid_alive(pid, float(sup.get("since_boot") or 0.0)):
         return pid
     return None
 

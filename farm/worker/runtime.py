@@ -33,6 +33,7 @@ from farm.engine.sampling import TokenLogprobs
 from farm.engine.scheduler import KVImport
 from farm.infra import tracing
 from farm.infra.broker import TaskPublisher, send_generation
+from farm.infra.process_identity import started_since_boot
 from farm.infra.redis_client import connect
 from farm.infra.secret import farm_secret
 from farm.models.directories import model_vocab_size, require_model_dir
@@ -128,6 +129,7 @@ class WorkerRuntime:
                                        self.engine.release_held, cfg.transfer.bind_host, nixl_source=self.nixl)
         self.info = registry.WorkerInfo(
             worker_id=worker_id, role=role, model=model, hostname=socket.gethostname(), pid=os.getpid(),
+            since_boot=started_since_boot(os.getpid()),
             block_size=self.block_size,
             transfer_endpoint=f"{cfg.transfer.advertise_host}:{self.transfer.port}",
             queues=queues_for_role(model, role) + [direct_queue(worker_id)], device=str(self.engine.runner.device),
