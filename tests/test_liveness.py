@@ -156,3 +156,37 @@ def test_a_clock_step_makes_no_live_process_another(redis_client, monkeypatch):
     assert not worker_gone(redis_client, "w-1", live) and not _process_gone(live)
     assert _process_gone(dataclasses.replace(live, since_boot=since - 10))  # a reused pid: another start
     assert not same_process(me, since - 10) and not _pid_alive(me, since - 10)
+
+
+def test_a_reader_waits_a_heartbeat_s_lifetime_after_the_wall_clock_stepped_forward(redis_client):
+    """Redis expires keys by the wall clock: a step forward (a resumed virtual machine) lapses every heartbeat at
+    once. The reader sees the step and judges by heartbeats again only once the workers had HEARTBEAT_TTL_S to beat:
+    a worker that beats stays alive, one that does not is gone after it."""
+    import time
+
+    from farm.config.processes import ReliabilityConfig
+    from farm.gateway.replies import ReplyReader
+
+    live, dead = info("w-live", 100.0), info("w-dead", 100.0)
+    for w in (live, dead):
+        registry.register(redis_client, w)
+    reader = ReplyReader(redis_client, ReliabilityConfig(check_interval_s=0.1)).start()
+    try:
+        procs = {w.worker_id: reader.watch(w.worker_id, w) for w in (live, dead)}
+        time.sleep(0.3)
+        assert not any(reader.gone(p) for p in procs.values())
+        reader._wall = lambda: time.time() + 90.0  # the clock steps 90 s on: both heartbeats lapse in Redis
+        redis_client.delete(alive_key("w-live"), alive_key("w-dead"))
+        stepped = time.monotonic()
+        while time.monotonic() - stepped < registry.HEARTBEAT_TTL_S - 1.5:
+            assert not any(reader.gone(p) for p in procs.values())  # without the step seen: both gone at once
+            if time.monotonic() - stepped > 1.0:
+                registry.heartbeat(redis_client, "w-live")  # the live worker beats again; the dead one never
+            time.sleep(0.1)
+        deadline = time.monotonic() + 4
+        while not reader.gone(procs["w-dead"]) and time.monotonic() < deadline:
+            registry.heartbeat(redis_client, "w-live")
+            time.sleep(0.1)
+        assert reader.gone(procs["w-dead"]) and not reader.gone(procs["w-live"])
+    finally:
+        reader.stop()

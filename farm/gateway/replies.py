@@ -13,7 +13,9 @@ The reader also keeps what every request of the process would otherwise ask Redi
   in one round trip (farm.cluster.liveness.processes_gone), for the requests' migration; by process, so a worker
   restarted under its id is alive for the requests placed on it and gone for those of the process that died.
   For a heartbeat's lifetime after the reader itself could not reach Redis, a lapsed heartbeat alone does not
-  count: the workers could not beat either (a 35 s outage had every request migrated, and computed twice).
+  count: the workers could not beat either (a 35 s outage had every request migrated, and computed twice). Nor
+  after the wall clock stepped forward (a resumed virtual machine, NTP): Redis expires keys by the wall clock, so
+  the step lapses every heartbeat at once, the live workers' too.
 
 It reads from the last entry id it saw, so a Redis restart loses nothing it has not read (the workers retry their
 flushes) and a batch written twice (a retried flush) is skipped by its writer's sequence number. Entries it has
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 READ_COUNT = 1024  # entries per XREAD: one per worker flush, each holding many requests' events
 TRIM_EVERY_S = 1.0
 SEEN_WRITERS_MAX = 4096  # writer sequence numbers remembered (a writer is a worker process's life)
+CLOCK_STEP_S = 1.0  # the wall clock gaining this much on the monotonic one between two loops is a step
 
 
 class Mailbox:
@@ -116,6 +119,7 @@ class ReplyReader:
         # after this reader could not reach Redis, a missing heartbeat proves nothing until the workers had a
         # heartbeat's lifetime to beat again: monotonic time from which it counts again
         self._beats_count_from = 0.0
+        self._wall = time.time  # the wall clock Redis expires keys by (a test steps it)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,9 +194,11 @@ class ReplyReader:
         last_id = "0-0"
         trimmed = last_id
         next_lease = next_check = next_trim = 0.0
+        wall_lead = self._wall() - time.monotonic()
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
+                wall_lead = self._after_clock_step(wall_lead, now)
                 if now >= next_lease:
                     try:
                         self._renew_lease()
@@ -221,6 +227,16 @@ class ReplyReader:
                 for entry_id, fields in entries:
                     last_id = entry_id
                     self._deliver(fields.get(EVENT_FIELD.encode()) or fields.get(EVENT_FIELD))
+
+    def _after_clock_step(self, wall_lead: float, now: float) -> float:
+        """Heartbeats judged again only a heartbeat's lifetime after the wall clock stepped forward (every key with
+        a TTL lapsed at once in Redis); returns the wall clock's lead over the monotonic one now."""
+        lead = self._wall() - now
+        if lead - wall_lead > CLOCK_STEP_S:
+            log.warning("reply reader %s: the wall clock stepped %.1f s forward: heartbeats count again in %d s",
+                        self.reader_id, lead - wall_lead, registry.HEARTBEAT_TTL_S)
+            self._beats_count_from = now + registry.HEARTBEAT_TTL_S
+        return lead
 
     def _deliver(self, raw: bytes | str | None) -> None:
         try:
