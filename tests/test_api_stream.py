@@ -12,6 +12,7 @@ import base64
 import contextlib
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from flask import Flask
 from farm.models.tokenization import chat_prompt_ids
 from farm.protocol import EVENT_FIELD, GenerationRequest, cancel_key, encode_reply, reply_stream_key
 from farm.protocol.queues import direct_queue
+from farm.telemetry.prometheus import ITL_SECONDS
 from tests.ghosts import ghost_alive
 from tests.test_api_errors import GHOST, assert_error, chat, farm_app, post
 
@@ -57,8 +59,10 @@ class ScriptedWorker(threading.Thread):
     On a connection of its own: the API can read the last event and the test end before this thread has read
     the reply to its XADD, and the test's client, closed at teardown, would cut that read."""
 
-    def __init__(self, r: redis.Redis, events: list[dict[str, Any]] | Callable[[GenerationRequest], list[dict[str, Any]]]):
+    def __init__(self, r: redis.Redis, events: list[dict[str, Any]] | Callable[[GenerationRequest], list[dict[str, Any]]],
+                 gap_s: float = 0.0):
         super().__init__(daemon=True)
+        self.gap_s = gap_s  # between one event and the next, as a worker's tokens come
         pool = r.connection_pool
         self.r = redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
         self.events = events
@@ -75,6 +79,8 @@ class ScriptedWorker(threading.Thread):
             writer = "scripted-" + uuid.uuid4().hex  # a reader skips sequence numbers it has seen from a writer
             events = self.events(self.request) if callable(self.events) else self.events
             for seq, ev in enumerate(events, start=1):
+                if seq > 1:
+                    time.sleep(self.gap_s)
                 batch = encode_reply(writer, seq, {self.request.request_id: [ev]})
                 self.r.xadd(reply_stream_key(self.request.reply_to), {EVENT_FIELD: batch})
         finally:
@@ -141,6 +147,30 @@ def test_text_completion_and_default_max_tokens(client, redis_client):
     assert body["choices"] == [{"index": 0, "text": " world", "logprobs": None, "finish_reason": "stop"}]
     assert w.request.prompt_token_ids == [1, 2, 3]
     assert w.request.sampling.max_tokens == cfg.model(cfg.default_model).max_model_len - 3
+
+
+def test_a_later_choice_is_timed_by_when_its_tokens_came_not_when_its_turn_to_be_read_came(client, redis_client):
+    """Choices are generated together and read one after another: the second choice's tokens are all in when its
+    turn comes, and timed at that moment they looked 0 s apart (farm_itl_seconds, and the planner's observations,
+    saw half a request's inter-token latency)."""
+    c, cfg = client
+    hist = ITL_SECONDS.labels(model=cfg.default_model)
+
+    def sum_and_count() -> tuple[float, float]:
+        samples = {s.name: s.value for m in hist.collect() for s in m.samples}
+        return samples["farm_itl_seconds_sum"], samples["farm_itl_seconds_count"]
+
+    for stream in (False, True):
+        before = sum_and_count()
+        workers = [ScriptedWorker(redis_client, [both_start(), *deltas("a", "b", "c", "d", "e", "f"), done()],
+                                  gap_s=0.05) for _ in range(2)]
+        resp = post(c, "/v1/completions", {"model": cfg.default_model, "prompt": "x", "n": 2, "stream": stream})
+        assert resp.status_code == 200 and resp.get_data(as_text=True)
+        for w in workers:
+            w.join(10)
+        after = sum_and_count()
+        assert after[1] - before[1] == 2
+        assert (after[0] - before[0]) / 2 >= 0.045, "each choice's tokens came 50 ms apart"
 
 
 def test_disaggregated_headers_name_both_workers(client, redis_client):

@@ -64,19 +64,23 @@ CLOCK_STEP_S = 1.0  # the wall clock gaining this much on the monotonic one betw
 
 class Mailbox:
     """The events of one request attempt, put by the reader, taken by whoever reads the request; `first_delta_at`
-    is when its first tokens arrived (monotonic), whenever they are read: a response reads its choices one after
-    another, and a choice's time to first token is not the time its turn came."""
+    and `last_delta_at` are when its first and its latest tokens arrived (monotonic), whenever they are read: a
+    response reads its choices one after another, and a choice's time to first token or between tokens is not the
+    time its turn came."""
 
-    __slots__ = ("_events", "_ready", "first_delta_at")
+    __slots__ = ("_events", "_ready", "first_delta_at", "last_delta_at")
 
     def __init__(self) -> None:
         self._events: deque[Event] = deque()
         self._ready = threading.Event()
         self.first_delta_at: float | None = None
+        self.last_delta_at: float | None = None
 
     def put(self, events: list[Event]) -> None:
-        if self.first_delta_at is None and any(isinstance(e, DeltaEvent) for e in events):
-            self.first_delta_at = time.monotonic()
+        if any(isinstance(e, DeltaEvent) for e in events):
+            self.last_delta_at = time.monotonic()
+            if self.first_delta_at is None:
+                self.first_delta_at = self.last_delta_at
         self._events.extend(events)
         self._ready.set()
 

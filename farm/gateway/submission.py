@@ -351,13 +351,19 @@ class Submission:
         return ev
 
     def _observe_delta(self, n: int) -> None:
+        """Timed by when the tokens arrived, not when their turn to be read came (a later choice is read in one
+        burst after the earlier ones). Events taken together share the latest arrival: the gaps still add up to
+        the span from the first tokens to the last, so the mean is exact."""
         now = time.monotonic()
-        if self.ttft_s is None:  # when its first tokens arrived, not when its turn to be read came
-            self.ttft_s = (self._box.first_delta_at or now) - self._t0
-        elif self._last_delta is not None:
-            self._itl_sum += now - self._last_delta
+        arrived = self._box.last_delta_at or now
+        if self.ttft_s is None:  # the first tokens: the span is timed from them, not from what came with them
+            self._last_delta = self._box.first_delta_at or now
+            self.ttft_s = self._last_delta - self._t0
+            return
+        if self._last_delta is not None:
+            self._itl_sum += max(0.0, arrived - self._last_delta)
             self._itl_n += n
-        self._last_delta = now
+        self._last_delta = arrived
 
     @property
     def itl_s(self) -> float | None:
