@@ -383,6 +383,35 @@ def test_worker_error_is_json_500_before_the_stream_and_in_band_after(client, re
                                     "param": None, "code": "kv_exhausted"}}
 
 
+def test_streamed_choices_come_interleaved_as_their_tokens_come(client, redis_client):
+    """vLLM sends every choice's tokens as they come; read choice after choice, the client saw nothing of the second
+    until the first had ended. A choice that fails mid-stream ends the response with an error, and the others are
+    cancelled."""
+    c, cfg = client
+    workers = [ScriptedWorker(redis_client, [both_start(), *deltas("a", "b", "c", "d", "e", "f"), done()],
+                              gap_s=0.05) for _ in range(2)]
+    chunks = sse(post(c, "/v1/chat/completions", chat(cfg, n=2, stream=True)))
+    assert chunks[-1] == "[DONE]"
+    order = [ch["choices"][0]["index"] for ch in chunks[:-1] if ch["choices"][0]["delta"].get("content")]
+    assert sorted(order) == [0] * 6 + [1] * 6 and order != sorted(order), order
+    for index in (0, 1):
+        mine = [ch["choices"][0] for ch in chunks[:-1] if ch["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] == "stop"
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == "abcdef"
+    assert not any(redis_client.exists(cancel_key(w.request_id)) for w in workers), "finished choices are not cancelled"
+
+    oom = {"type": "error", "message": "out of KV blocks", "code": "kv_exhausted"}
+    scripts = [[both_start(), *deltas(*"abcdefghijklmnopqrst"), done()], [both_start(), *deltas("a"), oom]]
+    taken: dict[str, list[dict[str, Any]]] = {}
+    workers = [ScriptedWorker(redis_client, lambda req: taken.setdefault(req.request_id, scripts.pop()), gap_s=0.05)
+               for _ in range(2)]
+    chunks = sse(post(c, "/v1/chat/completions", chat(cfg, n=2, stream=True)))
+    assert chunks[-1] == "[DONE]" and chunks[-2]["error"]["code"] == "kv_exhausted"
+    assert not any(ch["choices"][0]["finish_reason"] == "stop" for ch in chunks[:-2]), "the long choice was cut"
+    long_id = next(rid for rid, script in taken.items() if len(script) > 5)
+    assert {w.request_id for w in workers} == set(taken) and redis_client.exists(cancel_key(long_id))
+
+
 def test_a_malformed_worker_event_fails_its_request_it_does_not_leave_a_hole(client, redis_client):
     """An event the reader cannot parse (a worker's bug, or a newer worker's event type) ends the request with an
     error after the text before it, never a 200 whose text silently lacks what the event carried."""

@@ -43,6 +43,7 @@ from farm.gateway.reading import (
     until_first_token,
 )
 from farm.infra.cooperative import offload
+from farm.infra.interleave import interleave
 from farm.models.directories import ModelNotFoundError
 from farm.openai import logprobs
 from farm.openai.answer import AnswerStream, read_answer
@@ -69,7 +70,7 @@ from farm.openai.parsing import (
 from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.openai.tool_stream import CallDelta
-from farm.protocol import DeltaEvent, DoneEvent, Event, GenerationRequest, StartEvent, Usage, fallback_id
+from farm.protocol import DeltaEvent, DoneEvent, Event, GenerationRequest, StartEvent, fallback_id
 from farm.semantic.layer import H_INJECTED, Verdict
 from farm.telemetry import prometheus
 from farm.tenancy.quota import Reservation
@@ -611,19 +612,22 @@ def _stream_response(kind: str, ids: RequestIds, model: str, gen: _Generation, s
 
 def _stream(kind: str, ids: RequestIds, model: str, gen: _Generation, streams: list[Iterator[Event]],
             parsed: ParsedRequest, out: _Output, on_done: Callable[[str, str], None] | None = None) -> Iterator[str]:
-    """OpenAI SSE chunks, choice after choice (each chunk names its index; the choices are generated at the
-    same time on the workers); a failure mid-stream ends with an error line and [DONE]. `on_done(text,
-    finish_reason)` sees the whole answer once it finished (the semantic cache stores it)."""
+    """OpenAI SSE chunks, the choices' interleaved as their tokens come (each chunk names its index); a failure
+    mid-stream ends with an error line and [DONE]. `on_done(text, finish_reason)` sees the whole answer once it
+    finished (the semantic cache stores it)."""
     running = (lambda i: len(parsed.prompt_of(i).ids)) if parsed.continuous_usage else None
     w = ChunkWriter(kind, ids.response, model, parsed.role, prompt_tokens=running)
-    usages: list[Usage] = []
+
+    def choice(index: int, events: Iterator[Event]) -> Generator[str, None, DoneEvent]:
+        shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
+            if parsed.tools is not None or parsed.reasoning_parser else None
+        return _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper,
+                              prompt_only=parsed.prompt_only, with_ids=parsed.return_token_ids)
+
     try:
-        for index, events in enumerate(streams):
-            shaper = AnswerStream(parsed.tools, parsed.reasoning_parser) \
-                if parsed.tools is not None or parsed.reasoning_parser else None
-            done = yield from _stream_choice(w, index, events, out, on_done, parsed.prompt_of(index), shaper,
-                                             prompt_only=parsed.prompt_only, with_ids=parsed.return_token_ids)
-            usages.append(done.usage)
+        # the choices' chunks as their tokens come, as vLLM sends them (each chunk names its choice)
+        dones = yield from interleave([choice(i, events) for i, events in enumerate(streams)], "choice")
+        usages = [done.usage for done in dones]
         prometheus.REQUESTS.labels(model=model, status="200").inc()
         tail = w.usage(total_usage(usages, parsed.n).to_dict()) if parsed.include_usage else ""
         yield tail + w.done()
