@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Generator
@@ -40,6 +41,16 @@ def test_items_come_as_they_come_each_in_order_and_the_returns_in_order_of_the_g
     assert [x for x in items if x.startswith("slow")] == ["slow0", "slow1", "slow2"]
     assert [x for x in items if x.startswith("fast")] == [f"fast{i}" for i in range(6)]
     assert items.index("fast0") < items.index("slow0") and items.index("slow0") < items.index("fast5")
+
+
+def test_each_generator_sees_the_callers_context():
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
+    var.set("req-1")
+
+    def reads() -> Generator[str, None, None]:
+        yield var.get()
+
+    assert drain(interleave([reads(), reads()]))[0] == ["req-1", "req-1"]
 
 
 def test_one_generator_runs_in_place():

@@ -8,6 +8,7 @@ choice's tokens as they come.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Generator, Sequence
@@ -42,8 +43,9 @@ def interleave(gens: Sequence[Generator[T, None, R]], name: str = "interleave") 
         except BaseException as e:  # noqa: BLE001 - the caller's to raise
             handed.put((i, _RAISE, e))
 
-    for i, gen in enumerate(gens):
-        threading.Thread(target=run, args=(i, gen), name=f"{name}-{i}", daemon=True).start()
+    for i, gen in enumerate(gens):  # each in a copy of the caller's context: its log fields and trace go along
+        threading.Thread(target=contextvars.copy_context().run, args=(run, i, gen), name=f"{name}-{i}",
+                         daemon=True).start()
     results: dict[int, R] = {}
     try:
         while len(results) < len(gens):
