@@ -67,6 +67,31 @@ def hint_tok(tmp_path_factory, real_model_dir: Path):
     return _load(str(out))
 
 
+@pytest.fixture(scope="module")
+def bos_tok(tmp_path_factory, real_model_dir: Path):
+    """The default model's tokenizer made to add a BOS (`<|endoftext|>`), as Llama's and Mistral's do: the default
+    model's own adds no special token, so `add_special_tokens` would change nothing there."""
+    out = tmp_path_factory.mktemp("bos-tokenizer")
+    for f in real_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["bos_token"] = "<|endoftext|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    spec = json.loads((out / "tokenizer.json").read_text())  # the post-processor is what adds special tokens
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                       {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    tok = _load(str(out))
+    assert tok("hi")["input_ids"] == [tok.bos_token_id, *tok("hi", add_special_tokens=False)["input_ids"]]
+    return tok
+
+
 def body(**kw):
     return {"model": "m", "messages": [QUESTION], **kw}
 
@@ -226,6 +251,36 @@ def test_chat_template_kwargs_reach_the_template_and_win_over_the_layers(hint_to
     # the semantic layer's variables (its reasoning mode) come first; the client's own win
     layered = parse_chat(body(chat_template_kwargs={"hint": "mine"}), hint_tok, 2048, template_kwargs={"hint": "x"})
     assert hint_tok.decode(layered.prompt_ids).endswith("(mine) ")
+
+
+def test_add_special_tokens_as_vllm_reads_it(bos_tok):
+    """vLLM's `add_special_tokens`: off by default on chat (the template writes its own), on by default on a
+    completion's text prompt; token-id prompts are taken as sent; /tokenize gives the same ids for the same field."""
+    from farm.openai.parsing import parse_completion
+    from farm.openai.utility import parse_tokenize, tokenize
+
+    bos = bos_tok.bos_token_id
+    plain = parse_chat(body(), bos_tok, 2048).prompt_ids
+    special = parse_chat(body(add_special_tokens=True), bos_tok, 2048)
+    assert plain[0] != bos and special.prompt_ids == [bos, *plain]
+    assert parse_chat(body(add_special_tokens=False), bos_tok, 2048).prompt_ids == plain
+    for field in (True, False):
+        tokenized = tokenize(parse_tokenize({"messages": [QUESTION], "add_special_tokens": field}), bos_tok, 2048)
+        assert tokenized["tokens"] == parse_chat(body(add_special_tokens=field), bos_tok, 2048).prompt_ids
+
+    text = {"model": "m", "prompt": "The capital of France is"}
+    with_bos = parse_completion(text, bos_tok, 2048).prompt_ids
+    without = parse_completion({**text, "add_special_tokens": False}, bos_tok, 2048).prompt_ids
+    assert with_bos == [bos, *without] and bos not in without
+    ids = {"model": "m", "prompt": without}
+    assert parse_completion(ids, bos_tok, 2048).prompt_ids == without  # ids as sent, whatever the field
+    assert parse_completion({**ids, "add_special_tokens": True}, bos_tok, 2048).prompt_ids == without
+    echoed = parse_completion({**text, "echo": True}, bos_tok, 2048)
+    assert echoed.prompts[0].echo == text["prompt"]  # the prompt as sent, as vLLM echoes it
+    for kind in (body(add_special_tokens="yes"), {**text, "add_special_tokens": 1}):
+        with pytest.raises(APIError) as e:
+            (parse_chat if "messages" in kind else parse_completion)(kind, bos_tok, 2048)
+        assert e.value.param == "add_special_tokens"
 
 
 def test_text_options_reach_sampling(tok):

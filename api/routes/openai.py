@@ -414,7 +414,7 @@ def _start(kind: str, body: dict[str, Any], verdict: Verdict, model: str, ids: R
 
 def _asks_for_more_than_text(body: dict[str, Any]) -> bool:
     """n > 1, log-probabilities or token ids, tools, vLLM's options that change the prompt or the answer's text (the
-    chat-template fields, a truncation, special tokens shown, the stop string kept), or a constraint on the answer (stop
+    chat-template fields and special tokens added, a truncation, special tokens shown, the stop string kept), or a constraint on the answer (stop
     sequences or tokens, a response format or structured outputs, min_tokens, ignore_eos, logit_bias, bad_words): what a cached answer (one free
     sample of the plain prompt, text only) cannot give, and what must not be stored as one: an answer cut at one
     client's stop, or held to its schema, replayed to another request was wrong for it. (The body passed

@@ -109,22 +109,25 @@ class PromptTooLong(ValueError):
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    tools: list[dict[str, Any]] | None = None, max_chars: int | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, max_chars: int | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
     """Apply the model's chat template and return token ids. `template_kwargs` are variables the template may
     read (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); `add_generation_prompt` appends the
     header that opens the assistant's turn, `continue_final_message` leaves the last message open for the model
     to continue (vLLM's fields of the same names: at most one of them). With `max_chars`, the rendered text is
     measured before it is tokenized (PromptTooLong): template variables can make a prompt longer than its
-    messages. `tools` (OpenAI's function tools) reach a template that reads them."""
+    messages. `tools` (OpenAI's function tools) reach a template that reads them. `add_special_tokens` (vLLM's
+    chat field, off by default because the template writes its own) adds the tokenizer's special tokens, such as
+    a BOS, on top of the rendered template."""
     kwargs = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
               "continue_final_message": continue_final_message}
     if tools is not None:
         kwargs["tools"] = tools
-    if max_chars is not None:
+    if max_chars is not None or add_special_tokens:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-        if len(text) > max_chars:
+        if max_chars is not None and len(text) > max_chars:
             raise PromptTooLong(len(text), max_chars)
-        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        return text_prompt_ids(tokenizer, text, add_special_tokens)
     out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]

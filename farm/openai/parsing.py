@@ -139,6 +139,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    add_special_tokens: bool = False  # the tokenizer's special tokens (a BOS) on top of the template's
 
     @property
     def default(self) -> bool:
@@ -358,7 +359,7 @@ def _cache_salt(body: dict) -> str | None:
 def chat_options(body: dict) -> ChatOptions:
     """vLLM's chat-template extensions, with vLLM's defaults and checks: `chat_template_kwargs` (an object of
     template variables), `add_generation_prompt` (true), `continue_final_message` (false; not with a generation
-    prompt, as vLLM refuses both true), `echo` (false)."""
+    prompt, as vLLM refuses both true), `echo` (false), `add_special_tokens` (false: the template writes its own)."""
     kwargs = _type_check(body, "chat_template_kwargs", (dict,), "an object") or {}
     for key in kwargs:
         if key in TEMPLATE_FIELDS:
@@ -380,7 +381,8 @@ def chat_options(body: dict) -> ChatOptions:
                           "('add_generation_prompt' is true unless set to false)", "continue_final_message",
                           "invalid_value")
     echo = _type_check(body, "echo", (bool,), "a boolean") or False
-    return ChatOptions(dict(kwargs), add, cont, echo)
+    special = _type_check(body, "add_special_tokens", (bool,), "a boolean") or False
+    return ChatOptions(dict(kwargs), add, cont, echo, special)
 
 
 def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
@@ -653,7 +655,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int, messages: list[dict[st
         ids = chat_prompt_ids(tokenizer, rendered, {**(template_kwargs or {}), **opts.template_kwargs},
                               add_generation_prompt=opts.add_generation_prompt,
                               continue_final_message=opts.continue_final_message, tools=tool_list,
-                              max_chars=limit if opts.template_kwargs or tools is not None else None)
+                              max_chars=limit if opts.template_kwargs or tools is not None else None,
+                              add_special_tokens=opts.add_special_tokens)
     except PromptTooLong as e:
         check_prompt_chars(e.chars, limit, max_model_len, "messages")
         raise
@@ -731,12 +734,14 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
     body, prompt_only = _echo_only(body)
+    special = _type_check(body, "add_special_tokens", (bool,), "a boolean")
     raw = raw_prompts(body)
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
     single = pretrimmed(body, "completion", [(tokenizer, max_model_len, limit)])
     for i, prompt in enumerate(raw_prompts(single) if single is not None and single is not body else raw):
-        whole = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)))
+        whole = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)),
+                                special is not False)
         ids = _truncated(whole, body, max_model_len)
         shown = ""
         if echo:  # the prompt the model read
@@ -952,13 +957,15 @@ def _continuous_usage(body: dict, include_usage: bool) -> bool:
     return include_usage and body["stream_options"].get("continuous_usage_stats", False)
 
 
-def _completion_ids(prompt: Any, tokenizer, limit: int, max_model_len: int, param: str) -> list[int]:
-    """One prompt's token ids: a string tokenized, or token ids checked against the vocabulary."""
+def _completion_ids(prompt: Any, tokenizer, limit: int, max_model_len: int, param: str,
+                    add_special_tokens: bool = True) -> list[int]:
+    """One prompt's token ids: a string tokenized (with the tokenizer's special tokens unless the request's
+    `add_special_tokens` is false, as vLLM), or token ids checked against the vocabulary and taken as they are."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request(f"'{param}' must not be empty", param)
         check_prompt_chars(len(prompt), limit, max_model_len, param)
-        return text_prompt_ids(tokenizer, prompt)
+        return text_prompt_ids(tokenizer, prompt, add_special_tokens)
     if _is_token_ids(prompt):
         vocab = len(tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):

@@ -236,6 +236,9 @@ class ChatCompletionRequest(_Sampling, OpenAIHints):
     echo: bool | None = Field(None, description=(
         "vLLM extension: the answer starts with the last message's content when that message has the response's "
         "role (an assistant message to continue, with continue_final_message)"))
+    add_special_tokens: bool | None = Field(None, description=(
+        "vLLM extension: the tokenizer's special tokens (e.g. a BOS) on top of what the chat template writes "
+        "(default false)"))
 
 
 class CompletionRequest(_Sampling):
@@ -252,6 +255,9 @@ class CompletionRequest(_Sampling):
         "tokens' (null for the first), as vLLM answers"))
     suffix: str | None = Field(None, description=UNSUPPORTED_NOTE)
     best_of: Literal[1] | None = None
+    add_special_tokens: bool | None = Field(None, description=(
+        "vLLM extension: a text prompt tokenized with the tokenizer's special tokens (e.g. a BOS; default true); "
+        "token-id prompts are taken as they are"))
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probabilities with this many alternatives")
 
 

@@ -81,7 +81,7 @@ def parse_tokenize(body: Any) -> TokenizeJob:
                               " as in a chat completion", "chat_template", "unsupported_parameter")
         opts = chat_options(body)
         tools = check_tools(body["tools"]) if body.get("tools") else None
-        return TokenizeJob(req.model, messages=messages, add_special_tokens=req.add_special_tokens,
+        return TokenizeJob(req.model, messages=messages, add_special_tokens=opts.add_special_tokens,
                            add_generation_prompt=opts.add_generation_prompt,
                            continue_final_message=opts.continue_final_message, template_kwargs=opts.template_kwargs,
                            return_token_strs=bool(req.return_token_strs), tools=tools)
@@ -94,23 +94,16 @@ def parse_tokenize(body: Any) -> TokenizeJob:
 
 def _chat_ids(job: TokenizeJob, tokenizer, tool_parser: str | None, max_chars: int) -> list[int]:
     """The chat completion's prompt ids (chat_prompt_ids after template_inputs, as parse_chat calls them; with tools,
-    as a request whose model may call them), or with `add_special_tokens` the rendered template tokenized with the
-    tokenizer's special tokens on top (vLLM's option). A rendered prompt over `max_chars` (tools and template
-    variables are not in the messages' own count) raises PromptTooLong before it is tokenized, as in parse_chat."""
+    as a request whose model may call them; `add_special_tokens` as a chat completion's). A rendered prompt over
+    `max_chars` (tools and template variables are not in the messages' own count) raises PromptTooLong before it is
+    tokenized, as in parse_chat."""
     assert job.messages is not None
     tools = ToolRequest(job.tools, "auto", parser=tool_parser) if job.tools else None
     messages, tool_list = template_inputs(job.messages, tools, tokenizer, tool_parser)
-    if not job.add_special_tokens:
-        return chat_prompt_ids(tokenizer, messages, job.template_kwargs, tools=tool_list,
-                               add_generation_prompt=job.add_generation_prompt,
-                               continue_final_message=job.continue_final_message, max_chars=max_chars)
-    extra = {"tools": tool_list} if tool_list is not None else {}
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **job.template_kwargs, **extra,
-                                         add_generation_prompt=job.add_generation_prompt,
-                                         continue_final_message=job.continue_final_message)
-    if len(text) > max_chars:
-        raise PromptTooLong(len(text), max_chars)
-    return text_prompt_ids(tokenizer, text, add_special_tokens=True)
+    return chat_prompt_ids(tokenizer, messages, job.template_kwargs, tools=tool_list,
+                           add_generation_prompt=job.add_generation_prompt,
+                           continue_final_message=job.continue_final_message, max_chars=max_chars,
+                           add_special_tokens=job.add_special_tokens)
 
 
 def tokenize(job: TokenizeJob, tokenizer, max_model_len: int, chars_per_token: int = 0,
