@@ -19,7 +19,7 @@ from tests.test_deploy_monitoring import metric_uses
 ROOT = Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 # labels Prometheus adds to every scraped series (targets), not the farm
-TARGET_LABELS = {"namespace", "instance", "job", "pod"}
+TARGET_LABELS = {"namespace", "instance", "job", "pod", "release"}
 OK, BAD = "alerts-ok-model", "alerts-bad-model"  # label values no other test uses (the counters are process-wide)
 
 
@@ -182,6 +182,24 @@ def test_each_alert_fires_for_the_sick_farm_only(scrapes):
     burn = sick.eval(file_rules()["FarmTTFTBudgetFastBurn"]["expr"])
     assert list(burn.values()) == [pytest.approx(100.0)], "every request missed: 1 / (1 - 0.99)"
     assert list(sick.eval(file_rules()["FarmRequestsWaitingGrowing"]["expr"]).values()) == [40.0]
+
+
+def _released(s: Scrape, release: str, t: float) -> Scrape:
+    """`s` as Prometheus stores it for one release of the chart (both scrape configurations label it `release`)."""
+    return Scrape(t, {frozenset(k | {("namespace", "llm"), ("release", release)}): v for k, v in s.samples.items()})
+
+
+def test_two_releases_in_one_namespace_are_two_farms(scrapes):
+    """Two releases of the chart serving the same models in one namespace: the sick one fires, and the healthy one's
+    workers, answers and first tokens do not hide its sickness (grouped by namespace and model alone, the healthy
+    release's live workers answered for the sick one's model)."""
+    s1, s2, h1, h2 = scrapes
+    before, after = _released(s1, "sick", 0.0), _released(s2, "sick", 600.0)
+    ev = Evaluator(Scrape(0.0, {**before.samples, **_released(h1, "well", 0.0).samples}),
+                   Scrape(600.0, {**after.samples, **_released(h2, "well", 600.0).samples}))
+    for name, r in file_rules().items():
+        fired = {(dict(k).get("release"), dict(k).get("model")) for k in ev.eval(r["expr"])}
+        assert fired == {("sick", None if name in ("FarmRedisDown", "FarmAPIDown") else BAD)}, (name, fired)
 
 
 def test_the_evaluator_handles_what_the_rules_use(scrapes):

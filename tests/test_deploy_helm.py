@@ -587,7 +587,7 @@ def test_keda_scales_workers_on_the_requests_waiting_for_their_model_and_role():
             assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
             meta = trigger["metadata"]
             assert all(isinstance(v, str) for v in meta.values())
-            matchers = 'job="farm-api"' if case == "external-redis" else f'namespace="{NAMESPACE}"'
+            matchers = 'job="farm-api"' if case == "external-redis" else f'namespace="{NAMESPACE}",release="{RELEASE}"'
             assert meta["query"] == keda_query(args.model, args.role, matchers)
             assert meta["serverAddress"] == VALUE_SETS[case]["keda"]["prometheus"]["serverAddress"]
             assert int(meta["threshold"]) >= 1 and meta["ignoreNullValues"] == "true"
@@ -658,6 +658,11 @@ def test_disruption_budgets_autoscaler_service_monitor_and_spread():
     assert sm["metadata"]["labels"]["release"] == "prom"
     ep = sm["spec"]["endpoints"][0]
     assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]} and ep["path"] == "/metrics"
+    # the series get the release as `release`, as prometheus-kubernetes.yml gives them: KEDA's default matchers and
+    # the alerts' groups read it (two releases of one model in one namespace are two farms)
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"],
+            "targetLabel": "release"} in ep["relabelings"]
+    assert api["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     # Prometheus presents the metrics token the API pods get as FARM_METRICS_TOKEN
     env = {e["name"]: e for e in container(api["spec"]["template"]["spec"], "api")["env"]}
     assert env["FARM_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == {**ep["authorization"]["credentials"],

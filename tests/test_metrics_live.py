@@ -171,7 +171,7 @@ def keda_query(role: str) -> tuple[str, int]:
 
 def with_target_labels(s: Scrape) -> Scrape:
     """What Prometheus stores: every scraped series gets its target's labels (the scrape configs add these)."""
-    extra = {("namespace", NAMESPACE), ("job", "farm-api")}
+    extra = {("namespace", NAMESPACE), ("job", "farm-api"), ("release", "farm")}
     return Scrape(s.t, {frozenset(k | extra): v for k, v in s.samples.items()})
 
 

@@ -74,7 +74,7 @@ The KEDA signal of a worker entry: the requests waiting for its model and role, 
 (farm.telemetry.prometheus: one API replica exports the farm-wide series, so sum() counts each once). Args: dict "root" $ "w" $worker
 */}}
 {{- define "farm.kedaQuery" -}}
-{{- $matchers := .root.Values.keda.prometheus.extraMatchers | default (printf "namespace=%q" .root.Release.Namespace) }}
+{{- $matchers := .root.Values.keda.prometheus.extraMatchers | default (printf "namespace=%q,release=%q" .root.Release.Namespace .root.Release.Name) }}
 {{- printf "sum(farm_requests_waiting{model=%q,role=%q,%s})" (include "farm.wModel" .w) (include "farm.wType" .w) $matchers }}
 {{- end }}
 
