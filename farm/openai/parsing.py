@@ -734,14 +734,13 @@ def parse_completion(body: dict, tokenizer, max_model_len: int,
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
     body, prompt_only = _echo_only(body)
-    special = _type_check(body, "add_special_tokens", (bool,), "a boolean")
+    special = _type_check(body, "add_special_tokens", (bool,), "a boolean") is not False  # vLLM's default: true
     raw = raw_prompts(body)
     limit = prompt_char_limit(tokenizer, max_model_len, chars_per_token)
     prompts = []
     single = pretrimmed(body, "completion", [(tokenizer, max_model_len, limit)])
     for i, prompt in enumerate(raw_prompts(single) if single is not None and single is not body else raw):
-        whole = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)),
-                                special is not False)
+        whole = _completion_ids(prompt, tokenizer, limit, max_model_len, prompt_param(i, len(raw)), special)
         ids = _truncated(whole, body, max_model_len)
         shown = ""
         if echo:  # the prompt the model read
