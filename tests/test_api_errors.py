@@ -194,6 +194,22 @@ def test_vllms_structured_outputs_a_bad_one_is_a_400_naming_it(app_client, so, p
                  400, param, code)
 
 
+def test_vllms_beam_search_pair_false_and_a_penalty_pass_true_is_a_400_naming_it(app_client):
+    """vLLM's use_beam_search / length_penalty: false and a penalty pass validation (503 with no worker, as any
+    valid request), true is refused as unsupported rather than silently sampled, and a wrong type is a 400."""
+    c, cfg = app_client
+    for route, body in (("/v1/chat/completions", chat(cfg)), ("/v1/completions", {"model": cfg.default_model,
+                                                                                  "prompt": "Hi"})):
+        assert_error(post(c, route, {**body, "use_beam_search": False, "length_penalty": 0.5}), 503,
+                     code="no_workers")
+        err = assert_error(post(c, route, {**body, "use_beam_search": True}), 400, "use_beam_search",
+                           "unsupported_parameter")
+        assert "beam search" in err["message"]
+        assert_error(post(c, route, {**body, "use_beam_search": "yes"}), 400, "use_beam_search")
+        assert_error(post(c, route, {**body, "length_penalty": "1"}), 400, "length_penalty")
+        assert_error(post(c, route, {**body, "length_penalty": True}), 400, "length_penalty")
+
+
 def test_allowed_token_ids_are_checked_against_the_vocabulary(app_client):
     c, cfg = app_client
     for bad in ([], [-1], [10**9], ["5"], 5):

@@ -31,7 +31,8 @@ def test_models_list_and_card(app):
     assert resp.status_code == 200 and resp.content_type.startswith("application/json")
     data = resp.get_json()
     assert data["object"] == "list"
-    assert [m["id"] for m in data["data"]] == [m.name for m in cfg.models] + list(cfg.semantic.aliases)
+    ids = [m["id"] for m in data["data"]]
+    assert ids == [m.name for m in cfg.models] + list(cfg.semantic.aliases) + ["all-MiniLM-L6-v2"]
     card = next(m for m in data["data"] if m["id"] == cfg.default_model)
     assert set(card) == {"id", "object", "created", "owned_by", "max_model_len"}
     assert card["object"] == "model" and card["owned_by"] == "inference-farm" and isinstance(card["created"], int)
@@ -39,6 +40,24 @@ def test_models_list_and_card(app):
     one = c.get(f"/v1/models/{cfg.default_model}")
     assert one.status_code == 200 and one.get_json() == card
     assert_error(c.get("/v1/models/no-such-model"), 404, "model", "model_not_found")
+    embedding = c.get("/v1/models/all-MiniLM-L6-v2").get_json()
+    assert embedding["max_model_len"] == 256 and embedding["object"] == "model"
+
+
+def test_the_listed_embedding_model_generates_nothing_and_says_where_it_serves(app):
+    """/v1/models lists the embedding model: asked for a generation, it is a 400 naming /v1/embeddings, not a 404
+    claiming that a listed model does not exist."""
+    c = app.test_client()
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                        ("/v1/completions", {"prompt": "Hi"}),
+                        ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})):
+        for name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+            resp = c.post(route, json={"model": name, **body})
+            if route == "/v1/messages":
+                assert resp.status_code == 400 and "/v1/embeddings" in resp.get_json()["error"]["message"]
+            else:
+                err = assert_error(resp, 400, "model", "model_not_supported")
+                assert "/v1/embeddings" in err["message"]
 
 
 def test_health_counts_live_workers_by_role(app, redis_client):

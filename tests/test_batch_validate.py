@@ -61,10 +61,11 @@ def test_every_bad_line_is_reported_with_its_line_number(env):
         line(cfg, "big", max_tokens=10**6),                         # 10 context length
         "[1, 2]",                                                   # 11 not an object
         line(cfg, "s", stream=True),                                # 12 streaming in a batch
+        line(cfg, "e").replace(cfg.default_model, "all-MiniLM-L6-v2"),  # 13 the embedding model, as live
     ]
     lines, errors = run("\n".join(rows))
     by_line = {e["line"]: e for e in errors}
-    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 9, 10, 11, 12]
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13]
     assert by_line[2]["code"] == "invalid_json_line"
     assert by_line[3]["code"] == "duplicate_custom_id" and "line 1" in by_line[3]["message"]
     assert by_line[4]["code"] == "invalid_method" and by_line[4]["param"] == "method"
@@ -74,6 +75,7 @@ def test_every_bad_line_is_reported_with_its_line_number(env):
     assert by_line[9]["code"] == "model_not_found"
     assert by_line[10]["code"] == "context_length_exceeded"
     assert by_line[12]["param"] == "body.stream"
+    assert by_line[13]["code"] == "model_not_supported" and "/v1/embeddings" in by_line[13]["message"]
     assert all(set(e) == {"code", "message", "param", "line"} for e in errors)
 
 

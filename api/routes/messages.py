@@ -18,6 +18,7 @@ from api.bodies import json_body
 from api.routes.openai import generate
 from farm.openai import anthropic
 from farm.openai.parsing import parse_chat, require_model
+from farm.semantic.embeddings import MODEL_NAMES
 
 log = logging.getLogger(__name__)
 bp = Blueprint("messages", __name__, url_prefix="/v1")
@@ -48,7 +49,7 @@ def count_tokens() -> Response:
     farm = current_app.extensions["farm"]
     chat = anthropic.to_chat_body(anthropic.parse_count_request(json_body()))
     aliases = farm.cfg.semantic.aliases if farm.cfg.semantic.enabled else []
-    model = require_model(chat, [m.name for m in farm.cfg.models] + list(aliases))
+    model = require_model(chat, [m.name for m in farm.cfg.models] + list(aliases), MODEL_NAMES)
     model = farm.cfg.default_model if model in aliases else model
     mcfg = farm.cfg.model(model)
     parsed = parse_chat({**chat, "model": model}, farm.tokenizer(model), mcfg.max_model_len, None, mcfg.defaults,

@@ -71,6 +71,9 @@ from farm.openai.reasoning import Thought
 from farm.openai.responses import Choice, ChunkWriter, full_response
 from farm.openai.tool_stream import CallDelta
 from farm.protocol import DeltaEvent, DoneEvent, Event, GenerationRequest, StartEvent, fallback_id
+from farm.semantic.embeddings import MAX_TOKENS as EMBEDDING_WINDOW
+from farm.semantic.embeddings import MODEL_NAMES as EMBEDDING_MODELS
+from farm.semantic.embeddings import embedding_model_installed
 from farm.semantic.layer import H_INJECTED, Verdict
 from farm.telemetry import prometheus
 from farm.tenancy.quota import Reservation
@@ -106,13 +109,19 @@ def get_model(model_id: str) -> Response:
 
 
 def _model_cards() -> list[dict[str, Any]]:
-    """Every configured model, then the semantic layer's aliases ("MoM": the layer chooses)."""
+    """Every configured model, then the semantic layer's aliases ("MoM": the layer chooses), then the embedding
+    model of /v1/embeddings when its package is installed (OpenAI lists its embedding models beside the chat ones,
+    and clients find what /v1/embeddings takes here)."""
     cfg = _farm().cfg
     cards = [_model_card(m) for m in cfg.models]
     for alias in _aliases():
         cards.append({"id": alias, "object": "model", "created": _farm().started, "owned_by": "inference-farm",
                       "max_model_len": max(m.max_model_len for m in cfg.models),
                       "description": "semantic routing: the farm picks the model per request"})
+    if embedding_model_installed():
+        cards.append({"id": EMBEDDING_MODELS[0], "object": "model", "created": _farm().started,
+                      "owned_by": "inference-farm", "max_model_len": EMBEDDING_WINDOW,
+                      "description": "sentence embeddings (POST /v1/embeddings)"})
     return cards
 
 
@@ -215,7 +224,7 @@ def generate(kind: str, body: Any = None, on_prompt: Callable[[int], None] | Non
     into this one: api/routes/messages.py); `on_prompt(n)` learns the prompt's token count once it is templated."""
     farm = _farm()
     body = _json_body() if body is None else body
-    model = require_model(body, [m.name for m in farm.cfg.models] + _aliases())
+    model = require_model(body, [m.name for m in farm.cfg.models] + _aliases(), EMBEDDING_MODELS)
     ids = request_ids(kind, request.headers.get("X-Request-Id"))
     g.request_header_id = ids.header  # an error answer names the request by the id its success would carry
     # the semantic layer (guards, cache, MoM selection) runs before anything is tokenized or queued

@@ -39,6 +39,7 @@ from farm.openai.parsing import (
     validate_chat,
 )
 from farm.protocol.jsonsafe import JSONTooDeep, loads_bounded
+from farm.semantic.embeddings import MODEL_NAMES as EMBEDDING_MODELS
 from farm.semantic.layer import H_INJECTED
 
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -151,7 +152,7 @@ def validate_input(data: bytes, endpoint: str, models: list[str], tokenizer_for:
             errors.append(_err("unsupported_value", "'stream' is not supported in a batch", no, "body.stream"))
             continue
         try:
-            model = require_model(body, models + (list(aliases or []) if decide else []))
+            model = require_model(body, models + (list(aliases or []) if decide else []), EMBEDDING_MODELS)
             messages, injected = None, False
             if kind == "completion" and len(raw_prompts(body)) != 1:  # before the layer pays for each of them
                 errors.append(_err("unsupported_value", "a batch line holds one prompt; give each prompt a line of "

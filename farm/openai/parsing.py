@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,7 +53,8 @@ from farm.protocol.jsonsafe import MAX_JSON_DEPTH, loads_bounded, one_of
 MAX_GRAMMAR_CHARS = 16384  # a regex or grammar (GBNF's translation to Lark is quadratic Python, on every worker too)
 CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}  # developer is sent to the template as system
 UNSUPPORTED = {"functions": "deprecated function calling: use 'tools'",
-               "function_call": "deprecated function calling: use 'tool_choice'"}
+               "function_call": "deprecated function calling: use 'tool_choice'",
+               "use_beam_search": "beam search: sample n choices, or score them with logprobs"}
 # The chat template's own parameters (transformers' apply_chat_template, and the names the template is rendered
 # with): not variables of the template, so not accepted in `chat_template_kwargs` (vLLM refuses chat_template and
 # tokenize there; the output-shaping ones would change what a prompt is, padding to max_length its size).
@@ -392,6 +394,10 @@ def _common(body: dict, prompt_len: int, max_model_len: int, prompt_param: str,
     vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos); parameters
     the body leaves out come from the model entry's `defaults`. `vocab` bounds token ids."""
     defaults = defaults or SamplingDefaults()
+    _type_check(body, "use_beam_search", (bool,), "a boolean")  # vLLM's beam-search pair: false is accepted,
+    penalty = _type_check(body, "length_penalty", (int, float), "a number")  # the penalty checked, not applied
+    if isinstance(penalty, float) and not math.isfinite(penalty):
+        raise bad_request("'length_penalty' must be a finite number", "length_penalty", "invalid_value")
     for key, what in UNSUPPORTED.items():
         if body.get(key) not in (None, False, [], {}):
             raise bad_request(f"'{key}' is not supported by this server ({what})", key, "unsupported_parameter")
@@ -975,8 +981,9 @@ def _completion_ids(prompt: Any, tokenizer, limit: int, max_model_len: int, para
     raise bad_request(f"'{param}' must be a string, a list of token ids, or a list of those", param)
 
 
-def require_model(body: Any, known: list[str]) -> str:
-    """The body must be an object naming a configured model (unknown: 404 model_not_found)."""
+def require_model(body: Any, known: list[str], embedding: Sequence[str] = ()) -> str:
+    """The body must be an object naming a configured model (unknown: 404 model_not_found; the embedding model,
+    one of `embedding`, which /v1/models lists too: a 400 pointing to /v1/embeddings)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -984,6 +991,9 @@ def require_model(body: Any, known: list[str]) -> str:
         raise bad_request("'model' is required", "model", "missing_required_parameter")
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
+    if model in embedding and model not in known:
+        raise bad_request(f"The model '{model}' is an embedding model: it is served by /v1/embeddings only", "model",
+                          "model_not_supported")
     if model not in known:
         raise APIError(404, f"The model '{model}' does not exist. Available: {', '.join(known)}", param="model",
                        code="model_not_found")

