@@ -42,6 +42,9 @@ def test_models_list_and_card(app):
     assert_error(c.get("/v1/models/no-such-model"), 404, "model", "model_not_found")
     embedding = c.get("/v1/models/all-MiniLM-L6-v2").get_json()
     assert embedding["max_model_len"] == 256 and embedding["object"] == "model"
+    hf = c.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2").get_json()  # the other name it is served by
+    assert hf == {**embedding, "id": "sentence-transformers/all-MiniLM-L6-v2"}
+    assert_error(c.get("/v1/models/sentence-transformers/nope"), 404, "model", "model_not_found")
 
 
 def test_the_listed_embedding_model_generates_nothing_and_says_where_it_serves(app):

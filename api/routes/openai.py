@@ -103,8 +103,8 @@ def list_models() -> Response:
 @bp.get("/models/<path:model_id>")
 def get_model(model_id: str) -> Response:
     for card in _model_cards():
-        if card["id"] == model_id:
-            return jsonify(card)
+        if card["id"] == model_id or (card["id"] == EMBEDDING_MODELS[0] and model_id in EMBEDDING_MODELS):
+            return jsonify({**card, "id": model_id})  # the embedding model under either name /v1/embeddings takes
     raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
 
 
