@@ -305,7 +305,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(text)
 
 
-
 VLLM_TESTS = "tests/vllm/"  # one scope: their session's `vllm serve` starts once
 
 
