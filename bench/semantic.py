@@ -4,17 +4,21 @@
                              [--embedding-threads N]   # the encoder's threads; default: the configuration's
     python -m bench.semantic --final    # once per released jailbreak head: its figure on the final split
     python -m bench.semantic --final-cache   # once per cache configuration: its figure on the final pairs
+    python -m bench.semantic --final-category   # once per released category head: its final figure
 
 `--final` reads the final split (tools/semantic/sources.final_attacks / final_benign: families no training
 run, no threshold and no other choice has read), scores the shipped jailbreak head on it and appends the
 figure, the detector's sha256 (head weights, threshold, decoding rules) and the command's date and commit to
 bench/semantic_final.json. A detector whose hash is already there is refused: a second reading would make the
-final set one more development set.
+final set one more development set. `--final-category` does the same for the category head (and its adapter) on
+the MMLU subjects no run has read (tools/semantic/sources.MMLU_FINAL_SUBJECTS), in bench/category_final.json.
 
 Every accuracy set says what it is, and real held-out data is reported apart from template-made data:
 - category, real: MMLU questions of 13 whole subjects never trained on (one per category), and English
   exam sets of OpenAI evals (medmcqa, CISSP, FCC Amateur Extra, JEE, tort law, ...), a source the head
-  never saw; template-made: the project's own generator (issue 8), in-distribution.
+  never saw; both chose the head's features and adapter, so their figures are development figures (the final
+  subjects are read by `--final-category` only); template-made: the project's own generator (issue 8),
+  in-distribution.
 - jailbreak: the shipped head at its threshold on the development split of tools/semantic/datasets.py (the
   families held out until issue 29: Pliny, Arth Singh, AutoDAN, TAP, GCG suffixes, past/future-tense
   rephrasings, 0din, HarmBench; FreshQA, WritingBench fiction, CISSP, MedMCQA, tort law). Every choice of the
@@ -57,7 +61,7 @@ from bench.common import CpuShare, finish, goal, load_average, percentile, table
 from bench.farms import free_port, scratch_redis
 from farm.config import FarmConfig, load_config
 from farm.config.semantic import IDENTITY_TYPES, CategoryConfig
-from farm.semantic.adapter import load_adapter
+from farm.semantic.adapter import adapter_for
 from farm.semantic.cache import CacheQuery, guard_signature, partition_key, text_sha, word_sequence
 from farm.semantic.heads import HEADS_PATH, heads_meta, load_heads
 from farm.semantic.jailbreak import JailbreakDetector
@@ -79,7 +83,7 @@ def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
     for name, kind in (("mmlu_held_out_subjects", "real"), ("evals_exams", "real"), ("templates_test", "template")):
         rows = sets[name]
         texts = [r["text"] for r in rows]
-        pred = [c.name for c in layer.classifier.classify(emb.encode(texts), texts)]
+        pred = [c.name for c in layer.classifier.classify(emb.with_adapter(adapter_for("cat")).encode(texts), texts)]
         out[name] = {"kind": kind, **acc_ci(pred, [r["label"] for r in rows])}
     return out
 
@@ -126,7 +130,7 @@ def jailbreak_eval(emb: EmbeddingCache) -> dict:
     """The shipped head at its threshold on the development split and the template test split."""
     rows = datasets.jailbreak_splits(emb.encode)[0]
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
-    guard = emb.with_adapter(load_adapter())
+    guard = emb.with_adapter(adapter_for("jb"))
     return {"threshold": det.threshold,
             "dev": {"kind": "real, development (every choice was made on it)", **score_split(det, guard, rows, "dev")},
             "templates_test": {"kind": "template", **score_split(det, guard, rows, "templates_test")}}
@@ -151,7 +155,7 @@ def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
         raise SystemExit(f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split on "
                          f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
     emb = EmbeddingCache()
-    rates = score_split(det, emb.with_adapter(load_adapter()), datasets.jailbreak_splits(emb.encode)[0], "final")
+    rates = score_split(det, emb.with_adapter(adapter_for("jb")), datasets.jailbreak_splits(emb.encode)[0], "final")
     fpr = {}
     for name, prefix in FINAL_GROUPS.items():  # pooled from the per-source counts
         mine = [v["fpr"] for g, v in rates["per_group"].items() if v["kind"] == "benign" and g.startswith(prefix)]
@@ -173,6 +177,56 @@ def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
           f"FPR tool data {fmt(fpr['tool data'])}")
     print(table(["family / source", "kind", "rate"], [[g, x["kind"], fmt(x.get("tpr") or x.get("fpr"))]
                                                      for g, x in rates["per_group"].items()]))
+    return record
+
+
+CATEGORY_FINAL_RECORD = Path(__file__).resolve().parent / "category_final.json"
+
+
+def category_digest() -> tuple[str, str, str]:
+    """sha256 of what decides the category head's answer (its weights, labels and features, and the adapter whose
+    vectors it reads), with the head's and the adapter's own ("" without one)."""
+    head, adapter = load_heads()["cat"], adapter_for("cat")
+    adapter_digest = adapter.digest() if adapter is not None else ""
+    return hashlib.sha256(f"{head.digest()} {adapter_digest}".encode()).hexdigest(), head.digest(), adapter_digest
+
+
+def final_category(record_path: Path = CATEGORY_FINAL_RECORD, note: str = "") -> dict:
+    """Score the shipped category head on its final subjects once and record it; refuse a head read before."""
+    import datetime
+    import json
+    import subprocess
+
+    from farm.semantic.classifier import CategoryClassifier
+
+    digest, head_digest, adapter_digest = category_digest()
+    records = json.loads(record_path.read_text()) if record_path.exists() else []
+    seen = [r for r in records if r.get("category_sha256") == digest]
+    if seen:
+        raise SystemExit(f"bench.semantic --final-category: this category head ({digest[:12]}) read the final "
+                         f"subjects on {seen[0]['date']}; a second reading is not a final figure.")
+    emb = EmbeddingCache()
+    rows, dropped = datasets.category_final(emb.encode)
+    texts = [r["text"] for r in rows]
+    clf = CategoryClassifier(load_heads()["cat"])
+    pred = [c.name for c in clf.classify(emb.with_adapter(adapter_for("cat")).encode(texts), texts)]
+    result = acc_ci(pred, [r["label"] for r in rows])
+    by_subject = {}
+    for subject in sorted({r["subject"] for r in rows}):
+        mine = [(p, r["label"]) for p, r in zip(pred, rows, strict=True) if r["subject"] == subject]
+        by_subject[subject] = {"label": mine[0][1], **rate(sum(p == g for p, g in mine), len(mine))}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    record = {"category_sha256": digest, "head_sha256": head_digest, "adapter_sha256": adapter_digest,
+              "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
+              "command": "python -m bench.semantic --final-category", "accuracy": result,
+              "near_duplicates_dropped": dropped, "by_subject": by_subject,
+              "dev_eval": heads_meta()["category"].get("dev_eval"), "earlier_readings": len(records), "note": note}
+    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    print(f"final subjects, category head {digest[:12]} (read once; recorded in {record_path.name}): accuracy "
+          f"{fmt(result)}, {dropped} near duplicates of training or dev dropped")
+    print(table(["subject", "category", "accuracy"], [[s, v["label"], fmt(v)] for s, v in by_subject.items()]))
     return record
 
 
@@ -498,7 +552,9 @@ def main() -> None:
                     "once per head (recorded in bench/semantic_final.json), and nothing else")
     ap.add_argument("--final-cache", action="store_true", help="score the semantic cache on its final pairs "
                     "(tools/semantic/cache_held_out.py), once per cache configuration (bench/cache_final.json)")
-    ap.add_argument("--note", default="", help="with --final or --final-cache: what earlier final readings changed")
+    ap.add_argument("--final-category", action="store_true", help="score the shipped category head on its final "
+                    "subjects, once per head (recorded in bench/category_final.json), and nothing else")
+    ap.add_argument("--note", default="", help="with a --final option: what earlier final readings changed")
     ap.add_argument("--embedding-threads", type=int, help="the encoder's threads (semantic.embedding_threads); "
                     "default: the configuration's")
     args = ap.parse_args()
@@ -507,6 +563,9 @@ def main() -> None:
         return
     if args.final_cache:
         final_cache(note=args.note)
+        return
+    if args.final_category:
+        final_category(note=args.note)
         return
     lat = paths = e2e = None
     with scratch_redis("farm-bench-semantic-") as url:

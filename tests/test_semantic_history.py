@@ -196,7 +196,7 @@ def test_one_padded_forward_gives_each_text_its_own_vectors(embedder):
     many = embedder.encode_texts(texts)
     for text, enc in zip(texts, many, strict=True):
         one = embedder.encode_texts([text])[0]
-        assert float(enc.vector @ one.vector) > 0.9999 and float(enc.guard @ one.guard) > 0.9999
+        assert float(enc.vector @ one.vector) > 0.9999 and float(enc.tuned @ one.tuned) > 0.9999
         assert enc.truncated == one.truncated == (text == texts[-1])
 
 

@@ -1,14 +1,17 @@
-"""The jailbreak guard's adapter on the embedding model: low-rank updates (LoRA) to MiniLM's top layers.
+"""An adapter on the embedding model for one head: low-rank updates (LoRA) to MiniLM's top layers.
 
-Why: a linear head over the frozen sentence embedding does not carry a harmful request's meaning over to a new
-wording (issue 29: TPR 0.36 on unseen attack families). Fine-tuning the top layers for the guard might, but the
-category head, the custom categories, the semantic cache and /v1/embeddings need the embedding as it is. So
-the guard gets its own branch: the lower layers run once for both, then the top `len(layers)` layers run
-twice, as shipped and with the adapter's updates merged in (W + B @ A). The guard's vector costs those layers
-again (a third of the encoder for two of six), not a second model; the adapter ships as float16 matrices of
-rank `rank` in heads.npz (about 0.2 MB), trained by `python -m tools.semantic.train --adapter`. None ships:
-the two read on the final split caught more attacks (0.44) but refused too many everyday questions (0.031 and
-0.059, goal 0.02; bench/RESULTS.md). Without one the guard's vector is the sentence embedding.
+Why: a linear head over the frozen sentence embedding is the ceiling of what a head learns from these
+features (issue 29: category 0.60 on exam questions of unseen subjects, jailbreak TPR 0.36 on unseen attack
+families). Fine-tuning the top layers for a head lifts it, but the custom categories, the semantic cache,
+/v1/embeddings and the other head need the embedding as it is. So the adapted head gets its own branch: the
+lower layers run once for both, then the top `len(layers)` layers run twice, as shipped and with the adapter's
+updates merged in (W + B @ A). The branch's vector costs those layers again (a third of the encoder for two of
+six), not a second model; the adapter ships as float16 matrices of rank `rank` in heads.npz (about 0.2 MB),
+beside the name of the head that reads it (`head`: "cat" or "jb"; one branch, so one adapted head).
+
+What ships is chosen on the development split by `python -m tools.semantic.train` (bench/RESULTS.md): the
+category head's adapter. The jailbreak guard's (`--guard-adapter`) caught more unseen attacks but refused too
+many everyday questions on the final split, so it does not ship.
 """
 
 from __future__ import annotations
@@ -29,17 +32,25 @@ TARGETS = ("attention.self.query", "attention.self.key", "attention.self.value",
 PREFIX = "adapter."
 
 
+HEADS = ("cat", "jb")  # the heads an adapter can serve: the category head, the jailbreak guard's
+
+
 @dataclass
-class GuardAdapter:
+class HeadAdapter:
     """Low-rank updates to the encoder layers from `first_layer` up: `updates[(layer, target)] = (A, B)`,
-    A of shape (rank, in), B of shape (out, rank)."""
+    A of shape (rank, in), B of shape (out, rank); `head` names the head that reads the branch's vector."""
 
     first_layer: int
     rank: int
     updates: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    head: str = "jb"
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"an adapter serves one of {HEADS}, not {self.head!r}")
 
     def digest(self) -> str:
-        """sha256 of the updates as shipped (float16)."""
+        """sha256 of the updates as shipped (float16): the branch's vectors, whichever head reads them."""
         h = hashlib.sha256(f"{self.first_layer} {self.rank}".encode())
         for key in sorted(self.updates):
             a, b = self.updates[key]
@@ -49,7 +60,7 @@ class GuardAdapter:
         return h.hexdigest()
 
     def branch(self, model) -> Any:
-        """The guard's top layers: copies of `model`'s (a transformers BertModel) with the updates merged."""
+        """The branch's top layers: copies of `model`'s (a transformers BertModel) with the updates merged."""
         import torch
 
         layers = torch.nn.ModuleList(copy.deepcopy(model.encoder.layer[i])
@@ -62,7 +73,8 @@ class GuardAdapter:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The adapter as named arrays, to be saved beside the heads (`save_heads(..., extra=...)`)."""
-        out = {f"{PREFIX}first_layer": np.array(self.first_layer), f"{PREFIX}rank": np.array(self.rank)}
+        out = {f"{PREFIX}first_layer": np.array(self.first_layer), f"{PREFIX}rank": np.array(self.rank),
+               f"{PREFIX}head": np.array(self.head)}
         for (i, target), (a, b) in self.updates.items():
             out[f"{PREFIX}{i}.{target}.A"] = a.astype(np.float16)
             out[f"{PREFIX}{i}.{target}.B"] = b.astype(np.float16)
@@ -87,8 +99,9 @@ def run_branch(layers, hidden, attention_mask):
     return hidden
 
 
-def load_adapter(path: Path = HEADS_PATH) -> GuardAdapter | None:
-    """The shipped adapter, or None when the heads file carries none."""
+def load_adapter(path: Path = HEADS_PATH) -> HeadAdapter | None:
+    """The shipped adapter, or None when the heads file carries none (a file without `adapter.head` was written
+    for the jailbreak guard, the only head an adapter served before)."""
     with np.load(path) as z:
         if f"{PREFIX}rank" not in z.files:
             return None
@@ -98,5 +111,12 @@ def load_adapter(path: Path = HEADS_PATH) -> GuardAdapter | None:
                 layer, rest = name[len(PREFIX):].split(".", 1)
                 target, which = rest.rsplit(".", 1)
                 updates.setdefault((int(layer), target), [None, None])["AB".index(which)] = z[name]
-        return GuardAdapter(int(z[f"{PREFIX}first_layer"]), int(z[f"{PREFIX}rank"]),
-                            {k: (v[0], v[1]) for k, v in updates.items()})
+        head = str(z[f"{PREFIX}head"]) if f"{PREFIX}head" in z.files else "jb"
+        return HeadAdapter(int(z[f"{PREFIX}first_layer"]), int(z[f"{PREFIX}rank"]),
+                           {k: (v[0], v[1]) for k, v in updates.items()}, head)
+
+
+def adapter_for(head: str, path: Path = HEADS_PATH) -> HeadAdapter | None:
+    """The shipped adapter when it serves `head` (its vectors are what that head reads), else None."""
+    adapter = load_adapter(path)
+    return adapter if adapter is not None and adapter.head == head else None

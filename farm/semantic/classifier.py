@@ -129,14 +129,17 @@ class CategoryClassifier:
         return 1.0 / (1.0 + math.exp(-self.slope * (similarity - self.custom_threshold)))
 
     def classify(self, emb: np.ndarray, texts: list[str]) -> list[Category]:
-        """The head's Category per row of `emb` (unit vectors): the 14 built-in categories only."""
+        """The head's Category per row of `emb` (what the head reads: `Encoded.for_head("cat")`): the 14 built-in
+        categories only."""
         p = self.head.proba(np.atleast_2d(emb), texts)
         idx = p.argmax(axis=1)
         return [Category(self.labels[i], float(p[r, i])) for r, i in enumerate(idx)]
 
-    def decide(self, vec: np.ndarray, text: str, top: int = 3) -> Category:
-        """One prompt's category by the combined rule (see the module's docstring), with the runners-up."""
-        p = self.head.proba(vec[None, :], [text])[0]
+    def decide(self, vec: np.ndarray, text: str, top: int = 3, head_vec: np.ndarray | None = None) -> Category:
+        """One prompt's category by the combined rule (see the module's docstring), with the runners-up. `vec` is
+        the sentence embedding (the custom categories' centroids are embeddings); `head_vec` what the head reads
+        when an adapter serves it (farm.semantic.adapter), else `vec`."""
+        p = self.head.proba((vec if head_vec is None else head_vec)[None, :], [text])[0]
         ranked: list[tuple[str, float, Rule]] = [(self.labels[i], float(p[i]), "head") for i in np.argsort(-p)]
         if self.custom is not None:
             sims: list[tuple[str, float, Rule]] = [(n, self.calibrated(x), "custom") for n, x in self.custom.scores(vec)]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TypeVar
 
 from farm.semantic.classifier import Category
+
+V = TypeVar("V")  # what a turn's text was encoded to (farm.semantic.embeddings.Encoded in the layer)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,10 @@ class ConversationCategory:
     switched: bool = False  # a later turn moved the conversation (switch_confidence)
 
 
-def conversation_category(turns: Sequence[tuple[np.ndarray, str]], decide: Callable[[np.ndarray, str], Category],
+def conversation_category(turns: Sequence[tuple[V, str]], decide: Callable[[V, str], Category],
                           threshold: float, switch_confidence: float | None,
                           keyword: Callable[[str], str | None] | None = None) -> ConversationCategory:
-    """Fold the user turns (each its embedding and text, oldest first; at least one) into the conversation's
+    """Fold the user turns (each its encoding and text, oldest first; at least one) into the conversation's
     category. Turns after the first accepted one are classified only when they could move it (`switch_confidence`,
     or a keyword rule: `keyword(text)` names the category one routes the text to) and for the last turn's own
     category."""

@@ -13,9 +13,9 @@ disk) and checked against eager torch. On a 2-core CPU that is about half the ti
 a missing `onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
 evaluation) stays on torch.
 
-With a jailbreak guard's adapter (farm.semantic.adapter, when heads.npz carries one) the same forward also runs the
-adapted top layers on the hidden states entering them: one call gives each text its sentence embedding and
-the guard's vector (`Encoded`).
+With a head's adapter (farm.semantic.adapter: the category head's ships in heads.npz) the same forward also runs the
+adapted top layers on the hidden states entering them: one call gives each text its sentence embedding and the
+adapted head's vector (`Encoded`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from farm.infra.cooperative import offload, pause
-from farm.semantic.adapter import GuardAdapter, load_adapter, run_branch
+from farm.semantic.adapter import HeadAdapter, load_adapter, run_branch
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +58,26 @@ def embedding_model_installed() -> bool:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One text through the encoder: its sentence embedding (category, cache, /v1/embeddings), the jailbreak
-    guard's vector from the adapter's branch (farm.semantic.adapter; the sentence embedding when no adapter is
-    loaded), and whether the text was longer than the window."""
+    """One text through the encoder: its sentence embedding (custom categories, cache, /v1/embeddings), the
+    adapter's branch vector (farm.semantic.adapter; the sentence embedding when no adapter is loaded), the head
+    that branch serves ("" without one), and whether the text was longer than the window."""
 
     vector: np.ndarray
-    guard: np.ndarray
+    tuned: np.ndarray
     truncated: bool
+    tuned_for: str = ""
+
+    def for_head(self, head: str) -> np.ndarray:
+        """What `head` ("cat" or "jb") reads: the branch's vector when the adapter serves it, else the embedding."""
+        return self.tuned if head == self.tuned_for else self.vector
 
 
 class Embedder:
     """Batched, normalised MiniLM embeddings on CPU; thread-safe (one forward at a time). With an `adapter`,
-    every forward also gives the guard's vector (`Encoded.guard`, `encode(..., guard=True)`)."""
+    every forward also gives its head's vector (`Encoded.tuned`, `encode(..., tuned=True)`)."""
 
     def __init__(self, path: Path | None = None, threads: int = 0, max_tokens: int = MAX_TOKENS,
-                 backend: str = "onnx", adapter: GuardAdapter | None = None) -> None:
+                 backend: str = "onnx", adapter: HeadAdapter | None = None) -> None:
         import torch
 
         from farm.models.tokenization import HF_LOAD_LOCK
@@ -93,80 +98,109 @@ class Embedder:
         self._lock = threading.Lock()
         self._queue: list[_Pending] = []  # calls of encode_texts waiting for the encoder (see _Pending)
         self._queue_lock = threading.Lock()
-        self._session = self._onnx_session(threads) if backend == "onnx" else None
+        # the encoder on ONNX Runtime, and the adapter's branch as a graph of its own: /v1/embeddings runs the
+        # encoder alone, a request's texts both (ONNX Runtime computes every node of a graph, asked for or not)
+        self._session, self._branch_session = self._onnx_sessions(threads) if backend == "onnx" else (None, None)
 
     @property
     def backend(self) -> str:
         """What `encode_one` runs on: "onnx" or "torch"."""
         return "onnx" if self._session is not None else "torch"
 
-    def _forward_torch(self, input_ids, attention_mask) -> tuple:
-        """(last hidden state, the guard branch's last hidden state or None) of a padded batch of tensors."""
+    def _encoder_torch(self, input_ids, attention_mask) -> tuple:
+        """(last hidden state, the hidden states entering the adapter's layers or None) of a padded batch."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          token_type_ids=self._torch.zeros_like(input_ids),
                          output_hidden_states=self._branch is not None)
         if self._branch is None:
             return out.last_hidden_state, None
-        entering = out.hidden_states[self.adapter.first_layer]
-        return out.last_hidden_state, run_branch(self._branch, entering, attention_mask)
+        return out.last_hidden_state, out.hidden_states[self.adapter.first_layer]
 
-    def _hidden_batch(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Last hidden states of a padded batch (`_onnx_inputs`): the model's and the guard's (the model's again
-        without an adapter), on ONNX Runtime or torch (both release the GIL)."""
+    def _forward_torch(self, input_ids, attention_mask) -> tuple:
+        """(last hidden state, the adapter branch's last hidden state or None) of a padded batch of tensors."""
+        last, entering = self._encoder_torch(input_ids, attention_mask)
+        return last, None if entering is None else run_branch(self._branch, entering, attention_mask)
+
+    def _hidden_batch(self, batch: dict[str, np.ndarray], tuned: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Last hidden states of a padded batch (`_onnx_inputs`): the model's and, with `tuned`, the branch's (the
+        model's again without an adapter or without `tuned`), on ONNX Runtime or torch (both release the GIL)."""
+        tuned = tuned and self._branch is not None
         if self._session is not None:
             outs = self._session.run(None, batch)
-        else:
-            torch = self._torch
-            with torch.inference_mode():
-                outs = [x.numpy() for x in self._forward_torch(torch.from_numpy(batch["input_ids"]),
-                                                               torch.from_numpy(batch["attention_mask"]))
-                        if x is not None]
-        return outs[0], outs[-1]
+            if not tuned:
+                return outs[0], outs[0]
+            branch = self._branch_session.run(None, {"entering": outs[1], "attention_mask": batch["attention_mask"]})
+            return outs[0], branch[0]
+        torch = self._torch
+        ids, mask = torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["attention_mask"])
+        with torch.inference_mode():
+            last, entering = self._encoder_torch(ids, mask)
+            hidden = last.numpy()
+            return hidden, run_branch(self._branch, entering, mask).numpy() if tuned else hidden
 
-    def _onnx_session(self, threads: int):
-        """The encoder (ids, mask -> last hidden state, and the guard's) on ONNX Runtime; None if unavailable."""
+    def _onnx_sessions(self, threads: int):
+        """(the encoder: ids, mask -> last hidden state and, with an adapter, the states entering its layers; the
+        branch: those states, mask -> its last hidden state, or None) on ONNX Runtime; (None, None) if unavailable."""
         try:
             import onnxruntime as ort
         except ImportError:
             log.info("onnxruntime is not installed: embeddings run on torch")
-            return None
+            return None, None
         torch = self._torch
         outer = self
 
         class Encoder(torch.nn.Module):
             def __init__(self):
                 super().__init__()
-                self.model, self.branch = outer.model, outer._branch
+                self.model = outer.model
 
             def forward(self, input_ids, attention_mask):
-                main, guard = outer._forward_torch(input_ids, attention_mask)
-                return main if guard is None else (main, guard)
+                last, entering = outer._encoder_torch(input_ids, attention_mask)
+                return last if entering is None else (last, entering)
 
-        samples = [self.tokenizer(t)["input_ids"] for t in (
-            "a sentence to export the encoder with",
-            "a longer sentence, of another length, checks that the export does not bake in the sequence length")]
-        names = ["hidden"] if self._branch is None else ["hidden", "guard"]
-        try:
+        class Branch(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = outer._branch
+
+            def forward(self, entering, attention_mask):
+                return run_branch(self.layers, entering, attention_mask)
+
+        def session(module, example: tuple, inputs: list[str], outputs: list[str]):
             buf = io.BytesIO()
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
-                ids0 = torch.tensor([samples[0]])
                 axes = {0: "batch", 1: "tokens"}
-                torch.onnx.export(Encoder().eval(), (ids0, torch.ones_like(ids0)), buf,
-                                  input_names=["input_ids", "attention_mask"], output_names=names,
-                                  opset_version=17, dynamic_axes={n: axes for n in ["input_ids", "attention_mask", *names]},
-                                  dynamo=False)
+                torch.onnx.export(module.eval(), example, buf, input_names=inputs, output_names=outputs,
+                                  opset_version=17, dynamic_axes={n: axes for n in [*inputs, *outputs]}, dynamo=False)
             opts = ort.SessionOptions()
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
             # no busy-waiting between requests: spinning threads would take the CPU from everything else
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+
+        samples = [self.tokenizer(t)["input_ids"] for t in (
+            "a sentence to export the encoder with",
+            "a longer sentence, of another length, checks that the export does not bake in the sequence length")]
+        try:
+            ids0 = torch.tensor([samples[0]])
+            encoder = session(Encoder(), (ids0, torch.ones_like(ids0)), ["input_ids", "attention_mask"],
+                              ["hidden"] if self._branch is None else ["hidden", "entering"])
+            branch = None
+            if self._branch is not None:
+                with torch.no_grad():
+                    entering0 = self._encoder_torch(ids0, torch.ones_like(ids0))[1]
+                branch = session(Branch(), (entering0, torch.ones_like(ids0)), ["entering", "attention_mask"],
+                                 ["tuned"])
             ok = True
             # each text alone, and a padded batch (`encode_texts`) giving each row the vector of its text alone
             for batch in [_onnx_inputs([ids]) for ids in samples] + [_onnx_inputs(samples)]:
-                got = _pooled_pair(session.run(None, batch), batch["attention_mask"])
+                outs = encoder.run(None, batch)
+                if branch is not None:
+                    outs = [outs[0], branch.run(None, {"entering": outs[1], "attention_mask": batch["attention_mask"]})[0]]
+                got = _pooled_pair(outs, batch["attention_mask"])
                 with torch.inference_mode():
                     ref = [x.numpy() for x in self._forward_torch(torch.from_numpy(batch["input_ids"]),
                                                                   torch.from_numpy(batch["attention_mask"]))
@@ -175,15 +209,15 @@ class Embedder:
                 ok = ok and all(np.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True))
         except Exception as e:  # noqa: BLE001 - any export failure means: stay on torch
             log.warning("embedding model could not run on ONNX Runtime (%s); using torch", str(e).splitlines()[0])
-            return None
+            return None, None
         if not ok:
             log.warning("ONNX Runtime embeddings disagree with torch's; using torch")
-            return None
-        return session
+            return None, None
+        return encoder, branch
 
-    def encode(self, texts: list[str], batch_size: int = 64, guard: bool = False) -> np.ndarray:
-        """Unit-length float32 vectors, shape (len(texts), 384): the sentence embeddings, or with `guard` the
-        guard's vectors (training and evaluation; torch, padded batches)."""
+    def encode(self, texts: list[str], batch_size: int = 64, tuned: bool = False) -> np.ndarray:
+        """Unit-length float32 vectors, shape (len(texts), 384): the sentence embeddings, or with `tuned` the
+        adapter branch's (training and evaluation; torch, padded batches)."""
         if not texts:
             return np.zeros((0, DIM), dtype=np.float32)
         out = []
@@ -193,9 +227,13 @@ class Embedder:
             enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt")
             with self._lock, torch.inference_mode():
                 main, branch = self._forward_torch(enc["input_ids"], enc["attention_mask"])
-            hidden = branch if guard and branch is not None else main
+            hidden = branch if tuned and branch is not None else main
             out.append(_mean_pool(hidden.numpy(), enc["attention_mask"].numpy()))
         return np.concatenate(out)
+
+    def encode_for(self, texts: list[str], head: str) -> np.ndarray:
+        """What `head` ("cat" or "jb") reads of each text (`Encoded.for_head`), batched as `encode`."""
+        return self.encode(texts, tuned=self.adapter is not None and self.adapter.head == head)
 
     def encode_one(self, text: str) -> tuple[np.ndarray, bool]:
         """(unit vector, whether the text was longer than the embedding window) with one tokenization."""
@@ -212,11 +250,14 @@ class Embedder:
             one = self.tokenizer(text, truncation=False)["input_ids"]
             truncated.append(len(one) > self.max_tokens)
             ids.append(truncate_ids(one, self.max_tokens))
-        return [Encoded(vec, g, cut) for (vec, g), cut in zip(self._queued(ids), truncated, strict=True)]
+        head = self.adapter.head if self.adapter is not None else ""
+        return [Encoded(vec, t, cut, head) for (vec, t), cut in zip(self._queued(ids, tuned=True), truncated,
+                                                                    strict=True)]
 
-    def _queued(self, ids: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(vector, guard vector) of each tokenized text, through the encoder's queue (`_Pending`)."""
-        mine = _Pending(ids)
+    def _queued(self, ids: list[list[int]], tuned: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(vector, branch vector) of each tokenized text, through the encoder's queue (`_Pending`); without
+        `tuned` the branch is not run for them (the vector stands in for it)."""
+        mine = _Pending(ids, tuned)
         with self._queue_lock:
             self._queue.append(mine)
         with self._lock:  # one forward at a time, off the API's gevent hub (it would stall every stream)
@@ -246,9 +287,10 @@ class Embedder:
                 for start in range(0, len(group), MAX_BATCH):
                     rows = [texts[k] for k in group[start:start + MAX_BATCH]]
                     batch = _onnx_inputs([p.ids[j] for p, j in rows])
-                    vectors, guards = _pooled_pair(offload(self._hidden_batch, batch), batch["attention_mask"])
-                    for (p, j), vec, g in zip(rows, vectors, guards, strict=True):
-                        p.results[j] = (vec, g)
+                    want = any(p.tuned for p, _ in rows)
+                    vectors, tuned = _pooled_pair(offload(self._hidden_batch, batch, want), batch["attention_mask"])
+                    for (p, j), vec, t in zip(rows, vectors, tuned, strict=True):
+                        p.results[j] = (vec, t)
         except BaseException as e:  # each waiting call raises it on its own thread (an interruption: an error)
             failed = e if isinstance(e, Exception) else RuntimeError("the encoder's forward was interrupted")
             for p in waiting:
@@ -276,7 +318,7 @@ class Embedder:
         waiting for all of them (it waited 5 s behind 256 inputs of 256 tokens)."""
         out: list[np.ndarray] = []
         for i in range(0, len(ids), MAX_BATCH):
-            out.extend(vec for vec, _ in self._queued([list(x) for x in ids[i:i + MAX_BATCH]]))
+            out.extend(vec for vec, _ in self._queued([list(x) for x in ids[i:i + MAX_BATCH]], tuned=False))
         return out
 
 
@@ -287,17 +329,18 @@ class _Pending:
     CPU per text; a lone request runs at once, alone, as before. Slices, not the whole queue: one long drain made
     every request of a burst wait for all of it (the farm's TTFT p50 2-8x worse under 64 streams)."""
 
-    def __init__(self, ids: list[list[int]]) -> None:
+    def __init__(self, ids: list[list[int]], tuned: bool) -> None:
         self.ids = ids
+        self.tuned = tuned  # whether its texts need the adapter's branch too
         self.results: list[tuple[np.ndarray, np.ndarray]] = [None] * len(ids)  # type: ignore[list-item]
         self.error: BaseException | None = None
         self.done = threading.Event()
 
 
 def _pooled_pair(outs, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unit vectors of the model's and the guard's hidden states (the model's twice without a guard)."""
+    """Unit vectors of the model's and the branch's hidden states (the model's twice without a branch)."""
     main = _mean_pool(outs[0], mask)
-    return main, (_mean_pool(outs[-1], mask) if len(outs) > 1 else main)
+    return main, (_mean_pool(outs[-1], mask) if len(outs) > 1 and outs[-1] is not outs[0] else main)
 
 
 def _length_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
@@ -345,7 +388,7 @@ _shared_lock = threading.Lock()
 
 
 def get_embedder(threads: int = 0, backend: str = "onnx") -> Embedder:
-    """The process-wide embedder with the shipped guard adapter (the model is loaded once per API process; the
+    """The process-wide embedder with the shipped adapter (the model is loaded once per API process; the
     first caller's settings)."""
     global _shared
     with _shared_lock:

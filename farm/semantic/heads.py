@@ -81,7 +81,7 @@ def _plain(o: Any) -> Any:
 
 def save_heads(path: Path, heads: dict[str, LinearHead], meta: dict[str, Any],
                extra: dict[str, np.ndarray] | None = None) -> None:
-    """Write heads (float16 weights), their training record and `extra` arrays (the guard's adapter,
+    """Write heads (float16 weights), their training record and `extra` arrays (a head's adapter,
     farm.semantic.adapter); `load_heads` reads the heads back."""
     arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta, sort_keys=True, default=_plain)),
                                      **(extra or {})}

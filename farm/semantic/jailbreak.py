@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from farm.semantic.adapter import load_adapter
+from farm.semantic.adapter import adapter_for
 from farm.semantic.decoding import DECODING_VERSION, decoded_forms
 from farm.semantic.heads import LinearHead
 
@@ -85,7 +85,7 @@ class JailbreakDetector:
     def shipped(cls, heads: dict[str, LinearHead], meta: dict, threshold: float | None = None,
                 patterns: AttackPatterns | None = None) -> JailbreakDetector:
         """The shipped head at the threshold chosen with it at training, unless `threshold` overrides it."""
-        adapter = load_adapter()
+        adapter = adapter_for("jb")
         return cls(heads["jb"], threshold or meta["jailbreak"]["threshold"], adapter.digest() if adapter else "",
                    patterns)
 

