@@ -13,9 +13,10 @@ disk) and checked against eager torch. On a 2-core CPU that is about half the ti
 a missing `onnxruntime`, or a failed export or check keep the eager torch model. Batched `encode` (training,
 evaluation) stays on torch.
 
-With a head's adapter (farm.semantic.adapter: the category head's ships in heads.npz) the same forward also runs the
-adapted top layers on the hidden states entering them: one call gives each text its sentence embedding and the
-adapted head's vector (`Encoded`).
+With a head's adapter (farm.semantic.adapter: the category head's ships in heads.npz) a request's call also runs the
+adapted top layers on the hidden states the encoder computed entering them (on ONNX Runtime a graph of its own,
+which /v1/embeddings skips): one call gives each text its sentence embedding and the adapted head's vector
+(`Encoded`).
 """
 
 from __future__ import annotations
