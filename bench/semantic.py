@@ -77,14 +77,20 @@ from tools.semantic.layer_dev import DEV_CATEGORIES
 CONTACT_TYPES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "IP_ADDRESS", "URL")
 
 
+def head_categories(classifier, head_vectors: EmbeddingCache, rows: list[dict]) -> list[str]:
+    """The head's category for each row's text; `head_vectors`: what the head reads (the embedding cache with the
+    shipped category adapter, `emb.with_adapter(adapter_for("cat"))`)."""
+    texts = [r["text"] for r in rows]
+    return [c.name for c in classifier.classify(head_vectors.encode(texts), texts)]
+
+
 def category_eval(layer: SemanticLayer, emb: EmbeddingCache) -> dict:
     sets = datasets.category_sets()
+    head_vectors = emb.with_adapter(adapter_for("cat"))  # read from disk once, not per set
     out = {}
     for name, kind in (("mmlu_held_out_subjects", "real"), ("evals_exams", "real"), ("templates_test", "template")):
-        rows = sets[name]
-        texts = [r["text"] for r in rows]
-        pred = [c.name for c in layer.classifier.classify(emb.with_adapter(adapter_for("cat")).encode(texts), texts)]
-        out[name] = {"kind": kind, **acc_ci(pred, [r["label"] for r in rows])}
+        pred = head_categories(layer.classifier, head_vectors, sets[name])
+        out[name] = {"kind": kind, **acc_ci(pred, [r["label"] for r in sets[name]])}
     return out
 
 
@@ -140,37 +146,56 @@ FINAL_RECORD = Path(__file__).resolve().parent / "semantic_final.json"
 FINAL_GROUPS = {"everyday": "final:everyday/", "security": "final:security/", "tool data": "final:tool_data"}
 
 
-def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
-    """Score the shipped jailbreak head on the final split once and record it; refuse a head read before."""
+def earlier_readings(record_path: Path, key: str, digest: str, refusal: str) -> list[dict]:
+    """The final readings recorded in `record_path`; a SystemExit saying `refusal` when one has `digest` under
+    `key` (a second reading of the same thing is not a final figure), before any data is read."""
+    import json
+
+    records = json.loads(record_path.read_text()) if record_path.exists() else []
+    seen = [r for r in records if r.get(key) == digest]
+    if seen:
+        raise SystemExit(refusal.format(date=seen[0]["date"]))
+    return records
+
+
+def append_reading(record_path: Path, records: list[dict], command: str, record: dict) -> dict:
+    """`record` with the reading's date, commit and command and how many readings came before it, appended to the
+    file of `records`."""
     import datetime
     import json
     import subprocess
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    record = {**record, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
+              "command": command, "earlier_readings": len(records)}
+    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    return record
+
+
+def final(record_path: Path = FINAL_RECORD, note: str = "") -> dict:
+    """Score the shipped jailbreak head on the final split once and record it; refuse a head read before."""
     meta = heads_meta()
     det = JailbreakDetector.shipped(load_heads(), meta)
     digest = det.digest()
-    records = json.loads(record_path.read_text()) if record_path.exists() else []
-    seen = [r for r in records if r.get("detector_sha256") == digest]
-    if seen:
-        raise SystemExit(f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split on "
-                         f"{seen[0]['date']}; a second reading is not a final figure. Train a new head to read it again.")
+    records = earlier_readings(record_path, "detector_sha256", digest,
+                               f"bench.semantic --final: this jailbreak detector ({digest[:12]}) read the final split "
+                               "on {date}; a second reading is not a final figure. Train a new head to read it again.")
     emb = EmbeddingCache()
     rates = score_split(det, emb.with_adapter(adapter_for("jb")), datasets.jailbreak_splits(emb.encode)[0], "final")
     fpr = {}
     for name, prefix in FINAL_GROUPS.items():  # pooled from the per-source counts
         mine = [v["fpr"] for g, v in rates["per_group"].items() if v["kind"] == "benign" and g.startswith(prefix)]
         fpr[name] = rate(sum(x["k"] for x in mine), sum(x["n"] for x in mine))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"detector_sha256": digest, "head_sha256": det.head.digest(), "adapter_sha256": det.adapter_digest,
-              "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
-              "command": "python -m bench.semantic --final", "tpr": rates["tpr"], "fpr": rates["fpr"],
-              "fpr_by_kind": fpr, "per_group": rates["per_group"], "dev_eval": meta["jailbreak"].get("dev_eval"),
-              # what was known of the final split when this detector was chosen: the readings before it, and
-              # `--note`, which says what they changed (a reading that steered a choice makes the next not blind)
-              "earlier_readings": len(records), "note": note}
-    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    record = append_reading(record_path, records, "python -m bench.semantic --final", {
+        "detector_sha256": digest, "head_sha256": det.head.digest(), "adapter_sha256": det.adapter_digest,
+        "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "threshold": det.threshold,
+        "tpr": rates["tpr"], "fpr": rates["fpr"], "fpr_by_kind": fpr, "per_group": rates["per_group"],
+        "dev_eval": meta["jailbreak"].get("dev_eval"),
+        # what was known of the final split when this detector was chosen: the readings before it
+        # (`earlier_readings`), and `--note`, which says what they changed (a reading that steered a choice makes
+        # the next not blind)
+        "note": note})
     print(f"final split, jailbreak detector {digest[:12]} at threshold {det.threshold} (read once; recorded in "
           f"{record_path.name})")
     print(f"TPR {fmt(rates['tpr'])}; FPR everyday {fmt(fpr['everyday'])}; FPR about security {fmt(fpr['security'])}; "
@@ -193,37 +218,25 @@ def category_digest() -> tuple[str, str, str]:
 
 def final_category(record_path: Path = CATEGORY_FINAL_RECORD, note: str = "") -> dict:
     """Score the shipped category head on its final subjects once and record it; refuse a head read before."""
-    import datetime
-    import json
-    import subprocess
-
     from farm.semantic.classifier import CategoryClassifier
 
     digest, head_digest, adapter_digest = category_digest()
-    records = json.loads(record_path.read_text()) if record_path.exists() else []
-    seen = [r for r in records if r.get("category_sha256") == digest]
-    if seen:
-        raise SystemExit(f"bench.semantic --final-category: this category head ({digest[:12]}) read the final "
-                         f"subjects on {seen[0]['date']}; a second reading is not a final figure.")
+    records = earlier_readings(record_path, "category_sha256", digest,
+                               f"bench.semantic --final-category: this category head ({digest[:12]}) read the final "
+                               "subjects on {date}; a second reading is not a final figure.")
     emb = EmbeddingCache()
     rows, dropped = datasets.category_final(emb.encode)
-    texts = [r["text"] for r in rows]
-    clf = CategoryClassifier(load_heads()["cat"])
-    pred = [c.name for c in clf.classify(emb.with_adapter(adapter_for("cat")).encode(texts), texts)]
+    pred = head_categories(CategoryClassifier(load_heads()["cat"]), emb.with_adapter(adapter_for("cat")), rows)
     result = acc_ci(pred, [r["label"] for r in rows])
     by_subject = {}
     for subject in sorted({r["subject"] for r in rows}):
         mine = [(p, r["label"]) for p, r in zip(pred, rows, strict=True) if r["subject"] == subject]
         by_subject[subject] = {"label": mine[0][1], **rate(sum(p == g for p, g in mine), len(mine))}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"category_sha256": digest, "head_sha256": head_digest, "adapter_sha256": adapter_digest,
-              "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(),
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
-              "command": "python -m bench.semantic --final-category", "accuracy": result,
-              "near_duplicates_dropped": dropped, "by_subject": by_subject,
-              "dev_eval": heads_meta()["category"].get("dev_eval"), "earlier_readings": len(records), "note": note}
-    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    record = append_reading(record_path, records, "python -m bench.semantic --final-category", {
+        "category_sha256": digest, "head_sha256": head_digest, "adapter_sha256": adapter_digest,
+        "heads_file_sha256": hashlib.sha256(HEADS_PATH.read_bytes()).hexdigest(), "accuracy": result,
+        "near_duplicates_dropped": dropped, "by_subject": by_subject,
+        "dev_eval": heads_meta()["category"].get("dev_eval"), "note": note})
     print(f"final subjects, category head {digest[:12]} (read once; recorded in {record_path.name}): accuracy "
           f"{fmt(result)}, {dropped} near duplicates of training or dev dropped")
     print(table(["subject", "category", "accuracy"], [[s, v["label"], fmt(v)] for s, v in by_subject.items()]))
@@ -285,30 +298,20 @@ def held_out_cache_pairs(encode) -> tuple[list[dict], int]:
 
 def final_cache(record_path: Path = CACHE_FINAL_RECORD, note: str = "") -> dict:
     """Score the semantic cache on its final pairs once per configuration and record it; refuse one read before."""
-    import datetime
-    import json
-    import subprocess
-
     with scratch_redis("farm-bench-cache-final-") as url:
         cfg = load_config(environ={"FARM_REDIS__URL": url, "FARM_SEMANTIC__PII__ENABLED": "false"})
         digest = cache_digest(cfg)
-        records = json.loads(record_path.read_text()) if record_path.exists() else []
-        seen = [r for r in records if r.get("cache_sha256") == digest]
-        if seen:
-            raise SystemExit(f"bench.semantic --final-cache: this cache configuration ({digest[:12]}) read the final "
-                             f"pairs on {seen[0]['date']}; a second reading is not a final figure.")
+        records = earlier_readings(record_path, "cache_sha256", digest,
+                                   f"bench.semantic --final-cache: this cache configuration ({digest[:12]}) read the "
+                                   "final pairs on {date}; a second reading is not a final figure.")
         layer = SemanticLayer.from_config(cfg, redis_client=redis.Redis.from_url(url))
         pairs, dropped = held_out_cache_pairs(layer.embedder.encode)
         result = cache_eval(layer, pairs, "hand-written by the project, held out, read once")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    record = {"cache_sha256": digest, "threshold": result["threshold"], "rephrased_margin": result["rephrased_margin"],
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
-              "command": "python -m bench.semantic --final-cache", "pairs": result["pairs"],
-              "dropped_as_near_development": dropped, "paraphrase_hit_rate": result["paraphrase_hit_rate"],
-              "wrong_answer_rate": result["wrong_answer_rate"], "wrong_hits": result["wrong_hits"],
-              "outcomes": result["outcomes"], "earlier_readings": len(records), "note": note}
-    record_path.write_text(json.dumps([*records, record], indent=1) + "\n")
+    record = append_reading(record_path, records, "python -m bench.semantic --final-cache", {
+        "cache_sha256": digest, "threshold": result["threshold"], "rephrased_margin": result["rephrased_margin"],
+        "pairs": result["pairs"], "dropped_as_near_development": dropped,
+        "paraphrase_hit_rate": result["paraphrase_hit_rate"], "wrong_answer_rate": result["wrong_answer_rate"],
+        "wrong_hits": result["wrong_hits"], "outcomes": result["outcomes"], "note": note})
     print(f"semantic cache, final pairs (read once; recorded in {record_path.name}), configuration {digest[:12]}, "
           f"threshold {result['threshold']} (rephrased: -{result['rephrased_margin']}): {result['pairs']} pairs "
           f"({dropped} dropped as near development pairs)")
