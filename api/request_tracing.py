@@ -1,10 +1,11 @@
 """The request's span and log fields, as a WSGI wrapper around the whole app (outermost, so it sees every answer).
 
-Every request starts with fresh log fields (farm.infra.logcontext: a keep-alive connection's greenlet serves many
-requests); the routes' gateway binds the request id, model and workers as it places the request. With tracing on
+Every request starts with fresh log fields and leaves none behind once the server closes its body
+(farm.infra.logcontext: a keep-alive connection's greenlet serves many requests and logs between them); the
+routes' gateway binds the request id, model and workers as it places the request. With tracing on
 (farm.infra.tracing) the request gets a SERVER span, a child of the client's `traceparent` when it sends one, that
 is current while the app runs and while the server iterates the body, and ends when the server closes the response:
-a stream's span covers the whole stream. Off, the wrapper only clears the log fields.
+a stream's span covers the whole stream. Off, the wrapper only clears the log fields, before and after.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from flask import Flask, request
+from werkzeug.wsgi import ClosingIterator
 
 from farm.infra import logcontext, tracing
 
@@ -26,7 +28,11 @@ class RequestTracing:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         logcontext.clear()
         if not tracing.ENABLED:
-            return self.wsgi_app(environ, start_response)
+            try:
+                return ClosingIterator(self.wsgi_app(environ, start_response), logcontext.clear)
+            except BaseException:
+                logcontext.clear()
+                raise
         method = environ.get("REQUEST_METHOD", "GET")
         parent = tracing.extract({"traceparent": environ.get("HTTP_TRACEPARENT"),
                                   "tracestate": environ.get("HTTP_TRACESTATE")})
@@ -51,6 +57,7 @@ class RequestTracing:
         except BaseException as e:
             tracing.record_error(span, e)
             _end(span)
+            logcontext.clear()
             raise
         finally:
             tracing.detach(token)
@@ -95,6 +102,7 @@ class _TracedBody:
             if not self._ended:
                 self._ended = True
                 _end(self.span)
+            logcontext.clear()
 
 
 def _name_span() -> None:

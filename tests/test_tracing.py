@@ -147,6 +147,34 @@ def test_json_lines_carry_request_fields_without_tracing():
     contextvars.copy_context().run(outside)
 
 
+def test_a_served_request_leaves_no_log_fields_behind():
+    """A keep-alive greenlet's lines after a request (or after one that raised) are not that request's."""
+    from api.request_tracing import RequestTracing
+
+    def app(environ, start_response):
+        logcontext.bind(request_id=environ["PATH_INFO"].strip("/"), model="m")
+        if environ["PATH_INFO"] == "/boom":
+            raise RuntimeError("boom")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return (b"x" for _ in range(2))
+
+    import contextvars
+
+    def serve() -> None:
+        wrapped = RequestTracing(app)
+        body = wrapped({"PATH_INFO": "/chatcmpl-7", "REQUEST_METHOD": "GET"}, lambda *a: None)
+        assert b"".join(body) == b"xx" and logcontext.fields().get("request_id") == "chatcmpl-7"  # while served
+        body.close()
+        assert "request_id" not in logcontext.fields() and "model" not in logcontext.fields()
+        with pytest.raises(RuntimeError):
+            wrapped({"PATH_INFO": "/boom", "REQUEST_METHOD": "GET"}, lambda *a: None)
+        assert "request_id" not in logcontext.fields()
+
+    if tracing.ENABLED:
+        pytest.fail("this process has tracing on: the test checks the wrapper with it off")
+    contextvars.copy_context().run(serve)
+
+
 # -- gevent: two requests at once keep their own context --------------------------------------------------------
 GEVENT_SCRIPT = textwrap.dedent("""
     from gevent import monkey
