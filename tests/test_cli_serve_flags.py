@@ -234,6 +234,15 @@ def test_generation_config(cfg, hf_dir, tmp_path):
     assert "not a valid generation config" in refused(cfg, str(hf_dir), "--generation-config", str(other))
 
 
+def test_the_bundled_model_samples_as_its_card_recommends_unless_told_vllm(cfg):
+    bundled = serve(cfg, cfg.default_model).models[0].defaults
+    assert (bundled.temperature, bundled.top_p) == (0.2, 0.9), "SmolLM2's model card: temperature 0.2, top_p 0.9"
+    neutral = serve(cfg, cfg.default_model, "--generation-config", "vllm").models[0].defaults
+    assert (neutral.temperature, neutral.top_p, neutral.max_tokens) == (1.0, 1.0, None)
+    precise = serve(cfg, "SmolLM2-135M-Instruct-precise").models[0].defaults
+    assert (precise.temperature, precise.max_tokens) == (0.0, 512), "a configured entry keeps its own"
+
+
 def test_generation_defaults_apply_to_requests_that_leave_them_out(cfg, hf_dir):
     from farm.openai.parsing import _common
 

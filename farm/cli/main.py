@@ -143,7 +143,8 @@ def _chat_template(value: str) -> str:
 
 
 def _generation_defaults(cfg: FarmConfig, args: argparse.Namespace, entry: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's --generation-config as models[].defaults: `vllm` = neutral defaults (the farm's own), `auto` = the
+    """vLLM's --generation-config as models[].defaults: `vllm` = neutral defaults (a path's default; a configured
+    entry's own are dropped), `auto` = the
     model's generation_config.json, a folder = that folder's; the sampling parameters vLLM takes from it, a value
     out of the farm's ranges failing the configuration's validation."""
     from pathlib import Path
@@ -152,8 +153,10 @@ def _generation_defaults(cfg: FarmConfig, args: argparse.Namespace, entry: dict[
     from farm.models.directories import model_dir
 
     src = args.generation_config
+    if src == "vllm":
+        return {}  # vLLM's neutral sampling, whatever a configured entry sets
     defaults = dict(entry.get("defaults") or {})
-    if src in (None, "vllm"):
+    if src is None:
         return defaults
     if src == "auto":
         try:
@@ -424,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", help="a Jinja chat template (a file, or the "
                     "template itself) used instead of the model's (models[].chat_template)")
     sv.add_argument("--generation-config", metavar="auto|vllm|DIR", type=_nonempty,
-                    help="default sampling parameters (models[].defaults): vllm = neutral (the farm's default), "
-                         "auto = the model's generation_config.json, DIR = that folder's")
+                    help="default sampling parameters (models[].defaults): vllm = neutral (the default for a "
+                         "path; a configured model keeps its entry's unless given), auto = the model's "
+                         "generation_config.json, DIR = that folder's")
     sv.add_argument("--trust-remote-code", action="store_true", help="let vLLM workers run the model's own code "
                     "(vllm.engine_args.trust_remote_code; the API's tokenizer too); refused by the built-in engine")
     sv.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), metavar="N",
