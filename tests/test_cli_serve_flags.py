@@ -220,7 +220,8 @@ def test_generation_config(cfg, hf_dir, tmp_path):
     d = serve(cfg, str(hf_dir), "--generation-config", "auto").models[0].defaults
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (0.7, 0.8, 20, 1.05, 256)
     assert (d.min_p, d.presence_penalty, d.frequency_penalty) == (0.0, 0.0, 0.0)
-    assert serve(cfg, str(hf_dir)).models[0].defaults == base, "without the flag: the farm's neutral defaults"
+    assert serve(cfg, str(hf_dir)).models[0].defaults == d, "without the flag: auto, vLLM's default"
+    assert serve(cfg, str(hf_dir), "--generation-config", "vllm").models[0].defaults == base
     other = tmp_path / "gen"
     other.mkdir()
     (other / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "min_p": 0.05}))

@@ -99,7 +99,7 @@ def serve_config(cfg: FarmConfig, args: argparse.Namespace) -> FarmConfig:
         entry["max_model_len"] = args.max_model_len
     entry.pop("workers", None)  # the flags (or the `workers` section) say how many
     entry["name"] = name
-    _vllm_serve_flags(cfg, args, data, entry)
+    _vllm_serve_flags(cfg, args, data, entry, configured=target in known)
     names = {m: name for m in known}
     data["semantic"] = _rename_models(data.get("semantic"), names) if "semantic" in data else None
     if data["semantic"] is None:
@@ -142,25 +142,21 @@ def _chat_template(value: str) -> str:
                       "a path to a template file, or the template itself)")
 
 
-def _generation_defaults(cfg: FarmConfig, args: argparse.Namespace, entry: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's --generation-config as models[].defaults: `vllm` = neutral defaults (a path's default; a configured
-    entry's own are dropped), `auto` = the
-    model's generation_config.json, a folder = that folder's; the sampling parameters vLLM takes from it, a value
-    out of the farm's ranges failing the configuration's validation."""
+def _generation_defaults(cfg: FarmConfig, src: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --generation-config as models[].defaults: `vllm` = neutral defaults (a configured entry's own are
+    dropped), `auto` = the model's generation_config.json (vLLM's default), a folder = that folder's; the sampling
+    parameters vLLM takes from it, a value out of the farm's ranges failing the configuration's validation."""
     from pathlib import Path
 
     from farm.config import ModelConfig
     from farm.models.directories import model_dir
 
-    src = args.generation_config
     if src == "vllm":
         return {}  # vLLM's neutral sampling, whatever a configured entry sets
     defaults = dict(entry.get("defaults") or {})
-    if src is None:
-        return defaults
     if src == "auto":
-        try:
-            folder = model_dir(cfg, ModelConfig.model_validate(entry))
+        try:  # a path's own folder as it is: the entry is validated with the whole configuration
+            folder = Path(entry["path"]) if entry.get("path") else model_dir(cfg, ModelConfig.model_validate(entry))
         except ValueError as e:
             raise ConfigError(f"farm serve: {e}") from None
         if not (folder / "generation_config.json").is_file():
@@ -202,9 +198,12 @@ def _tool_flags(args: argparse.Namespace, entry: dict[str, Any]) -> None:
         entry["reasoning_parser"] = args.reasoning_parser
 
 
-def _vllm_serve_flags(cfg: FarmConfig, args: argparse.Namespace, data: dict[str, Any], entry: dict[str, Any]) -> None:
+def _vllm_serve_flags(cfg: FarmConfig, args: argparse.Namespace, data: dict[str, Any], entry: dict[str, Any],
+                      configured: bool = False) -> None:
     """vLLM's `vllm serve` flags, each where the farm keeps it: the API section, the engine section (built-in
-    engine) or the model's `vllm.engine_args` (vLLM workers); a flag the model's engine cannot honour is refused."""
+    engine) or the model's `vllm.engine_args` (vLLM workers); a flag the model's engine cannot honour is refused.
+    A model served from a path samples as `vllm serve` would by default (`--generation-config auto`); a configured
+    model as its entry says unless the flag is given."""
     import hashlib
 
     from farm.tenancy.api_keys import HASH_PREFIX
@@ -221,8 +220,9 @@ def _vllm_serve_flags(cfg: FarmConfig, args: argparse.Namespace, data: dict[str,
     if args.chat_template is not None:
         entry["chat_template"] = _chat_template(args.chat_template)
     _tool_flags(args, entry)
-    if args.generation_config is not None:
-        entry["defaults"] = _generation_defaults(cfg, args, entry)
+    src = args.generation_config or (None if configured else "auto")
+    if src is not None:
+        entry["defaults"] = _generation_defaults(cfg, src, entry)
     if args.dtype is not None:
         data["engine"]["dtype"] = SERVE_DTYPES[args.dtype]
     vllm = entry.get("backend", "builtin") == "vllm"
@@ -427,9 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", help="a Jinja chat template (a file, or the "
                     "template itself) used instead of the model's (models[].chat_template)")
     sv.add_argument("--generation-config", metavar="auto|vllm|DIR", type=_nonempty,
-                    help="default sampling parameters (models[].defaults): vllm = neutral (the default for a "
-                         "path; a configured model keeps its entry's unless given), auto = the model's "
-                         "generation_config.json, DIR = that folder's")
+                    help="default sampling parameters (models[].defaults): auto = the model's "
+                         "generation_config.json (the default for a path, as vLLM's; a configured model keeps its "
+                         "entry's unless given), vllm = neutral, DIR = that folder's")
     sv.add_argument("--trust-remote-code", action="store_true", help="let vLLM workers run the model's own code "
                     "(vllm.engine_args.trust_remote_code; the API's tokenizer too); refused by the built-in engine")
     sv.add_argument("--tensor-parallel-size", "-tp", type=_int_in(1), metavar="N",
