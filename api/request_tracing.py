@@ -57,7 +57,6 @@ class RequestTracing:
         except BaseException as e:
             tracing.record_error(span, e)
             _end(span)
-            logcontext.clear()
             raise
         finally:
             tracing.detach(token)
@@ -65,10 +64,11 @@ class RequestTracing:
 
 
 def _end(span: Any) -> None:
-    """End the request's span with the request's fields as the gateway bound them."""
+    """End the request's span with the request's fields as the gateway bound them, then forget the fields."""
     fields = logcontext.fields()
     span.set_attributes({f"farm.{k}": v for k, v in fields.items() if k != "trace_id"})
     span.end()
+    logcontext.clear()
 
 
 class _TracedBody:
@@ -102,7 +102,6 @@ class _TracedBody:
             if not self._ended:
                 self._ended = True
                 _end(self.span)
-            logcontext.clear()
 
 
 def _name_span() -> None:

@@ -191,10 +191,11 @@ class ClassifierConfig(Section):
     threshold: float = Field(0.25, ge=0, lt=1)  # category confidence below this: default model, no category prompt
     # The cosine similarity (of the prompt to the centroid of a user category's description and examples) at which
     # a match is as likely right as wrong; calibrated into a probability around it, a category of your own wins
-    # when that probability reaches the head's (farm/semantic/classifier.py). 0.33: re-chosen when the head
-    # changed to its adapter (2026-12-02; 0.38 before), the higher end of the best range (0.32 to 0.33, 0.979,
-    # n=48) on a hand-written development set of three user categories and built-in prompts (a development
-    # figure: python -m tools.semantic.layer_dev categories; 0.938 at 0.38 with this head).
+    # when that probability reaches the head's (farm/semantic/classifier.py). 0.32: re-chosen with each head on a
+    # hand-written development set of three user categories and built-in prompts (a development figure, n=48:
+    # python -m tools.semantic.layer_dev categories). 2026-12-02, the adapter's head: 0.33, the higher end of the
+    # best range (0.32 to 0.33, 0.979; 0.38 before, 0.938). 2026-12-03, the head with logic questions: 0.979 at
+    # 0.31 to 0.32, 0.958 at 0.33.
     custom_threshold: float = Field(0.32, gt=0, lt=1)
 
 

