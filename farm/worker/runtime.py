@@ -185,6 +185,7 @@ class WorkerRuntime:
 
     def drain(self) -> None:
         """Warm shutdown began: leave routing now, stay alive until the requests in flight finish."""
+        self.guard.draining.set()  # the consumer stops on purpose now: no stall to watch for
         try:
             self.heartbeat.drain()
         except redis.RedisError:

@@ -103,6 +103,9 @@ class WorkerGuard(threading.Thread):
         self.rt = runtime
         self.cfg = runtime.cfg.reliability
         self._stop_evt = threading.Event()
+        # warm shutdown: Celery has stopped consuming on purpose, so unanswered pings say nothing of a stall
+        # (probing on would exit mid-drain, with the requests it waits for still running)
+        self.draining = threading.Event()
         self._token: str | None = None
         self._sent_at = 0.0
         self.failures = 0
@@ -125,6 +128,9 @@ class WorkerGuard(threading.Thread):
 
     def _probe(self, now: float) -> float:
         """One step of the watchdog; returns when to look again."""
+        if self.draining.is_set():
+            self._token = None
+            return now + self.cfg.probe_interval_s
         r, wid = self.rt.r, self.rt.worker_id
         if self._token is not None:
             answered = (r.get(ping_key(wid)) or b"").decode() == self._token
