@@ -34,7 +34,7 @@ class EmbeddingCache:
         self.vectors: dict[str, np.ndarray] = {}
         if self.path.exists():
             z = np.load(self.path)
-            self.vectors = dict(zip(z["keys"].tolist(), z["vecs"], strict=True))
+            self.vectors = dict(zip(z["keys"].tolist(), z["vecs"].astype(np.float32), strict=True))
         self._embedder = None
 
     def with_adapter(self, adapter: HeadAdapter | None) -> EmbeddingCache:
@@ -48,14 +48,18 @@ class EmbeddingCache:
         missing = sorted({k: t for k, t in zip(keys, texts, strict=True) if k not in self.vectors}.items(),
                          key=lambda kt: (len(kt[1]), kt[0]))
         if missing:
-            if self._embedder is None:
-                from farm.semantic.embeddings import Embedder
-
-                self._embedder = Embedder(threads=2, max_tokens=WINDOW, backend="torch", adapter=self.adapter)
-            vecs = self._embedder.encode([t for _, t in missing], tuned=self.adapter is not None)
+            vecs = self._compute([t for _, t in missing])
             self.vectors.update({k: v for (k, _), v in zip(missing, vecs, strict=True)})
             self.save()
         return np.stack([self.vectors[k] for k in keys]) if keys else np.zeros((0, 384), np.float32)
+
+    def _compute(self, texts: list[str]) -> np.ndarray:
+        """The vectors of texts not cached yet (a subclass may cache another model's vectors)."""
+        if self._embedder is None:
+            from farm.semantic.embeddings import Embedder
+
+            self._embedder = Embedder(threads=2, max_tokens=WINDOW, backend="torch", adapter=self.adapter)
+        return self._embedder.encode(texts, tuned=self.adapter is not None)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

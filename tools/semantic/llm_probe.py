@@ -22,19 +22,19 @@ head scores between `lo` and its threshold, which is what the serving path could
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from farm.semantic.heads import LinearHead
 from tools.semantic import datasets
 from tools.semantic.embed import WINDOW, EmbeddingCache
 from tools.semantic.evaluate import detection_rates, fmt
 from tools.semantic.layer_dev import DEV_SHORT_EVERYDAY
 from tools.semantic.sources import sample
-from tools.semantic.train import dev_threshold, fit_jailbreak, train_softmax, unseen_source_fpr
+from tools.semantic.train import dev_threshold, fit, fit_jailbreak, unseen_source_fpr
 from tools.semantic.wheels import cache_dir
 
 SHIPPED_SETTING = {"benign_share": 0.95, "ngram_weight": 2.0, "template_boost": 10.0}
@@ -43,18 +43,14 @@ CASCADE_LO = (0.01, 0.02, 0.03, 0.05, 0.08)
 BATCH = 16
 
 
-class LlmFeatures:
-    """Mean hidden state of SmolLM2-135M-Instruct's layer `layer` over a prompt, cached on disk by text digest
-    (float16, as the scratch run that chose the recipe stored them)."""
+class LlmFeatures(EmbeddingCache):
+    """Mean hidden state of SmolLM2-135M-Instruct's layer `layer` over a prompt, cached on disk by text digest like
+    the embeddings (rounded to float16, as the scratch run that chose the recipe stored them)."""
 
     def __init__(self, layer: int) -> None:
         self.layer = layer
-        self.path = cache_dir().parent / f"smollm2-layer{layer}-mean-{WINDOW}.npz"
-        self.vectors: dict[str, np.ndarray] = {}
-        if self.path.exists():
-            z = np.load(self.path)
-            self.vectors = dict(zip(z["keys"].tolist(), z["vecs"], strict=True))
         self._model: Any = None
+        super().__init__(path=cache_dir().parent / f"smollm2-layer{layer}-mean-{WINDOW}.npz")
 
     def _load(self) -> None:
         import torch
@@ -96,19 +92,7 @@ class LlmFeatures:
                 hidden = self._model(input_ids=inp, attention_mask=mask, output_hidden_states=True).hidden_states
                 m = mask.unsqueeze(-1).float()
                 out[block] = ((hidden[self.layer] * m).sum(1) / m.sum(1)).numpy()
-        return out
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        keys = [hashlib.sha1(t.encode("utf-8", "replace")).hexdigest() for t in texts]
-        missing = {k: t for k, t in zip(keys, texts, strict=True) if k not in self.vectors}
-        if missing:
-            vecs = self._compute(list(missing.values()))
-            self.vectors.update({k: v.astype(np.float16) for k, v in zip(missing, vecs, strict=True)})
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp.npz")
-            np.savez(tmp, keys=np.array(list(self.vectors)), vecs=np.stack(list(self.vectors.values())))
-            tmp.replace(self.path)
-        return np.stack([self.vectors[k] for k in keys]).astype(np.float32)
+        return out.astype(np.float16).astype(np.float32)
 
 
 def _report(name: str, scores: np.ndarray, dev: list[dict]) -> dict[str, Any]:
@@ -130,7 +114,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
 
-    rows, emb, _ = datasets.jailbreak_splits(EmbeddingCache().encode)
+    minilm = EmbeddingCache()
+    rows, emb, _ = datasets.jailbreak_splits(minilm.encode)
     in_train = [i for i, r in enumerate(rows) if r["split"] == "train"]
     by_source: dict[tuple[str, str], list[int]] = {}
     for i in in_train:
@@ -147,20 +132,20 @@ def main() -> None:
                            "n_dev": len(dev), "minilm_head": _report("MiniLM head, same rows", base, dev)}
 
     llm = LlmFeatures(args.layer)
-    X_train, X_dev = llm.encode([r["text"] for r in train]), llm.encode([r["text"] for r in dev])
+    X_train = llm.encode([r["text"] for r in train])
     mu, sd = X_train.mean(0), X_train.std(0) + 1e-6
-    y = np.array([datasets.JB_LABELS.index(r["label"]) for r in train])
-    w = datasets.row_weights(train, datasets.JB_LABELS, [0.95] + [0.05 / 3] * 3,
-                             {"templates": SHIPPED_SETTING["template_boost"]})
+
+    def attack_probability(probe_head: LinearHead, texts: list[str]) -> np.ndarray:
+        return 1 - probe_head.proba((llm.encode(texts) - mu) / sd, texts)[:, 0]
+
     best = None
-    for l2 in PROBE_L2:
-        W, b = train_softmax((X_train - mu) / sd, y, len(datasets.JB_LABELS), l2=l2, sample_weight=w)
-        logits = (X_dev - mu) / sd @ W + b
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        scores = 1 - p[:, 0] / p.sum(1)
+    for l2 in PROBE_L2:  # the shipped head's class shares and source weights, over the probe's vector alone
+        probe_head = fit(train, (X_train - mu) / sd, datasets.JB_LABELS, 0, 1.0, l2, [0.95] + [0.05 / 3] * 3,
+                         {"templates": SHIPPED_SETTING["template_boost"]})
+        scores = attack_probability(probe_head, [r["text"] for r in dev])
         out[f"probe_l2_{l2}"] = _report(f"probe, layer {args.layer}, l2 {l2}", scores, dev)
         if best is None or out[f"probe_l2_{l2}"]["tpr"]["value"] > best[1]["tpr"]["value"]:
-            best = (scores, out[f"probe_l2_{l2}"], W, b)
+            best = (scores, out[f"probe_l2_{l2}"], probe_head)
 
     attack = np.array([r["label"] != "benign" for r in dev])
     probe, probe_th = best[0], best[1]["threshold"]
@@ -176,13 +161,11 @@ def main() -> None:
               f"{row['asked_benign']:.3f} of benign texts, {row['asked_all']:.3f} of all")
     # the short everyday requests written here (layer_dev's development check): refused by the probe alone
     short = DEV_SHORT_EVERYDAY
-    logits = (llm.encode(short) - mu) / sd @ best[2] + best[3]
-    p = np.exp(logits - logits.max(1, keepdims=True))
-    short_scores = 1 - p[:, 0] / p.sum(1)
+    short_scores = attack_probability(best[2], short)
     refused = sorted(((float(sc), t) for sc, t in zip(short_scores, short, strict=True) if sc >= probe_th), reverse=True)
     out["short_everyday_refused_by_probe"] = refused
     print(f"short everyday requests refused by the probe alone: {len(refused)} of {len(short)} {refused}")
-    short_base = 1 - head.proba(EmbeddingCache().encode(short), short)[:, 0]
+    short_base = 1 - head.proba(minilm.encode(short), short)[:, 0]
     for lo in CASCADE_LO:
         flag = (short_base >= base_th) | ((short_base >= lo) & (short_scores >= probe_th))
         out.setdefault("short_everyday_refused_by_cascade", {})[lo] = [t for t, f in zip(short, flag, strict=True) if f]
